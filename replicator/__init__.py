@@ -1,0 +1,63 @@
+"""replicator: an in-graph replication compiler for JAX, after TF-Replicator.
+
+Write a step for one device, call cross-replica placeholders (``all_mean``,
+``all_gather``, ...) inside it, and run it on every replica of a
+``('workers', 'cores')`` device mesh::
+
+    import replicator as rp
+    rp.force_cpu_devices(8)
+    repl = rp.Replicator(num_workers=1, cores_per_worker=8)
+    state, outputs = repl.run(step_fn, input_fn, state)
+"""
+
+from replicator import _jax_compat
+from replicator.api import CompiledStep as CompiledStep
+from replicator.api import Replicator as Replicator
+from replicator.context import ReplicaContext as ReplicaContext
+from replicator.errors import DivergentControlFlowError as DivergentControlFlowError
+from replicator.errors import DivergentStateError as DivergentStateError
+from replicator.errors import InputExhausted as InputExhausted
+from replicator.errors import PassError as PassError
+from replicator.errors import ReplicationError as ReplicationError
+from replicator.inputs import InputContext as InputContext
+from replicator.mesh import build_mesh as build_mesh
+from replicator.mesh import force_cpu_devices as force_cpu_devices
+from replicator.passes import Pipeline as Pipeline
+from replicator.primitives import all_gather as all_gather
+from replicator.primitives import all_max as all_max
+from replicator.primitives import all_mean as all_mean
+from replicator.primitives import all_min as all_min
+from replicator.primitives import all_sum as all_sum
+from replicator.primitives import broadcast as broadcast
+from replicator.primitives import num_replicas as num_replicas
+from replicator.primitives import reduce_scatter as reduce_scatter
+from replicator.primitives import replica_id as replica_id
+
+__version__ = "0.1.0"
+
+# Equations created inside replicator are attributed to the user's line.
+_jax_compat.exclude_from_user_frames(__file__)
+
+__all__ = [
+    "CompiledStep",
+    "DivergentControlFlowError",
+    "DivergentStateError",
+    "InputContext",
+    "InputExhausted",
+    "PassError",
+    "Pipeline",
+    "ReplicaContext",
+    "ReplicationError",
+    "Replicator",
+    "all_gather",
+    "all_max",
+    "all_mean",
+    "all_min",
+    "all_sum",
+    "broadcast",
+    "build_mesh",
+    "force_cpu_devices",
+    "num_replicas",
+    "reduce_scatter",
+    "replica_id",
+]

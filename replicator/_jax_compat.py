@@ -1,0 +1,51 @@
+"""The one module that reaches into JAX internals (``jax._src``).
+
+Everything version-specific lives here so that a JAX upgrade breaks in one
+place, loudly. Each helper names the public API it stands in for, if any.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from jax._src import source_info_util as _source_info_util
+from jax._src import xla_bridge as _xla_bridge
+
+__all__ = [
+    "backends_initialized",
+    "exclude_from_user_frames",
+    "extend_axis_env",
+    "user_source_line",
+]
+
+
+def backends_initialized() -> bool:
+    """True once JAX has created its backends (after which XLA_FLAGS is fixed)."""
+    return bool(getattr(_xla_bridge, "_backends", {}))
+
+
+def exclude_from_user_frames(path: str) -> None:
+    """Hide frames under ``path`` from the source lines JAX records in jaxprs.
+
+    With this, an equation created inside ``replicator`` is attributed to the
+    user's line that called into it, which is what error messages should name.
+    """
+    _source_info_util.register_exclusion(os.path.dirname(path))
+
+
+def user_source_line(source_info: Any) -> str:
+    """``file:line (function)`` of the user's code that created an equation."""
+    if source_info is None:
+        return "<unknown location>"
+    frame = _source_info_util.user_frame(source_info.traceback)
+    if frame is None:
+        return "<unknown location>"
+    return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+
+
+def extend_axis_env(axis_env: list[tuple[str, int]]) -> Any:
+    """Bind named mesh axes, as ``shard_map`` does, for checking a jaxpr."""
+    from jax._src import core as _core
+
+    return _core.extend_axis_env_nd(axis_env)

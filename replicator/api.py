@@ -1,0 +1,204 @@
+"""``Replicator``: run a one-device step on every replica of a device mesh.
+
+Example::
+
+    import replicator as rp
+    rp.force_cpu_devices(8)
+    repl = rp.Replicator(num_workers=1, cores_per_worker=8)
+
+    def input_fn(ctx):                       # one worker's batches
+        while True:
+            yield {"x": np.ones((64, 3), np.float32)}
+
+    def step_fn(state, batch):               # one replica: 64 / 8 rows
+        grads = rp.all_mean(jax.grad(loss)(state, batch))
+        return jax.tree.map(lambda p, g: p - 0.1 * g, state, grads), {}
+
+    state, outputs = repl.run(step_fn, input_fn, state)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from replicator.context import ReplicaContext
+from replicator.execution import build_executable, place_batch, place_state
+from replicator.inputs import InputContext, WorkerInputs, check_worker_batch
+from replicator.mesh import build_mesh
+from replicator.passes.pipeline import Lowered, Pipeline
+from replicator.tracing import TracedStep, trace_step
+
+__all__ = ["CompiledStep", "Replicator"]
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+    """A step traced, rewritten and wrapped for one input signature."""
+
+    traced: TracedStep
+    lowered: Lowered
+    executable: Callable
+
+
+def _spec(x: Any) -> jax.ShapeDtypeStruct:
+    """Shape and (canonical, non-weak) dtype of an array, number or spec."""
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray)):
+        shape, dtype = x.shape, x.dtype
+    else:
+        shape, dtype = np.shape(x), np.result_type(x)
+    return jax.ShapeDtypeStruct(tuple(shape), jax.dtypes.canonicalize_dtype(dtype))
+
+
+class Replicator:
+    """Runs ``step_fn`` on ``num_workers x cores_per_worker`` replicas.
+
+    Args:
+      num_workers: workers (one per process when running multi-process).
+      cores_per_worker: devices per worker; ``None`` means all local devices.
+      devices: explicit devices to build the mesh from (default: all).
+      passes: the rewrite pipeline (default: ``Pipeline.default()``).
+      donate_state: let XLA reuse the state's buffers for the new state. The
+        state passed to ``run`` is then invalid after the call.
+    """
+
+    def __init__(
+        self,
+        num_workers: int = 1,
+        cores_per_worker: int | None = None,
+        *,
+        devices: list | None = None,
+        passes: Pipeline | None = None,
+        donate_state: bool = False,
+    ):
+        self.mesh = build_mesh(num_workers, cores_per_worker, devices=devices)
+        self.num_workers, self.cores_per_worker = self.mesh.devices.shape
+        self.context = ReplicaContext(self.num_workers, self.cores_per_worker)
+        self.pipeline = passes if passes is not None else Pipeline.default()
+        if not isinstance(self.pipeline, Pipeline):
+            raise TypeError(f"passes= must be a replicator.passes.Pipeline, got {type(self.pipeline).__name__}.")
+        self.donate_state = donate_state
+        self._inputs: dict[Any, WorkerInputs] = {}
+        self._compiled: dict[Any, CompiledStep] = {}
+        self.trace_count = 0
+
+    # -- shape of the job ---------------------------------------------------
+
+    @property
+    def num_replicas(self) -> int:
+        return self.num_workers * self.cores_per_worker
+
+    @property
+    def local_workers(self) -> list[int]:
+        """Workers whose devices belong to this process, in order."""
+        me = jax.process_index()
+        return [w for w in range(self.num_workers) if self.mesh.devices[w, 0].process_index == me]
+
+    def input_context(self, worker_id: int) -> InputContext:
+        return InputContext(self.num_workers, worker_id, self.cores_per_worker)
+
+    def __repr__(self) -> str:
+        return (
+            f"Replicator(num_workers={self.num_workers}, cores_per_worker={self.cores_per_worker}, "
+            f"platform={self.mesh.devices.flat[0].platform!r}, passes={self.pipeline!r})"
+        )
+
+    # -- tracing and compiling -----------------------------------------------
+
+    def _per_replica_specs(self, batch_leaves: list[Any]) -> list[jax.ShapeDtypeStruct]:
+        out = []
+        for leaf in batch_leaves:
+            spec = _spec(leaf)
+            rows = spec.shape[0] // self.cores_per_worker
+            out.append(jax.ShapeDtypeStruct((rows, *spec.shape[1:]), spec.dtype))
+        return out
+
+    def _compile(self, step_fn: Callable, state: PyTree | None, batch: PyTree) -> CompiledStep:
+        """Trace + rewrite ``step_fn`` for a worker batch like ``batch`` (cached)."""
+        has_state = state is not None
+        state_specs = jax.tree.map(_spec, state) if has_state else None
+        leaves, batch_def = jax.tree.flatten(batch)
+        batch_specs = self._per_replica_specs(check_worker_batch(batch, self.cores_per_worker, 0))
+        key = (
+            step_fn,
+            has_state,
+            jax.tree.structure(state_specs) if has_state else None,
+            tuple((s.shape, s.dtype) for s in jax.tree.leaves(state_specs)) if has_state else (),
+            batch_def,
+            tuple((s.shape, s.dtype) for s in batch_specs),
+            self.pipeline.key(),
+        )
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            traced = trace_step(step_fn, state_specs, batch_def.unflatten(batch_specs), self.context)
+            self.trace_count += 1
+            lowered = self.pipeline.run(traced.graph)
+            executable = build_executable(lowered.final, self.mesh, donate_state=self.donate_state)
+            compiled = CompiledStep(traced, lowered, executable)
+            self._compiled[key] = compiled
+        return compiled
+
+    def lower(self, step_fn: Callable, batch: PyTree, state: PyTree | None = None) -> Lowered:
+        """Trace ``step_fn`` and run the pipeline, without executing anything.
+
+        Args:
+          step_fn: as for :meth:`run`.
+          batch: one worker's batch (arrays or ``jax.ShapeDtypeStruct``), as
+            ``input_fn`` would yield it.
+          state: the state (arrays or ``jax.ShapeDtypeStruct``), or None.
+
+        Returns:
+          A :class:`~replicator.passes.Lowered`: ``print()`` it to see the
+          per-replica graph with placeholders and the graph after each pass.
+        """
+        return self._compile(step_fn, state, batch).lowered
+
+    # -- running ---------------------------------------------------------------
+
+    def _worker_inputs(self, input_fn: Callable) -> WorkerInputs:
+        inputs = self._inputs.get(input_fn)
+        if inputs is None:
+            contexts = [self.input_context(w) for w in self.local_workers]
+            inputs = self._inputs[input_fn] = WorkerInputs(input_fn, contexts)
+        return inputs
+
+    def run(self, step_fn: Callable, input_fn: Callable[[InputContext], Any], state: PyTree | None = None) -> Any:
+        """Run one step on every replica with the next batch of ``input_fn``.
+
+        Args:
+          step_fn: ``step_fn(batch) -> outputs`` without state, or
+            ``step_fn(state, batch) -> (new_state, outputs)`` with state.
+          input_fn: ``input_fn(ctx: InputContext) -> iterable`` of a worker's
+            batches; called once per worker, later calls continue it.
+          state: a pytree of arrays, identical on every replica, or None.
+
+        Returns:
+          ``outputs`` or ``(new_state, outputs)``. The new state is one copy
+          (it lives replicated on the mesh: feed it back as is). Every output
+          leaf gets a leading axis of size ``num_replicas``, in replica order.
+        """
+        inputs = self._worker_inputs(input_fn)
+        batches = inputs.next_batches()
+        structures = {jax.tree.structure(b) for b in batches}
+        if len(structures) > 1:
+            raise ValueError(f"workers yielded batches of different structures: {structures}.")
+        worker_leaves = [
+            check_worker_batch(b, self.cores_per_worker, ctx.worker_id)
+            for b, ctx in zip(batches, inputs.contexts, strict=True)
+        ]
+        compiled = self._compile(step_fn, state, batches[0])
+        traced = compiled.traced
+        state_leaves = jax.tree.leaves(state) if state is not None else []
+        placed_state = place_state(state_leaves, self.mesh)
+        placed_batch = place_batch(worker_leaves, self.mesh)
+        new_state, outputs = compiled.executable(placed_state, placed_batch)
+        outputs = traced.output_treedef.unflatten(outputs)
+        if state is None:
+            return outputs
+        return traced.state_treedef.unflatten(new_state), outputs

@@ -1,0 +1,35 @@
+"""Errors raised by replicator; every message says what was wrong and the fix."""
+
+from __future__ import annotations
+
+__all__ = [
+    "DivergentControlFlowError",
+    "DivergentStateError",
+    "InputExhausted",
+    "PassError",
+    "ReplicationError",
+]
+
+
+class ReplicationError(ValueError):
+    """A replicated step that cannot be run correctly on every replica."""
+
+
+class DivergentControlFlowError(ReplicationError):
+    """A collective under a condition that may differ between replicas."""
+
+
+class DivergentStateError(ReplicationError):
+    """A state leaf that would stop being identical on every replica."""
+
+
+class PassError(RuntimeError):
+    """A rewrite pass failed; the message names it and the passes before it."""
+
+
+class InputExhausted(StopIteration):
+    """The ``input_fn`` of a worker has no more batches.
+
+    A subclass of ``StopIteration``, so ``except StopIteration`` around a
+    training loop ends it cleanly.
+    """

@@ -1,0 +1,97 @@
+"""Run a lowered step graph: ``jit(shard_map(eval_jaxpr))`` over the mesh.
+
+This is how current JAX implements ``pmap`` itself (``jit`` + ``shard_map``);
+``pmap`` is in maintenance mode and cannot express our 2-D mesh.
+
+State is replicated (``P()``) and stays on the mesh between calls; batch
+leaves are sharded along their leading axis over ``('workers', 'cores')``;
+each replica's outputs get a new leading axis and come back stacked in
+replica-id order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import jaxpr_as_fun
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from replicator.context import REPLICA_AXES
+from replicator.passes.base import StepGraph
+
+__all__ = ["build_executable", "place_batch", "place_state", "replicated", "sharded"]
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def sharded(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P(REPLICA_AXES))
+
+
+def build_executable(graph: StepGraph, mesh: Mesh, *, donate_state: bool = False) -> Callable:
+    """The compiled-on-first-call function ``(state_leaves, batch_leaves) -> (state, outputs)``."""
+    fn = jaxpr_as_fun(graph.jaxpr)
+    n_state = graph.num_state
+
+    def per_replica(state: list, batch: list) -> tuple[list, list]:
+        outs = fn(*state, *batch)
+        return list(outs[:n_state]), [o[None] for o in outs[n_state:]]
+
+    mapped = jax.shard_map(
+        per_replica,
+        mesh=mesh,
+        in_specs=(P(), P(REPLICA_AXES)),
+        out_specs=(P(), P(REPLICA_AXES)),
+        check_vma=False,
+    )
+    return jax.jit(mapped, donate_argnums=(0,) if donate_state else ())
+
+
+def _strong(x: Any) -> Any:
+    """Host copy without weak types (a Python float must not retrace later)."""
+    if isinstance(x, jax.Array):
+        return np.asarray(x) if x.weak_type else x
+    return np.asarray(x)
+
+
+def place_state(leaves: Sequence[Any], mesh: Mesh) -> list[jax.Array]:
+    """Put state leaves on every device of the mesh (no copy if already there)."""
+    target = replicated(mesh)
+    out = []
+    for leaf in leaves:
+        if isinstance(leaf, jax.Array) and not leaf.weak_type and leaf.sharding == target:
+            out.append(leaf)
+        else:
+            out.append(jax.device_put(_strong(leaf), target))
+    return out
+
+
+def place_batch(worker_leaves: list[list[Any]], mesh: Mesh) -> list[jax.Array]:
+    """Global batch arrays from each local worker's leaves, sharded by replica.
+
+    Args:
+      worker_leaves: for each worker of this process, in worker order, its
+        batch leaves.
+    """
+    target = sharded(mesh)
+    out = []
+    for per_worker in zip(*worker_leaves, strict=True):
+        if len(per_worker) == 1 and isinstance(per_worker[0], jax.Array) and per_worker[0].sharding == target:
+            out.append(per_worker[0])
+            continue
+        host = [np.asarray(x) for x in per_worker]
+        dtypes = {x.dtype for x in host}
+        if len(dtypes) > 1:
+            raise TypeError(f"workers yielded batch leaves of different dtypes {sorted(map(str, dtypes))}.")
+        local = host[0] if len(host) == 1 else np.concatenate(host, axis=0)
+        if jax.process_count() == 1:
+            out.append(jax.device_put(local, target))
+        else:
+            out.append(jax.make_array_from_process_local_data(target, local))
+    return out

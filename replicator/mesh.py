@@ -1,0 +1,111 @@
+"""Devices -> the ``('workers', 'cores')`` mesh, and CPU device emulation.
+
+Replica ``r = worker * cores_per_worker + core`` runs on ``mesh.devices[worker,
+core]``. A worker is a group of devices that share a host process: in a
+single process all workers are local; with several processes (one per worker,
+on JAX's distributed runtime) each process owns the row of its worker, so the
+same mesh and the same compiled step span hosts.
+
+Example::
+
+    import replicator as rp
+    rp.force_cpu_devices(8)   # before JAX starts
+    mesh = rp.build_mesh(num_workers=2, cores_per_worker=4)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from replicator._jax_compat import backends_initialized
+from replicator.context import REPLICA_AXES
+
+__all__ = ["build_mesh", "force_cpu_devices"]
+
+_FLAG = "--xla_force_host_platform_device_count"
+
+
+def force_cpu_devices(n: int) -> None:
+    """Emulate ``n`` CPU devices by setting ``XLA_FLAGS`` (other flags kept).
+
+    Must run before JAX starts its backend (before the first ``jax.devices()``
+    or array operation). If JAX already runs with at least ``n`` CPU devices it
+    does nothing; with fewer it raises an error that says what to set where.
+    """
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"force_cpu_devices(n): n must be a positive int, got {n!r}.")
+    if backends_initialized():
+        have = len(jax.devices("cpu"))
+        if have >= n:
+            return
+        raise RuntimeError(
+            f"force_cpu_devices({n}): JAX has already started with {have} CPU device(s), so "
+            f"the flag can no longer take effect. Call replicator.force_cpu_devices({n}) at "
+            f"the very top of your script, before anything touches jax.devices() or creates "
+            f"an array, or set it in the environment before Python starts:\n"
+            f"  XLA_FLAGS={_FLAG}={n} python your_script.py"
+        )
+    flags = re.sub(rf"{_FLAG}=\S*", "", os.environ.get("XLA_FLAGS", "")).split()
+    os.environ["XLA_FLAGS"] = " ".join([*flags, f"{_FLAG}={n}"])
+
+
+def _devices_by_process(devices: list) -> list:
+    """Devices ordered by (process, id): each process's devices contiguous."""
+    return sorted(devices, key=lambda d: (d.process_index, d.id))
+
+
+def build_mesh(num_workers: int = 1, cores_per_worker: int | None = None, *, devices: list | None = None) -> Mesh:
+    """The ``('workers', 'cores')`` mesh for ``num_workers x cores_per_worker``.
+
+    Args:
+      num_workers: number of workers (rows of the mesh).
+      cores_per_worker: devices per worker; ``None`` means all devices of a
+        process (``jax.local_device_count()``).
+      devices: the devices to use (default ``jax.devices()``).
+
+    Raises:
+      ValueError: if more replicas are asked for than there are devices; the
+        message names both numbers and how to emulate CPU devices.
+    """
+    if not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"num_workers must be a positive int, got {num_workers!r}.")
+    if cores_per_worker is None:
+        cores_per_worker = jax.local_device_count() if devices is None else len(devices) // num_workers
+    if not isinstance(cores_per_worker, int) or cores_per_worker < 1:
+        raise ValueError(f"cores_per_worker must be a positive int or None, got {cores_per_worker!r}.")
+    available = _devices_by_process(list(jax.devices() if devices is None else devices))
+    wanted = num_workers * cores_per_worker
+    if wanted > len(available):
+        platform = available[0].platform if available else "cpu"
+        raise ValueError(
+            f"Replicator(num_workers={num_workers}, cores_per_worker={cores_per_worker}) needs "
+            f"{wanted} devices but only {len(available)} {platform} device(s) are available. "
+            f"Use fewer replicas, or emulate CPU devices: call replicator.force_cpu_devices({wanted}) "
+            f"before JAX starts, or run with XLA_FLAGS={_FLAG}={wanted}."
+        )
+    grid = np.empty((num_workers, cores_per_worker), dtype=object)
+    if jax.process_count() > 1 and devices is None:
+        # One row per worker; a worker's cores are devices of one process.
+        per_process: dict[int, list] = {}
+        for d in available:
+            per_process.setdefault(d.process_index, []).append(d)
+        rows = [
+            ds[i : i + cores_per_worker] for ds in per_process.values() for i in range(0, len(ds), cores_per_worker)
+        ]
+        rows = [r for r in rows if len(r) == cores_per_worker]
+        if len(rows) < num_workers:
+            raise ValueError(
+                f"{num_workers} workers of {cores_per_worker} cores do not fit the processes' local "
+                f"devices ({ {p: len(ds) for p, ds in per_process.items()} })."
+            )
+        for w in range(num_workers):
+            grid[w, :] = rows[w]
+    else:
+        for w in range(num_workers):
+            grid[w, :] = available[w * cores_per_worker : (w + 1) * cores_per_worker]
+    return Mesh(grid, REPLICA_AXES)

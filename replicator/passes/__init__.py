@@ -1,0 +1,31 @@
+"""Rewrite passes over the per-replica step graph, and the pipeline that runs them."""
+
+from replicator.passes.base import Pass as Pass
+from replicator.passes.base import PassResult as PassResult
+from replicator.passes.base import StepGraph as StepGraph
+from replicator.passes.base import count_primitives as count_primitives
+from replicator.passes.invariance import CheckReplicaInvariance as CheckReplicaInvariance
+from replicator.passes.invariance import analyze as analyze_invariance
+from replicator.passes.lower_collectives import LowerCollectives as LowerCollectives
+from replicator.passes.pipeline import Lowered as Lowered
+from replicator.passes.pipeline import Pipeline as Pipeline
+from replicator.passes.pipeline import Stage as Stage
+from replicator.passes.pipeline import default_passes as default_passes
+from replicator.passes.verify import GraphInvariantError as GraphInvariantError
+from replicator.passes.verify import verify_graph as verify_graph
+
+__all__ = [
+    "CheckReplicaInvariance",
+    "GraphInvariantError",
+    "LowerCollectives",
+    "Lowered",
+    "Pass",
+    "PassResult",
+    "Pipeline",
+    "Stage",
+    "StepGraph",
+    "analyze_invariance",
+    "count_primitives",
+    "default_passes",
+    "verify_graph",
+]

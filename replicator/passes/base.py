@@ -1,0 +1,274 @@
+"""What a pass is, what it works on, and the helpers every pass shares.
+
+A pass takes a :class:`StepGraph` (the per-replica jaxpr of one step plus what
+its inputs and outputs mean) and returns a :class:`PassResult`: a new graph and
+whether anything changed. Passes never mutate their input.
+
+The helpers here do the bookkeeping of rewriting jaxprs:
+
+* :func:`rewrite_jaxpr` walks the equations of a jaxpr (and, callees first,
+  every sub-jaxpr of ``jit``/``cond``/``scan``/``while``/``remat``/custom
+  derivative calls) and lets a rule replace single equations;
+* :func:`inline_function` traces a plain JAX function on the avals of some
+  atoms and returns its equations, renamed, ready to splice into a graph. A
+  rewrite rule is therefore written as ordinary ``lax`` code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ClassVar
+
+import jax
+from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
+
+from replicator.context import ReplicaContext
+from replicator.primitives import PLACEHOLDERS
+
+__all__ = [
+    "Pass",
+    "PassResult",
+    "StepGraph",
+    "count_primitives",
+    "inline_function",
+    "iter_eqns",
+    "map_subjaxprs",
+    "rewrite_jaxpr",
+]
+
+Atom = Any  # Var | Literal
+EqnRule = Callable[[JaxprEqn], "tuple[list[JaxprEqn], list[Atom]] | None"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepGraph:
+    """The per-replica program of one step and the meaning of its slots.
+
+    Attributes:
+      jaxpr: ``(*state_leaves, *batch_leaves) -> (*new_state_leaves, *output_leaves)``
+        for one replica, traced with per-replica shapes.
+      context: the mesh shape the step was traced for.
+      state_paths: a readable path per state leaf, e.g. ``state['w']``.
+      output_paths: a readable path per output leaf.
+    """
+
+    jaxpr: ClosedJaxpr
+    context: ReplicaContext
+    state_paths: tuple[str, ...]
+    output_paths: tuple[str, ...]
+
+    @property
+    def num_state(self) -> int:
+        return len(self.state_paths)
+
+    @property
+    def num_batch(self) -> int:
+        return len(self.jaxpr.jaxpr.invars) - self.num_state
+
+    def with_jaxpr(self, jaxpr: ClosedJaxpr) -> StepGraph:
+        return dataclasses.replace(self, jaxpr=jaxpr)
+
+    def __str__(self) -> str:
+        return str(self.jaxpr)
+
+
+@dataclasses.dataclass(frozen=True)
+class PassResult:
+    graph: StepGraph
+    changed: bool
+
+
+class Pass:
+    """A named, pure graph-to-graph rewrite. Subclasses set ``name`` and ``run``.
+
+    Configuration goes in the constructor; ``run`` must not mutate its input.
+    """
+
+    name: ClassVar[str] = "unnamed-pass"
+    #: A pass that must run for the step to execute (cannot be disabled).
+    required: ClassVar[bool] = False
+
+    def run(self, graph: StepGraph) -> PassResult:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+# ----------------------------------------------------------------------------
+# Walking and rewriting jaxprs
+# ----------------------------------------------------------------------------
+
+
+def _map_param(value: Any, fn: Callable[[Jaxpr], Jaxpr]) -> Any:
+    if isinstance(value, ClosedJaxpr):
+        new = fn(value.jaxpr)
+        return value if new is value.jaxpr else ClosedJaxpr(new, value.consts)
+    if isinstance(value, Jaxpr):
+        return fn(value)
+    if isinstance(value, tuple) and any(isinstance(v, (Jaxpr, ClosedJaxpr)) for v in value):
+        return tuple(_map_param(v, fn) for v in value)
+    return value
+
+
+def _sub_jaxprs(params: dict) -> Iterator[Jaxpr]:
+    for value in params.values():
+        items = value if isinstance(value, tuple) else (value,)
+        for item in items:
+            if isinstance(item, ClosedJaxpr):
+                yield item.jaxpr
+            elif isinstance(item, Jaxpr):
+                yield item
+
+
+def map_subjaxprs(eqn: JaxprEqn, fn: Callable[[Jaxpr], Jaxpr]) -> JaxprEqn:
+    """Apply ``fn`` to every sub-jaxpr in ``eqn``'s params (not recursively).
+
+    The equation's effects are widened by the new bodies' effects (a lowered
+    collective carries a named-axis effect that its enclosing ``cond`` must
+    declare too).
+    """
+    params = {k: _map_param(v, fn) for k, v in eqn.params.items()}
+    if all(params[k] is eqn.params[k] for k in params):
+        return eqn
+    effects = set(eqn.effects)
+    for sub in _sub_jaxprs(params):
+        effects |= set(sub.effects)
+    return eqn.replace(params=params, effects=frozenset(effects))
+
+
+def iter_eqns(jaxpr: Jaxpr) -> Iterator[JaxprEqn]:
+    """Every equation of ``jaxpr`` and of its sub-jaxprs, recursively."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in _sub_jaxprs(eqn.params):
+            yield from iter_eqns(sub)
+
+
+def count_primitives(jaxpr: Jaxpr | ClosedJaxpr, names: Sequence[str] | None = None) -> dict[str, int]:
+    """How many equations of each primitive, recursively (for tests and reports)."""
+    if isinstance(jaxpr, ClosedJaxpr):
+        jaxpr = jaxpr.jaxpr
+    counts: dict[str, int] = {}
+    for eqn in iter_eqns(jaxpr):
+        name = eqn.primitive.name
+        if names is None or name in names:
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def has_placeholders(jaxpr: Jaxpr) -> bool:
+    return any(eqn.primitive in PLACEHOLDERS for eqn in iter_eqns(jaxpr))
+
+
+def rewrite_jaxpr(jaxpr: Jaxpr, rule: EqnRule) -> tuple[Jaxpr, bool]:
+    """Rewrite ``jaxpr`` equation by equation, callees before callers.
+
+    Args:
+      jaxpr: the graph to rewrite (not modified).
+      rule: called on each equation (after its sub-jaxprs were rewritten);
+        returns ``None`` to keep it, or ``(new_eqns, out_atoms)`` to replace it
+        by ``new_eqns`` whose results ``out_atoms`` stand for its outputs.
+
+    Returns:
+      The new jaxpr and whether any equation was replaced.
+    """
+    env: dict[Var, Atom] = {}
+    changed = False
+
+    def read(atom: Atom) -> Atom:
+        return env.get(atom, atom) if isinstance(atom, Var) else atom
+
+    def rewrite_sub(sub: Jaxpr) -> Jaxpr:
+        nonlocal changed
+        new, sub_changed = rewrite_jaxpr(sub, rule)
+        changed |= sub_changed
+        return new if sub_changed else sub
+
+    new_eqns: list[JaxprEqn] = []
+    for eqn in jaxpr.eqns:
+        if any(isinstance(v, Var) and v in env for v in eqn.invars):
+            eqn = eqn.replace(invars=[read(v) for v in eqn.invars])
+        eqn = map_subjaxprs(eqn, rewrite_sub)
+        replacement = rule(eqn)
+        if replacement is None:
+            new_eqns.append(eqn)
+            continue
+        changed = True
+        eqns, outs = replacement
+        new_eqns.extend(eqns)
+        for var, atom in zip(eqn.outvars, outs, strict=True):
+            if not isinstance(var, DropVar):
+                env[var] = atom
+    if not changed:
+        return jaxpr, False
+    effects: set = set()
+    for eqn in new_eqns:
+        effects |= set(eqn.effects)
+    return jaxpr.replace(
+        eqns=new_eqns,
+        outvars=[read(v) for v in jaxpr.outvars],
+        effects=frozenset(effects),
+    ), True
+
+
+def rewrite_graph(graph: StepGraph, rule: EqnRule) -> PassResult:
+    """:func:`rewrite_jaxpr` on a step graph's top-level jaxpr."""
+    closed = graph.jaxpr
+    new, changed = rewrite_jaxpr(closed.jaxpr, rule)
+    if not changed:
+        return PassResult(graph, False)
+    return PassResult(graph.with_jaxpr(ClosedJaxpr(new, closed.consts)), True)
+
+
+def inline_function(
+    fn: Callable[..., Any],
+    in_atoms: Sequence[Atom],
+    *,
+    context: ReplicaContext,
+    like: JaxprEqn | None = None,
+) -> tuple[list[JaxprEqn], list[Atom]]:
+    """Trace ``fn(*in_atoms)`` and return its equations, ready to splice.
+
+    Args:
+      fn: plain JAX code taking arrays and returning an array or a list of
+        arrays; it may use mesh collectives over ``('workers', 'cores')``.
+      in_atoms: the graph's vars/literals to feed it.
+      context: the mesh shape (bound as ``axis_env`` while tracing).
+      like: an equation whose source location the new equations inherit, so
+        that errors and dumps still point at the user's line.
+
+    Returns:
+      ``(eqns, out_atoms)``: fresh equations and the atoms holding the results.
+    """
+    specs = [jax.ShapeDtypeStruct(a.aval.shape, a.aval.dtype, weak_type=a.aval.weak_type) for a in in_atoms]
+    closed = jax.make_jaxpr(fn, axis_env=context.axis_env)(*specs)
+    inner = closed.jaxpr
+    env: dict[Var, Atom] = dict(zip(inner.invars, in_atoms, strict=True))
+    for var, value in zip(inner.constvars, closed.consts, strict=True):
+        if getattr(value, "shape", ()) != ():
+            raise ValueError(f"inline_function: {fn} captured a non-scalar constant; pass it as an input.")
+        env[var] = Literal(value, var.aval)
+
+    def read(atom: Atom) -> Atom:
+        return env.get(atom, atom) if isinstance(atom, Var) else atom
+
+    eqns = []
+    for eqn in inner.eqns:
+        outvars = []
+        for v in eqn.outvars:
+            if isinstance(v, Var) and not isinstance(v, DropVar):
+                fresh = Var(v.aval)
+                env[v] = fresh
+                outvars.append(fresh)
+            else:
+                outvars.append(v)
+        eqns.append(
+            eqn.replace(
+                invars=[read(v) for v in eqn.invars],
+                outvars=outvars,
+                source_info=like.source_info if like is not None else eqn.source_info,
+            )
+        )
+    return eqns, [read(v) for v in inner.outvars]

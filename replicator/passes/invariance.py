@@ -1,0 +1,285 @@
+"""Replica-invariance analysis: which values are identical on every replica.
+
+Every value of the per-replica graph gets the set of mesh axes along which it
+*may* differ between replicas (empty: identical everywhere). State enters
+identical; batch data and ``replica_id()`` vary along both axes; a collective
+over a group makes its result identical along the group's axes; everything
+else varies wherever one of its inputs does.
+
+The ``check-replica-invariance`` pass uses it to reject, at trace time, the two
+bugs that make data-parallel jobs hang or silently diverge:
+
+* a collective inside ``cond``/``while`` whose predicate can differ between
+  the replicas that collective talks to (they would wait for each other
+  forever, or pair up wrong calls);
+* a state leaf that enters identical on all replicas and would leave
+  different (the model copies drift apart, e.g. gradients not averaged).
+
+Example::
+
+    info = analyze(graph)
+    info.output_variance[0]   # frozenset() if the first output is invariant
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Primitive, Var
+
+from replicator._jax_compat import user_source_line
+from replicator.context import group_axes
+from replicator.errors import DivergentControlFlowError, DivergentStateError
+from replicator.passes.base import Pass, PassResult, StepGraph, iter_eqns
+from replicator.primitives import (
+    PLACEHOLDERS,
+    all_gather_p,
+    all_reduce_p,
+    broadcast_p,
+    collective_name,
+    reduce_scatter_p,
+    replica_id_p,
+)
+
+__all__ = ["CheckReplicaInvariance", "InvarianceInfo", "analyze", "variance_of"]
+
+Variance = frozenset  # of mesh axis names
+INVARIANT: Variance = frozenset()
+Rule = Callable[["_Analysis", JaxprEqn, list[Variance]], list[Variance]]
+RULES: dict[Primitive, Rule] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class InvarianceInfo:
+    """Result of :func:`analyze` on a step graph's top-level jaxpr."""
+
+    variance: dict[Var, Variance]  # top-level vars only
+    output_variance: tuple[Variance, ...]
+
+    def is_invariant(self, atom: Any) -> bool:
+        return variance_of(self.variance, atom) == INVARIANT
+
+
+def variance_of(env: dict[Var, Variance], atom: Any) -> Variance:
+    if isinstance(atom, Literal):
+        return INVARIANT
+    return env.get(atom, INVARIANT)
+
+
+def _union(vs: Sequence[Variance]) -> Variance:
+    out: set = set()
+    for v in vs:
+        out |= v
+    return frozenset(out)
+
+
+class _Analysis:
+    """Forward data-flow over one jaxpr and its sub-jaxprs."""
+
+    def __init__(self, axis_sizes: dict[str, int]):
+        # Axes of size 1 cannot make values differ.
+        self.live_axes = frozenset(a for a, n in axis_sizes.items() if n > 1)
+        self.all_axes = self.live_axes
+
+    def axes(self, group: str | None) -> Variance:
+        return frozenset(group_axes(group)) & self.live_axes
+
+    def run(self, jaxpr: Jaxpr, in_variance: Sequence[Variance]) -> tuple[list[Variance], dict[Var, Variance]]:
+        env: dict[Var, Variance] = dict(zip(jaxpr.invars, in_variance, strict=True))
+        for v in jaxpr.constvars:
+            env[v] = INVARIANT
+        for eqn in jaxpr.eqns:
+            ins = [variance_of(env, a) for a in eqn.invars]
+            rule = _lookup(eqn.primitive)
+            outs = rule(self, eqn, ins)
+            for var, v in zip(eqn.outvars, outs, strict=True):
+                env[var] = v
+        return [variance_of(env, a) for a in jaxpr.outvars], env
+
+
+def _default_rule(analysis: _Analysis, eqn: JaxprEqn, ins: list[Variance]) -> list[Variance]:
+    del analysis
+    v = _union(ins)
+    return [v] * len(eqn.outvars)
+
+
+def _jaxpr(x: Jaxpr | ClosedJaxpr) -> Jaxpr:
+    return x.jaxpr if isinstance(x, ClosedJaxpr) else x
+
+
+# -- collectives -------------------------------------------------------------
+
+
+def _reducing_rule(analysis: _Analysis, eqn: JaxprEqn, ins: list[Variance]) -> list[Variance]:
+    axes = analysis.axes(eqn.params["group"])
+    return [v - axes for v in ins]
+
+
+for _p in (all_reduce_p, all_gather_p, broadcast_p):
+    RULES[_p] = _reducing_rule
+
+RULES[reduce_scatter_p] = lambda a, eqn, ins: [ins[0] | a.axes(eqn.params["group"])]
+RULES[replica_id_p] = lambda a, eqn, ins: [a.axes(eqn.params["group"])]
+
+
+# -- control flow --------------------------------------------------------------
+
+
+def _collectives_in(jaxprs: Sequence[Jaxpr]) -> list[JaxprEqn]:
+    return [e for j in jaxprs for e in iter_eqns(j) if e.primitive in PLACEHOLDERS and e.primitive is not replica_id_p]
+
+
+def _check_uniform_predicate(
+    analysis: _Analysis, eqn: JaxprEqn, predicate: Variance, bodies: Sequence[Jaxpr], what: str
+) -> None:
+    if not predicate:
+        return
+    for inner in _collectives_in(bodies):
+        axes = analysis.axes(inner.params["group"])
+        if axes & predicate:
+            name = collective_name(inner.primitive, inner.params)
+            raise DivergentControlFlowError(
+                f"{name} at {user_source_line(inner.source_info)} is inside a {what} at "
+                f"{user_source_line(eqn.source_info)} whose predicate can differ between "
+                f"replicas (it depends on values that vary along mesh axes "
+                f"{tuple(sorted(predicate))}, e.g. batch data or replica_id()). Replicas that "
+                f"take different paths would wait forever for each other in this collective "
+                f"or silently pair it with a different one.\n"
+                f"Fix: make the predicate identical on every replica (compute it from state, "
+                f"or reduce it first, e.g. pred = rp.all_max(pred) or a decision on "
+                f"rp.all_mean(x)), or move {name} out of the {what} and select its result "
+                f"with jnp.where."
+            )
+
+
+def _cond_rule(analysis: _Analysis, eqn: JaxprEqn, ins: list[Variance]) -> list[Variance]:
+    predicate, operands = ins[0], ins[1:]
+    branches = [_jaxpr(b) for b in eqn.params["branches"]]
+    _check_uniform_predicate(analysis, eqn, predicate, branches, "lax.cond/switch")
+    outs = [analysis.run(b, operands)[0] for b in branches]
+    return [_union(vs) | predicate for vs in zip(*outs, strict=True)]
+
+
+def _fixpoint(step: Callable[[list[Variance]], list[Variance]], carry: list[Variance]) -> list[Variance]:
+    while True:
+        new = [c | n for c, n in zip(carry, step(carry), strict=True)]
+        if new == carry:
+            return carry
+        carry = new
+
+
+def _while_rule(analysis: _Analysis, eqn: JaxprEqn, ins: list[Variance]) -> list[Variance]:
+    p = eqn.params
+    cond_consts = ins[: p["cond_nconsts"]]
+    body_consts = ins[p["cond_nconsts"] : p["cond_nconsts"] + p["body_nconsts"]]
+    carry = list(ins[p["cond_nconsts"] + p["body_nconsts"] :])
+    cond_j, body_j = _jaxpr(p["cond_jaxpr"]), _jaxpr(p["body_jaxpr"])
+
+    def step(c: list[Variance]) -> list[Variance]:
+        (predicate,), _ = analysis.run(cond_j, cond_consts + c)
+        body_out, _ = analysis.run(body_j, body_consts + c)
+        # A trip count that differs between replicas makes every carry differ.
+        return [v | predicate for v in body_out]
+
+    carry = _fixpoint(step, carry)
+    (predicate,), _ = analysis.run(cond_j, cond_consts + carry)
+    _check_uniform_predicate(analysis, eqn, predicate, [cond_j, body_j], "lax.while_loop")
+    return carry
+
+
+def _scan_rule(analysis: _Analysis, eqn: JaxprEqn, ins: list[Variance]) -> list[Variance]:
+    p = eqn.params
+    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    consts, carry, xs = ins[:n_consts], list(ins[n_consts : n_consts + n_carry]), ins[n_consts + n_carry :]
+    body = _jaxpr(p["jaxpr"])
+
+    def step(c: list[Variance]) -> list[Variance]:
+        return analysis.run(body, consts + c + xs)[0][:n_carry]
+
+    carry = _fixpoint(step, carry)
+    outs, _ = analysis.run(body, consts + carry + xs)
+    return carry + outs[n_carry:]
+
+
+def _call_rule(param: str) -> Rule:
+    def rule(analysis: _Analysis, eqn: JaxprEqn, ins: list[Variance]) -> list[Variance]:
+        callee = eqn.params[param]
+        inner = _jaxpr(callee)
+        return analysis.run(inner, ins[len(ins) - len(inner.invars) :])[0]
+
+    return rule
+
+
+# Control-flow primitives are registered by name: their Primitive objects live
+# in jax._src, which only the compat module may import.
+_BY_NAME: dict[str, Rule] = {
+    "cond": _cond_rule,
+    "while": _while_rule,
+    "scan": _scan_rule,
+    "jit": _call_rule("jaxpr"),
+    "pjit": _call_rule("jaxpr"),
+    "closed_call": _call_rule("call_jaxpr"),
+    "core_call": _call_rule("call_jaxpr"),
+    "remat2": _call_rule("jaxpr"),
+    "checkpoint": _call_rule("jaxpr"),
+    "custom_jvp_call": _call_rule("call_jaxpr"),
+    "custom_vjp_call": _call_rule("call_jaxpr"),
+}
+
+
+def _lookup(prim: Primitive) -> Rule:
+    rule = RULES.get(prim)
+    if rule is not None:
+        return rule
+    return _BY_NAME.get(prim.name, _default_rule)
+
+
+# -- the analysis and the pass -------------------------------------------------
+
+
+def analyze(graph: StepGraph) -> InvarianceInfo:
+    """Variance of every top-level value of ``graph`` (state in: invariant)."""
+    analysis = _Analysis(graph.context.axis_sizes)
+    both = analysis.all_axes
+    ins = [INVARIANT] * graph.num_state + [both] * graph.num_batch
+    outs, env = analysis.run(graph.jaxpr.jaxpr, ins)
+    return InvarianceInfo(variance=env, output_variance=tuple(outs))
+
+
+def _producer(jaxpr: Jaxpr, var: Any) -> JaxprEqn | None:
+    for eqn in jaxpr.eqns:
+        if any(o is var for o in eqn.outvars):
+            return eqn
+    return None
+
+
+class CheckReplicaInvariance(Pass):
+    """Reject divergent control flow around collectives and divergent state.
+
+    Changes nothing; raises :class:`DivergentControlFlowError` or
+    :class:`DivergentStateError` with the user's source line and a fix.
+    """
+
+    name = "check-replica-invariance"
+
+    def run(self, graph: StepGraph) -> PassResult:
+        info = analyze(graph)
+        jaxpr = graph.jaxpr.jaxpr
+        for path, var, variance in zip(
+            graph.state_paths, jaxpr.outvars[: graph.num_state], info.output_variance[: graph.num_state], strict=True
+        ):
+            if variance:
+                producer = _producer(jaxpr, var)
+                where = f" (last computed at {user_source_line(producer.source_info)})" if producer else ""
+                raise DivergentStateError(
+                    f"{path} enters the step identical on every replica but would leave it "
+                    f"different between replicas{where}: it depends on per-replica values "
+                    f"(batch data, replica_id()) along mesh axes {tuple(sorted(variance))}. "
+                    f"The replicas' copies would silently drift apart.\n"
+                    f"Fix: average what updates it across replicas, e.g. "
+                    f"grads = rp.all_mean(grads) before the update (or wrap the optimizer), "
+                    f"or return the per-replica value as an output instead of state."
+                )
+        return PassResult(graph, False)

@@ -1,0 +1,173 @@
+"""The pass pipeline: ordered named passes, checked, dumped, disableable.
+
+A :class:`Pipeline` runs its passes in order on a :class:`StepGraph` and keeps
+every intermediate graph (a :class:`Stage`) so users can see what each pass
+did. Around each pass it can run the invariant checks of
+:mod:`replicator.passes.verify` (``verify=True``), write the graph before and
+after each pass into a directory (``dump_dir=`` or the environment variable
+``REPLICATOR_DUMP_DIR``), and skip passes by name (``disable=``). A pass
+that fails is re-raised naming it and the passes that ran before it.
+
+Example::
+
+    pipe = Pipeline.default(disable=["check-replica-invariance"], verify=True)
+    lowered = pipe.run(graph)
+    print(lowered)            # the graph after each pass
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Iterable, Sequence
+
+from replicator.errors import PassError, ReplicationError
+from replicator.passes.base import Pass, StepGraph
+from replicator.passes.invariance import CheckReplicaInvariance
+from replicator.passes.lower_collectives import LowerCollectives
+from replicator.passes.verify import verify_graph
+
+__all__ = ["DUMP_ENV", "Lowered", "Pipeline", "Stage", "default_passes"]
+
+DUMP_ENV = "REPLICATOR_DUMP_DIR"
+
+
+def default_passes() -> list[Pass]:
+    """The default pipeline, in order."""
+    return [CheckReplicaInvariance(), LowerCollectives()]
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """The graph after one pass (``name='traced'`` for the input)."""
+
+    name: str
+    graph: StepGraph
+    changed: bool
+
+    def __str__(self) -> str:
+        flag = "changed" if self.changed else "unchanged"
+        return (
+            f"=== after {self.name} ({flag}) ===\n{self.graph.jaxpr}"
+            if self.name != "traced"
+            else (f"=== traced (per replica, with placeholders) ===\n{self.graph.jaxpr}")
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowered:
+    """Every stage of a step through the pipeline; ``str()`` prints them all."""
+
+    stages: tuple[Stage, ...]
+
+    @property
+    def traced(self) -> StepGraph:
+        """The per-replica graph with placeholders, before any pass."""
+        return self.stages[0].graph
+
+    @property
+    def final(self) -> StepGraph:
+        """The graph that runs: every placeholder lowered."""
+        return self.stages[-1].graph
+
+    def after(self, pass_name: str) -> StepGraph:
+        """The graph right after the pass named ``pass_name``."""
+        for stage in self.stages:
+            if stage.name == pass_name:
+                return stage.graph
+        raise KeyError(f"no pass named {pass_name!r} ran; ran: {[s.name for s in self.stages[1:]]}")
+
+    def __str__(self) -> str:
+        return "\n\n".join(str(s) for s in self.stages)
+
+
+class Pipeline:
+    """An ordered list of passes, itself usable like one pass.
+
+    Args:
+      passes: the passes in order (default: :func:`default_passes`).
+      disable: names of passes to skip; required passes cannot be skipped.
+      verify: run the invariant checks before the first and after every pass.
+      dump_dir: write ``NN-<pass>.before.txt``/``.after.txt`` here (default: the
+        ``REPLICATOR_DUMP_DIR`` environment variable, if set).
+    """
+
+    def __init__(
+        self,
+        passes: Sequence[Pass] | None = None,
+        *,
+        disable: Iterable[str] = (),
+        verify: bool = False,
+        dump_dir: str | os.PathLike | None = None,
+    ):
+        self.passes = list(default_passes() if passes is None else passes)
+        names = [p.name for p in self.passes]
+        for p in self.passes:
+            if not isinstance(p, Pass):
+                raise TypeError(f"Pipeline: {p!r} is not a replicator.passes.Pass instance.")
+        self.disabled = frozenset(disable)
+        unknown = self.disabled - set(names)
+        if unknown:
+            raise ValueError(f"Pipeline(disable=...): no pass named {sorted(unknown)}; the passes are {names}.")
+        required = [p.name for p in self.passes if p.required and p.name in self.disabled]
+        if required:
+            raise ValueError(f"Pipeline: pass {required} is required for the step to run and cannot be disabled.")
+        self.verify = verify
+        self.dump_dir = dump_dir if dump_dir is not None else os.environ.get(DUMP_ENV) or None
+
+    @classmethod
+    def default(cls, **kwargs: object) -> Pipeline:
+        return cls(None, **kwargs)  # type: ignore[arg-type]
+
+    @property
+    def names(self) -> list[str]:
+        return [p.name for p in self.passes]
+
+    def key(self) -> tuple:
+        """Hashable identity of the configuration (for compile caches)."""
+        return (tuple(repr(p) for p in self.passes), self.disabled, self.verify)
+
+    def __repr__(self) -> str:
+        active = [p.name for p in self.passes if p.name not in self.disabled]
+        return f"Pipeline({active})"
+
+    def run(self, graph: StepGraph) -> Lowered:
+        stages = [Stage("traced", graph, False)]
+        ran: list[str] = []
+        if self.verify:
+            verify_graph(graph, lowered=False)
+        for index, p in enumerate(self.passes):
+            if p.name in self.disabled:
+                continue
+            self._dump(index, p.name, "before", graph)
+            try:
+                result = p.run(graph)
+                if self.verify:
+                    verify_graph(result.graph, lowered=isinstance(p, LowerCollectives) or _lowered(ran))
+            except ReplicationError as e:
+                e.add_note(f"(raised by pass '{p.name}' after {ran or 'no other pass'})")
+                raise
+            except Exception as e:
+                raise PassError(
+                    f"pass '{p.name}' failed after passes {ran or '[]'}: {type(e).__name__}: {e}\n"
+                    f"Disable it with Replicator(..., passes=Pipeline(disable=['{p.name}'])) and "
+                    f"please report the failing step."
+                ) from e
+            graph = result.graph
+            ran.append(p.name)
+            stages.append(Stage(p.name, graph, result.changed))
+            self._dump(index, p.name, "after", graph)
+        return Lowered(tuple(stages))
+
+    def _dump(self, index: int, name: str, when: str, graph: StepGraph) -> None:
+        if not self.dump_dir:
+            return
+        os.makedirs(self.dump_dir, exist_ok=True)
+        safe = re.sub(r"[^a-z0-9-]", "_", name)
+        with open(os.path.join(self.dump_dir, f"{index:02d}-{safe}.{when}.txt"), "w") as f:
+            f.write(str(graph.jaxpr))
+
+
+def _lowered(ran: list[str]) -> bool:
+    return LowerCollectives.name in ran

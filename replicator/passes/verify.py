@@ -1,0 +1,47 @@
+"""Invariant checks run between passes when a pipeline is asked to verify.
+
+* the jaxpr type-checks (``jax.extend.core.check_jaxpr``) under the mesh axes;
+* after lowering, no placeholder is left anywhere (sub-jaxprs included);
+* every real collective talks only over the mesh axes ``('workers', 'cores')``.
+"""
+
+from __future__ import annotations
+
+from jax.extend.core import check_jaxpr
+
+from replicator._jax_compat import extend_axis_env
+from replicator.context import REPLICA_AXES
+from replicator.passes.base import StepGraph, iter_eqns
+from replicator.primitives import PLACEHOLDERS
+
+__all__ = ["GraphInvariantError", "verify_graph"]
+
+_AXIS_PARAMS = ("axes", "axis_name")
+
+
+class GraphInvariantError(AssertionError):
+    """A pass produced a graph that breaks an invariant."""
+
+
+def _axes_of(eqn) -> tuple:
+    for key in _AXIS_PARAMS:
+        if key in eqn.params:
+            value = eqn.params[key]
+            return value if isinstance(value, tuple) else (value,)
+    return ()
+
+
+def verify_graph(graph: StepGraph, *, lowered: bool) -> None:
+    """Raise :class:`GraphInvariantError` if ``graph`` breaks an invariant."""
+    jaxpr = graph.jaxpr.jaxpr
+    try:
+        with extend_axis_env(graph.context.axis_env):
+            check_jaxpr(jaxpr)
+    except Exception as e:  # noqa: BLE001 - re-raised with context
+        raise GraphInvariantError(f"the jaxpr does not type-check: {e}") from e
+    for eqn in iter_eqns(jaxpr):
+        if lowered and eqn.primitive in PLACEHOLDERS:
+            raise GraphInvariantError(f"placeholder '{eqn.primitive.name}' left after lowering")
+        bad = [a for a in _axes_of(eqn) if a not in REPLICA_AXES]
+        if bad:
+            raise GraphInvariantError(f"'{eqn.primitive.name}' uses axes {bad}, not mesh axes {REPLICA_AXES}")

@@ -1,0 +1,450 @@
+"""Cross-replica placeholders: what a step says, before a pass says how.
+
+Inside a ``step_fn`` run by :class:`replicator.Replicator`, each function here
+binds a *placeholder* primitive instead of a real collective. The step is
+traced per replica into a jaxpr that still says "all_sum of these leaves over
+this group"; passes in :mod:`replicator.passes` analyse and optimize that
+graph, and the ``lower-collectives`` pass finally swaps every placeholder for
+``lax.psum``/``all_gather``/``psum_scatter``/... over the mesh axes.
+
+Every placeholder has abstract-eval, JVP, transpose and batching rules, so it
+works under ``jax.grad``, ``jax.vmap``, ``jax.jit``, control flow and
+``jax.checkpoint`` inside the step. Traced per replica with no tracking of
+which values vary between replicas, the transpose of a cross-replica sum is a
+cross-replica sum (the gradient of a loss that is all-summed on every replica
+flows back to every replica).
+
+Example (inside a step run by ``Replicator.run``)::
+
+    grads = rp.all_mean(grads)                 # average a pytree of gradients
+    logits = rp.all_gather(emb, tiled=True)    # the global batch, in replica order
+    chunk = rp.reduce_scatter(grads_flat)      # sum, and keep my 1/N chunk
+
+Each primitive's rules are registered right below it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from replicator.context import check_group, require_context
+
+__all__ = [
+    "PLACEHOLDERS",
+    "all_gather",
+    "all_gather_p",
+    "all_max",
+    "all_mean",
+    "all_min",
+    "all_reduce_p",
+    "all_sum",
+    "broadcast",
+    "broadcast_p",
+    "collective_name",
+    "num_replicas",
+    "reduce_scatter",
+    "reduce_scatter_p",
+    "replica_id",
+    "replica_id_p",
+]
+
+PyTree = Any
+LOWERING_PASS = "lower-collectives"
+PLACEHOLDERS: set[Primitive] = set()
+
+
+def _placeholder(name: str, *, multiple_results: bool = False) -> Primitive:
+    """A primitive that must be rewritten before it reaches XLA."""
+    prim = Primitive(name)
+    prim.multiple_results = multiple_results
+
+    def impl(*args: Any, **params: Any) -> Any:
+        del args, params
+        raise RuntimeError(
+            f"The cross-replica placeholder '{name}' was evaluated eagerly. "
+            f"Call replicator's collectives from a step_fn run by "
+            f"Replicator.run(step_fn, input_fn, ...)."
+        )
+
+    def unlowered(ctx: Any, *args: Any, **params: Any) -> Any:
+        del ctx, args
+        raise RuntimeError(
+            f"The cross-replica placeholder '{name}' (params {params}) reached "
+            f"XLA unlowered: the pass '{LOWERING_PASS}' should have replaced it "
+            f"with a mesh collective. Keep '{LOWERING_PASS}' in the pipeline "
+            f"(it cannot be disabled), and call collectives only inside a "
+            f"step_fn run by Replicator.run."
+        )
+
+    prim.def_impl(impl)
+    mlir.register_lowering(prim, unlowered)
+    PLACEHOLDERS.add(prim)
+    return prim
+
+
+def _leaves(tree: PyTree, api_name: str) -> tuple[list[jax.Array], Any]:
+    leaves, treedef = jax.tree.flatten(tree)
+    arrays = []
+    for leaf in leaves:
+        try:
+            arrays.append(jnp.asarray(leaf))
+        except TypeError as e:
+            raise TypeError(
+                f"replicator.{api_name}: every leaf must be an array or a number, "
+                f"got {type(leaf).__name__}. Pass a pytree of arrays."
+            ) from e
+    return arrays, treedef
+
+
+def _zeros_like_aval(aval: Any) -> Any:
+    return ad.Zero(aval.to_tangent_aval())
+
+
+def _instantiate(t: Any, primal: Any) -> Any:
+    if type(t) is ad.Zero:
+        return jnp.zeros(jnp.shape(primal), jnp.result_type(primal))
+    return t
+
+
+# ----------------------------------------------------------------------------
+# all_reduce: all_sum, all_mean, all_max, all_min
+# ----------------------------------------------------------------------------
+
+all_reduce_p = _placeholder("all_reduce", multiple_results=True)
+REDUCE_OPS = ("sum", "mean", "max", "min")
+
+
+def _all_reduce(tree: PyTree, op: str, group: str | None, api_name: str) -> PyTree:
+    ctx = require_context(api_name)
+    check_group(group, api_name)
+    leaves, treedef = _leaves(tree, api_name)
+    if not leaves:
+        return tree
+    for leaf in leaves:
+        if op in ("sum", "mean") and leaf.dtype == jnp.bool_:
+            raise TypeError(f"replicator.{api_name}: cannot sum booleans; cast first, e.g. x.astype(jnp.int32).")
+        if op == "mean" and not jnp.issubdtype(leaf.dtype, jnp.inexact):
+            raise TypeError(
+                f"replicator.all_mean: leaf of dtype {leaf.dtype} is not a float; "
+                f"cast it (x.astype(jnp.float32)) or use all_sum."
+            )
+    out = all_reduce_p.bind(*leaves, op=op, group=group, group_size=ctx.group_size(group))
+    return treedef.unflatten(out)
+
+
+def all_sum(x: PyTree, *, group: str | None = None) -> PyTree:
+    """Sum of ``x`` over the replicas of ``group``, on every replica.
+
+    Args:
+      x: a pytree of arrays.
+      group: ``None`` (all replicas), ``'cores'`` (the replicas of one
+        worker) or ``'workers'`` (same core index across workers).
+
+    Returns:
+      A pytree like ``x``; every replica of a group holds the same sum.
+    """
+    return _all_reduce(x, "sum", group, "all_sum")
+
+
+def all_mean(x: PyTree, *, group: str | None = None) -> PyTree:
+    """Mean of ``x`` over the replicas of ``group`` (float leaves only)."""
+    return _all_reduce(x, "mean", group, "all_mean")
+
+
+def all_max(x: PyTree, *, group: str | None = None) -> PyTree:
+    """Element-wise maximum of ``x`` over the replicas of ``group``."""
+    return _all_reduce(x, "max", group, "all_max")
+
+
+def all_min(x: PyTree, *, group: str | None = None) -> PyTree:
+    """Element-wise minimum of ``x`` over the replicas of ``group``."""
+    return _all_reduce(x, "min", group, "all_min")
+
+
+def _all_reduce_abstract_eval(*avals: Any, op: str, group: str | None, group_size: int) -> list:
+    del op, group, group_size
+    return list(avals)
+
+
+all_reduce_p.def_abstract_eval(_all_reduce_abstract_eval)
+
+
+def _all_reduce_jvp_rule(primals: list, tangents: list, *, op: str, group: str | None, group_size: int) -> tuple:
+    params = dict(group=group, group_size=group_size)
+    out = all_reduce_p.bind(*primals, op=op, **params)
+    if op in ("sum", "mean"):
+        tangents = [_instantiate(t, p) for t, p in zip(tangents, primals, strict=True)]
+        return out, all_reduce_p.bind(*tangents, op=op, **params)
+    # max/min: the tangent of the chosen value, averaged over ties (as jnp.max).
+    out_tangents = []
+    for x, y, t in zip(primals, out, tangents, strict=True):
+        if type(t) is ad.Zero or not jnp.issubdtype(x.dtype, jnp.inexact):
+            out_tangents.append(ad.Zero.from_primal_value(y))
+            continue
+        chosen = x == y
+        count, picked = all_reduce_p.bind(
+            chosen.astype(t.dtype), jnp.where(chosen, t, jnp.zeros_like(t)), op="sum", **params
+        )
+        out_tangents.append(picked / count)
+    return out, out_tangents
+
+
+def _all_reduce_transpose_rule(cts: list, *primals: Any, op: str, group: str | None, group_size: int) -> list:
+    if op not in ("sum", "mean"):
+        raise NotImplementedError(f"all_{op} is not linear; only its JVP is defined.")
+    live = [i for i, ct in enumerate(cts) if type(ct) is not ad.Zero]
+    results: list = [ad.Zero(p.aval) for p in primals]
+    if live:
+        summed = all_reduce_p.bind(*(cts[i] for i in live), op=op, group=group, group_size=group_size)
+        for i, ct in zip(live, summed, strict=True):
+            results[i] = ct
+    return results
+
+
+def _all_reduce_batching_rule(args: list, dims: list, **params: Any) -> tuple:
+    return all_reduce_p.bind(*args, **params), dims
+
+
+ad.primitive_jvps[all_reduce_p] = _all_reduce_jvp_rule
+ad.primitive_transposes[all_reduce_p] = _all_reduce_transpose_rule
+batching.primitive_batchers[all_reduce_p] = _all_reduce_batching_rule
+
+
+# ----------------------------------------------------------------------------
+# all_gather
+# ----------------------------------------------------------------------------
+
+all_gather_p = _placeholder("all_gather")
+
+
+def _check_axis(axis: int, ndim: int, api_name: str, *, extra: int = 0) -> int:
+    if not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"replicator.{api_name}: axis must be an int, got {axis!r}.")
+    bound = ndim + extra
+    if not -bound <= axis < bound:
+        raise ValueError(
+            f"replicator.{api_name}: axis={axis} is out of range for a leaf of rank "
+            f"{ndim} (valid: {-bound}..{bound - 1})."
+        )
+    return int(axis) % bound
+
+
+def all_gather(x: PyTree, *, axis: int = 0, tiled: bool = False, group: str | None = None) -> PyTree:
+    """Every replica's ``x``, in replica-id order, on every replica.
+
+    Args:
+      x: a pytree of arrays.
+      axis: where the replica axis goes. With ``tiled=False`` a new axis of
+        size N is inserted there; with ``tiled=True`` the leaves are
+        concatenated along the existing ``axis``.
+      tiled: concatenate instead of stack.
+      group: see :func:`all_sum`.
+
+    Example: with 8 replicas each holding ``x`` of shape ``(4, 3)``,
+    ``all_gather(x).shape == (8, 4, 3)`` and
+    ``all_gather(x, tiled=True).shape == (32, 3)``.
+    """
+    ctx = require_context("all_gather")
+    check_group(group, "all_gather")
+    leaves, treedef = _leaves(x, "all_gather")
+    n = ctx.group_size(group)
+    out = []
+    for leaf in leaves:
+        if tiled and leaf.ndim == 0:
+            raise ValueError(
+                "replicator.all_gather(tiled=True) needs leaves of rank >= 1; use tiled=False for scalars."
+            )
+        ax = _check_axis(axis, leaf.ndim, "all_gather", extra=0 if tiled else 1)
+        out.append(all_gather_p.bind(leaf, axis=ax, tiled=bool(tiled), group=group, group_size=n))
+    return treedef.unflatten(out)
+
+
+def _all_gather_abstract_eval(aval: Any, *, axis: int, tiled: bool, group: str | None, group_size: int) -> Any:
+    del group
+    shape = list(aval.shape)
+    if tiled:
+        shape[axis] *= group_size
+    else:
+        shape.insert(axis, group_size)
+    return aval.update(shape=tuple(shape))
+
+
+def _all_gather_transpose_rule(ct: Any, x: Any, *, axis: int, tiled: bool, group: str | None, group_size: int) -> list:
+    del x
+    if type(ct) is ad.Zero:
+        return [None]
+    summed = reduce_scatter_p.bind(ct, axis=axis, group=group, group_size=group_size)
+    return [summed if tiled else lax.squeeze(summed, (axis,))]
+
+
+def _all_gather_batching_rule(args: list, dims: list, *, axis: int, tiled: bool, **params: Any) -> tuple:
+    (x,), (d,) = args, dims
+    x = jnp.moveaxis(x, d, 0)
+    return all_gather_p.bind(x, axis=axis + 1, tiled=tiled, **params), 0
+
+
+all_gather_p.def_abstract_eval(_all_gather_abstract_eval)
+ad.deflinear2(all_gather_p, _all_gather_transpose_rule)
+batching.primitive_batchers[all_gather_p] = _all_gather_batching_rule
+
+
+# ----------------------------------------------------------------------------
+# reduce_scatter
+# ----------------------------------------------------------------------------
+
+reduce_scatter_p = _placeholder("reduce_scatter")
+
+
+def reduce_scatter(x: PyTree, *, axis: int = 0, group: str | None = None) -> PyTree:
+    """Sum over replicas; replica i keeps the i-th of N equal chunks along ``axis``.
+
+    ``x.shape[axis]`` must be divisible by the number of replicas N of the
+    group. Example: 8 replicas, ``x`` of shape ``(16,)`` -> shape ``(2,)``.
+    """
+    ctx = require_context("reduce_scatter")
+    check_group(group, "reduce_scatter")
+    leaves, treedef = _leaves(x, "reduce_scatter")
+    n = ctx.group_size(group)
+    out = []
+    for leaf in leaves:
+        if leaf.ndim == 0:
+            raise ValueError("replicator.reduce_scatter needs leaves of rank >= 1, got a scalar.")
+        ax = _check_axis(axis, leaf.ndim, "reduce_scatter")
+        if leaf.shape[ax] % n:
+            raise ValueError(
+                f"replicator.reduce_scatter: axis {ax} of a leaf with shape {leaf.shape} has "
+                f"size {leaf.shape[ax]}, not divisible by the {n} replicas of group={group!r}; "
+                f"pad it to a multiple of {n}."
+            )
+        if leaf.dtype == jnp.bool_:
+            raise TypeError("replicator.reduce_scatter: cannot sum booleans; cast first.")
+        out.append(reduce_scatter_p.bind(leaf, axis=ax, group=group, group_size=n))
+    return treedef.unflatten(out)
+
+
+def _reduce_scatter_abstract_eval(aval: Any, *, axis: int, group: str | None, group_size: int) -> Any:
+    del group
+    shape = list(aval.shape)
+    shape[axis] //= group_size
+    return aval.update(shape=tuple(shape))
+
+
+def _reduce_scatter_transpose_rule(ct: Any, x: Any, *, axis: int, group: str | None, group_size: int) -> list:
+    del x
+    if type(ct) is ad.Zero:
+        return [None]
+    return [all_gather_p.bind(ct, axis=axis, tiled=True, group=group, group_size=group_size)]
+
+
+def _reduce_scatter_batching_rule(args: list, dims: list, *, axis: int, **params: Any) -> tuple:
+    (x,), (d,) = args, dims
+    x = jnp.moveaxis(x, d, 0)
+    return reduce_scatter_p.bind(x, axis=axis + 1, **params), 0
+
+
+reduce_scatter_p.def_abstract_eval(_reduce_scatter_abstract_eval)
+ad.deflinear2(reduce_scatter_p, _reduce_scatter_transpose_rule)
+batching.primitive_batchers[reduce_scatter_p] = _reduce_scatter_batching_rule
+
+
+# ----------------------------------------------------------------------------
+# broadcast
+# ----------------------------------------------------------------------------
+
+broadcast_p = _placeholder("broadcast")
+
+
+def broadcast(x: PyTree, *, source: int = 0, group: str | None = None) -> PyTree:
+    """Replica ``source``'s ``x`` on every replica of the group.
+
+    ``source`` is an index within the group: a replica id for ``group=None``,
+    a core index for ``'cores'``, a worker index for ``'workers'``.
+    """
+    ctx = require_context("broadcast")
+    check_group(group, "broadcast")
+    n = ctx.group_size(group)
+    if not isinstance(source, (int, np.integer)) or not 0 <= source < n:
+        raise ValueError(
+            f"replicator.broadcast: source={source!r} is out of range; group={group!r} "
+            f"has {n} replicas, so source must be an int in 0..{n - 1}."
+        )
+    leaves, treedef = _leaves(x, "broadcast")
+    out = [broadcast_p.bind(leaf, source=int(source), group=group, group_size=n) for leaf in leaves]
+    return treedef.unflatten(out)
+
+
+def _broadcast_transpose_rule(ct: Any, x: Any, *, source: int, group: str | None, group_size: int) -> list:
+    del x
+    if type(ct) is ad.Zero:
+        return [None]
+    (total,) = all_reduce_p.bind(ct, op="sum", group=group, group_size=group_size)
+    mine = replica_id_p.bind(group=group) == source
+    return [jnp.where(mine, total, jnp.zeros_like(total))]
+
+
+broadcast_p.def_abstract_eval(lambda aval, **params: aval)
+ad.deflinear2(broadcast_p, _broadcast_transpose_rule)
+batching.primitive_batchers[broadcast_p] = lambda args, dims, **params: (broadcast_p.bind(*args, **params), dims[0])
+
+
+# ----------------------------------------------------------------------------
+# replica_id, num_replicas
+# ----------------------------------------------------------------------------
+
+replica_id_p = _placeholder("replica_id")
+
+
+def replica_id(*, group: str | None = None) -> jax.Array:
+    """This replica's index, an int32 scalar.
+
+    ``group=None``: ``worker * cores_per_worker + core``; ``'cores'``: the core
+    index within the worker; ``'workers'``: the worker index.
+    """
+    require_context("replica_id")
+    check_group(group, "replica_id")
+    return replica_id_p.bind(group=group)
+
+
+def num_replicas(*, group: str | None = None) -> int:
+    """The number of replicas in ``group`` (a Python int, known at trace time)."""
+    ctx = require_context("num_replicas")
+    return ctx.group_size(check_group(group, "num_replicas"))
+
+
+replica_id_p.def_abstract_eval(lambda **params: jax.core.ShapedArray((), jnp.int32))
+
+
+def _replica_id_jvp_rule(primals: list, tangents: list, **params: Any) -> tuple:
+    del primals, tangents
+    out = replica_id_p.bind(**params)
+    return out, ad.Zero.from_primal_value(out)
+
+
+ad.primitive_jvps[replica_id_p] = _replica_id_jvp_rule
+batching.primitive_batchers[replica_id_p] = lambda args, dims, **params: (replica_id_p.bind(**params), None)
+
+
+# ----------------------------------------------------------------------------
+# Names for messages and reports
+# ----------------------------------------------------------------------------
+
+_NAMES: dict[Primitive, Callable[[dict], str]] = {
+    all_reduce_p: lambda params: f"all_{params['op']}",
+    all_gather_p: lambda params: "all_gather",
+    reduce_scatter_p: lambda params: "reduce_scatter",
+    broadcast_p: lambda params: "broadcast",
+    replica_id_p: lambda params: "replica_id",
+}
+
+
+def collective_name(prim: Primitive, params: dict) -> str:
+    """The user-facing name of a placeholder equation, e.g. ``all_mean``."""
+    return _NAMES[prim](params)

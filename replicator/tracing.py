@@ -1,0 +1,141 @@
+"""``step_fn`` -> the per-replica jaxpr with placeholders, plus pytree bookkeeping.
+
+The step is traced once per input signature with *per-replica* abstract
+shapes (a worker's batch of B rows is seen as B / cores_per_worker rows) while
+the replica context is active, so every cross-replica call becomes a
+placeholder equation in the graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from replicator.context import ReplicaContext, replica_context
+from replicator.passes.base import StepGraph
+
+__all__ = ["TracedStep", "leaf_paths", "trace_step"]
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class TracedStep:
+    """A traced step: its graph and how to rebuild pytrees around it."""
+
+    graph: StepGraph
+    has_state: bool
+    state_treedef: Any
+    batch_treedef: Any
+    output_treedef: Any
+    state_avals: tuple[jax.ShapeDtypeStruct, ...]
+
+
+def leaf_paths(tree: PyTree, root: str) -> tuple[str, ...]:
+    """``root['w']``-style names for every leaf of ``tree``."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return tuple(root + jax.tree_util.keystr(path) for path, _ in flat)
+
+
+def _check_outputs(outputs: PyTree) -> None:
+    flat, _ = jax.tree_util.tree_flatten_with_path(outputs)
+    for path, leaf in flat:
+        if isinstance(leaf, (jax.Array, jax.core.Tracer, np.ndarray, np.generic, bool, int, float, complex)):
+            continue
+        raise TypeError(
+            f"step_fn output outputs{jax.tree_util.keystr(path)} is a {type(leaf).__name__}, "
+            f"not an array. Step outputs must be pytrees of arrays (or numbers); "
+            f"return metrics as jnp arrays and keep other Python objects out of the step."
+        )
+
+
+def _describe(avals: Any) -> str:
+    return f"{tuple(avals.shape)} {np.dtype(avals.dtype).name}"
+
+
+def _check_state_out(state_in: PyTree, state_out: PyTree) -> None:
+    in_def = jax.tree.structure(state_in)
+    out_def = jax.tree.structure(state_out)
+    if in_def != out_def:
+        raise ValueError(
+            "step_fn returned a new state whose structure differs from the state it "
+            f"received:\n  in:  {in_def}\n  out: {out_def}\n"
+            "The state must keep the same pytree structure from step to step; return "
+            "extra values as outputs instead."
+        )
+    paths = leaf_paths(state_in, "state")
+    for path, a, b in zip(paths, jax.tree.leaves(state_in), jax.tree.leaves(state_out), strict=True):
+        b_shape, b_dtype = np.shape(b), jax.numpy.result_type(b)
+        if tuple(a.shape) != tuple(b_shape) or np.dtype(a.dtype) != np.dtype(b_dtype):
+            raise ValueError(
+                f"step_fn changed {path} from {_describe(a)} to {tuple(b_shape)} "
+                f"{np.dtype(b_dtype).name}. State must keep its shapes and dtypes between "
+                f"steps (or every step would recompile); cast with .astype({np.dtype(a.dtype).name}) "
+                f"or reshape before returning it."
+            )
+
+
+def trace_step(
+    step_fn: Callable[..., Any],
+    state_avals: PyTree | None,
+    batch_avals: PyTree,
+    context: ReplicaContext,
+) -> TracedStep:
+    """Trace ``step_fn`` for one replica.
+
+    Args:
+      step_fn: ``step_fn(batch) -> outputs`` when ``state_avals`` is None,
+        else ``step_fn(state, batch) -> (new_state, outputs)``.
+      state_avals: pytree of ``jax.ShapeDtypeStruct`` for the state, or None.
+      batch_avals: pytree of per-replica ``jax.ShapeDtypeStruct``.
+      context: the mesh shape.
+
+    Returns:
+      The traced step; its graph's inputs are ``(*state, *batch)`` leaves and
+      outputs ``(*new_state, *outputs)`` leaves.
+    """
+    has_state = state_avals is not None
+    state_leaves, state_treedef = jax.tree.flatten(state_avals if has_state else ())
+    batch_leaves, batch_treedef = jax.tree.flatten(batch_avals)
+    out_info: dict[str, Any] = {}
+
+    def flat_step(*leaves: Any) -> list:
+        state = state_treedef.unflatten(leaves[: len(state_leaves)])
+        batch = batch_treedef.unflatten(leaves[len(state_leaves) :])
+        if has_state:
+            result = step_fn(state, batch)
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise TypeError(
+                    "step_fn was run with state, so it must return a pair "
+                    f"(new_state, outputs); it returned {type(result).__name__}. "
+                    "Return (state, {}) if there are no outputs."
+                )
+            new_state, outputs = result
+            _check_state_out(state_avals, new_state)
+        else:
+            new_state, outputs = (), step_fn(batch)
+        _check_outputs(outputs)
+        out_leaves, out_info["treedef"] = jax.tree.flatten(outputs)
+        out_info["paths"] = leaf_paths(outputs, "outputs")
+        return list(jax.tree.leaves(new_state)) + list(out_leaves)
+
+    with replica_context(context):
+        closed = jax.make_jaxpr(flat_step)(*state_leaves, *batch_leaves)
+    graph = StepGraph(
+        jaxpr=closed,
+        context=context,
+        state_paths=leaf_paths(state_avals, "state") if has_state else (),
+        output_paths=out_info["paths"],
+    )
+    return TracedStep(
+        graph=graph,
+        has_state=has_state,
+        state_treedef=state_treedef,
+        batch_treedef=batch_treedef,
+        output_treedef=out_info["treedef"],
+        state_avals=tuple(state_leaves),
+    )
