@@ -28,7 +28,7 @@ import numpy as np
 
 from replicator.context import ReplicaContext
 from replicator.execution import build_executable, place_batch, place_state
-from replicator.inputs import InputContext, WorkerInputs, check_worker_batch
+from replicator.inputs import InputContext, WorkerInputs, check_input_fn, check_worker_batch
 from replicator.mesh import build_mesh
 from replicator.passes.pipeline import Lowered, Pipeline
 from replicator.tracing import TracedStep, trace_step
@@ -162,6 +162,7 @@ class Replicator:
     # -- running ---------------------------------------------------------------
 
     def _worker_inputs(self, input_fn: Callable) -> WorkerInputs:
+        check_input_fn(input_fn)
         inputs = self._inputs.get(input_fn)
         if inputs is None:
             contexts = [self.input_context(w) for w in self.local_workers]

@@ -18,7 +18,7 @@ import numpy as np
 
 from replicator.errors import InputExhausted
 
-__all__ = ["InputContext", "WorkerInputs", "check_worker_batch"]
+__all__ = ["InputContext", "WorkerInputs", "check_input_fn", "check_worker_batch"]
 
 PyTree = Any
 
@@ -115,15 +115,19 @@ def check_worker_batch(batch: PyTree, cores_per_worker: int, worker_id: int) -> 
     return leaves
 
 
+def check_input_fn(input_fn: object) -> None:
+    if not callable(input_fn):
+        raise TypeError(
+            f"input_fn must be a callable taking an InputContext and returning an iterable of "
+            f"batches, got {type(input_fn).__name__}."
+        )
+
+
 class WorkerInputs:
     """The live iterators of one ``input_fn``, one per local worker."""
 
     def __init__(self, input_fn: Callable[[InputContext], Any], contexts: list[InputContext]):
-        if not callable(input_fn):
-            raise TypeError(
-                f"input_fn must be a callable taking an InputContext and returning an iterable of "
-                f"batches, got {type(input_fn).__name__}."
-            )
+        check_input_fn(input_fn)
         self.contexts = contexts
         self.iterators: list[Iterator] = []
         for ctx in contexts:

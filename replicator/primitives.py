@@ -118,7 +118,7 @@ def _instantiate(t: Any, primal: Any) -> Any:
 # all_reduce: all_sum, all_mean, all_max, all_min
 # ----------------------------------------------------------------------------
 
-all_reduce_p = _placeholder("all_reduce", multiple_results=True)
+all_reduce_p = _placeholder("rp.all_reduce", multiple_results=True)
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
 
@@ -222,7 +222,7 @@ batching.primitive_batchers[all_reduce_p] = _all_reduce_batching_rule
 # all_gather
 # ----------------------------------------------------------------------------
 
-all_gather_p = _placeholder("all_gather")
+all_gather_p = _placeholder("rp.all_gather")
 
 
 def _check_axis(axis: int, ndim: int, api_name: str, *, extra: int = 0) -> int:
@@ -300,7 +300,7 @@ batching.primitive_batchers[all_gather_p] = _all_gather_batching_rule
 # reduce_scatter
 # ----------------------------------------------------------------------------
 
-reduce_scatter_p = _placeholder("reduce_scatter")
+reduce_scatter_p = _placeholder("rp.reduce_scatter")
 
 
 def reduce_scatter(x: PyTree, *, axis: int = 0, group: str | None = None) -> PyTree:
@@ -359,7 +359,7 @@ batching.primitive_batchers[reduce_scatter_p] = _reduce_scatter_batching_rule
 # broadcast
 # ----------------------------------------------------------------------------
 
-broadcast_p = _placeholder("broadcast")
+broadcast_p = _placeholder("rp.broadcast")
 
 
 def broadcast(x: PyTree, *, source: int = 0, group: str | None = None) -> PyTree:
@@ -399,7 +399,7 @@ batching.primitive_batchers[broadcast_p] = lambda args, dims, **params: (broadca
 # replica_id, num_replicas
 # ----------------------------------------------------------------------------
 
-replica_id_p = _placeholder("replica_id")
+replica_id_p = _placeholder("rp.replica_id")
 
 
 def replica_id(*, group: str | None = None) -> jax.Array:

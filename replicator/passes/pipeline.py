@@ -102,10 +102,10 @@ class Pipeline:
         dump_dir: str | os.PathLike | None = None,
     ):
         self.passes = list(default_passes() if passes is None else passes)
-        names = [p.name for p in self.passes]
         for p in self.passes:
             if not isinstance(p, Pass):
                 raise TypeError(f"Pipeline: {p!r} is not a replicator.passes.Pass instance.")
+        names = [p.name for p in self.passes]
         self.disabled = frozenset(disable)
         unknown = self.disabled - set(names)
         if unknown:

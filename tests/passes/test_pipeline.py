@@ -1,0 +1,113 @@
+"""Pipeline: order, stages, dumps, disabling, verification, failures."""
+
+import numpy as np
+import pytest
+from jax.extend.core import Var
+
+import replicator as rp
+from replicator.passes import Pass, PassResult, Pipeline, default_passes
+from replicator.passes.pipeline import DUMP_ENV
+
+
+def _batch(n):
+    return {"x": np.ones((n, 2), np.float32)}
+
+
+def _step(b):
+    return rp.all_mean(b["x"])
+
+
+class Boom(Pass):
+    name = "boom"
+
+    def run(self, graph):
+        raise ZeroDivisionError("kaboom")
+
+
+class Identity(Pass):
+    name = "identity"
+
+    def run(self, graph):
+        return PassResult(graph, False)
+
+
+def test_default_pipeline_order():
+    assert Pipeline().names == [p.name for p in default_passes()] == ["check-replica-invariance", "lower-collectives"]
+
+
+def test_lowered_prints_every_stage(repl):
+    lowered = repl.lower(_step, _batch(repl.num_replicas))
+    text = str(lowered)
+    assert text.index("traced") < text.index("after check-replica-invariance") < text.index("after lower-collectives")
+    assert "rp.all_reduce" in str(lowered.traced) and "psum" in str(lowered.final)
+    assert [s.name for s in lowered.stages] == ["traced", "check-replica-invariance", "lower-collectives"]
+    assert [s.changed for s in lowered.stages] == [False, False, True]
+    with pytest.raises(KeyError, match="no pass named 'nope'"):
+        lowered.after("nope")
+
+
+def test_dump_dir_argument_and_environment(tmp_path, monkeypatch, n_devices):
+    explicit = tmp_path / "explicit"
+    repl = rp.Replicator(1, n_devices, passes=Pipeline(dump_dir=explicit))
+    repl.lower(_step, _batch(n_devices))
+    files = sorted(p.name for p in explicit.iterdir())
+    assert files == [
+        "00-check-replica-invariance.after.txt",
+        "00-check-replica-invariance.before.txt",
+        "01-lower-collectives.after.txt",
+        "01-lower-collectives.before.txt",
+    ]
+    assert "rp.all_reduce" in (explicit / "01-lower-collectives.before.txt").read_text()
+    assert "psum" in (explicit / "01-lower-collectives.after.txt").read_text()
+
+    monkeypatch.setenv(DUMP_ENV, str(tmp_path / "env"))
+    rp.Replicator(1, n_devices).lower(_step, _batch(n_devices))
+    assert len(list((tmp_path / "env").iterdir())) == 4
+
+
+def test_disable_by_name_and_unknown_names(n_devices):
+    repl = rp.Replicator(1, n_devices, passes=Pipeline(disable=["check-replica-invariance"]))
+    lowered = repl.lower(_step, _batch(n_devices))
+    assert [s.name for s in lowered.stages] == ["traced", "lower-collectives"]
+    with pytest.raises(ValueError, match=r"no pass named \['fuse'\]"):
+        Pipeline(disable=["fuse"])
+
+
+def test_failure_names_the_pass_and_those_before(n_devices):
+    passes = [*default_passes()[:1], Identity(), Boom(), *default_passes()[1:]]
+    repl = rp.Replicator(1, n_devices, passes=Pipeline(passes))
+    with pytest.raises(
+        rp.PassError, match=r"pass 'boom' failed after passes \['check-replica-invariance', 'identity'\]"
+    ):
+        repl.lower(_step, _batch(n_devices))
+
+
+def test_verify_runs_between_passes(n_devices):
+    class BreakTypes(Pass):
+        name = "break-types"
+
+        def run(self, graph):
+            jaxpr = graph.jaxpr.jaxpr
+            undefined = Var(jaxpr.outvars[0].aval)  # used but never defined
+            broken = jaxpr.replace(outvars=[undefined, *jaxpr.outvars[1:]])
+            return PassResult(graph.with_jaxpr(type(graph.jaxpr)(broken, graph.jaxpr.consts)), True)
+
+    repl = rp.Replicator(1, n_devices, passes=Pipeline([BreakTypes(), *default_passes()], verify=True))
+    with pytest.raises(rp.PassError, match="break-types"):
+        repl.lower(lambda b: b["x"] * 2, _batch(n_devices))
+    ok = rp.Replicator(1, n_devices, passes=Pipeline(verify=True))
+    ok.lower(_step, _batch(n_devices))
+
+
+def test_user_errors_pass_through_with_a_note(repl):
+    def bad(s, b):
+        return s + b["x"].sum(), {}
+
+    with pytest.raises(rp.DivergentStateError) as err:
+        repl.lower(bad, _batch(repl.num_replicas), np.float32(0))
+    assert any("check-replica-invariance" in note for note in err.value.__notes__)
+
+
+def test_pipeline_rejects_non_passes():
+    with pytest.raises(TypeError, match="not a replicator.passes.Pass"):
+        Pipeline([object()])

@@ -1,0 +1,189 @@
+"""Replicator.run: semantics, caching, and errors on bad input."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+
+import replicator as rp
+
+
+def _forever(batch):
+    def input_fn(ctx):
+        while True:
+            yield batch
+
+    return input_fn
+
+
+class TestSemantics:
+    def test_without_state_outputs_are_stacked_in_replica_order(self, repl2d):
+        n, c = repl2d.num_replicas, repl2d.cores_per_worker
+        seen = []
+
+        def input_fn(ctx):
+            seen.append(ctx.worker_id)
+            base = 1000 * ctx.worker_id
+            while True:
+                yield {"x": base + np.arange(2 * c, dtype=np.float32)}
+
+        out = repl2d.run(lambda b: {"rows": b["x"], "rid": rp.replica_id()}, input_fn)
+        assert seen == list(range(repl2d.num_workers))  # once per worker
+        np.testing.assert_array_equal(out["rid"], np.arange(n))
+        for r in range(n):
+            w, core = divmod(r, c)
+            np.testing.assert_array_equal(out["rows"][r], 1000 * w + np.arange(2 * core, 2 * core + 2))
+
+    def test_state_comes_back_once_and_stays_on_the_mesh(self, repl):
+        state = {"w": jnp.ones(3), "count": jnp.int32(0)}
+
+        def step(s, b):
+            return {"w": s["w"] + rp.all_mean(b["x"]).sum(0), "count": s["count"] + 1}, {}
+
+        batch = {"x": np.ones((repl.num_replicas, 3), np.float32)}
+        state, out = repl.run(step, _forever(batch), state)
+        assert out == {}
+        assert state["w"].shape == (3,) and int(state["count"]) == 1
+        assert isinstance(state["w"].sharding, NamedSharding) and state["w"].sharding.mesh == repl.mesh
+        assert state["w"].sharding.is_fully_replicated
+        np.testing.assert_allclose(state["w"], 2.0)
+
+    def test_input_fn_is_continued_across_calls(self, repl):
+        n = repl.num_replicas
+        calls = []
+
+        def input_fn(ctx):
+            calls.append(ctx)
+            for i in range(3):
+                yield {"x": np.full((n,), i, np.float32)}
+
+        firsts = [float(repl.run(lambda b: b["x"], input_fn)[0, 0]) for _ in range(3)]
+        assert firsts == [0.0, 1.0, 2.0] and len(calls) == 1
+        with pytest.raises(rp.InputExhausted, match="exhausted after 3 batches"):
+            repl.run(lambda b: b["x"], input_fn)
+        with pytest.raises(StopIteration):  # a plain `except StopIteration` ends loops
+            repl.run(lambda b: b["x"], input_fn)
+
+    def test_input_context(self, repl2d):
+        contexts = []
+
+        def input_fn(ctx):
+            contexts.append(ctx)
+            yield {"x": np.zeros((ctx.cores_per_worker,), np.float32)}
+
+        repl2d.run(lambda b: b["x"], input_fn)
+        ctx = contexts[-1]
+        assert ctx.num_replicas == repl2d.num_replicas and ctx.num_workers == repl2d.num_workers
+        assert list(ctx.replica_ids) == list(
+            range(ctx.worker_id * ctx.cores_per_worker, (ctx.worker_id + 1) * ctx.cores_per_worker)
+        )
+        assert ctx.get_per_replica_batch_size(8 * repl2d.num_replicas) == 8
+
+
+class TestCompileOnce:
+    def test_repeated_calls_neither_retrace_nor_recompile(self, n_devices):
+        repl = rp.Replicator(1, n_devices)
+        traces = []
+
+        def step(s, b):
+            traces.append(1)
+            return s + rp.all_sum(b["x"]).sum(), {"m": rp.all_mean(b["x"])}
+
+        state = jnp.float32(0)  # weak-typed scalars must not cause a second trace either
+        input_fn = _forever({"x": np.ones((2 * n_devices, 2), np.float32)})
+        for _ in range(4):
+            state, _ = repl.run(step, input_fn, state)
+        assert len(traces) == 1 and repl.trace_count == 1
+        (compiled,) = repl._compiled.values()
+        assert compiled.executable._cache_size() == 1
+        assert float(state) == 4 * 2 * 2 * n_devices
+
+    def test_a_new_batch_shape_compiles_a_new_step(self, repl):
+        n = repl.num_replicas
+        before = repl.trace_count
+        f = lambda b: b["x"] * 2  # noqa: E731
+        repl.run(f, _forever({"x": np.ones((n,), np.float32)}))
+        repl.run(f, _forever({"x": np.ones((2 * n,), np.float32)}))
+        assert repl.trace_count == before + 2
+
+
+class TestBadInput:
+    def test_leading_axis_not_divisible(self, repl):
+        n = repl.num_replicas
+        with pytest.raises(ValueError, match=rf"{n + 1} rows, not divisible by cores_per_worker={n}"):
+            repl.run(lambda b: b, _forever({"x": np.ones((n + 1, 2), np.float32)}))
+
+    def test_leaves_with_different_leading_sizes(self, repl):
+        n = repl.num_replicas
+        batch = {"x": np.ones((n, 2), np.float32), "y": np.ones((2 * n,), np.float32)}
+        with pytest.raises(ValueError, match=rf"different leading sizes \(batch\['x'\]: {n}, batch\['y'\]: {2 * n}\)"):
+            repl.run(lambda b: b, _forever(batch))
+
+    def test_scalar_batch_leaf(self, repl):
+        with pytest.raises(ValueError, match=r"batch\['lr'\] is a scalar"):
+            repl.run(lambda b: b, _forever({"lr": 0.1, "x": np.ones(repl.num_replicas)}))
+
+    def test_outputs_that_are_not_arrays(self, repl):
+        with pytest.raises(TypeError, match=r"outputs\['name'\] is a str, not an array"):
+            repl.run(lambda b: {"name": "loss", "x": b["x"]}, _forever({"x": np.ones(repl.num_replicas)}))
+
+    def test_state_shape_change(self, repl):
+        batch = {"x": np.ones(repl.num_replicas, np.float32)}
+        with pytest.raises(ValueError, match=r"changed state\['w'\] from \(3,\) float32 to \(4,\) float32"):
+            repl.run(lambda s, b: ({"w": jnp.zeros(4)}, {}), _forever(batch), {"w": jnp.zeros(3)})
+
+    def test_state_dtype_change(self, repl):
+        batch = {"x": np.ones(repl.num_replicas, np.float32)}
+        with pytest.raises(ValueError, match=r"state\['n'\] from \(\) int32 to \(\) float32.*astype\(int32\)"):
+            repl.run(lambda s, b: ({"n": s["n"] * 0.5}, {}), _forever(batch), {"n": jnp.int32(1)})
+
+    def test_state_structure_change(self, repl):
+        batch = {"x": np.ones(repl.num_replicas, np.float32)}
+        with pytest.raises(ValueError, match="structure differs"):
+            repl.run(lambda s, b: ({"w": s["w"], "extra": s["w"]}, {}), _forever(batch), {"w": jnp.zeros(3)})
+
+    def test_step_with_state_must_return_a_pair(self, repl):
+        batch = {"x": np.ones(repl.num_replicas, np.float32)}
+        with pytest.raises(TypeError, match=r"pair \(new_state, outputs\)"):
+            repl.run(lambda s, b: s, _forever(batch), jnp.zeros(3))
+
+    def test_input_fn_must_be_callable_returning_iterable(self, repl):
+        with pytest.raises(TypeError, match="input_fn must be a callable"):
+            repl.run(lambda b: b, [1, 2])
+        with pytest.raises(TypeError, match="must return an iterable"):
+            repl.run(lambda b: b, lambda ctx: 3)
+
+    def test_more_replicas_than_devices(self, n_devices):
+        with pytest.raises(ValueError, match=rf"needs {2 * n_devices} devices but only {n_devices}.*force_cpu_devices"):
+            rp.Replicator(num_workers=2, cores_per_worker=n_devices)
+
+    def test_force_cpu_devices_after_start(self, n_devices):
+        rp.force_cpu_devices(n_devices)  # enough already: nothing to do
+        with pytest.raises(RuntimeError, match=rf"(?s)already started with {n_devices} CPU.*XLA_FLAGS="):
+            rp.force_cpu_devices(n_devices + 1)
+
+
+def test_force_cpu_devices_before_start_keeps_other_flags():
+    code = (
+        "import os, replicator as rp; rp.force_cpu_devices(3); print(os.environ['XLA_FLAGS']);"
+        "import jax; print(jax.device_count())"
+    )
+    env = dict(os.environ, XLA_FLAGS="--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=5")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    flags, count = out.stdout.split("\n")[:2]
+    assert flags.split() == ["--xla_cpu_enable_fast_math=false", "--xla_force_host_platform_device_count=3"]
+    assert count == "3"
+
+
+def test_collectives_outside_a_step_say_where_to_call_them():
+    with pytest.raises(RuntimeError, match="Replicator.run"):
+        rp.all_mean(jnp.ones(3))
+    with pytest.raises(RuntimeError, match="Replicator.run"):
+        rp.num_replicas()
+    assert jax.device_count() >= 1
