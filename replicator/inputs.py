@@ -90,8 +90,10 @@ def check_worker_batch(batch: PyTree, cores_per_worker: int, worker_id: int) -> 
                 leaf = np.asarray(leaf)
             except Exception as e:  # noqa: BLE001
                 raise TypeError(f"{name} is a {type(leaf).__name__}, not an array.") from e
-            if leaf.dtype == object:
-                raise TypeError(f"{name} is not a numeric array (dtype object); yield arrays of numbers.")
+            if leaf.dtype.kind not in "biufc":
+                raise TypeError(
+                    f"{name} is not a numeric array (dtype {leaf.dtype}); yield arrays of numbers or booleans."
+                )
         if leaf.ndim == 0:
             raise ValueError(
                 f"{name} is a scalar, but every batch leaf is split along its leading axis over "

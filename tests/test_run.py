@@ -128,6 +128,11 @@ class TestBadInput:
         with pytest.raises(ValueError, match=r"batch\['lr'\] is a scalar"):
             repl.run(lambda b: b, _forever({"lr": 0.1, "x": np.ones(repl.num_replicas)}))
 
+    def test_non_numeric_batch_leaf(self, repl):
+        n = repl.num_replicas
+        with pytest.raises(TypeError, match=r"batch\['name'\] is not a numeric array \(dtype <U1\)"):
+            repl.run(lambda b: b["x"], _forever({"name": np.array(["a"] * n), "x": np.ones(n)}))
+
     def test_outputs_that_are_not_arrays(self, repl):
         with pytest.raises(TypeError, match=r"outputs\['name'\] is a str, not an array"):
             repl.run(lambda b: {"name": "loss", "x": b["x"]}, _forever({"x": np.ones(repl.num_replicas)}))
