@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding
@@ -40,8 +41,9 @@ def build_executable(graph: StepGraph, mesh: Mesh, *, donate_state: bool = False
     n_state = graph.num_state
 
     def per_replica(state: list, batch: list) -> tuple[list, list]:
-        outs = fn(*state, *batch)
-        return list(outs[:n_state]), [o[None] for o in outs[n_state:]]
+        # A rewrite may leave a constant (a literal) as an output: make it an array.
+        outs = [jnp.asarray(o) for o in fn(*state, *batch)]
+        return outs[:n_state], [o[None] for o in outs[n_state:]]
 
     mapped = jax.shard_map(
         per_replica,

@@ -4,6 +4,7 @@ from replicator.passes.base import Pass as Pass
 from replicator.passes.base import PassResult as PassResult
 from replicator.passes.base import StepGraph as StepGraph
 from replicator.passes.base import count_primitives as count_primitives
+from replicator.passes.fuse_allreduce import FuseAllReduce as FuseAllReduce
 from replicator.passes.invariance import CheckReplicaInvariance as CheckReplicaInvariance
 from replicator.passes.invariance import analyze as analyze_invariance
 from replicator.passes.lower_collectives import LowerCollectives as LowerCollectives
@@ -11,17 +12,20 @@ from replicator.passes.pipeline import Lowered as Lowered
 from replicator.passes.pipeline import Pipeline as Pipeline
 from replicator.passes.pipeline import Stage as Stage
 from replicator.passes.pipeline import default_passes as default_passes
+from replicator.passes.simplify import Simplify as Simplify
 from replicator.passes.verify import GraphInvariantError as GraphInvariantError
 from replicator.passes.verify import verify_graph as verify_graph
 
 __all__ = [
     "CheckReplicaInvariance",
+    "FuseAllReduce",
     "GraphInvariantError",
     "LowerCollectives",
     "Lowered",
     "Pass",
     "PassResult",
     "Pipeline",
+    "Simplify",
     "Stage",
     "StepGraph",
     "analyze_invariance",

@@ -27,6 +27,7 @@ from replicator.context import ReplicaContext
 from replicator.primitives import PLACEHOLDERS
 
 __all__ = [
+    "CALL_PARAMS",
     "Pass",
     "PassResult",
     "StepGraph",
@@ -38,6 +39,19 @@ __all__ = [
 ]
 
 Atom = Any  # Var | Literal
+
+#: Call-like primitives (by name) and the param holding the callee, whose
+#: inputs are the trailing operands of the equation.
+CALL_PARAMS: dict[str, str] = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "remat2": "jaxpr",
+    "checkpoint": "jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+}
 EqnRule = Callable[[JaxprEqn], "tuple[list[JaxprEqn], list[Atom]] | None"]
 
 

@@ -32,7 +32,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Primitive, Va
 from replicator._jax_compat import user_source_line
 from replicator.context import group_axes
 from replicator.errors import DivergentControlFlowError, DivergentStateError
-from replicator.passes.base import Pass, PassResult, StepGraph, iter_eqns
+from replicator.passes.base import CALL_PARAMS, Pass, PassResult, StepGraph, iter_eqns
 from replicator.primitives import (
     PLACEHOLDERS,
     all_gather_p,
@@ -43,11 +43,21 @@ from replicator.primitives import (
     replica_id_p,
 )
 
-__all__ = ["CheckReplicaInvariance", "InvarianceInfo", "analyze", "variance_of"]
+__all__ = [
+    "INVARIANT",
+    "OPAQUE_PRIMITIVES",
+    "CheckReplicaInvariance",
+    "InvarianceInfo",
+    "Variance",
+    "VarianceAnalysis",
+    "analyze",
+    "rule_for",
+    "variance_of",
+]
 
 Variance = frozenset  # of mesh axis names
 INVARIANT: Variance = frozenset()
-Rule = Callable[["_Analysis", JaxprEqn, list[Variance]], list[Variance]]
+Rule = Callable[["VarianceAnalysis", JaxprEqn, list[Variance]], list[Variance]]
 RULES: dict[Primitive, Rule] = {}
 
 
@@ -75,8 +85,16 @@ def _union(vs: Sequence[Variance]) -> Variance:
     return frozenset(out)
 
 
-class _Analysis:
-    """Forward data-flow over one jaxpr and its sub-jaxprs."""
+#: Primitives whose results may differ between replicas whatever their inputs.
+OPAQUE_PRIMITIVES = frozenset(["pure_callback", "io_callback"])
+
+
+class VarianceAnalysis:
+    """Forward data-flow over one jaxpr and its sub-jaxprs.
+
+    ``run(jaxpr, in_variance)`` returns the variance of the outputs and of
+    every var of ``jaxpr`` (not of its sub-jaxprs).
+    """
 
     def __init__(self, axis_sizes: dict[str, int]):
         # Axes of size 1 cannot make values differ.
@@ -92,14 +110,16 @@ class _Analysis:
             env[v] = INVARIANT
         for eqn in jaxpr.eqns:
             ins = [variance_of(env, a) for a in eqn.invars]
-            rule = _lookup(eqn.primitive)
-            outs = rule(self, eqn, ins)
+            outs = rule_for(eqn.primitive)(self, eqn, ins)
+            if eqn.effects or eqn.primitive.name in OPAQUE_PRIMITIVES:
+                # Host callbacks and effectful code may return per-replica data.
+                outs = [self.all_axes] * len(eqn.outvars)
             for var, v in zip(eqn.outvars, outs, strict=True):
                 env[var] = v
         return [variance_of(env, a) for a in jaxpr.outvars], env
 
 
-def _default_rule(analysis: _Analysis, eqn: JaxprEqn, ins: list[Variance]) -> list[Variance]:
+def _default_rule(analysis: VarianceAnalysis, eqn: JaxprEqn, ins: list[Variance]) -> list[Variance]:
     del analysis
     v = _union(ins)
     return [v] * len(eqn.outvars)
@@ -112,7 +132,7 @@ def _jaxpr(x: Jaxpr | ClosedJaxpr) -> Jaxpr:
 # -- collectives -------------------------------------------------------------
 
 
-def _reducing_rule(analysis: _Analysis, eqn: JaxprEqn, ins: list[Variance]) -> list[Variance]:
+def _reducing_rule(analysis: VarianceAnalysis, eqn: JaxprEqn, ins: list[Variance]) -> list[Variance]:
     axes = analysis.axes(eqn.params["group"])
     return [v - axes for v in ins]
 
@@ -132,7 +152,7 @@ def _collectives_in(jaxprs: Sequence[Jaxpr]) -> list[JaxprEqn]:
 
 
 def _check_uniform_predicate(
-    analysis: _Analysis, eqn: JaxprEqn, predicate: Variance, bodies: Sequence[Jaxpr], what: str
+    analysis: VarianceAnalysis, eqn: JaxprEqn, predicate: Variance, bodies: Sequence[Jaxpr], what: str
 ) -> None:
     if not predicate:
         return
@@ -154,7 +174,7 @@ def _check_uniform_predicate(
             )
 
 
-def _cond_rule(analysis: _Analysis, eqn: JaxprEqn, ins: list[Variance]) -> list[Variance]:
+def _cond_rule(analysis: VarianceAnalysis, eqn: JaxprEqn, ins: list[Variance]) -> list[Variance]:
     predicate, operands = ins[0], ins[1:]
     branches = [_jaxpr(b) for b in eqn.params["branches"]]
     _check_uniform_predicate(analysis, eqn, predicate, branches, "lax.cond/switch")
@@ -170,7 +190,7 @@ def _fixpoint(step: Callable[[list[Variance]], list[Variance]], carry: list[Vari
         carry = new
 
 
-def _while_rule(analysis: _Analysis, eqn: JaxprEqn, ins: list[Variance]) -> list[Variance]:
+def _while_rule(analysis: VarianceAnalysis, eqn: JaxprEqn, ins: list[Variance]) -> list[Variance]:
     p = eqn.params
     cond_consts = ins[: p["cond_nconsts"]]
     body_consts = ins[p["cond_nconsts"] : p["cond_nconsts"] + p["body_nconsts"]]
@@ -189,7 +209,7 @@ def _while_rule(analysis: _Analysis, eqn: JaxprEqn, ins: list[Variance]) -> list
     return carry
 
 
-def _scan_rule(analysis: _Analysis, eqn: JaxprEqn, ins: list[Variance]) -> list[Variance]:
+def _scan_rule(analysis: VarianceAnalysis, eqn: JaxprEqn, ins: list[Variance]) -> list[Variance]:
     p = eqn.params
     n_consts, n_carry = p["num_consts"], p["num_carry"]
     consts, carry, xs = ins[:n_consts], list(ins[n_consts : n_consts + n_carry]), ins[n_consts + n_carry :]
@@ -204,7 +224,7 @@ def _scan_rule(analysis: _Analysis, eqn: JaxprEqn, ins: list[Variance]) -> list[
 
 
 def _call_rule(param: str) -> Rule:
-    def rule(analysis: _Analysis, eqn: JaxprEqn, ins: list[Variance]) -> list[Variance]:
+    def rule(analysis: VarianceAnalysis, eqn: JaxprEqn, ins: list[Variance]) -> list[Variance]:
         callee = eqn.params[param]
         inner = _jaxpr(callee)
         return analysis.run(inner, ins[len(ins) - len(inner.invars) :])[0]
@@ -218,18 +238,11 @@ _BY_NAME: dict[str, Rule] = {
     "cond": _cond_rule,
     "while": _while_rule,
     "scan": _scan_rule,
-    "jit": _call_rule("jaxpr"),
-    "pjit": _call_rule("jaxpr"),
-    "closed_call": _call_rule("call_jaxpr"),
-    "core_call": _call_rule("call_jaxpr"),
-    "remat2": _call_rule("jaxpr"),
-    "checkpoint": _call_rule("jaxpr"),
-    "custom_jvp_call": _call_rule("call_jaxpr"),
-    "custom_vjp_call": _call_rule("call_jaxpr"),
+    **{name: _call_rule(param) for name, param in CALL_PARAMS.items()},
 }
 
 
-def _lookup(prim: Primitive) -> Rule:
+def rule_for(prim: Primitive) -> Rule:
     rule = RULES.get(prim)
     if rule is not None:
         return rule
@@ -241,7 +254,7 @@ def _lookup(prim: Primitive) -> Rule:
 
 def analyze(graph: StepGraph) -> InvarianceInfo:
     """Variance of every top-level value of ``graph`` (state in: invariant)."""
-    analysis = _Analysis(graph.context.axis_sizes)
+    analysis = VarianceAnalysis(graph.context.axis_sizes)
     both = analysis.all_axes
     ins = [INVARIANT] * graph.num_state + [both] * graph.num_batch
     outs, env = analysis.run(graph.jaxpr.jaxpr, ins)

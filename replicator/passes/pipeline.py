@@ -24,8 +24,10 @@ from collections.abc import Iterable, Sequence
 
 from replicator.errors import PassError, ReplicationError
 from replicator.passes.base import Pass, StepGraph
+from replicator.passes.fuse_allreduce import FuseAllReduce
 from replicator.passes.invariance import CheckReplicaInvariance
 from replicator.passes.lower_collectives import LowerCollectives
+from replicator.passes.simplify import Simplify
 from replicator.passes.verify import verify_graph
 
 __all__ = ["DUMP_ENV", "Lowered", "Pipeline", "Stage", "default_passes"]
@@ -34,8 +36,12 @@ DUMP_ENV = "REPLICATOR_DUMP_DIR"
 
 
 def default_passes() -> list[Pass]:
-    """The default pipeline, in order."""
-    return [CheckReplicaInvariance(), LowerCollectives()]
+    """The default pipeline, in order.
+
+    Checks run first so their errors point at the collectives the user wrote;
+    optimizations work on placeholders; lowering comes last.
+    """
+    return [CheckReplicaInvariance(), Simplify(), FuseAllReduce(), LowerCollectives()]
 
 
 @dataclasses.dataclass(frozen=True)

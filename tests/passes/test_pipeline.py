@@ -32,16 +32,19 @@ class Identity(Pass):
 
 
 def test_default_pipeline_order():
-    assert Pipeline().names == [p.name for p in default_passes()] == ["check-replica-invariance", "lower-collectives"]
+    assert Pipeline().names == [p.name for p in default_passes()]
+    assert Pipeline().names == ["check-replica-invariance", "simplify", "fuse-allreduce", "lower-collectives"]
 
 
 def test_lowered_prints_every_stage(repl):
     lowered = repl.lower(_step, _batch(repl.num_replicas))
     text = str(lowered)
-    assert text.index("traced") < text.index("after check-replica-invariance") < text.index("after lower-collectives")
+    positions = [text.index(f"after {name}") for name in Pipeline().names]
+    assert text.index("traced") < positions[0] and positions == sorted(positions)
     assert "rp.all_reduce" in str(lowered.traced) and "psum" in str(lowered.final)
-    assert [s.name for s in lowered.stages] == ["traced", "check-replica-invariance", "lower-collectives"]
-    assert [s.changed for s in lowered.stages] == [False, False, True]
+    assert [s.name for s in lowered.stages] == ["traced", *Pipeline().names]
+    # all_mean of batch data: nothing to simplify or fuse; lowering changes it.
+    assert [s.changed for s in lowered.stages] == [False, False, False, False, True]
     with pytest.raises(KeyError, match="no pass named 'nope'"):
         lowered.after("nope")
 
@@ -51,24 +54,24 @@ def test_dump_dir_argument_and_environment(tmp_path, monkeypatch, n_devices):
     repl = rp.Replicator(1, n_devices, passes=Pipeline(dump_dir=explicit))
     repl.lower(_step, _batch(n_devices))
     files = sorted(p.name for p in explicit.iterdir())
-    assert files == [
-        "00-check-replica-invariance.after.txt",
-        "00-check-replica-invariance.before.txt",
-        "01-lower-collectives.after.txt",
-        "01-lower-collectives.before.txt",
-    ]
-    assert "rp.all_reduce" in (explicit / "01-lower-collectives.before.txt").read_text()
-    assert "psum" in (explicit / "01-lower-collectives.after.txt").read_text()
+    names = Pipeline().names
+    assert files == sorted(f"{i:02d}-{name}.{when}.txt" for i, name in enumerate(names) for when in ("before", "after"))
+    last = f"{len(names) - 1:02d}-lower-collectives"
+    assert "rp.all_reduce" in (explicit / f"{last}.before.txt").read_text()
+    assert "psum" in (explicit / f"{last}.after.txt").read_text()
 
     monkeypatch.setenv(DUMP_ENV, str(tmp_path / "env"))
     rp.Replicator(1, n_devices).lower(_step, _batch(n_devices))
-    assert len(list((tmp_path / "env").iterdir())) == 4
+    assert len(list((tmp_path / "env").iterdir())) == 2 * len(names)
 
 
 def test_disable_by_name_and_unknown_names(n_devices):
     repl = rp.Replicator(1, n_devices, passes=Pipeline(disable=["check-replica-invariance"]))
     lowered = repl.lower(_step, _batch(n_devices))
-    assert [s.name for s in lowered.stages] == ["traced", "lower-collectives"]
+    assert [s.name for s in lowered.stages] == [
+        "traced",
+        *[n for n in Pipeline().names if n != "check-replica-invariance"],
+    ]
     with pytest.raises(ValueError, match=r"no pass named \['fuse'\]"):
         Pipeline(disable=["fuse"])
 

@@ -1,0 +1,361 @@
+"""``fuse-allreduce``: combine independent all-reduces into one per bucket.
+
+Many small collectives are much slower than one big one (Horovod's *Tensor
+Fusion*, PyTorch DDP's gradient buckets, XLA's all-reduce combiner): on 8
+emulated CPU devices 50 ``psum``s of 1000 floats cost 12-17 ms, one ``psum`` of
+the 50000 concatenated floats 1.3 ms. A step that averages its gradients leaf
+by leaf produces exactly that pattern. This pass runs on the placeholders
+(before ``lower-collectives``) and rewrites::
+
+    a = rp.all_reduce[op=mean group=None] ga        # f32[4, 4]
+    b = rp.all_reduce[op=mean group=None] gb        # f32[4]
+
+into::
+
+    fa = reshape ga (16,) ; fb = reshape gb (4,)
+    buf = concatenate fa fb                         # f32[20]
+    s = rp.all_reduce[op=mean group=None] buf       # one collective
+    a = reshape (slice s 0:16) (4, 4) ; b = slice s 16:20
+
+How it decides, per *region* (the step's jaxpr and, separately, every
+sub-jaxpr: ``cond`` branches, ``scan``/``while`` bodies, ``jit``, ``remat``,
+custom-derivative calls; callees first). A collective never moves across a
+control-flow boundary.
+
+* Walking the equations in order, the pass keeps an open *window* of buckets
+  keyed by ``(op, group, dtype)`` (and weak type, so that every value keeps
+  its exact type). An ``rp.all_reduce`` whose op is fused and whose inputs do
+  not depend on a pending bucket joins the bucket of each of its operands (an
+  equation with operands of several dtypes is split across buckets).
+* Outputs of bucket members are *tainted*; an equation reading a tainted
+  value is deferred (its outputs become tainted too); any other equation is
+  emitted at once.
+* An all-reduce reading a tainted value, or any equation with effects, first
+  *flushes* the window: the fused collectives of every bucket, then the
+  deferred equations in their original order. The region's end flushes too.
+* A bucket that would grow past ``threshold_bytes`` is closed and a new one
+  started (an operand larger than the threshold gets a bucket of its own).
+
+Every fused collective reads only values defined before the flush point, and
+deferred equations are emitted after it in program order, so the rewrite
+never creates a cycle. Buckets and their members are in program order, so
+every replica (and every run) builds the same program. A region where nothing
+is fused is kept exactly as it was (reordering alone is not a change), so
+running the pass on its own output changes nothing.
+
+Example::
+
+    passes = rp.Pipeline([CheckReplicaInvariance(), FuseAllReduce(), LowerCollectives()])
+    repl = rp.Replicator(1, 8, passes=passes)
+    fusion_report(repl.lower(step, batch, state).traced)   # the planned buckets
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from jax import lax
+from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Var
+
+from replicator._jax_compat import user_source_line
+from replicator.context import ReplicaContext
+from replicator.passes.base import Pass, PassResult, StepGraph, inline_function, map_subjaxprs
+from replicator.primitives import REDUCE_OPS, all_reduce_p
+
+__all__ = ["DEFAULT_THRESHOLD_BYTES", "Bucket", "FuseAllReduce", "fusion_report"]
+
+Atom = Any  # Var | Literal
+BucketKey = tuple  # (op, group, group_size, dtype, weak_type)
+
+#: Bucket size cap; 64 MiB as Horovod's default fusion buffer.
+DEFAULT_THRESHOLD_BYTES = 64 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """One bucket of all-reduce operands, as the pass plans it.
+
+    Attributes:
+      region: where the bucket lives: ``'step'`` for the top-level jaxpr, then
+        ``/<primitive>@<equation index>.<sub-jaxpr index>`` per nesting level,
+        e.g. ``'step/scan@7.0'``.
+      op: the reduction (``'sum'``, ``'mean'``, ...).
+      group: the replica group (``None``, ``'cores'``, ``'workers'``).
+      dtype: the operands' dtype name.
+      shapes: each operand's shape, in program order.
+      sources: the user's source line of each operand's collective.
+      nbytes: the bytes the bucket's collective carries.
+      fused: whether the bucket became a new collective (False: one original
+        equation kept as it was).
+    """
+
+    region: str
+    op: str
+    group: str | None
+    dtype: str
+    shapes: tuple[tuple[int, ...], ...]
+    sources: tuple[str, ...]
+    nbytes: int
+    fused: bool
+
+    @property
+    def num_operands(self) -> int:
+        return len(self.shapes)
+
+
+@dataclasses.dataclass
+class _Member:
+    eqn: JaxprEqn  # the original collective (invars already substituted)
+    index: int  # which of its operands
+
+    @property
+    def atom(self) -> Atom:
+        return self.eqn.invars[self.index]
+
+    @property
+    def outvar(self) -> Var:
+        return self.eqn.outvars[self.index]
+
+
+@dataclasses.dataclass
+class _Pending:
+    key: BucketKey
+    members: list[_Member] = dataclasses.field(default_factory=list)
+    nbytes: int = 0
+
+
+def _nbytes(aval: Any) -> int:
+    return math.prod(aval.shape) * aval.dtype.itemsize
+
+
+def _is_whole_eqn(members: Sequence[_Member]) -> bool:
+    """True if ``members`` are exactly the operands of one equation, in order."""
+    eqn = members[0].eqn
+    return all(m.eqn is eqn for m in members) and [m.index for m in members] == list(range(len(eqn.invars)))
+
+
+def _fused_all_reduce(params: dict) -> Any:
+    """``fn(*xs)``: one all-reduce of all ``xs`` flattened and concatenated."""
+
+    def fn(*xs: Any) -> list:
+        if len(xs) == 1:
+            return all_reduce_p.bind(xs[0], **params)
+        flat = [lax.reshape(x, (math.prod(x.shape),)) for x in xs]
+        (reduced,) = all_reduce_p.bind(lax.concatenate(flat, 0), **params)
+        outs, offset = [], 0
+        for x, f in zip(xs, flat, strict=True):
+            size = f.shape[0]
+            outs.append(lax.reshape(lax.slice(reduced, (offset,), (offset + size,)), x.shape))
+            offset += size
+        return outs
+
+    return fn
+
+
+class _Window:
+    """The rewrite of one region: emitted equations, pending buckets, deferrals."""
+
+    def __init__(self, fuser: FuseAllReduce, context: ReplicaContext, region: str, report: list[Bucket]):
+        self.fuser = fuser
+        self.context = context
+        self.region = region
+        self.report = report
+        self.out: list[JaxprEqn] = []
+        self.env: dict[Var, Atom] = {}
+        self.changed = False
+        self._buckets: list[_Pending] = []  # open and closed, in creation order
+        self._open: dict[BucketKey, _Pending] = {}
+        self._deferred: list[JaxprEqn] = []
+        self._tainted: set[Var] = set()
+
+    # -- helpers ---------------------------------------------------------------
+
+    def read(self, atom: Atom) -> Atom:
+        return self.env.get(atom, atom) if isinstance(atom, Var) else atom
+
+    def _substitute(self, eqn: JaxprEqn) -> JaxprEqn:
+        if any(isinstance(v, Var) and v in self.env for v in eqn.invars):
+            return eqn.replace(invars=[self.read(v) for v in eqn.invars])
+        return eqn
+
+    def _reads_tainted(self, eqn: JaxprEqn) -> bool:
+        return any(isinstance(v, Var) and v in self._tainted for v in eqn.invars)
+
+    def _taint(self, eqn: JaxprEqn) -> None:
+        self._tainted.update(v for v in eqn.outvars if not isinstance(v, DropVar))
+
+    # -- the walk ----------------------------------------------------------------
+
+    def process(self, eqn: JaxprEqn) -> None:
+        """Emit, defer or bucket one equation (its sub-jaxprs already fused)."""
+        eqn = self._substitute(eqn)
+        if self.fuser.is_candidate(eqn):
+            if self._reads_tainted(eqn):
+                self.flush()
+            self._join(eqn)
+        elif eqn.effects:
+            self.flush()
+            self.out.append(eqn)
+        elif self._reads_tainted(eqn):
+            self._deferred.append(eqn)
+            self._taint(eqn)
+        else:
+            self.out.append(eqn)
+
+    def _join(self, eqn: JaxprEqn) -> None:
+        params = eqn.params
+        for index, atom in enumerate(eqn.invars):
+            aval = atom.aval
+            key = (params["op"], params["group"], params["group_size"], aval.dtype, aval.weak_type)
+            size = _nbytes(aval)
+            bucket = self._open.get(key)
+            if bucket is None or (bucket.members and bucket.nbytes + size > self.fuser.threshold_bytes):
+                bucket = self._open[key] = _Pending(key)
+                self._buckets.append(bucket)
+            bucket.members.append(_Member(eqn, index))
+            bucket.nbytes += size
+        self._taint(eqn)
+
+    def flush(self) -> None:
+        """Emit every pending bucket, then the deferred equations in order."""
+        for bucket in self._buckets:
+            self._emit(bucket)
+        for eqn in self._deferred:
+            self.out.append(self._substitute(eqn))
+        self._buckets, self._open, self._deferred = [], {}, []
+        self._tainted = set()
+
+    def _emit(self, bucket: _Pending) -> None:
+        members = bucket.members
+        first = members[0].eqn
+        fused = not _is_whole_eqn(members)
+        self.report.append(
+            Bucket(
+                region=self.region,
+                op=first.params["op"],
+                group=first.params["group"],
+                dtype=str(members[0].atom.aval.dtype),
+                shapes=tuple(tuple(m.atom.aval.shape) for m in members),
+                sources=tuple(user_source_line(m.eqn.source_info) for m in members),
+                nbytes=bucket.nbytes,
+                fused=fused,
+            )
+        )
+        if not fused:
+            self.out.append(first)
+            return
+        self.changed = True
+        params = {k: first.params[k] for k in ("op", "group", "group_size")}
+        eqns, outs = inline_function(
+            _fused_all_reduce(params), [m.atom for m in members], context=self.context, like=first
+        )
+        self.out.extend(eqns)
+        for member, atom in zip(members, outs, strict=True):
+            if not isinstance(member.outvar, DropVar):
+                self.env[member.outvar] = atom
+
+
+class FuseAllReduce(Pass):
+    """Fuse independent ``rp.all_reduce`` placeholders into buckets.
+
+    Args:
+      threshold_bytes: the most bytes one fused collective carries; a bucket
+        that would grow past it is closed and a new one started.
+      ops: the reductions to fuse (any of ``'sum'``, ``'mean'``, ``'max'``,
+        ``'min'``); all-reduces with other ops are left alone.
+    """
+
+    name = "fuse-allreduce"
+
+    def __init__(self, threshold_bytes: int = DEFAULT_THRESHOLD_BYTES, ops: Sequence[str] = ("sum", "mean")):
+        if isinstance(threshold_bytes, bool) or not isinstance(threshold_bytes, (int, np.integer)):
+            raise TypeError(f"FuseAllReduce: threshold_bytes must be an int, got {threshold_bytes!r}.")
+        if threshold_bytes <= 0:
+            raise ValueError(f"FuseAllReduce: threshold_bytes must be positive, got {threshold_bytes}.")
+        if isinstance(ops, str):
+            ops = (ops,)
+        unknown = [op for op in ops if op not in REDUCE_OPS]
+        if unknown:
+            raise ValueError(f"FuseAllReduce: unknown ops {unknown}; choose from {list(REDUCE_OPS)}.")
+        self.threshold_bytes = int(threshold_bytes)
+        self.ops = tuple(dict.fromkeys(ops))
+
+    def __repr__(self) -> str:
+        return f"FuseAllReduce(threshold_bytes={self.threshold_bytes}, ops={self.ops!r})"
+
+    def is_candidate(self, eqn: JaxprEqn) -> bool:
+        """An all-reduce this pass may put into a bucket."""
+        return (
+            eqn.primitive is all_reduce_p
+            and eqn.params["op"] in self.ops
+            and len(eqn.invars) > 0
+            and all(isinstance(getattr(v.aval, "dtype", None), np.dtype) for v in eqn.invars)
+        )
+
+    def run(self, graph: StepGraph) -> PassResult:
+        new, _ = self._fuse_graph(graph)
+        return new
+
+    def plan(self, graph: StepGraph) -> list[Bucket]:
+        """The buckets this pass forms on ``graph``, in program order per region."""
+        return self._fuse_graph(graph)[1]
+
+    def _fuse_graph(self, graph: StepGraph) -> tuple[PassResult, list[Bucket]]:
+        report: list[Bucket] = []
+        closed = graph.jaxpr
+        new, changed = self._fuse_region(closed.jaxpr, graph.context, "step", report)
+        if not changed:
+            return PassResult(graph, False), report
+        return PassResult(graph.with_jaxpr(ClosedJaxpr(new, closed.consts)), True), report
+
+    def _fuse_region(
+        self, jaxpr: Jaxpr, context: ReplicaContext, region: str, report: list[Bucket]
+    ) -> tuple[Jaxpr, bool]:
+        """Fuse one jaxpr (sub-jaxprs first); return it unchanged if nothing fused."""
+        window = _Window(self, context, region, report)
+        subs_changed = False
+        for index, eqn in enumerate(jaxpr.eqns):
+            counter = itertools.count()
+
+            def fuse_sub(sub: Jaxpr, *, eqn: JaxprEqn = eqn, index: int = index, counter: Any = counter) -> Jaxpr:
+                nonlocal subs_changed
+                where = f"{region}/{eqn.primitive.name}@{index}.{next(counter)}"
+                new, changed = self._fuse_region(sub, context, where, report)
+                subs_changed |= changed
+                return new
+
+            window.process(map_subjaxprs(eqn, fuse_sub))
+        window.flush()
+        if not (window.changed or subs_changed):
+            return jaxpr, False
+        effects: set = set()
+        for eqn in window.out:
+            effects |= set(eqn.effects)
+        return jaxpr.replace(
+            eqns=window.out,
+            outvars=[window.read(v) for v in jaxpr.outvars],
+            effects=frozenset(effects),
+        ), True
+
+
+def fusion_report(graph: StepGraph, fuser: FuseAllReduce | None = None) -> list[Bucket]:
+    """The all-reduce buckets of ``graph`` (with placeholders), region by region.
+
+    On a graph that ``fuse-allreduce`` already rewrote, every bucket is one
+    existing collective (``fused=False``) and the report lists the collectives
+    that will run.
+
+    Args:
+      graph: a step graph before ``lower-collectives``.
+      fuser: the pass configuration to plan with (default: ``FuseAllReduce()``).
+
+    Returns:
+      One :class:`Bucket` per collective the fused graph has, in program order
+      within each region (sub-regions are listed before the region holding them).
+    """
+    return (fuser if fuser is not None else FuseAllReduce()).plan(graph)

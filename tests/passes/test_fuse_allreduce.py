@@ -1,0 +1,458 @@
+"""fuse-allreduce: independent all-reduces share one collective per bucket.
+
+Graph-level checks count ``rp.all_reduce`` equations before and after the pass
+(and ``psum`` after lowering) and type-check every rewritten graph; numeric
+checks run the same step through ``Replicator.run`` with and without the pass
+on per-replica-distinct data.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import replicator as rp
+from replicator.passes import (
+    CheckReplicaInvariance,
+    LowerCollectives,
+    Pipeline,
+    count_primitives,
+    verify_graph,
+)
+from replicator.passes.fuse_allreduce import DEFAULT_THRESHOLD_BYTES, Bucket, FuseAllReduce, fusion_report
+
+ALL_REDUCE = "rp.all_reduce"
+N_LAYERS, WIDTH = 8, 4
+
+
+def _pipeline(**kwargs) -> Pipeline:
+    return Pipeline([CheckReplicaInvariance(), FuseAllReduce(**kwargs), LowerCollectives()], verify=True)
+
+
+@pytest.fixture(scope="module")
+def fused_repl(n_devices):
+    return rp.Replicator(1, n_devices, passes=_pipeline())
+
+
+@pytest.fixture(scope="module")
+def plain_repl(n_devices):
+    return rp.Replicator(1, n_devices)
+
+
+def _count(jaxpr, name=ALL_REDUCE) -> int:
+    return count_primitives(jaxpr, [name]).get(name, 0)
+
+
+def _top_level(jaxpr, name=ALL_REDUCE) -> list:
+    return [e for e in jaxpr.eqns if e.primitive.name == name]
+
+
+def _size(eqn) -> int:
+    """Elements an all-reduce equation carries, over all its operands."""
+    return sum(math.prod(v.aval.shape) for v in eqn.invars)
+
+
+def _fuse(graph, **kwargs):
+    """Run the pass on ``graph``; check it is pure and the result type-checks."""
+    text = str(graph.jaxpr)
+    result = FuseAllReduce(**kwargs).run(graph)
+    assert str(graph.jaxpr) == text
+    verify_graph(result.graph, lowered=False)
+    return result
+
+
+def _lower_and_check(graph):
+    lowered = LowerCollectives().run(graph).graph
+    verify_graph(lowered, lowered=True)
+    return lowered
+
+
+def _traced(repl, step, batch, state=None):
+    return repl.lower(step, batch, state).traced
+
+
+def _input_fn(batches):
+    def input_fn(ctx):
+        yield from batches
+
+    return input_fn
+
+
+def _assert_trees_close(a, b, atol=1e-6):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert np.asarray(x).dtype == np.asarray(y).dtype
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=0)
+
+
+def _compare_runs(plain, fused, step, batches, state=None):
+    """Run ``step`` on ``batches`` (one per call) with both replicators; compare every result."""
+    plain_in, fused_in = _input_fn(batches), _input_fn(batches)
+    plain_state = fused_state = state
+    for _ in batches:
+        if state is None:
+            _assert_trees_close(plain.run(step, plain_in), fused.run(step, fused_in))
+            continue
+        plain_state, plain_out = plain.run(step, plain_in, plain_state)
+        fused_state, fused_out = fused.run(step, fused_in, fused_state)
+        _assert_trees_close(plain_out, fused_out)
+        _assert_trees_close(plain_state, fused_state)
+    return plain_state, fused_state
+
+
+# ----------------------------------------------------------------------------
+# A data-parallel MLP that averages its gradients leaf by leaf
+# ----------------------------------------------------------------------------
+
+
+def _params(seed=0):
+    rng = np.random.default_rng(seed)
+    params = {}
+    for i in range(N_LAYERS):
+        params[f"w{i}"] = rng.normal(0, 0.5, (WIDTH, WIDTH)).astype(np.float32)
+        params[f"b{i}"] = rng.normal(0, 0.1, (WIDTH,)).astype(np.float32)
+    return params
+
+
+def _mlp_batches(n, steps, seed=1):
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "x": rng.normal(size=(2 * n, WIDTH)).astype(np.float32),
+            "y": rng.normal(size=(2 * n, WIDTH)).astype(np.float32),
+        }
+        for _ in range(steps)
+    ]
+
+
+def _mlp_step(state, batch):
+    def loss_fn(p):
+        h = batch["x"]
+        for i in range(N_LAYERS):
+            h = jnp.tanh(h @ p[f"w{i}"] + p[f"b{i}"])
+        return jnp.mean((h - batch["y"]) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state)
+    grads = {k: rp.all_mean(g) for k, g in grads.items()}  # one collective per leaf
+    new_state = jax.tree.map(lambda p, g: p - 0.1 * g, state, grads)
+    return new_state, {"loss": rp.all_mean(loss), "local_loss": loss}
+
+
+MLP_LEAVES = 2 * N_LAYERS + 1  # the gradients and the loss
+MLP_FLOATS = N_LAYERS * (WIDTH * WIDTH + WIDTH) + 1
+
+
+def test_leaf_by_leaf_gradient_mean_becomes_one_collective(plain_repl, n_devices):
+    graph = _traced(plain_repl, _mlp_step, _mlp_batches(n_devices, 1)[0], _params())
+    assert _count(graph.jaxpr) == MLP_LEAVES
+    result = _fuse(graph)
+    assert result.changed
+    (eqn,) = _top_level(result.graph.jaxpr.jaxpr)
+    assert eqn.params["op"] == "mean" and eqn.params["group"] is None
+    ((shape, dtype),) = [(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+    assert shape == (MLP_FLOATS,) and dtype == jnp.float32
+    assert _count(result.graph.jaxpr) == 1
+    lowered = _lower_and_check(result.graph)
+    assert _count(lowered.jaxpr, "psum") == 1
+
+
+def test_fused_pipeline_lowers_to_one_psum(fused_repl, n_devices):
+    lowered = fused_repl.lower(_mlp_step, _mlp_batches(n_devices, 1)[0], _params())
+    assert [s.name for s in lowered.stages] == [
+        "traced",
+        "check-replica-invariance",
+        "fuse-allreduce",
+        "lower-collectives",
+    ]
+    assert lowered.stages[2].changed
+    assert _count(lowered.after("fuse-allreduce").jaxpr) == 1
+    assert _count(lowered.final.jaxpr, "psum") == 1
+    assert _count(lowered.final.jaxpr, ALL_REDUCE) == 0
+
+
+def test_mlp_training_matches_unfused_over_several_steps(plain_repl, fused_repl, n_devices):
+    state = jax.tree.map(jnp.asarray, _params())
+    plain_state, fused_state = _compare_runs(plain_repl, fused_repl, _mlp_step, _mlp_batches(n_devices, 3), state)
+    # The updates did something: the state moved away from the initial parameters.
+    assert not np.allclose(np.asarray(fused_state["w0"]), _params()["w0"])
+
+
+# ----------------------------------------------------------------------------
+# Bucketing rules
+# ----------------------------------------------------------------------------
+
+
+def _eight_sums(b):
+    return [rp.all_sum(b["x"][i] * (i + 1)) for i in range(8)]  # eight f32[4, 4] = 64 bytes each
+
+
+def _eight_batch(n):
+    return {"x": np.zeros((8 * n, 4, 4), np.float32)}
+
+
+@pytest.mark.parametrize(
+    "threshold, bucket_sizes",
+    [
+        (DEFAULT_THRESHOLD_BYTES, [8]),
+        (3 * 64, [3, 3, 2]),
+        (3 * 64 - 1, [2, 2, 2, 2]),
+        (64, [1] * 8),  # each operand fills a bucket: nothing to fuse
+        (1, [1] * 8),  # operands larger than the threshold get a bucket each
+    ],
+)
+def test_threshold_splits_into_buckets(repl, threshold, bucket_sizes):
+    graph = _traced(repl, _eight_sums, _eight_batch(repl.num_replicas))
+    result = _fuse(graph, threshold_bytes=threshold)
+    eqns = _top_level(result.graph.jaxpr.jaxpr)
+    assert [_size(e) // 16 for e in eqns] == bucket_sizes
+    assert all(len(e.invars) == 1 for e in eqns)
+    assert result.changed == (len(bucket_sizes) < 8)
+    if not result.changed:
+        assert result.graph is graph
+    plan = fusion_report(graph, FuseAllReduce(threshold_bytes=threshold))
+    assert [b.num_operands for b in plan] == bucket_sizes
+    assert all(b.nbytes <= max(threshold, 64) for b in plan)
+    assert _count(_lower_and_check(result.graph).jaxpr, "psum") == len(bucket_sizes)
+
+
+def _dependent(b):
+    y = rp.all_sum(b["x"])
+    z = rp.all_sum(y * 2)  # needs y: cannot share y's collective
+    w = rp.all_sum(b["x"] + 1)  # independent of both
+    return y, z, w
+
+
+def test_dependent_all_reduces_are_not_fused(repl, fused_repl):
+    n = repl.num_replicas
+    graph = _traced(repl, _dependent, {"x": np.zeros((n, 3), np.float32)})
+    result = _fuse(graph)
+    first, second = _top_level(result.graph.jaxpr.jaxpr)
+    assert [v.aval.shape for v in first.invars] == [(1, 3)]  # y alone, as it was
+    assert [v.aval.shape for v in second.invars] == [(6,)]  # z and w fused
+    eqns = result.graph.jaxpr.jaxpr.eqns
+    assert eqns.index(first) < next(i for i, e in enumerate(eqns) if e.primitive.name == "mul") < eqns.index(second)
+    batch = {"x": np.arange(n * 3, dtype=np.float32).reshape(n, 3)}
+    _compare_runs(repl, fused_repl, _dependent, [batch])
+
+
+def _mixed_dtypes(b):
+    a = rp.all_sum({"f": b["x"], "i": b["i"], "g": b["x"][:, :2] * 3})  # one call, two dtypes
+    c = rp.all_sum(b["i"] * 2)
+    d = rp.all_sum(b["x"].sum())
+    return a, c, d
+
+
+def test_mixed_dtypes_go_to_separate_buckets(repl, fused_repl):
+    n = repl.num_replicas
+    batch = {
+        "x": np.random.default_rng(0).normal(size=(n, 3)).astype(np.float32),
+        "i": np.arange(n * 2, dtype=np.int32).reshape(n, 2),
+    }
+    graph = _traced(repl, _mixed_dtypes, batch)
+    assert _count(graph.jaxpr) == 3
+    result = _fuse(graph)
+    eqns = _top_level(result.graph.jaxpr.jaxpr)
+    assert sorted((str(e.invars[0].aval.dtype), e.invars[0].aval.shape) for e in eqns) == [
+        ("float32", (3 + 2 + 1,)),
+        ("int32", (2 + 2,)),
+    ]
+    plan = fusion_report(graph)
+    assert [(b.dtype, b.num_operands) for b in plan] == [("float32", 3), ("int32", 2)]
+    _compare_runs(repl, fused_repl, _mixed_dtypes, [batch])
+
+
+def _groups(b):
+    x = b["x"]
+    return (
+        rp.all_sum(x, group="cores"),
+        rp.all_sum(x * 2),
+        rp.all_sum(x * 3, group="cores"),
+        rp.all_sum(x * 4, group="workers"),
+        rp.all_sum(x * 5),
+    )
+
+
+def test_different_groups_go_to_separate_buckets(repl2d):
+    cores = repl2d.cores_per_worker  # one worker's batch: one row per core
+    batch = {"x": np.arange(cores * 2, dtype=np.float32).reshape(cores, 2)}
+    graph = _traced(repl2d, _groups, batch)
+    result = _fuse(graph)
+    eqns = _top_level(result.graph.jaxpr.jaxpr)
+    assert [(e.params["group"], _size(e)) for e in eqns] == [("cores", 4), (None, 4), ("workers", 2)]
+    assert all(len(e.invars) == 1 for e in eqns)
+    _lower_and_check(result.graph)
+    fused = rp.Replicator(repl2d.num_workers, repl2d.cores_per_worker, passes=_pipeline())
+    _compare_runs(repl2d, fused, _groups, [batch])
+
+
+def _ops(b):
+    x = b["x"]
+    return rp.all_max(x), rp.all_sum(x * 2), rp.all_max(x * 3), rp.all_sum(x * 4), rp.all_mean(x * 5), rp.all_min(x)
+
+
+@pytest.mark.parametrize(
+    "ops, expected",
+    [
+        (("sum", "mean"), [("max", 1), ("max", 1), ("sum", 2), ("mean", 1), ("min", 1)]),
+        (("sum", "mean", "max", "min"), [("max", 2), ("sum", 2), ("mean", 1), ("min", 1)]),
+    ],
+)
+def test_ops_are_keyed_and_only_the_chosen_ones_fused(repl, ops, expected):
+    graph = _traced(repl, _ops, {"x": np.zeros((repl.num_replicas, 3), np.float32)})
+    result = _fuse(graph, ops=ops)
+    eqns = _top_level(result.graph.jaxpr.jaxpr)
+    got = [(e.params["op"], _size(e) // 3) for e in eqns]
+    assert sorted(got) == sorted(expected)
+    _lower_and_check(result.graph)
+
+
+def test_max_and_min_fusion_numbers(repl, n_devices):
+    fused = rp.Replicator(1, n_devices, passes=_pipeline(ops=("sum", "mean", "max", "min")))
+    batch = {"x": np.random.default_rng(3).normal(size=(n_devices, 3)).astype(np.float32)}
+    _compare_runs(repl, fused, _ops, [batch])
+
+
+# ----------------------------------------------------------------------------
+# Regions: collectives never cross a control-flow boundary
+# ----------------------------------------------------------------------------
+
+
+def _scan_step(b):
+    x = b["x"]
+    before = rp.all_sum(x[0])
+
+    def body(carry, row):
+        return carry + rp.all_sum(row) * rp.all_sum(row * row), None
+
+    total, _ = lax.scan(body, jnp.zeros(3), x)
+    after = rp.all_sum(x[1] * 2)  # independent of the scan: joins `before`
+    return before, total, after
+
+
+def test_scan_body_is_fused_on_its_own(repl, fused_repl):
+    n = repl.num_replicas
+    batch = {"x": np.random.default_rng(4).normal(size=(4 * n, 3)).astype(np.float32)}
+    graph = _traced(repl, _scan_step, batch)
+    (scan_index,) = [i for i, e in enumerate(graph.jaxpr.jaxpr.eqns) if e.primitive.name == "scan"]
+    result = _fuse(graph)
+    top = result.graph.jaxpr.jaxpr
+    (outer,) = _top_level(top)
+    assert [v.aval.shape for v in outer.invars] == [(6,)]
+    (scan,) = [e for e in top.eqns if e.primitive.name == "scan"]
+    (inner,) = _top_level(scan.params["jaxpr"].jaxpr)
+    assert [v.aval.shape for v in inner.invars] == [(6,)]
+    assert _count(result.graph.jaxpr) == 2
+    assert sorted(b.region for b in fusion_report(graph)) == ["step", f"step/scan@{scan_index}.0"]
+    _lower_and_check(result.graph)
+    _compare_runs(repl, fused_repl, _scan_step, [batch])
+
+
+def _two(x):
+    return rp.all_sum(x) + rp.all_sum(x * 2)
+
+
+def _in_jit(b):
+    return jax.jit(_two)(b["x"])
+
+
+def _in_cond(b):
+    return lax.cond(True, _two, lambda x: _two(x * 3), b["x"])
+
+
+def _in_while(b):
+    return lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, _two(c[1])), (0, b["x"]))[1]
+
+
+def _in_checkpoint(b):
+    return jax.checkpoint(_two)(b["x"])
+
+
+def _in_custom_vjp(b):
+    f = jax.custom_vjp(_two)
+    f.defvjp(lambda x: (_two(x), None), lambda _, ct: (ct,))
+    return f(b["x"])
+
+
+@pytest.mark.parametrize(
+    "fn, container, bodies",
+    [
+        (_in_jit, "jit", 1),
+        (_in_cond, "cond", 2),
+        (_in_while, "while", 1),
+        (_in_checkpoint, "remat2", 1),
+        (_in_custom_vjp, "custom_vjp_call", 1),
+    ],
+)
+def test_every_sub_jaxpr_is_a_region(repl, fn, container, bodies):
+    graph = _traced(repl, fn, {"x": np.zeros((repl.num_replicas, 3), np.float32)})
+    assert container in count_primitives(graph.jaxpr)
+    assert _count(graph.jaxpr) == 2 * bodies
+    result = _fuse(graph)
+    assert result.changed
+    assert _count(result.graph.jaxpr) == bodies
+    assert _top_level(result.graph.jaxpr.jaxpr) == []
+    _lower_and_check(result.graph)
+
+
+def test_cond_branches_numbers(repl, fused_repl):
+    n = repl.num_replicas
+    batch = {"x": np.arange(n * 3, dtype=np.float32).reshape(n, 3)}
+    _compare_runs(repl, fused_repl, _in_cond, [batch])
+
+
+def test_effects_flush_the_window(repl):
+    def step(b):
+        a = rp.all_sum(b["x"])
+        jax.debug.print("between")
+        return a, rp.all_sum(b["x"] * 2)
+
+    graph = _traced(repl, step, {"x": np.zeros((repl.num_replicas, 3), np.float32)})
+    result = _fuse(graph)
+    assert not result.changed and result.graph is graph
+    assert _count(result.graph.jaxpr) == 2
+
+
+# ----------------------------------------------------------------------------
+# Pass contract
+# ----------------------------------------------------------------------------
+
+
+def test_fusing_a_fused_graph_changes_nothing(plain_repl, n_devices):
+    graph = _traced(plain_repl, _mlp_step, _mlp_batches(n_devices, 1)[0], _params())
+    once = _fuse(graph).graph
+    again = _fuse(once)
+    assert not again.changed and again.graph is once
+    plan = fusion_report(once)
+    assert [(b.num_operands, b.fused) for b in plan] == [(1, False)]
+
+
+def test_fusion_report_lists_bucket_membership(plain_repl, n_devices):
+    graph = _traced(plain_repl, _mlp_step, _mlp_batches(n_devices, 1)[0], _params())
+    (bucket,) = fusion_report(graph)
+    assert isinstance(bucket, Bucket)
+    assert (bucket.region, bucket.op, bucket.group, bucket.dtype, bucket.fused) == (
+        "step",
+        "mean",
+        None,
+        "float32",
+        True,
+    )
+    assert bucket.num_operands == MLP_LEAVES and bucket.nbytes == 4 * MLP_FLOATS
+    assert sorted(bucket.shapes) == sorted([(WIDTH, WIDTH)] * N_LAYERS + [(WIDTH,)] * N_LAYERS + [()])
+    assert all("test_fuse_allreduce.py" in s for s in bucket.sources)
+
+
+def test_repr_names_the_configuration_and_bad_configs_raise():
+    assert repr(FuseAllReduce()) == f"FuseAllReduce(threshold_bytes={DEFAULT_THRESHOLD_BYTES}, ops=('sum', 'mean'))"
+    assert FuseAllReduce.name == "fuse-allreduce" and not FuseAllReduce.required
+    assert _pipeline().key() != _pipeline(threshold_bytes=1024).key()
+    assert _pipeline(ops=("sum",)).key() != _pipeline().key()
+    with pytest.raises(ValueError, match="positive"):
+        FuseAllReduce(threshold_bytes=0)
+    with pytest.raises(TypeError, match="int"):
+        FuseAllReduce(threshold_bytes=1.5)
+    with pytest.raises(ValueError, match="unknown ops"):
+        FuseAllReduce(ops=("sum", "prod"))
