@@ -12,7 +12,10 @@ from typing import Any
 from jax._src import source_info_util as _source_info_util
 from jax._src import xla_bridge as _xla_bridge
 
+UNKNOWN_LOCATION = "<unknown location>"
+
 __all__ = [
+    "UNKNOWN_LOCATION",
     "backends_initialized",
     "exclude_from_user_frames",
     "extend_axis_env",
@@ -37,10 +40,10 @@ def exclude_from_user_frames(path: str) -> None:
 def user_source_line(source_info: Any) -> str:
     """``file:line (function)`` of the user's code that created an equation."""
     if source_info is None:
-        return "<unknown location>"
+        return UNKNOWN_LOCATION
     frame = _source_info_util.user_frame(source_info.traceback)
     if frame is None:
-        return "<unknown location>"
+        return UNKNOWN_LOCATION
     return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
 
 

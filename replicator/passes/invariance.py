@@ -29,7 +29,7 @@ from typing import Any
 
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Primitive, Var
 
-from replicator._jax_compat import user_source_line
+from replicator._jax_compat import UNKNOWN_LOCATION, user_source_line
 from replicator.context import group_axes
 from replicator.errors import DivergentControlFlowError, DivergentStateError
 from replicator.passes.base import CALL_PARAMS, Pass, PassResult, StepGraph, iter_eqns
@@ -160,9 +160,13 @@ def _check_uniform_predicate(
         axes = analysis.axes(inner.params["group"])
         if axes & predicate:
             name = collective_name(inner.primitive, inner.params)
+            where = user_source_line(eqn.source_info)
+            inner_where = user_source_line(inner.source_info)
+            if inner_where == UNKNOWN_LOCATION:  # e.g. rp.all_mean passed directly as a branch
+                inner_where = f"a branch or body of the {what}"
             raise DivergentControlFlowError(
-                f"{name} at {user_source_line(inner.source_info)} is inside a {what} at "
-                f"{user_source_line(eqn.source_info)} whose predicate can differ between "
+                f"{name} at {inner_where} is inside a {what} at "
+                f"{where} whose predicate can differ between "
                 f"replicas (it depends on values that vary along mesh axes "
                 f"{tuple(sorted(predicate))}, e.g. batch data or replica_id()). Replicas that "
                 f"take different paths would wait forever for each other in this collective "

@@ -111,6 +111,16 @@ class TestDivergentControlFlow:
         with pytest.raises(rp.DivergentControlFlowError, match="all_max"):
             repl.lower(step, _batch(repl.num_replicas))
 
+    def test_collective_passed_directly_as_a_branch_names_the_cond(self, repl):
+        def step(b):
+            return lax.cond(b["x"][0, 0] > 0, rp.all_mean, lambda x: x, b["x"])
+
+        with pytest.raises(
+            rp.DivergentControlFlowError,
+            match=rf"all_mean at a branch or body of the lax.cond/switch is inside a lax.cond/switch at .*{THIS_FILE}",
+        ):
+            repl.lower(step, _batch(repl.num_replicas))
+
     def test_reduced_predicate_is_accepted(self, repl):
         def step(b):
             pred = rp.all_max(b["x"].sum()) > 0
