@@ -31,6 +31,7 @@ from replicator.execution import build_executable, place_batch, place_state
 from replicator.inputs import InputContext, WorkerInputs, check_input_fn, check_worker_batch
 from replicator.mesh import build_mesh
 from replicator.passes.pipeline import Lowered, Pipeline
+from replicator.report import CommunicationReport, communication_report
 from replicator.tracing import TracedStep, trace_step
 
 __all__ = ["CompiledStep", "Replicator"]
@@ -158,6 +159,27 @@ class Replicator:
           per-replica graph with placeholders and the graph after each pass.
         """
         return self._compile(step_fn, state, batch).lowered
+
+    def explain(self, step_fn: Callable, input_fn_or_batch: Any, state: PyTree | None = None) -> CommunicationReport:
+        """The collectives a step will run and what they cost, without running it.
+
+        Args:
+          step_fn: as for :meth:`run`.
+          input_fn_or_batch: an ``input_fn`` (a *fresh* iterator of worker 0 is
+            made and one batch drawn from it; the iterator used by :meth:`run`
+            is not touched) or one worker's batch.
+          state: as for :meth:`run`.
+
+        Returns:
+          A :class:`~replicator.report.CommunicationReport`; ``print()`` it.
+        """
+        batch = input_fn_or_batch
+        if callable(input_fn_or_batch):
+            try:
+                batch = next(iter(input_fn_or_batch(self.input_context(self.local_workers[0]))))
+            except StopIteration:
+                raise ValueError("explain: input_fn yielded no batch to trace the step with.") from None
+        return communication_report(self.lower(step_fn, batch, state), self.pipeline)
 
     # -- running ---------------------------------------------------------------
 

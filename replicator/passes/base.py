@@ -36,6 +36,7 @@ __all__ = [
     "iter_eqns",
     "map_subjaxprs",
     "rewrite_jaxpr",
+    "sub_jaxprs",
 ]
 
 Atom = Any  # Var | Literal
@@ -126,7 +127,8 @@ def _map_param(value: Any, fn: Callable[[Jaxpr], Jaxpr]) -> Any:
     return value
 
 
-def _sub_jaxprs(params: dict) -> Iterator[Jaxpr]:
+def sub_jaxprs(params: dict) -> Iterator[Jaxpr]:
+    """The (open) sub-jaxprs held in an equation's params, in params order."""
     for value in params.values():
         items = value if isinstance(value, tuple) else (value,)
         for item in items:
@@ -147,7 +149,7 @@ def map_subjaxprs(eqn: JaxprEqn, fn: Callable[[Jaxpr], Jaxpr]) -> JaxprEqn:
     if all(params[k] is eqn.params[k] for k in params):
         return eqn
     effects = set(eqn.effects)
-    for sub in _sub_jaxprs(params):
+    for sub in sub_jaxprs(params):
         effects |= set(sub.effects)
     return eqn.replace(params=params, effects=frozenset(effects))
 
@@ -156,7 +158,7 @@ def iter_eqns(jaxpr: Jaxpr) -> Iterator[JaxprEqn]:
     """Every equation of ``jaxpr`` and of its sub-jaxprs, recursively."""
     for eqn in jaxpr.eqns:
         yield eqn
-        for sub in _sub_jaxprs(eqn.params):
+        for sub in sub_jaxprs(eqn.params):
             yield from iter_eqns(sub)
 
 
