@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -48,13 +49,20 @@ class CompiledStep:
     executable: Callable
 
 
-def _spec(x: Any) -> jax.ShapeDtypeStruct:
-    """Shape and (canonical, non-weak) dtype of an array, number or spec."""
+@functools.cache
+def _canonical(dtype: np.dtype) -> np.dtype:
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+
+
+def _signature(x: Any) -> tuple[tuple[int, ...], np.dtype]:
+    """Shape and canonical dtype of an array, number or spec (weak types ignored)."""
     if isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray)):
-        shape, dtype = x.shape, x.dtype
-    else:
-        shape, dtype = np.shape(x), np.result_type(x)
-    return jax.ShapeDtypeStruct(tuple(shape), jax.dtypes.canonicalize_dtype(dtype))
+        return tuple(x.shape), _canonical(np.dtype(x.dtype))
+    return tuple(np.shape(x)), _canonical(np.result_type(x))
+
+
+def _spec(signature: tuple[tuple[int, ...], np.dtype]) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(*signature)
 
 
 class Replicator:
@@ -112,32 +120,28 @@ class Replicator:
 
     # -- tracing and compiling -----------------------------------------------
 
-    def _per_replica_specs(self, batch_leaves: list[Any]) -> list[jax.ShapeDtypeStruct]:
-        out = []
-        for leaf in batch_leaves:
-            spec = _spec(leaf)
-            rows = spec.shape[0] // self.cores_per_worker
-            out.append(jax.ShapeDtypeStruct((rows, *spec.shape[1:]), spec.dtype))
-        return out
-
     def _compile(self, step_fn: Callable, state: PyTree | None, batch: PyTree) -> CompiledStep:
-        """Trace + rewrite ``step_fn`` for a worker batch like ``batch`` (cached)."""
+        """Trace + rewrite ``step_fn`` for a worker batch like ``batch`` (cached).
+
+        The cache key is cheap to build (it runs on every step): tree
+        structures and per-leaf (shape, canonical dtype).
+        """
         has_state = state is not None
-        state_specs = jax.tree.map(_spec, state) if has_state else None
-        leaves, batch_def = jax.tree.flatten(batch)
-        batch_specs = self._per_replica_specs(check_worker_batch(batch, self.cores_per_worker, 0))
-        key = (
-            step_fn,
-            has_state,
-            jax.tree.structure(state_specs) if has_state else None,
-            tuple((s.shape, s.dtype) for s in jax.tree.leaves(state_specs)) if has_state else (),
-            batch_def,
-            tuple((s.shape, s.dtype) for s in batch_specs),
-            self.pipeline.key(),
-        )
+        state_leaves, state_def = jax.tree.flatten(state) if has_state else ([], None)
+        batch_leaves, batch_def = jax.tree.flatten(batch)
+        c = self.cores_per_worker
+        batch_sigs = []
+        for leaf in batch_leaves:
+            shape, dtype = _signature(leaf)
+            batch_sigs.append(((shape[0] // c, *shape[1:]), dtype))
+        state_sigs = tuple(_signature(leaf) for leaf in state_leaves)
+        key = (step_fn, has_state, state_def, state_sigs, batch_def, tuple(batch_sigs), self.pipeline.key())
         compiled = self._compiled.get(key)
         if compiled is None:
-            traced = trace_step(step_fn, state_specs, batch_def.unflatten(batch_specs), self.context)
+            check_worker_batch(batch, c, 0)
+            state_specs = state_def.unflatten([_spec(s) for s in state_sigs]) if has_state else None
+            batch_specs = batch_def.unflatten([_spec(s) for s in batch_sigs])
+            traced = trace_step(step_fn, state_specs, batch_specs, self.context)
             self.trace_count += 1
             lowered = self.pipeline.run(traced.graph)
             executable = build_executable(lowered.final, self.mesh, donate_state=self.donate_state)

@@ -62,12 +62,21 @@ def _strong(x: Any) -> Any:
     return np.asarray(x)
 
 
+def _is_replicated_on(sharding: Any, mesh: Mesh) -> bool:
+    """Fast check (it runs for every state leaf on every step)."""
+    if type(sharding) is not NamedSharding:
+        return False
+    if sharding.mesh is not mesh and sharding.mesh != mesh:
+        return False
+    return all(p is None for p in sharding.spec)
+
+
 def place_state(leaves: Sequence[Any], mesh: Mesh) -> list[jax.Array]:
     """Put state leaves on every device of the mesh (no copy if already there)."""
     target = replicated(mesh)
     out = []
     for leaf in leaves:
-        if isinstance(leaf, jax.Array) and not leaf.weak_type and leaf.sharding == target:
+        if isinstance(leaf, jax.Array) and not leaf.weak_type and _is_replicated_on(leaf.sharding, mesh):
             out.append(leaf)
         else:
             out.append(jax.device_put(_strong(leaf), target))

@@ -1,0 +1,366 @@
+"""Step-time benchmark: replicator against what JAX users write by hand.
+
+One process, N emulated CPU devices; variants are interleaved round by round
+(so machine noise hits them alike) and the table reports medians and ratios to
+the single-device step on the same global batch (the floor).
+
+Variants, for each training workload (Adam, state carried between steps, a
+host batch each step):
+
+* ``single``        ``jax.jit`` on one device, global batch (the floor)
+* ``shard_map``     hand-written ``jit(shard_map)`` + ``lax.pmean`` of the gradient pytree
+* ``gspmd``         ``jit`` with the batch sharded over the devices, params replicated
+* ``replicator``    ``Replicator(1, N)`` with the default pipeline
+* ``-<pass>``       the same with one optimization pass disabled
+
+Workloads: ``mlp64x32`` (64 layers of width 32: 128 small tensors),
+``mlp16x128`` (fewer, larger tensors), ``allreduce`` (50 all-reduces of 1000
+floats: separate psums, one hand-flattened psum, replicator fused / unfused).
+
+Also reported: time spent tracing + in our passes against XLA's compile time.
+
+Usage::
+
+    python benchmarks/bench_step.py                       # all workloads, 8 devices
+    python benchmarks/bench_step.py --workloads allreduce --rounds 3
+    python benchmarks/bench_step.py --scaling --plot scaling.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import replicator as rp  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--devices", type=int, default=8, help="emulated CPU devices (replicas)")
+    p.add_argument("--workloads", default="mlp64x32,mlp16x128,allreduce")
+    p.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the median is reported")
+    p.add_argument("--steps", type=int, default=10, help="steps timed per variant per round")
+    p.add_argument("--batch", type=int, default=512, help="global batch size")
+    p.add_argument("--scaling", action="store_true", help="also time replicator/single on 1, 2, 4, ... replicas")
+    p.add_argument("--plot", default=None, help="write the scaling plot here (PNG; needs matplotlib)")
+    return p.parse_args(argv)
+
+
+ARGS = parse_args()
+rp.force_cpu_devices(ARGS.devices)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from replicator.execution import place_batch, place_state, sharded  # noqa: E402
+
+Runner = Callable[[], object]  # one step, returns something to block on
+
+
+# -- workloads -----------------------------------------------------------------
+
+
+def mlp_init(depth: int, width: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "w": (rng.normal(size=(width, width)) / np.sqrt(width)).astype(np.float32),
+            "b": np.zeros(width, np.float32),
+        }
+        for _ in range(depth)
+    ]
+
+
+def mlp_loss(params: list[dict], x: jax.Array, y: jax.Array) -> jax.Array:
+    for layer in params[:-1]:
+        x = jnp.tanh(x @ layer["w"] + layer["b"])
+    out = x @ params[-1]["w"] + params[-1]["b"]
+    return jnp.mean((out - y) ** 2)
+
+
+def host_batches(batch: int, width: int, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    pool = [
+        (rng.normal(size=(batch, width)).astype(np.float32), rng.normal(size=(batch, width)).astype(np.float32))
+        for _ in range(4)
+    ]
+    i = 0
+    while True:
+        yield pool[i % len(pool)]
+        i += 1
+
+
+TX = optax.adam(1e-3)
+
+
+def single_variant(params: list[dict], width: int, batch: int) -> Runner:
+    dev = jax.devices()[0]
+
+    @jax.jit
+    def step(params, opt, x, y):
+        loss, g = jax.value_and_grad(mlp_loss)(params, x, y)
+        upd, opt = TX.update(g, opt, params)
+        return optax.apply_updates(params, upd), opt, loss
+
+    state = [jax.device_put(params, dev), jax.device_put(TX.init(params), dev)]
+    data = host_batches(batch, width)
+
+    def run() -> object:
+        x, y = next(data)
+        state[0], state[1], loss = step(state[0], state[1], jax.device_put(x, dev), jax.device_put(y, dev))
+        return loss
+
+    return run
+
+
+def shard_map_variant(params: list[dict], width: int, batch: int, n: int) -> Runner:
+    mesh = Mesh(np.array(jax.devices()[:n]), ("d",))
+
+    def per_replica(params, opt, x, y):
+        loss, g = jax.value_and_grad(mlp_loss)(params, x, y)
+        g = lax.pmean(g, "d")
+        upd, opt = TX.update(g, opt, params)
+        return optax.apply_updates(params, upd), opt, lax.pmean(loss, "d")
+
+    step = jax.jit(
+        jax.shard_map(
+            per_replica, mesh=mesh, in_specs=(P(), P(), P("d"), P("d")), out_specs=(P(), P(), P()), check_vma=False
+        )
+    )
+    rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
+    state = [jax.device_put(params, rep), jax.device_put(TX.init(params), rep)]
+    data = host_batches(batch, width)
+
+    def run() -> object:
+        x, y = next(data)
+        state[0], state[1], loss = step(state[0], state[1], jax.device_put(x, shard), jax.device_put(y, shard))
+        return loss
+
+    return run
+
+
+def gspmd_variant(params: list[dict], width: int, batch: int, n: int) -> Runner:
+    mesh = Mesh(np.array(jax.devices()[:n]), ("d",))
+    rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
+
+    def step(params, opt, x, y):
+        loss, g = jax.value_and_grad(mlp_loss)(params, x, y)
+        upd, opt = TX.update(g, opt, params)
+        return optax.apply_updates(params, upd), opt, loss
+
+    step = jax.jit(step, in_shardings=(rep, rep, shard, shard), out_shardings=(rep, rep, rep))
+    state = [jax.device_put(params, rep), jax.device_put(TX.init(params), rep)]
+    data = host_batches(batch, width)
+
+    def run() -> object:
+        x, y = next(data)
+        state[0], state[1], loss = step(state[0], state[1], x, y)
+        return loss
+
+    return run
+
+
+def replicator_step(state, batch):
+    params, opt = state
+    loss, g = jax.value_and_grad(mlp_loss)(params, batch["x"], batch["y"])
+    g = rp.all_mean(g)
+    upd, opt = TX.update(g, opt, params)
+    return (optax.apply_updates(params, upd), opt), {"loss": rp.all_mean(loss)}
+
+
+def replicator_variant(params: list[dict], width: int, batch: int, n: int, disable: tuple[str, ...] = ()) -> Runner:
+    repl = rp.Replicator(1, n, passes=rp.Pipeline(disable=disable))
+
+    def input_fn(ctx):
+        for x, y in host_batches(batch, width):
+            yield {"x": x, "y": y}
+
+    state = [(params, TX.init(params))]
+
+    def run() -> object:
+        state[0], out = repl.run(replicator_step, input_fn, state[0])
+        return out["loss"]
+
+    return run
+
+
+def optimization_passes() -> list[str]:
+    return [p.name for p in rp.passes.default_passes() if not p.required and p.name != "check-replica-invariance"]
+
+
+def training_variants(depth: int, width: int, batch: int, n: int) -> dict[str, Runner]:
+    params = mlp_init(depth, width)
+    variants = {
+        "single": single_variant(params, width, batch),
+        "shard_map+pmean": shard_map_variant(params, width, batch, n),
+        "gspmd": gspmd_variant(params, width, batch, n),
+        "replicator": replicator_variant(params, width, batch, n),
+    }
+    for name in optimization_passes():
+        variants[f"replicator -{name}"] = replicator_variant(params, width, batch, n, (name,))
+    return variants
+
+
+# -- the many-small-tensors all-reduce ---------------------------------------------
+
+N_TENSORS, TENSOR_SIZE = 50, 1000
+
+
+def allreduce_variants(n: int) -> dict[str, Runner]:
+    mesh = Mesh(np.array(jax.devices()[:n]), ("d",))
+    shard = NamedSharding(mesh, P("d"))
+    x = jax.device_put(np.ones((n, N_TENSORS, TENSOR_SIZE), np.float32), shard)
+
+    def separate(x):
+        return [lax.psum(x[0, i] * (i + 1), "d") for i in range(N_TENSORS)]
+
+    def flattened(x):
+        parts = [x[0, i] * (i + 1) for i in range(N_TENSORS)]
+        total = lax.psum(jnp.concatenate(parts), "d")
+        return jnp.split(total, N_TENSORS)
+
+    def smap(f):
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("d"), out_specs=P(), check_vma=False))
+
+    def repl_step(batch):
+        return rp.all_sum([batch["x"][0, i] * (i + 1) for i in range(N_TENSORS)])
+
+    def repl_runner(disable: tuple[str, ...]) -> Runner:
+        repl = rp.Replicator(1, n, passes=rp.Pipeline(disable=disable))
+        # Already on the mesh, like the shard_map variants' input: no host transfer.
+        placed = jax.device_put(np.ones((n, N_TENSORS, TENSOR_SIZE), np.float32), sharded(repl.mesh))
+
+        def input_fn(ctx):
+            while True:
+                yield {"x": placed}
+
+        return lambda: repl.run(repl_step, input_fn)
+
+    sep, flat = smap(separate), smap(flattened)
+    return {
+        "50 psums (shard_map)": lambda: sep(x),
+        "1 flattened psum (shard_map)": lambda: flat(x),
+        "replicator all_sum (fused)": repl_runner(()),
+        "replicator -fuse-allreduce": repl_runner(("fuse-allreduce",)),
+    }
+
+
+# -- timing ---------------------------------------------------------------------------
+
+
+def block(x: object) -> None:
+    jax.block_until_ready(x)
+
+
+def time_interleaved(variants: dict[str, Runner], rounds: int, steps: int) -> dict[str, float]:
+    """Median seconds per step of each variant, variants interleaved per round."""
+    for run in variants.values():  # compile and warm up
+        for _ in range(2):
+            block(run())
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for r in range(rounds):
+        order = list(variants.items())
+        if r % 2:
+            order.reverse()
+        for name, run in order:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                out = run()
+            block(out)
+            samples[name].append((time.perf_counter() - t0) / steps)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def print_table(title: str, medians: dict[str, float], floor: str) -> None:
+    print(f"\n### {title}\n")
+    print("| variant | median step (ms) | ratio to " + floor + " |")
+    print("|---|---:|---:|")
+    for name, t in medians.items():
+        print(f"| {name} | {t * 1e3:.2f} | {t / medians[floor]:.2f}x |")
+
+
+def compile_overhead(depth: int, width: int, batch: int, n: int) -> None:
+    """Trace + our passes vs XLA compile time, for the replicator step."""
+    params = mlp_init(depth, width)
+    repl = rp.Replicator(1, n)
+    state = (params, TX.init(params))
+    b = {"x": np.zeros((batch, width), np.float32), "y": np.zeros((batch, width), np.float32)}
+    t0 = time.perf_counter()
+    compiled = repl._compile(replicator_step, state, b)
+    t_ours = time.perf_counter() - t0
+    args = (place_state(jax.tree.leaves(state), repl.mesh), place_batch([jax.tree.leaves(b)], repl.mesh))
+    t0 = time.perf_counter()
+    lowered = compiled.executable.lower(*args)
+    t_lower = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    lowered.compile()
+    t_xla = time.perf_counter() - t0
+    print(
+        f"\ncompile overhead mlp{depth}x{width}: trace+passes {t_ours * 1e3:.0f} ms, "
+        f"jit lowering to StableHLO {t_lower * 1e3:.0f} ms, XLA compile {t_xla * 1e3:.0f} ms; "
+        f"trace+passes = {100 * t_ours / t_xla:.0f}% of XLA compile"
+    )
+
+
+def scaling(depth: int, width: int, batch: int, rounds: int, steps: int, plot: str | None) -> None:
+    counts = [k for k in (1, 2, 4, 8, 16) if k <= jax.device_count()]
+    params = mlp_init(depth, width)
+    variants: dict[str, Runner] = {"single": single_variant(params, width, batch)}
+    for k in counts:
+        variants[f"replicator x{k}"] = replicator_variant(params, width, batch, k)
+        variants[f"shard_map x{k}"] = shard_map_variant(params, width, batch, k)
+    medians = time_interleaved(variants, rounds, steps)
+    print_table(f"scaling, mlp{depth}x{width}, global batch {batch}", medians, "single")
+    if plot:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("matplotlib is not installed: no plot written")
+            return
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for label in ("replicator", "shard_map"):
+            ax.plot(counts, [medians[f"{label} x{k}"] / medians["single"] for k in counts], marker="o", label=label)
+        ax.axhline(1.0, color="gray", ls="--", lw=1)
+        ax.set_xlabel("replicas (emulated CPU devices)")
+        ax.set_ylabel("step time / single-device step")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"mlp{depth}x{width}, global batch {batch}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(plot, dpi=120)
+        print(f"plot written to {plot}")
+
+
+def main() -> None:
+    n = jax.device_count()
+    print(f"# replicator benchmark: {n} emulated CPU devices, {os.cpu_count()} host cores, jax {jax.__version__}")
+    print(f"# {ARGS.rounds} interleaved rounds x {ARGS.steps} steps; medians")
+    for w in ARGS.workloads.split(","):
+        if w == "allreduce":
+            medians = time_interleaved(allreduce_variants(n), ARGS.rounds, ARGS.steps)
+            print_table(f"{N_TENSORS} all-reduces of {TENSOR_SIZE} floats", medians, "1 flattened psum (shard_map)")
+        else:
+            depth, width = (int(v) for v in w.removeprefix("mlp").split("x"))
+            medians = time_interleaved(training_variants(depth, width, ARGS.batch, n), ARGS.rounds, ARGS.steps)
+            print_table(f"{w}: Adam, global batch {ARGS.batch}", medians, "single")
+            compile_overhead(depth, width, ARGS.batch, n)
+    if ARGS.scaling:
+        scaling(64, 32, ARGS.batch, ARGS.rounds, ARGS.steps, ARGS.plot)
+
+
+if __name__ == "__main__":
+    main()
