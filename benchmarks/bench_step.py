@@ -222,19 +222,21 @@ def allreduce_variants(n: int) -> dict[str, Runner]:
     shard = NamedSharding(mesh, P("d"))
     x = jax.device_put(np.ones((n, N_TENSORS, TENSOR_SIZE), np.float32), shard)
 
+    # Every variant returns one scalar (the sum of every reduced tensor), so that
+    # output handling is the same and all 50 results are needed.
     def separate(x):
-        return [lax.psum(x[0, i] * (i + 1), "d") for i in range(N_TENSORS)]
+        return sum(jnp.sum(lax.psum(x[0, i] * (i + 1), "d")) for i in range(N_TENSORS))
 
     def flattened(x):
         parts = [x[0, i] * (i + 1) for i in range(N_TENSORS)]
         total = lax.psum(jnp.concatenate(parts), "d")
-        return jnp.split(total, N_TENSORS)
+        return sum(jnp.sum(t) for t in jnp.split(total, N_TENSORS))
 
     def smap(f):
         return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("d"), out_specs=P(), check_vma=False))
 
     def repl_step(batch):
-        return rp.all_sum([batch["x"][0, i] * (i + 1) for i in range(N_TENSORS)])
+        return sum(jnp.sum(t) for t in rp.all_sum([batch["x"][0, i] * (i + 1) for i in range(N_TENSORS)]))
 
     def repl_runner(disable: tuple[str, ...]) -> Runner:
         repl = rp.Replicator(1, n, passes=rp.Pipeline(disable=disable))

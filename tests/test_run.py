@@ -85,6 +85,20 @@ class TestSemantics:
         assert ctx.get_per_replica_batch_size(8 * repl2d.num_replicas) == 8
 
 
+def test_steps_in_flight_are_bounded(n_devices):
+    repl = rp.Replicator(1, n_devices, max_in_flight=2)
+    seen = []
+    step = lambda b: rp.all_sum(b["x"]).sum()  # noqa: E731
+    input_fn = _forever({"x": np.ones((n_devices, 16), np.float32)})
+    for _ in range(20):
+        out = repl.run(step, input_fn)
+        seen.append(len(repl._in_flight))
+    assert max(seen) == 2 and float(out[0]) == 16 * n_devices
+    assert rp.Replicator(1, n_devices).max_in_flight == 2  # the CPU default
+    with pytest.raises(ValueError, match="max_in_flight"):
+        rp.Replicator(1, n_devices, max_in_flight=-1)
+
+
 class TestCompileOnce:
     def test_repeated_calls_neither_retrace_nor_recompile(self, n_devices):
         repl = rp.Replicator(1, n_devices)

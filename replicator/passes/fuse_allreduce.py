@@ -134,9 +134,14 @@ def _nbytes(aval: Any) -> int:
 
 
 def _is_whole_eqn(members: Sequence[_Member]) -> bool:
-    """True if ``members`` are exactly the operands of one equation, in order."""
+    """True if ``members`` are one equation's only operand: nothing to fuse.
+
+    An equation with several operands (a pytree all-reduce) is still fused:
+    XLA would otherwise run it as a tuple all-reduce of many small buffers,
+    which is as slow on CPU as separate all-reduces.
+    """
     eqn = members[0].eqn
-    return all(m.eqn is eqn for m in members) and [m.index for m in members] == list(range(len(eqn.invars)))
+    return len(members) == 1 and len(eqn.invars) == 1
 
 
 def _fused_all_reduce(params: dict) -> Any:

@@ -39,7 +39,8 @@ def fused_repl(n_devices):
 
 @pytest.fixture(scope="module")
 def plain_repl(n_devices):
-    return rp.Replicator(1, n_devices)
+    """The reference: the default pipeline without fusion."""
+    return rp.Replicator(1, n_devices, passes=Pipeline(disable=["fuse-allreduce"]))
 
 
 def _count(jaxpr, name=ALL_REDUCE) -> int:
@@ -456,3 +457,27 @@ def test_repr_names_the_configuration_and_bad_configs_raise():
         FuseAllReduce(threshold_bytes=1.5)
     with pytest.raises(ValueError, match="unknown ops"):
         FuseAllReduce(ops=("sum", "prod"))
+
+
+def test_one_pytree_all_reduce_is_flattened_into_one_buffer(fused_repl, plain_repl, n_devices):
+    """A single all_sum of many leaves would be a tuple all-reduce: fuse it too."""
+    shapes = [(3,), (2, 2), (5,), (1, 4), ()]
+
+    def step(b):
+        leaves = [jnp.ones(s) * b["x"].sum() * (i + 1) for i, s in enumerate(shapes)]
+        return rp.all_sum(leaves)
+
+    batch = {"x": np.arange(2 * n_devices, dtype=np.float32)}
+    graph = _traced(fused_repl, step, batch)
+    (eqn,) = _top_level(graph.jaxpr.jaxpr)
+    assert len(eqn.invars) == len(shapes)
+    result = _fuse(graph)
+    assert result.changed
+    (fused,) = _top_level(result.graph.jaxpr.jaxpr)
+    assert len(fused.invars) == 1 and _size(fused) == sum(math.prod(s) for s in shapes)
+    assert _count(_lower_and_check(result.graph).jaxpr, "psum") == 1
+    assert not FuseAllReduce().run(result.graph).changed
+    got = fused_repl.run(step, _input_fn([batch]))
+    want = plain_repl.run(step, _input_fn([batch]))
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-6)
