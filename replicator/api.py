@@ -204,7 +204,9 @@ class Replicator:
     def _wait_for_room(self) -> None:
         """Bound the steps dispatched but not finished (see ``max_in_flight``)."""
         while self.max_in_flight and len(self._in_flight) >= self.max_in_flight:
-            jax.block_until_ready(self._in_flight.popleft())
+            token = self._in_flight.popleft()
+            if not token.is_deleted():  # a donated state was consumed by a later step
+                jax.block_until_ready(token)
 
     def _worker_inputs(self, input_fn: Callable) -> WorkerInputs:
         check_input_fn(input_fn)
@@ -241,7 +243,7 @@ class Replicator:
         compiled = self._compile(step_fn, state, batches[0])
         traced = compiled.traced
         state_leaves = jax.tree.leaves(state) if state is not None else []
-        placed_state = place_state(state_leaves, self.mesh)
+        placed_state = place_state(state_leaves, self.mesh, compiled.lowered.final.sharded_state)
         placed_batch = place_batch(worker_leaves, self.mesh)
         self._wait_for_room()
         new_state, outputs = compiled.executable(placed_state, placed_batch)

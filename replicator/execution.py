@@ -39,6 +39,7 @@ def build_executable(graph: StepGraph, mesh: Mesh, *, donate_state: bool = False
     """The compiled-on-first-call function ``(state_leaves, batch_leaves) -> (state, outputs)``."""
     fn = jaxpr_as_fun(graph.jaxpr)
     n_state = graph.num_state
+    state_specs = [state_spec(i, graph.sharded_state) for i in range(n_state)]
 
     def per_replica(state: list, batch: list) -> tuple[list, list]:
         # A rewrite may leave a constant (a literal) as an output: make it an array.
@@ -48,8 +49,8 @@ def build_executable(graph: StepGraph, mesh: Mesh, *, donate_state: bool = False
     mapped = jax.shard_map(
         per_replica,
         mesh=mesh,
-        in_specs=(P(), P(REPLICA_AXES)),
-        out_specs=(P(), P(REPLICA_AXES)),
+        in_specs=(state_specs, P(REPLICA_AXES)),
+        out_specs=(state_specs, P(REPLICA_AXES)),
         check_vma=False,
     )
     return jax.jit(mapped, donate_argnums=(0,) if donate_state else ())
@@ -62,21 +63,30 @@ def _strong(x: Any) -> Any:
     return np.asarray(x)
 
 
-def _is_replicated_on(sharding: Any, mesh: Mesh) -> bool:
+def _is_laid_out(leaf: jax.Array, target: NamedSharding) -> bool:
     """Fast check (it runs for every state leaf on every step)."""
+    sharding = leaf.sharding
     if type(sharding) is not NamedSharding:
         return False
-    if sharding.mesh is not mesh and sharding.mesh != mesh:
+    if sharding.mesh is not target.mesh and sharding.mesh != target.mesh:
         return False
-    return all(p is None for p in sharding.spec)
+    if sharding.spec == target.spec:
+        return True
+    # JAX may return P('cores') for P(('workers', 'cores')) when 'workers' has size 1.
+    return sharding.is_equivalent_to(target, leaf.ndim)
 
 
-def place_state(leaves: Sequence[Any], mesh: Mesh) -> list[jax.Array]:
-    """Put state leaves on every device of the mesh (no copy if already there)."""
-    target = replicated(mesh)
+def state_spec(index: int, sharded_state: frozenset[int]) -> P:
+    """Replicated, or (ZeRO-1 state) split along axis 0 over every replica."""
+    return P(REPLICA_AXES) if index in sharded_state else P()
+
+
+def place_state(leaves: Sequence[Any], mesh: Mesh, sharded_state: frozenset[int] = frozenset()) -> list[jax.Array]:
+    """Put state leaves on the mesh, replicated or sharded (no copy if already there)."""
     out = []
-    for leaf in leaves:
-        if isinstance(leaf, jax.Array) and not leaf.weak_type and _is_replicated_on(leaf.sharding, mesh):
+    for i, leaf in enumerate(leaves):
+        target = NamedSharding(mesh, state_spec(i, sharded_state))
+        if isinstance(leaf, jax.Array) and not leaf.weak_type and _is_laid_out(leaf, target):
             out.append(leaf)
         else:
             out.append(jax.device_put(_strong(leaf), target))

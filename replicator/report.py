@@ -172,6 +172,11 @@ def _hierarchical_applies(pipeline: Pipeline, op: str, group: str | None, contex
     )
 
 
+def _never(eqn: JaxprEqn) -> bool:
+    del eqn
+    return False
+
+
 def communication_report(lowered: Lowered, pipeline: Pipeline) -> CommunicationReport:
     """The report for a step that went through ``pipeline``.
 
@@ -200,20 +205,29 @@ def communication_report(lowered: Lowered, pipeline: Pipeline) -> CommunicationR
             sent_bytes=_all_reduce_cost(nbytes, group, algorithm, context),
         )
 
+    def gather_scatter_row(kind, group, dtype, nbytes, tensors, sources, region) -> CollectiveRow:
+        n = context.group_size(group)
+        sent = (n - 1) * nbytes if kind == "all_gather" else (n - 1) / n * nbytes
+        return CollectiveRow(kind, group, "native", dtype, nbytes, tensors, sources, region, sent)
+
+    covered = _never
     if FUSE in names:
         from replicator.passes.fuse_allreduce import FuseAllReduce
 
         fuser = next(p for p in pipeline.passes if p.name == FUSE)
         assert isinstance(fuser, FuseAllReduce)
+        covered = fuser.is_candidate
         for b in fuser.plan(lowered.stages[names.index(FUSE) - 1].graph):
-            rows.append(all_reduce_row(b.op, b.group, b.dtype, b.nbytes, b.num_operands, b.sources, b.region))
+            make = all_reduce_row if b.kind == "all_reduce" else gather_scatter_row
+            first = b.op if b.kind == "all_reduce" else b.kind
+            rows.append(make(first, b.group, b.dtype, b.nbytes, b.num_operands, b.sources, b.region))
     graph_for_rest = lowered.stages[names.index(FUSE) - 1].graph if FUSE in names else before_lowering
     for region, eqn in _walk(graph_for_rest.jaxpr.jaxpr, "step"):
+        if covered(eqn):
+            continue
         p = eqn.params
         source = (user_source_line(eqn.source_info),)
         if eqn.primitive is all_reduce_p:
-            if FUSE in names:
-                continue
             dtypes = sorted({np.dtype(v.aval.dtype).name for v in eqn.invars})
             nbytes = sum(_nbytes(v.aval) for v in eqn.invars)
             rows.append(all_reduce_row(p["op"], p["group"], "/".join(dtypes), nbytes, len(eqn.invars), source, region))

@@ -99,6 +99,17 @@ def test_steps_in_flight_are_bounded(n_devices):
         rp.Replicator(1, n_devices, max_in_flight=-1)
 
 
+def test_donated_state_in_flight(n_devices):
+    repl = rp.Replicator(1, n_devices, donate_state=True, max_in_flight=2)
+    state = jnp.zeros(4)
+    input_fn = _forever({"x": np.ones((n_devices, 4), np.float32)})
+    step = lambda s, b: (s + rp.all_mean(b["x"]).sum(0), {})  # noqa: E731
+    for _ in range(6):
+        state, _ = repl.run(step, input_fn, state)
+    np.testing.assert_allclose(state, 6.0)
+    assert repl.trace_count == 1
+
+
 class TestCompileOnce:
     def test_repeated_calls_neither_retrace_nor_recompile(self, n_devices):
         repl = rp.Replicator(1, n_devices)

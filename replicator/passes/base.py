@@ -66,12 +66,17 @@ class StepGraph:
       context: the mesh shape the step was traced for.
       state_paths: a readable path per state leaf, e.g. ``state['w']``.
       output_paths: a readable path per output leaf.
+      sharded_state: indices of state leaves stored sharded (see the field).
     """
 
     jaxpr: ClosedJaxpr
     context: ReplicaContext
     state_paths: tuple[str, ...]
     output_paths: tuple[str, ...]
+    #: State leaves stored sharded along axis 0 over all replicas (ZeRO-1):
+    #: their jaxpr input and output are this replica's 1/N chunk. The others
+    #: are replicated.
+    sharded_state: frozenset[int] = frozenset()
 
     @property
     def num_state(self) -> int:

@@ -65,12 +65,12 @@ from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Var
 from replicator._jax_compat import user_source_line
 from replicator.context import ReplicaContext
 from replicator.passes.base import Pass, PassResult, StepGraph, inline_function, map_subjaxprs
-from replicator.primitives import REDUCE_OPS, all_reduce_p
+from replicator.primitives import REDUCE_OPS, all_gather_p, all_reduce_p, reduce_scatter_p
 
 __all__ = ["DEFAULT_THRESHOLD_BYTES", "Bucket", "FuseAllReduce", "fusion_report"]
 
 Atom = Any  # Var | Literal
-BucketKey = tuple  # (op, group, group_size, dtype, weak_type)
+BucketKey = tuple  # (kind, op, group, group_size, dtype, weak_type)
 
 #: Bucket size cap; 64 MiB as Horovod's default fusion buffer.
 DEFAULT_THRESHOLD_BYTES = 64 * 2**20
@@ -102,6 +102,7 @@ class Bucket:
     sources: tuple[str, ...]
     nbytes: int
     fused: bool
+    kind: str = "all_reduce"  # or 'reduce_scatter' / 'all_gather' (ZeRO's collectives)
 
     @property
     def num_operands(self) -> int:
@@ -133,6 +134,10 @@ def _nbytes(aval: Any) -> int:
     return math.prod(aval.shape) * aval.dtype.itemsize
 
 
+def _kind(eqn: JaxprEqn) -> str:
+    return eqn.primitive.name.removeprefix("rp.")
+
+
 def _is_whole_eqn(members: Sequence[_Member]) -> bool:
     """True if ``members`` are one equation's only operand: nothing to fuse.
 
@@ -142,6 +147,47 @@ def _is_whole_eqn(members: Sequence[_Member]) -> bool:
     """
     eqn = members[0].eqn
     return len(members) == 1 and len(eqn.invars) == 1
+
+
+def _fused_reduce_scatter(params: dict) -> Any:
+    """``fn(*xs)``: one reduce-scatter along axis 0 of many leaves.
+
+    Each leaf ``(a, ...)`` is viewed as ``(N, a/N * ...)``, the views are
+    concatenated along axis 1 and scattered along axis 0, so row ``r`` of the
+    buffer holds the ``r``-th chunk of every leaf.
+    """
+    n = params["group_size"]
+
+    def fn(*xs: Any) -> list:
+        cols = [math.prod(x.shape) // n for x in xs]
+        buf = lax.concatenate([lax.reshape(x, (n, c)) for x, c in zip(xs, cols, strict=True)], 1)
+        mine = reduce_scatter_p.bind(buf, **params)  # (1, K)
+        outs, offset = [], 0
+        for x, c in zip(xs, cols, strict=True):
+            piece = lax.slice(mine, (0, offset), (1, offset + c))
+            outs.append(lax.reshape(piece, (x.shape[0] // n, *x.shape[1:])))
+            offset += c
+        return outs
+
+    return fn
+
+
+def _fused_all_gather(params: dict) -> Any:
+    """``fn(*xs)``: one tiled all-gather along axis 0 of many chunks."""
+    n = params["group_size"]
+
+    def fn(*xs: Any) -> list:
+        cols = [math.prod(x.shape) for x in xs]
+        buf = lax.concatenate([lax.reshape(x, (1, c)) for x, c in zip(xs, cols, strict=True)], 1)
+        every = all_gather_p.bind(buf, **params)  # (N, K)
+        outs, offset = [], 0
+        for x, c in zip(xs, cols, strict=True):
+            piece = lax.slice(every, (0, offset), (n, offset + c))
+            outs.append(lax.reshape(piece, (n * x.shape[0], *x.shape[1:])))
+            offset += c
+        return outs
+
+    return fn
 
 
 def _fused_all_reduce(params: dict) -> Any:
@@ -216,7 +262,7 @@ class _Window:
         params = eqn.params
         for index, atom in enumerate(eqn.invars):
             aval = atom.aval
-            key = (params["op"], params["group"], params["group_size"], aval.dtype, aval.weak_type)
+            key = (_kind(eqn), params.get("op"), params["group"], params["group_size"], aval.dtype, aval.weak_type)
             size = _nbytes(aval)
             bucket = self._open.get(key)
             if bucket is None or (bucket.members and bucket.nbytes + size > self.fuser.threshold_bytes):
@@ -242,23 +288,25 @@ class _Window:
         self.report.append(
             Bucket(
                 region=self.region,
-                op=first.params["op"],
+                op=first.params.get("op", _kind(first)),
                 group=first.params["group"],
                 dtype=str(members[0].atom.aval.dtype),
                 shapes=tuple(tuple(m.atom.aval.shape) for m in members),
                 sources=tuple(user_source_line(m.eqn.source_info) for m in members),
                 nbytes=bucket.nbytes,
                 fused=fused,
+                kind=_kind(first),
             )
         )
         if not fused:
             self.out.append(first)
             return
         self.changed = True
-        params = {k: first.params[k] for k in ("op", "group", "group_size")}
-        eqns, outs = inline_function(
-            _fused_all_reduce(params), [m.atom for m in members], context=self.context, like=first
-        )
+        params = dict(first.params)
+        fused_fn = {"all_reduce": _fused_all_reduce, "reduce_scatter": _fused_reduce_scatter}.get(
+            _kind(first), _fused_all_gather
+        )(params)
+        eqns, outs = inline_function(fused_fn, [m.atom for m in members], context=self.context, like=first)
         self.out.extend(eqns)
         for member, atom in zip(members, outs, strict=True):
             if not isinstance(member.outvar, DropVar):
@@ -277,7 +325,13 @@ class FuseAllReduce(Pass):
 
     name = "fuse-allreduce"
 
-    def __init__(self, threshold_bytes: int = DEFAULT_THRESHOLD_BYTES, ops: Sequence[str] = ("sum", "mean")):
+    def __init__(
+        self,
+        threshold_bytes: int = DEFAULT_THRESHOLD_BYTES,
+        ops: Sequence[str] = ("sum", "mean"),
+        *,
+        scatter_gather: bool = True,
+    ):
         if isinstance(threshold_bytes, bool) or not isinstance(threshold_bytes, (int, np.integer)):
             raise TypeError(f"FuseAllReduce: threshold_bytes must be an int, got {threshold_bytes!r}.")
         if threshold_bytes <= 0:
@@ -289,18 +343,28 @@ class FuseAllReduce(Pass):
             raise ValueError(f"FuseAllReduce: unknown ops {unknown}; choose from {list(REDUCE_OPS)}.")
         self.threshold_bytes = int(threshold_bytes)
         self.ops = tuple(dict.fromkeys(ops))
+        self.scatter_gather = bool(scatter_gather)
 
     def __repr__(self) -> str:
-        return f"FuseAllReduce(threshold_bytes={self.threshold_bytes}, ops={self.ops!r})"
+        return (
+            f"FuseAllReduce(threshold_bytes={self.threshold_bytes}, ops={self.ops!r}, "
+            f"scatter_gather={self.scatter_gather})"
+        )
 
     def is_candidate(self, eqn: JaxprEqn) -> bool:
-        """An all-reduce this pass may put into a bucket."""
-        return (
-            eqn.primitive is all_reduce_p
-            and eqn.params["op"] in self.ops
-            and len(eqn.invars) > 0
-            and all(isinstance(getattr(v.aval, "dtype", None), np.dtype) for v in eqn.invars)
-        )
+        """A collective this pass may put into a bucket.
+
+        All-reduces with one of ``ops``; with ``scatter_gather``, also the
+        reduce-scatters and tiled all-gathers along axis 0 that
+        ``shard-optimizer-update`` emits (one per tensor).
+        """
+        if not (len(eqn.invars) > 0 and all(isinstance(getattr(v.aval, "dtype", None), np.dtype) for v in eqn.invars)):
+            return False
+        if eqn.primitive is all_reduce_p:
+            return eqn.params["op"] in self.ops
+        if not self.scatter_gather or eqn.params.get("axis") != 0:
+            return False
+        return eqn.primitive is reduce_scatter_p or (eqn.primitive is all_gather_p and eqn.params["tiled"])
 
     def run(self, graph: StepGraph) -> PassResult:
         new, _ = self._fuse_graph(graph)

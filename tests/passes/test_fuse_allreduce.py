@@ -447,7 +447,10 @@ def test_fusion_report_lists_bucket_membership(plain_repl, n_devices):
 
 
 def test_repr_names_the_configuration_and_bad_configs_raise():
-    assert repr(FuseAllReduce()) == f"FuseAllReduce(threshold_bytes={DEFAULT_THRESHOLD_BYTES}, ops=('sum', 'mean'))"
+    assert repr(FuseAllReduce()) == (
+        f"FuseAllReduce(threshold_bytes={DEFAULT_THRESHOLD_BYTES}, ops=('sum', 'mean'), scatter_gather=True)"
+    )
+    assert _pipeline(scatter_gather=False).key() != _pipeline().key()
     assert FuseAllReduce.name == "fuse-allreduce" and not FuseAllReduce.required
     assert _pipeline().key() != _pipeline(threshold_bytes=1024).key()
     assert _pipeline(ops=("sum",)).key() != _pipeline().key()

@@ -1,0 +1,192 @@
+"""shard-optimizer-update (ZeRO-1): graph rewrite, numbers, memory."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import replicator as rp
+from replicator.passes import Pipeline, count_primitives, default_passes, verify_graph
+from replicator.passes.shard_optimizer import ShardOptimizerUpdate
+
+PLACEHOLDERS = ["rp.all_reduce", "rp.reduce_scatter", "rp.all_gather"]
+
+
+def _with_zero(**kwargs) -> Pipeline:
+    passes = default_passes()
+    names = [p.name for p in passes]
+    if "shard-optimizer-update" in names:
+        passes[names.index("shard-optimizer-update")] = ShardOptimizerUpdate(**kwargs)
+    else:
+        passes.insert(names.index("fuse-allreduce"), ShardOptimizerUpdate(**kwargs))
+    return Pipeline(passes, verify=True)
+
+
+def _without_zero() -> Pipeline:
+    names = Pipeline().names
+    return Pipeline(disable=["shard-optimizer-update"]) if "shard-optimizer-update" in names else Pipeline()
+
+
+def _loss(params, x):
+    for layer in params:
+        x = jnp.tanh(x @ layer["w"] + layer["b"])
+    return jnp.mean(x**2)
+
+
+def _make_step(tx):
+    def step(state, batch):
+        params, opt = state
+        loss, g = jax.value_and_grad(_loss)(params, batch["x"])
+        g = rp.all_mean(g)
+        upd, opt = tx.update(g, opt, params)
+        return (optax.apply_updates(params, upd), opt), {"loss": rp.all_mean(loss)}
+
+    return step
+
+
+def _batches(n, width=8, steps=4):
+    rng = np.random.default_rng(1)
+    return [{"x": rng.normal(size=(2 * n, width)).astype(np.float32)} for _ in range(steps)]
+
+
+def _train(repl, step, state, batches):
+    def input_fn(ctx):
+        yield from batches
+
+    for _ in batches:
+        state, out = repl.run(step, input_fn, state)
+    return state, out
+
+
+def _width(n):
+    return 2 * n  # leading axes divisible by the replica count
+
+
+def _setup(n, tx):
+    w = _width(n)
+    rng = np.random.default_rng(0)
+    params = [{"w": (rng.normal(size=(w, w)) * 0.3).astype(np.float32), "b": np.zeros(w, np.float32)} for _ in range(3)]
+    return params, (params, tx.init(params))
+
+
+def test_graph_reduce_scatters_gradients_and_gathers_parameters(n_devices):
+    tx = optax.adam(1e-2)
+    params, state = _setup(n_devices, tx)
+    repl = rp.Replicator(1, n_devices, passes=_with_zero())
+    lowered = repl.lower(_make_step(tx), _batches(n_devices, _width(n_devices))[0], state)
+    before = lowered.stages[[s.name for s in lowered.stages].index("shard-optimizer-update") - 1].graph
+    after = lowered.after("shard-optimizer-update")
+    n_tensors = len(jax.tree.leaves(params))
+    assert count_primitives(before.jaxpr, PLACEHOLDERS) == {"rp.all_reduce": 2}  # grads, loss
+    assert count_primitives(after.jaxpr, PLACEHOLDERS) == {
+        "rp.all_reduce": 1,  # the loss (a scalar) is still all-reduced
+        "rp.reduce_scatter": n_tensors,
+        "rp.all_gather": n_tensors,  # the new parameters
+    }
+    mu_nu = [i for i, p in enumerate(after.state_paths) if ".mu" in p or ".nu" in p]
+    assert sorted(after.sharded_state) == mu_nu and len(mu_nu) == 2 * n_tensors
+    verify_graph(after, lowered=False)
+    fused = lowered.after("fuse-allreduce")
+    assert count_primitives(fused.jaxpr, PLACEHOLDERS) == {
+        "rp.all_reduce": 1,
+        "rp.reduce_scatter": 1,
+        "rp.all_gather": 1,
+    }
+    verify_graph(lowered.final, lowered=True)
+
+
+@pytest.mark.parametrize(
+    "tx",
+    [
+        optax.adam(1e-2),
+        optax.sgd(0.1, momentum=0.9),
+        optax.adamw(1e-2, weight_decay=0.1),
+        optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2)),
+    ],
+    ids=["adam", "momentum", "adamw", "clip+adam"],
+)
+def test_same_training_result_as_unsharded(n_devices, tx):
+    _, state = _setup(n_devices, tx)
+    batches = _batches(n_devices, _width(n_devices))
+    step = _make_step(tx)
+    sharded, out = _train(rp.Replicator(1, n_devices, passes=_with_zero()), step, state, batches)
+    plain, ref = _train(rp.Replicator(1, n_devices, passes=_without_zero()), step, state, batches)
+    for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(plain), strict=True):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    np.testing.assert_allclose(out["loss"], ref["loss"], atol=1e-6)
+
+
+def test_two_workers(repl2d):
+    tx = optax.adam(1e-2)
+    n = repl2d.num_replicas
+    _, state = _setup(n, tx)
+    batches = _batches(n, _width(n))
+    repl = rp.Replicator(repl2d.num_workers, repl2d.cores_per_worker, passes=_with_zero())
+    sharded, _ = _train(repl, _make_step(tx), state, batches)
+    plain, _ = _train(rp.Replicator(repl2d.num_workers, repl2d.cores_per_worker), _make_step(tx), state, batches)
+    for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(plain), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def _bytes_per_device(tree) -> int:
+    return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
+
+
+def test_optimizer_state_memory_is_divided_by_the_replica_count(n_devices):
+    tx = optax.adam(1e-2)
+    _, state = _setup(n_devices, tx)
+    batches = _batches(n_devices, _width(n_devices), steps=1)
+    step = _make_step(tx)
+    (_, opt_sharded), _ = _train(rp.Replicator(1, n_devices, passes=_with_zero()), step, state, batches)
+    (_, opt_plain), _ = _train(rp.Replicator(1, n_devices, passes=_without_zero()), step, state, batches)
+    count_bytes = 4  # Adam's step count stays replicated
+    moments_plain = _bytes_per_device(opt_plain) - count_bytes
+    moments_sharded = _bytes_per_device(opt_sharded) - count_bytes
+    assert moments_sharded * n_devices == moments_plain
+
+
+def test_leaves_that_do_not_divide_stay_replicated_and_correct(n_devices):
+    if n_devices == 1:
+        pytest.skip("needs several replicas")
+    tx = optax.adam(1e-2)
+    w = _width(n_devices)
+    params = {"w": np.ones((w, 3), np.float32) * 0.1, "odd": np.ones((n_devices + 1,), np.float32)}
+
+    def loss(p, x):
+        return jnp.mean((x @ p["w"]) ** 2) + jnp.sum(p["odd"] ** 2) * jnp.mean(x)
+
+    def step(state, batch):
+        p, opt = state
+        g = rp.all_mean(jax.grad(loss)(p, batch["x"]))
+        upd, opt = tx.update(g, opt, p)
+        return (optax.apply_updates(p, upd), opt), {}
+
+    state = (params, tx.init(params))
+    batches = _batches(n_devices, w)
+    repl = rp.Replicator(1, n_devices, passes=_with_zero())
+    after = repl.lower(step, batches[0], state).after("shard-optimizer-update")
+    sharded_paths = {after.state_paths[i] for i in after.sharded_state}
+    assert sharded_paths == {"state[1][0].mu['w']", "state[1][0].nu['w']"}
+    got, _ = _train(repl, step, state, batches)
+    want, _ = _train(rp.Replicator(1, n_devices, passes=_without_zero()), step, state, batches)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_shard_state_off_keeps_state_replicated(n_devices):
+    tx = optax.adam(1e-2)
+    _, state = _setup(n_devices, tx)
+    repl = rp.Replicator(1, n_devices, passes=_with_zero(shard_state=False))
+    lowered = repl.lower(_make_step(tx), _batches(n_devices, _width(n_devices))[0], state)
+    after = lowered.after("shard-optimizer-update")
+    assert after.sharded_state == frozenset()
+    assert count_primitives(after.jaxpr, ["rp.reduce_scatter"])
+
+
+def test_nothing_to_do_without_gradient_all_reduce(repl):
+    graph = repl.lower(lambda s, b: (s + 1.0, {}), {"x": np.ones(repl.num_replicas)}, jnp.zeros(4)).traced
+    result = ShardOptimizerUpdate().run(graph)
+    assert not result.changed and result.graph is graph
+    assert repr(ShardOptimizerUpdate()) == "ShardOptimizerUpdate(shard_state=True)"
