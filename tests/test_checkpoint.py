@@ -1,0 +1,455 @@
+"""Checkpoints: round trips, atomicity under failure and SIGKILL, checks on restore."""
+
+import hashlib
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+import replicator as rp
+from replicator import checkpoint as ckpt
+from replicator.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    latest_step,
+    restore_checkpoint,
+    save_checkpoint,
+)
+
+
+class Pair(NamedTuple):
+    a: jax.Array
+    b: jax.Array | None
+
+
+def _state():
+    params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.float32(0.5)}
+    return {
+        "params": params,
+        "opt": optax.adam(1e-3).init(params),  # a tuple of NamedTuples
+        "list": [jnp.int32(7), np.arange(4, dtype=np.int64).astype(np.int32), jnp.array([True, False])],
+        "pair": Pair(jnp.ones(2, jnp.bfloat16) * 1.5, None),
+        "none": None,
+        "half": jnp.linspace(0, 1, 5, dtype=jnp.float16),
+    }
+
+
+def _assert_same(actual, expected):
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        assert np.asarray(a).dtype == np.asarray(e).dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+
+
+class TestRoundTrip:
+    def test_pytrees_dtypes_and_extra(self, tmp_path):
+        state = _state()
+        save_checkpoint(tmp_path, 3, state, extra={"input_position": 3, "note": "hi", "lr": [0.1, 0.01]})
+        step, restored, extra = restore_checkpoint(tmp_path, state)
+        assert step == 3 and extra == {"input_position": 3, "note": "hi", "lr": [0.1, 0.01]}
+        _assert_same(restored, state)
+        assert type(restored["opt"][0]).__name__ == "ScaleByAdamState" and restored["pair"].b is None
+        assert restored["pair"].a.dtype == jnp.bfloat16
+
+    def test_target_of_shape_dtype_structs_gives_numpy(self, tmp_path):
+        state = _state()
+        save_checkpoint(tmp_path, 1, state)
+        specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
+        _, restored, _ = restore_checkpoint(tmp_path, specs)
+        assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(restored))
+        _assert_same(restored, state)
+
+    def test_target_arrays_give_arrays_on_their_sharding(self, tmp_path, repl):
+        state = {"w": jnp.arange(3.0)}
+        state, _ = repl.run(
+            lambda s, b: (s, {}), lambda ctx: iter([{"x": np.ones(repl.num_replicas)}]), state
+        )  # now replicated on the mesh
+        save_checkpoint(tmp_path, 1, state)
+        _, restored, _ = restore_checkpoint(tmp_path, state)
+        assert isinstance(restored["w"], jax.Array) and restored["w"].sharding == state["w"].sharding
+        np.testing.assert_array_equal(restored["w"], np.arange(3.0))
+
+    def test_python_numbers_get_jax_dtypes(self, tmp_path):
+        save_checkpoint(tmp_path, 1, {"lr": 0.1, "n": 3})
+        _, restored, _ = restore_checkpoint(tmp_path, {"lr": jnp.float32(0), "n": jnp.int32(0)})
+        assert restored["lr"].dtype == np.float32 and restored["n"].dtype == np.int32
+
+    def test_prng_keys(self, tmp_path):
+        state = {"key": jax.random.key(42), "raw": jax.random.PRNGKey(1)}
+        save_checkpoint(tmp_path, 1, state)
+        _, restored, _ = restore_checkpoint(tmp_path, state)
+        np.testing.assert_array_equal(jax.random.key_data(restored["key"]), jax.random.key_data(state["key"]))
+        np.testing.assert_array_equal(jax.random.uniform(restored["key"], (3,)), jax.random.uniform(state["key"], (3,)))
+        np.testing.assert_array_equal(restored["raw"], state["raw"])
+
+    def test_the_files_are_plain_npz_and_json(self, tmp_path):
+        state = {"w": jnp.ones(3), "h": jnp.ones(2, jnp.bfloat16)}
+        path = pathlib.Path(save_checkpoint(tmp_path, 12, state, extra={"input_position": 12}))
+        assert path == tmp_path / "step_00000012"
+        assert sorted(p.name for p in path.iterdir()) == ["arrays.npz", "manifest.json"]
+        manifest = json.loads((path / "manifest.json").read_text())
+        assert manifest["format"] == "replicator-checkpoint" and manifest["version"] == 1
+        assert manifest["step"] == 12 and manifest["extra"] == {"input_position": 12}
+        assert manifest["arrays_sha256"] == hashlib.sha256((path / "arrays.npz").read_bytes()).hexdigest()
+        assert manifest["leaves"] == [
+            {"path": "['h']", "shape": [2], "dtype": "bfloat16", "stored_as": "uint16"},
+            {"path": "['w']", "shape": [3], "dtype": "float32"},
+        ]
+        with np.load(path / "arrays.npz", allow_pickle=False) as npz:
+            assert npz["a0"].dtype == np.uint16 and npz["a1"].dtype == np.float32
+            np.testing.assert_array_equal(npz["a0"].view(ml_dtypes.bfloat16), np.ones(2, ml_dtypes.bfloat16))
+
+
+class TestManager:
+    def test_keeps_the_newest(self, tmp_path):
+        manager = CheckpointManager(tmp_path, keep=2)
+        for step in (1, 2, 5, 7):
+            manager.save(step, {"x": jnp.full(2, step)})
+        assert manager.all_steps() == [5, 7] and manager.latest_step() == 7 and latest_step(tmp_path) == 7
+        assert sorted(os.listdir(tmp_path)) == ["step_00000005", "step_00000007"]
+        step, state, _ = manager.restore({"x": jnp.zeros(2, jnp.int32)}, step=5)
+        assert step == 5 and state["x"].tolist() == [5, 5]
+
+    def test_keep_none_keeps_all(self, tmp_path):
+        for step in range(5):
+            save_checkpoint(tmp_path, step, {"x": jnp.zeros(1)}, keep=None)
+        assert CheckpointManager(tmp_path).all_steps() == [0, 1, 2, 3, 4]
+
+    def test_empty_or_missing_directory(self, tmp_path):
+        assert latest_step(tmp_path / "nope") is None and CheckpointManager(tmp_path).all_steps() == []
+        with pytest.raises(CheckpointError, match="no checkpoint in .*nope"):
+            restore_checkpoint(tmp_path / "nope", {"x": jnp.zeros(1)})
+
+    def test_missing_step(self, tmp_path):
+        save_checkpoint(tmp_path, 2, {"x": jnp.zeros(1)})
+        with pytest.raises(CheckpointError, match=r"no checkpoint of step 3 .* has steps \[2\]"):
+            restore_checkpoint(tmp_path, {"x": jnp.zeros(1)}, step=3)
+
+    def test_other_files_are_ignored(self, tmp_path):
+        (tmp_path / "notes.txt").write_text("hello")
+        (tmp_path / "step_x").mkdir()
+        save_checkpoint(tmp_path, 1, {"x": jnp.zeros(1)})
+        assert latest_step(tmp_path) == 1
+
+    def test_same_or_earlier_step_needs_overwrite(self, tmp_path):
+        manager = CheckpointManager(tmp_path, keep=None)
+        for step in (2, 4, 6):
+            manager.save(step, {"x": jnp.full(1, step)})
+        with pytest.raises(CheckpointError, match=r"already has a checkpoint of step 4.*overwrite=True"):
+            manager.save(4, {"x": jnp.zeros(1)})
+        with pytest.raises(CheckpointError, match=r"checkpoints of later steps \[4, 6\]"):
+            manager.save(3, {"x": jnp.zeros(1)})
+        assert manager.all_steps() == [2, 4, 6]
+        manager.save(4, {"x": jnp.full(1, 40)}, overwrite=True)  # a run restarted from step 4
+        assert manager.all_steps() == [2, 4]
+        assert manager.restore({"x": jnp.zeros(1, jnp.int32)})[1]["x"].tolist() == [40]
+        assert sorted(os.listdir(tmp_path)) == ["step_00000002", "step_00000004"]
+
+    def test_only_process_zero_writes(self, tmp_path, monkeypatch):
+        monkeypatch.setattr(jax, "process_index", lambda: 1)
+        path = save_checkpoint(tmp_path / "c", 5, {"x": jnp.zeros(1)})
+        assert path == str(tmp_path / "c" / "step_00000005") and not (tmp_path / "c").exists()
+
+    def test_bad_arguments(self, tmp_path):
+        with pytest.raises(ValueError, match="keep= must be a positive int"):
+            CheckpointManager(tmp_path, keep=0)
+        with pytest.raises(CheckpointError, match="step must be a non-negative int"):
+            save_checkpoint(tmp_path, -1, {"x": jnp.zeros(1)})
+        with pytest.raises(CheckpointError, match=r"state\['s'\] is of type str.*numbers or booleans"):
+            save_checkpoint(tmp_path, 1, {"s": "abc"})
+        with pytest.raises(CheckpointError, match="extra= must be JSON-serializable.*tolist"):
+            save_checkpoint(tmp_path, 1, {"x": jnp.zeros(1)}, extra={"pos": np.arange(2)})
+        assert os.listdir(tmp_path) == []  # nothing was written
+
+
+class TestRestoreChecks:
+    @pytest.fixture
+    def saved(self, tmp_path):
+        state = {"w": jnp.zeros(3), "b": jnp.zeros((), jnp.int32)}
+        save_checkpoint(tmp_path, 1, state)
+        return tmp_path, state
+
+    def _still_restorable(self, directory, state):
+        _assert_same(restore_checkpoint(directory, state)[1], state)
+
+    def test_shape_mismatch_names_the_leaf(self, saved):
+        directory, state = saved
+        msg = (
+            r"checkpoint .*step_00000001 has state\['w'\] of shape \(3,\) float32 but the model expects \(4,\) float32"
+        )
+        with pytest.raises(CheckpointError, match=msg):
+            restore_checkpoint(directory, {"w": jnp.zeros(4), "b": jnp.zeros((), jnp.int32)})
+        self._still_restorable(directory, state)
+
+    def test_dtype_mismatch(self, saved):
+        directory, _ = saved
+        with pytest.raises(
+            CheckpointError, match=r"state\['b'\] of shape \(\) int32 but the model expects \(\) float32"
+        ):
+            restore_checkpoint(directory, {"w": jnp.zeros(3), "b": jnp.zeros(())})
+
+    def test_another_model(self, saved):
+        directory, state = saved
+        with pytest.raises(
+            CheckpointError,
+            match=r"model expects state\['v'\], which the checkpoint lacks; the "
+            r"checkpoint has state\['w'\], which the model lacks",
+        ):
+            restore_checkpoint(directory, {"v": jnp.zeros(3), "b": jnp.zeros((), jnp.int32)})
+        with pytest.raises(CheckpointError, match=r"the model expects state\['c'\].*\(2 arrays saved, 3 expected\)"):
+            restore_checkpoint(directory, {**state, "c": jnp.zeros(1)})
+        with pytest.raises(CheckpointError, match=r"the checkpoint has state\['w'\], which the model lacks"):
+            restore_checkpoint(directory, {"b": state["b"]})
+        self._still_restorable(directory, state)
+
+    def test_truncated_arrays(self, saved):
+        directory, state = saved
+        arrays = directory / "step_00000001" / "arrays.npz"
+        data = arrays.read_bytes()
+        arrays.write_bytes(data[: len(data) // 2])
+        with pytest.raises(CheckpointError, match=rf"truncated or corrupt \({len(data) // 2} bytes, {len(data)} when"):
+            restore_checkpoint(directory, state)
+
+    def test_corrupt_byte(self, saved):
+        directory, state = saved
+        arrays = directory / "step_00000001" / "arrays.npz"
+        data = bytearray(arrays.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        arrays.write_bytes(bytes(data))
+        with pytest.raises(CheckpointError, match="sha256 differs from the manifest"):
+            restore_checkpoint(directory, state)
+
+    @pytest.mark.parametrize(
+        "manifest, match",
+        [
+            ("{not json", "is not valid JSON"),
+            ('{"format": "orbax"}', "not a replicator checkpoint manifest"),
+            ('{"format": "replicator-checkpoint", "version": 99}', "format version 99"),
+            ('{"format": "replicator-checkpoint", "version": 1}', "lacks .*the checkpoint is damaged"),
+            ("[1, 2]", "not a replicator checkpoint manifest"),
+        ],
+    )
+    def test_foreign_or_damaged_manifest(self, saved, manifest, match):
+        directory, state = saved
+        (directory / "step_00000001" / "manifest.json").write_text(manifest)
+        with pytest.raises(CheckpointError, match=match):
+            restore_checkpoint(directory, state)
+
+    def test_missing_files(self, saved):
+        directory, state = saved
+        (directory / "step_00000001" / "arrays.npz").unlink()
+        with pytest.raises(CheckpointError, match="lacks arrays.npz"):
+            restore_checkpoint(directory, state)
+        (directory / "step_00000001" / "manifest.json").unlink()
+        with pytest.raises(CheckpointError, match="has no manifest.json"):
+            restore_checkpoint(directory, state)
+
+    def test_never_unpickles(self, tmp_path):
+        """A pickled object array with a matching checksum is refused, and its payload never runs."""
+        marker = tmp_path / "pwned"
+
+        class Payload:
+            def __reduce__(self):
+                return (pathlib.Path.touch, (marker,))
+
+        save_checkpoint(tmp_path, 1, {"x": jnp.zeros(1)})
+        path = tmp_path / "step_00000001"
+        evil = np.empty(1, dtype=object)
+        evil[0] = Payload()
+        with open(path / "arrays.npz", "wb") as f:
+            np.savez(f, a0=evil)  # numpy pickles object arrays
+        manifest = json.loads((path / "manifest.json").read_text())
+        manifest["arrays_sha256"] = hashlib.sha256((path / "arrays.npz").read_bytes()).hexdigest()
+        (path / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(CheckpointError, match="cannot read arrays.npz.*allow_pickle=False"):
+            restore_checkpoint(tmp_path, {"x": jnp.zeros(1)})
+        assert not marker.exists()
+
+    def test_stored_dtype_differs_from_manifest(self, saved):
+        directory, state = saved
+        path = directory / "step_00000001"
+        with open(path / "arrays.npz", "wb") as f:
+            np.savez(f, a0=np.zeros((), np.int64), a1=np.zeros(3, np.float32))
+        manifest = json.loads((path / "manifest.json").read_text())
+        manifest["arrays_sha256"] = hashlib.sha256((path / "arrays.npz").read_bytes()).hexdigest()
+        (path / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(CheckpointError, match=r"state\['b'\]\) is stored as int64, its manifest says int32"):
+            restore_checkpoint(directory, state)
+
+
+class TestAtomicity:
+    def test_failure_while_writing_arrays_keeps_the_last_checkpoint(self, tmp_path, monkeypatch):
+        manager = CheckpointManager(tmp_path, keep=1)
+        manager.save(1, {"x": jnp.full(4, 1.0)})
+
+        def half_then_fail(path, arrays):
+            with open(path, "wb") as f:
+                f.write(b"PK\x03\x04" + b"\0" * 100)  # the start of a zip file
+            raise OSError("disk full")
+
+        monkeypatch.setattr(ckpt, "_write_arrays", half_then_fail)
+        with pytest.raises(OSError, match="disk full"):
+            manager.save(2, {"x": jnp.full(4, 2.0)})
+        assert manager.all_steps() == [1] and os.listdir(tmp_path) == ["step_00000001"]
+        assert manager.restore({"x": jnp.zeros(4)})[1]["x"].tolist() == [1.0] * 4
+
+    def test_failure_before_the_rename(self, tmp_path, monkeypatch):
+        manager = CheckpointManager(tmp_path, keep=1)
+        manager.save(1, {"x": jnp.full(4, 1.0)})
+
+        def fail(path):
+            raise OSError("I/O error")
+
+        monkeypatch.setattr(ckpt, "_fsync_dir", fail)
+        with pytest.raises(OSError, match="I/O error"):
+            manager.save(2, {"x": jnp.full(4, 2.0)})
+        assert manager.all_steps() == [1]
+        assert manager.restore({"x": jnp.zeros(4)})[1]["x"].tolist() == [1.0] * 4
+
+    def test_crash_while_overwriting_keeps_the_old_checkpoint(self, tmp_path, monkeypatch):
+        manager = CheckpointManager(tmp_path, keep=None)
+        manager.save(1, {"x": jnp.full(2, 1.0)})
+        real_rename = os.rename
+
+        def rename(src, dst):
+            if os.path.basename(src).startswith(".tmp-"):
+                raise KeyboardInterrupt  # dies after the old one was moved aside
+            real_rename(src, dst)
+
+        monkeypatch.setattr(os, "rename", rename)
+        with pytest.raises(KeyboardInterrupt):
+            manager.save(1, {"x": jnp.full(2, 9.0)}, overwrite=True)
+        monkeypatch.setattr(os, "rename", real_rename)
+        assert manager.all_steps() == [1]  # the moved-aside checkpoint still counts
+        assert manager.restore({"x": jnp.zeros(2)})[1]["x"].tolist() == [1.0, 1.0]
+        manager.save(2, {"x": jnp.full(2, 2.0)})  # the next save tidies up
+        assert sorted(os.listdir(tmp_path)) == ["step_00000001", "step_00000002"]
+        assert manager.restore({"x": jnp.zeros(2)}, step=1)[1]["x"].tolist() == [1.0, 1.0]
+
+    @staticmethod
+    def _kill_while_saving(directory: pathlib.Path) -> None:
+        """Start a process that saves large checkpoints in a loop; SIGKILL it mid-save."""
+        code = textwrap.dedent(
+            f"""
+            import itertools, numpy as np
+            from replicator.checkpoint import save_checkpoint
+            for step in itertools.count(1):
+                state = {{"w": np.full(4_000_000, step, np.float32), "step": np.int32(step)}}
+                save_checkpoint({str(directory)!r}, step, state, extra={{"input_position": step}}, keep=2)
+            """
+        )
+        proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and proc.poll() is None:
+                steps = CheckpointManager(directory).all_steps()
+                names = os.listdir(directory) if directory.exists() else []
+                if steps and steps[-1] >= 2 and any(n.startswith(".tmp-") for n in names):
+                    break  # a save of a later step is under way
+                time.sleep(0.002)
+            assert proc.poll() is None, proc.stderr.read().decode()
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == -signal.SIGKILL
+
+    def test_sigkill_during_large_saves(self, tmp_path):
+        """Kill -9 a process while it saves; the newest complete checkpoint restores."""
+        for attempt in range(3):  # the save may, rarely, finish between our look and the kill
+            directory = tmp_path / f"ckpt{attempt}"
+            self._kill_while_saving(directory)
+            if any(n.startswith(".tmp-") for n in os.listdir(directory)):
+                break
+        else:
+            pytest.fail("the process was never killed in the middle of a save")
+        manager = CheckpointManager(directory, keep=2)
+        target = {"w": jax.ShapeDtypeStruct((4_000_000,), jnp.float32), "step": jnp.int32(0)}
+        step, state, extra = manager.restore(target)
+        assert step >= 2 and int(state["step"]) == step and extra == {"input_position": step}
+        np.testing.assert_array_equal(state["w"], np.full(4_000_000, step, np.float32))
+        manager.save(step + 1, {"w": np.zeros(4_000_000, np.float32), "step": np.int32(0)})
+        assert not any(n.startswith(".") for n in os.listdir(directory))  # the half-written save is removed
+
+
+# -- bit-identical resumption through Replicator.run ---------------------------------------
+
+GLOBAL_ROWS = 32
+
+
+def _batches(ctx):
+    """Deterministic per step and worker."""
+    rows = ctx.worker_batch_size(GLOBAL_ROWS)
+    for i in range(1000):
+        rng = np.random.default_rng([i, ctx.worker_id])
+        x = rng.normal(size=(rows, 3)).astype(np.float32)
+        yield {"x": x, "y": (x @ np.array([1.0, -2.0, 0.5], np.float32) + 0.1).astype(np.float32)}
+
+
+_opt = optax.adam(0.05)
+
+
+def _train_step(state, batch):
+    params, opt_state = state
+
+    def loss_fn(p):
+        return jnp.mean((batch["x"] @ p["w"] + p["b"] - batch["y"]) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = _opt.update(rp.all_mean(grads), opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), {"loss": rp.all_mean(loss)}
+
+
+def _init():
+    params = {"w": jnp.zeros(3), "b": jnp.zeros(())}
+    return params, _opt.init(params)
+
+
+def test_resume_is_bit_identical(tmp_path, repl2d):
+    total, k = 7, 4
+
+    def ref_input(ctx):  # a new function: Replicator continues the iterators of one it has seen
+        return _batches(ctx)
+
+    ref = _init()
+    for _ in range(total):
+        ref, _ = repl2d.run(_train_step, ref_input, ref)
+
+    def input_fn(ctx):
+        return _batches(ctx)
+
+    state = _init()
+    for step in range(1, k + 1):
+        state, _ = repl2d.run(_train_step, input_fn, state)
+        save_checkpoint(tmp_path, step, state, extra={"input_position": step}, keep=2)
+    del state  # "crash"
+
+    fresh = rp.Replicator(repl2d.num_workers, repl2d.cores_per_worker)
+    step, state, extra = restore_checkpoint(tmp_path, _init())
+    assert step == k and extra["input_position"] == k
+
+    def resumed_input(ctx):
+        batches = _batches(ctx)
+        for _ in range(extra["input_position"]):
+            next(batches)
+        return batches
+
+    for _ in range(step, total):
+        state, _ = fresh.run(_train_step, resumed_input, state)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert float(jnp.abs(state[0]["w"]).sum()) > 0  # it did train
