@@ -13,6 +13,11 @@ Write a step for one device, call cross-replica placeholders (``all_mean``,
 from replicator import _jax_compat
 from replicator.api import CompiledStep as CompiledStep
 from replicator.api import Replicator as Replicator
+from replicator.checkpoint import CheckpointError as CheckpointError
+from replicator.checkpoint import CheckpointManager as CheckpointManager
+from replicator.checkpoint import latest_step as latest_step
+from replicator.checkpoint import restore_checkpoint as restore_checkpoint
+from replicator.checkpoint import save_checkpoint as save_checkpoint
 from replicator.context import ReplicaContext as ReplicaContext
 from replicator.errors import DivergentControlFlowError as DivergentControlFlowError
 from replicator.errors import DivergentStateError as DivergentStateError
@@ -20,6 +25,11 @@ from replicator.errors import InputExhausted as InputExhausted
 from replicator.errors import PassError as PassError
 from replicator.errors import ReplicationError as ReplicationError
 from replicator.inputs import InputContext as InputContext
+from replicator.loop import CheckpointHook as CheckpointHook
+from replicator.loop import EvalHook as EvalHook
+from replicator.loop import Hook as Hook
+from replicator.loop import LoggingHook as LoggingHook
+from replicator.loop import Trainer as Trainer
 from replicator.mesh import build_mesh as build_mesh
 from replicator.mesh import force_cpu_devices as force_cpu_devices
 from replicator.passes import Pipeline as Pipeline
@@ -39,16 +49,23 @@ __version__ = "0.1.0"
 _jax_compat.exclude_from_user_frames(__file__)
 
 __all__ = [
+    "CheckpointError",
+    "CheckpointHook",
+    "CheckpointManager",
     "CompiledStep",
     "DivergentControlFlowError",
     "DivergentStateError",
+    "EvalHook",
+    "Hook",
     "InputContext",
     "InputExhausted",
+    "LoggingHook",
     "PassError",
     "Pipeline",
     "ReplicaContext",
     "ReplicationError",
     "Replicator",
+    "Trainer",
     "all_gather",
     "all_max",
     "all_mean",
@@ -57,7 +74,10 @@ __all__ = [
     "broadcast",
     "build_mesh",
     "force_cpu_devices",
+    "latest_step",
     "num_replicas",
     "reduce_scatter",
     "replica_id",
+    "restore_checkpoint",
+    "save_checkpoint",
 ]
