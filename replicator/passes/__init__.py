@@ -4,7 +4,9 @@ from replicator.passes.base import Pass as Pass
 from replicator.passes.base import PassResult as PassResult
 from replicator.passes.base import StepGraph as StepGraph
 from replicator.passes.base import count_primitives as count_primitives
+from replicator.passes.compress import CompressCommunication as CompressCommunication
 from replicator.passes.fuse_allreduce import FuseAllReduce as FuseAllReduce
+from replicator.passes.hierarchical import HierarchicalAllReduce as HierarchicalAllReduce
 from replicator.passes.invariance import CheckReplicaInvariance as CheckReplicaInvariance
 from replicator.passes.invariance import analyze as analyze_invariance
 from replicator.passes.lower_collectives import LowerCollectives as LowerCollectives
@@ -18,8 +20,10 @@ from replicator.passes.verify import verify_graph as verify_graph
 
 __all__ = [
     "CheckReplicaInvariance",
+    "CompressCommunication",
     "FuseAllReduce",
     "GraphInvariantError",
+    "HierarchicalAllReduce",
     "LowerCollectives",
     "Lowered",
     "Pass",

@@ -7,18 +7,51 @@ and splices the result in its place, in every sub-jaxpr too (``jit``, ``cond``
 branches, ``scan``, ``while`` condition and body, ``remat``, custom-derivative
 calls, ``closed_call``).
 
+Some collectives can be lowered by more than one *algorithm*
+(:data:`ALGORITHMS`); the pass takes the choice in its constructor. For
+``all_reduce``:
+
+* ``'native'`` (the default): ``lax.psum``/``pmax``/``pmin`` over the group's
+  axes; XLA picks how the data moves.
+* ``'ring'``: the bandwidth-optimal ring all-reduce of Baidu and Horovod, from
+  ``lax.ppermute``. The operands are flattened into one buffer per dtype,
+  padded to a multiple of the group size ``N`` and cut into ``N`` chunks; in
+  ``N - 1`` reduce-scatter steps every replica sends one chunk to its
+  successor and combines the chunk it receives, after which replica ``r``
+  holds the full reduction of chunk ``r + 1 (mod N)``; ``N - 1`` all-gather
+  steps pass the reduced chunks around the ring. Each replica sends
+  ``2 (N - 1) / N`` times the buffer.
+* ``'reduce_broadcast'``: parameter-server style, reduce to one replica then
+  broadcast, as a binary tree of ``lax.ppermute``: ``ceil(log2 N)`` steps in
+  which replica ``r + d`` sends its partial result to ``r`` (``r`` a multiple
+  of ``2d``, ``d = 1, 2, 4, ...``) leave the reduction on replica 0, and as
+  many steps back down the tree copy it to everyone. Works for any ``N``.
+  Latency-optimal for tiny buffers (``2 log2 N`` messages), but every step
+  moves the whole buffer.
+
+Both work for every op (``sum``/``mean`` add, ``max``/``min`` combine with
+``lax.max``/``lax.min``) and every group, and give every replica of a group
+bitwise the same result (each element is reduced once, on one replica, and
+copied). Sums are added in a different order than by ``psum``, so float
+results differ from ``'native'`` by rounding (about ``1e-6`` relative in f32).
+
 Example::
 
     graph = LowerCollectives().run(graph).graph
     # all_reduce[op=mean group=None]  ->  psum[axes=('workers','cores')] ; div
+    pipe = rp.Pipeline([*default_passes()[:-1], LowerCollectives(algorithms={"all_reduce": "ring"})])
+    # all_reduce[op=sum group='cores'], 4 cores  ->  two fori_loops (scans) of 3 steps,
+    # each a ppermute over 'cores' to the next core; no psum
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend.core import JaxprEqn, Primitive
 
@@ -26,10 +59,21 @@ from replicator.context import group_axes
 from replicator.passes.base import Pass, PassResult, StepGraph, inline_function, rewrite_graph
 from replicator.primitives import all_gather_p, all_reduce_p, broadcast_p, reduce_scatter_p, replica_id_p
 
-__all__ = ["LOWERINGS", "LowerCollectives"]
+__all__ = [
+    "ALGORITHMS",
+    "LOWERINGS",
+    "LowerCollectives",
+    "lower_all_reduce",
+    "lower_all_reduce_reduce_broadcast",
+    "lower_all_reduce_ring",
+]
 
 Lowering = Callable[..., Any]
+#: The default lowering of each placeholder.
 LOWERINGS: dict[Primitive, Lowering] = {}
+#: Alternative lowerings: per placeholder, algorithm name -> lowering. The
+#: ``'native'`` entry of each is its rule in :data:`LOWERINGS`.
+ALGORITHMS: dict[Primitive, dict[str, Lowering]] = {}
 
 
 def _as_reducible(x: Any) -> tuple[Any, Any]:
@@ -43,7 +87,13 @@ def _restore(x: Any, dtype: Any) -> Any:
     return x if dtype is None else x.astype(dtype)
 
 
+# ----------------------------------------------------------------------------
+# all_reduce: native, ring, reduce_broadcast
+# ----------------------------------------------------------------------------
+
+
 def lower_all_reduce(*xs: Any, op: str, group: str | None, group_size: int) -> list:
+    """``psum``/``pmax``/``pmin`` over the group's mesh axes (mean: psum, then divide)."""
     axes = group_axes(group)
     if op == "sum":
         return list(lax.psum(list(xs), axes))
@@ -58,6 +108,133 @@ def lower_all_reduce(*xs: Any, op: str, group: str | None, group_size: int) -> l
 
 
 LOWERINGS[all_reduce_p] = lower_all_reduce
+ALGORITHMS[all_reduce_p] = {"native": lower_all_reduce}
+
+#: How two partial results are combined, per all-reduce op.
+_COMBINE: dict[str, Callable[[Any, Any], Any]] = {"sum": lax.add, "mean": lax.add, "max": lax.max, "min": lax.min}
+BufferReduction = Callable[[Any, tuple[str, ...], int, Callable[[Any, Any], Any]], Any]
+
+
+def _per_buffer(xs: tuple, op: str, group: str | None, group_size: int, reduce_buffer: BufferReduction) -> list:
+    """All-reduce ``xs`` with ``reduce_buffer``, one flat buffer per dtype.
+
+    The operands of each ``(dtype, weak_type)`` are flattened and concatenated
+    into one 1-D buffer (booleans carried as int32), ``reduce_buffer(buffer,
+    axes, group_size, combine)`` reduces it over the group, and the result is
+    cut back into the operands' shapes. ``mean`` divides the sum by the group
+    size, as the native lowering does.
+    """
+    axes = group_axes(group)
+    out = list(xs)
+    by_type: dict[tuple, list[int]] = {}
+    for i, x in enumerate(xs):
+        if x.size:  # a zero-size operand has nothing to reduce
+            aval = jax.typeof(x)
+            by_type.setdefault((aval.dtype, aval.weak_type), []).append(i)
+    for indices in by_type.values():
+        flat = [lax.reshape(xs[i], (xs[i].size,)) for i in indices]
+        buf, dtype = _as_reducible(flat[0] if len(flat) == 1 else lax.concatenate(flat, 0))
+        buf = _restore(reduce_buffer(buf, axes, group_size, _COMBINE[op]), dtype)
+        offset = 0
+        for i, f in zip(indices, flat, strict=True):
+            size = f.shape[0]
+            out[i] = lax.reshape(lax.slice(buf, (offset,), (offset + size,)), xs[i].shape)
+            offset += size
+    if op == "mean":
+        out = [s / jnp.asarray(group_size, s.dtype) for s in out]
+    return out
+
+
+def _ring_buffer(buf: Any, axes: tuple[str, ...], n: int, combine: Callable[[Any, Any], Any]) -> Any:
+    """Ring all-reduce of a 1-D buffer over the ``n`` replicas along ``axes``.
+
+    Replica ``r`` sends to ``r + 1 (mod n)`` in every step. Reduce-scatter
+    step ``s`` (``0 <= s < n - 1``): send chunk ``r - s``, combine the
+    received one into chunk ``r - 1 - s``; afterwards chunk ``r + 1`` is fully
+    reduced on replica ``r``. All-gather step ``s``: send chunk ``r + 1 - s``,
+    store the received one as chunk ``r - s``. The steps run in a
+    ``lax.fori_loop`` (a scan of ``n - 1`` steps): measured on 8 emulated CPU
+    devices it compiled faster than the unrolled Python loop (0.25 vs 0.6 s
+    for 1000 floats) and ran no slower (7 vs 12 ms for 50 000 floats), and
+    its size does not grow with ``n``.
+    """
+    if n == 1:
+        return buf
+    size = buf.shape[0]
+    chunk = -(-size // n)
+    if chunk * n != size:
+        buf = lax.pad(buf, np.zeros((), buf.dtype), ((0, chunk * n - size, 0),))
+    chunks = lax.reshape(buf, (n, chunk))
+    me = lax.axis_index(axes)
+    to_next = tuple((i, (i + 1) % n) for i in range(n))
+
+    def index(offset: int, step: Any) -> Any:
+        """``(me + offset - step) mod n``; the operand of ``rem`` stays >= 0."""
+        return lax.rem(me + np.int32(n + offset) - step, np.int32(n))
+
+    def reduce_scatter_step(step: Any, chunks: Any) -> Any:
+        sent = lax.dynamic_slice_in_dim(chunks, index(0, step), 1, axis=0)
+        received = lax.ppermute(sent, axes, to_next)
+        into = index(-1, step)
+        mine = lax.dynamic_slice_in_dim(chunks, into, 1, axis=0)
+        return lax.dynamic_update_slice_in_dim(chunks, combine(mine, received), into, axis=0)
+
+    def all_gather_step(step: Any, chunks: Any) -> Any:
+        sent = lax.dynamic_slice_in_dim(chunks, index(1, step), 1, axis=0)
+        received = lax.ppermute(sent, axes, to_next)
+        return lax.dynamic_update_slice_in_dim(chunks, received, index(0, step), axis=0)
+
+    chunks = lax.fori_loop(0, n - 1, reduce_scatter_step, chunks)
+    chunks = lax.fori_loop(0, n - 1, all_gather_step, chunks)
+    return lax.slice(lax.reshape(chunks, (chunk * n,)), (0,), (size,))
+
+
+def lower_all_reduce_ring(*xs: Any, op: str, group: str | None, group_size: int) -> list:
+    """Ring all-reduce (reduce-scatter, then all-gather) from ``lax.ppermute``."""
+    return _per_buffer(xs, op, group, group_size, _ring_buffer)
+
+
+ALGORITHMS[all_reduce_p]["ring"] = lower_all_reduce_ring
+
+
+def _tree_buffer(buf: Any, axes: tuple[str, ...], n: int, combine: Callable[[Any, Any], Any]) -> Any:
+    """Binary-tree reduce onto replica 0, then tree broadcast from it.
+
+    Reduce, for ``d = 1, 2, 4, ... < n``: replica ``r`` with ``r % 2d == d``
+    sends its partial result to ``r - d``, which combines it with its own
+    (a replica ``r % 2d == 0`` with ``r + d >= n`` has no partner and keeps
+    its value: this is what makes any ``n`` work). Replica 0 ends with the
+    reduction of all ``n``. Broadcast, for the same ``d`` in reverse: replica
+    ``r`` with ``r % 2d == 0`` sends to ``r + d`` (if ``< n``), which takes it.
+    """
+    me = lax.axis_index(axes)
+    distance = 1
+    while distance < n:
+        pairs = tuple((src, src - distance) for src in range(distance, n, 2 * distance))
+        received = lax.ppermute(buf, axes, pairs)
+        receives = (lax.rem(me, np.int32(2 * distance)) == 0) & (me + np.int32(distance) < n)
+        buf = lax.select(lax.broadcast(receives, buf.shape), combine(buf, received), buf)
+        distance *= 2
+    while distance > 1:
+        distance //= 2
+        pairs = tuple((src, src + distance) for src in range(0, n, 2 * distance) if src + distance < n)
+        received = lax.ppermute(buf, axes, pairs)
+        receives = lax.rem(me, np.int32(2 * distance)) == distance
+        buf = lax.select(lax.broadcast(receives, buf.shape), received, buf)
+    return buf
+
+
+def lower_all_reduce_reduce_broadcast(*xs: Any, op: str, group: str | None, group_size: int) -> list:
+    """Reduce onto replica 0 of the group, then broadcast (binary trees of ``lax.ppermute``)."""
+    return _per_buffer(xs, op, group, group_size, _tree_buffer)
+
+
+ALGORITHMS[all_reduce_p]["reduce_broadcast"] = lower_all_reduce_reduce_broadcast
+
+
+# ----------------------------------------------------------------------------
+# all_gather, reduce_scatter, broadcast, replica_id
+# ----------------------------------------------------------------------------
 
 
 def lower_all_gather(x: Any, *, axis: int, tiled: bool, group: str | None, group_size: int) -> Any:
@@ -94,15 +271,57 @@ def lower_replica_id(*, group: str | None) -> Any:
 LOWERINGS[replica_id_p] = lower_replica_id
 
 
+# ----------------------------------------------------------------------------
+# The pass
+# ----------------------------------------------------------------------------
+
+
+def _short_name(prim: Primitive) -> str:
+    return prim.name.removeprefix("rp.")
+
+
 class LowerCollectives(Pass):
-    """Replace each placeholder by its rule in :data:`LOWERINGS`."""
+    """Replace each placeholder by its rule in :data:`LOWERINGS` or :data:`ALGORITHMS`.
+
+    Args:
+      algorithms: the algorithm per collective, e.g. ``{"all_reduce": "ring"}``;
+        collectives not named use ``'native'``. The choices are the keys of
+        :data:`ALGORITHMS` (``all_reduce``: ``'native'``, ``'ring'``,
+        ``'reduce_broadcast'``).
+    """
 
     name = "lower-collectives"
     required = True
 
+    def __init__(self, algorithms: Mapping[str, str] | None = None):
+        by_name = {_short_name(p): p for p in ALGORITHMS}
+        algorithms = dict(algorithms or {})
+        unknown = sorted(set(algorithms) - set(by_name))
+        if unknown:
+            raise ValueError(
+                f"LowerCollectives(algorithms=...): no algorithms for {unknown}; "
+                f"collectives with a choice: {sorted(by_name)}."
+            )
+        chosen: dict[str, str] = {}
+        for name in sorted(by_name):
+            algorithm = algorithms.get(name, "native")
+            choices = ALGORITHMS[by_name[name]]
+            if algorithm not in choices:
+                raise ValueError(
+                    f"LowerCollectives: unknown algorithm {algorithm!r} for {name}; choose from {sorted(choices)}."
+                )
+            chosen[name] = algorithm
+        self.algorithms = chosen
+        self._lowerings: dict[Primitive, Lowering] = dict(LOWERINGS)
+        for name, algorithm in chosen.items():
+            self._lowerings[by_name[name]] = ALGORITHMS[by_name[name]][algorithm]
+
+    def __repr__(self) -> str:
+        return f"LowerCollectives(algorithms={self.algorithms!r})"
+
     def run(self, graph: StepGraph) -> PassResult:
         def rule(eqn: JaxprEqn) -> Any:
-            lowering = LOWERINGS.get(eqn.primitive)
+            lowering = self._lowerings.get(eqn.primitive)
             if lowering is None:
                 return None
 

@@ -1,0 +1,278 @@
+"""compress-communication: float32 all-reduce payloads travel as bf16.
+
+Graph checks look at the casts around the placeholder and at what is left
+alone; numeric checks compare the compressed all-reduce with the exact sum
+(float64 on the host) against the error bound derived in
+``replicator/passes/compress.py``:
+``|s^ - s| <= gamma_N * sum_i |x_i|``, ``gamma_N = N u / (1 - N u)``,
+``u = 2**-8``. They also check that the bound is not vacuous: the compressed
+result differs from the float32 one by far more than float32 rounding, and
+its error reaches ``u * sum|x_i|``.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import replicator as rp
+from replicator.passes import (
+    CompressCommunication,
+    HierarchicalAllReduce,
+    Pipeline,
+    count_primitives,
+    default_passes,
+    verify_graph,
+)
+from replicator.passes.base import iter_eqns
+from replicator.passes.compress import error_bound
+
+ALL_REDUCE = "rp.all_reduce"
+U_BF16 = 2.0**-8  # bf16: 8-bit significand, round to nearest
+U_F32 = 2.0**-24
+
+
+def _gamma(n: int, u: float) -> float:
+    return n * u / (1 - n * u)
+
+
+def _passes(*extra) -> list:
+    """The default passes with ``extra`` right after fuse-allreduce."""
+    passes = default_passes()
+    at = [p.name for p in passes].index("fuse-allreduce") + 1
+    passes[at:at] = list(extra)
+    return passes
+
+
+_REPLICATORS: dict = {}
+
+
+def _replicator(workers: int, cores: int, *extra) -> rp.Replicator:
+    key = (workers, cores, tuple(repr(p) for p in extra))
+    if key not in _REPLICATORS:
+        passes = Pipeline(_passes(*extra), verify=True) if extra else None
+        _REPLICATORS[key] = rp.Replicator(workers, cores, passes=passes)
+    return _REPLICATORS[key]
+
+
+def _eqns(graph, name):
+    return [e for e in iter_eqns(graph.jaxpr.jaxpr) if e.primitive.name == name]
+
+
+def _compress(graph, **config):
+    text = str(graph.jaxpr)
+    result = CompressCommunication(**config).run(graph)
+    assert str(graph.jaxpr) == text
+    verify_graph(result.graph, lowered=False)
+    return result
+
+
+def _batch(cores, cols=5):
+    return {"x": np.zeros((2 * cores, cols), np.float32)}
+
+
+def _fixed_input(x):
+    """Every worker yields ``x[w]`` (its rows are split over its cores)."""
+
+    def input_fn(ctx):
+        while True:
+            yield {"x": x[ctx.worker_id]}
+
+    return input_fn
+
+
+# ----------------------------------------------------------------------------
+# The graph
+# ----------------------------------------------------------------------------
+
+
+def test_off_by_default():
+    assert "compress-communication" not in Pipeline().names
+    assert not any(isinstance(p, CompressCommunication) for p in default_passes())
+
+
+def test_float32_mean_is_cast_around_a_bf16_sum(repl):
+    graph = repl.lower(lambda b: rp.all_mean(b["x"]), _batch(repl.num_replicas)).traced
+    result = _compress(graph)
+    assert result.changed
+    eqns = result.graph.jaxpr.jaxpr.eqns
+    assert [e.primitive.name for e in eqns] == ["convert_element_type", ALL_REDUCE, "convert_element_type", "div"]
+    to_wire, reduce, back, div = eqns
+    assert to_wire.params["new_dtype"] == jnp.bfloat16 and back.params["new_dtype"] == jnp.float32
+    assert reduce.params["op"] == "sum" and reduce.invars[0].aval.dtype == jnp.bfloat16
+    assert div.invars[0].aval.dtype == jnp.float32 and float(div.invars[1].val) == repl.num_replicas
+
+
+def test_only_float32_operands_are_compressed(repl):
+    def step(b):
+        x = b["x"]
+        tree = {"f": x, "i": x.astype(jnp.int32), "h": x.astype(jnp.float16), "b": x.astype(jnp.bfloat16)}
+        return rp.all_sum(tree), rp.all_max(x), rp.all_min(x), rp.all_sum(x.astype(jnp.int32) * 2)
+
+    graph = repl.lower(step, _batch(repl.num_replicas)).traced
+    result = _compress(graph)
+    reduces = _eqns(result.graph, ALL_REDUCE)
+    assert [(e.params["op"], [str(v.aval.dtype) for v in e.invars]) for e in reduces] == [
+        ("sum", ["bfloat16", "bfloat16", "float16", "int32"]),  # leaves b, f, h, i: one collective still
+        ("max", ["float32"]),
+        ("min", ["float32"]),
+        ("sum", ["int32"]),
+    ]
+    assert (
+        count_primitives(result.graph.jaxpr)["convert_element_type"]
+        - count_primitives(graph.jaxpr).get("convert_element_type", 0)
+        == 2
+    )
+
+
+def test_nothing_to_compress_is_unchanged(repl):
+    graph = repl.lower(lambda b: rp.all_max(b["x"]), _batch(repl.num_replicas)).traced
+    result = _compress(graph)
+    assert not result.changed and result.graph is graph
+
+
+def test_compressing_a_compressed_graph_changes_nothing(repl):
+    graph = repl.lower(lambda b: rp.all_mean(b["x"]), _batch(repl.num_replicas)).traced
+    once = _compress(graph)
+    again = _compress(once.graph)
+    assert once.changed and not again.changed and again.graph is once.graph
+
+
+def test_wire_dtype_and_groups(repl2d):
+    def step(b):
+        return rp.all_sum(b["x"]), rp.all_sum(b["x"], group="cores"), rp.all_sum(b["x"], group="workers")
+
+    graph = repl2d.lower(step, _batch(repl2d.cores_per_worker)).traced
+    result = _compress(graph, wire_dtype=jnp.float16, groups=("workers",))
+    dtypes = {e.params["group"]: str(e.invars[0].aval.dtype) for e in _eqns(result.graph, ALL_REDUCE)}
+    assert dtypes == {None: "float32", "cores": "float32", "workers": "float16"}
+
+
+def test_after_hierarchical_only_the_inter_worker_step_is_compressed(repl2d):
+    workers, cores = repl2d.num_workers, repl2d.cores_per_worker
+    if workers < 2 or cores < 2:
+        pytest.skip("needs two workers with two or more cores each")
+    passes = default_passes()
+    passes[-1:-1] = [HierarchicalAllReduce(), CompressCommunication(groups=("workers",))]
+    lowered = rp.Replicator(workers, cores, passes=Pipeline(passes, verify=True)).lower(
+        lambda b: rp.all_mean(b["x"]), _batch(cores)
+    )
+    graph = lowered.after("compress-communication")
+    ((scatter_dtype,),) = [[str(v.aval.dtype) for v in e.invars] for e in _eqns(graph, "rp.reduce_scatter")]
+    ((reduce_dtype,),) = [[str(v.aval.dtype) for v in e.invars] for e in _eqns(graph, ALL_REDUCE)]
+    assert (scatter_dtype, reduce_dtype) == ("float32", "bfloat16")
+    (psum,) = _eqns(lowered.final, "psum")
+    assert psum.params["axes"] == ("workers",) and psum.invars[0].aval.dtype == jnp.bfloat16
+
+
+# ----------------------------------------------------------------------------
+# The error bound, checked on data
+# ----------------------------------------------------------------------------
+
+
+def test_error_bound_formula():
+    assert error_bound(1.0, 8) == pytest.approx(_gamma(8, U_BF16))
+    assert error_bound(1.0, 8) == pytest.approx(U_BF16 * 8 / (1 - 8 * U_BF16))  # u * c(N)
+    assert error_bound(2.0, 8, op="mean") == pytest.approx((_gamma(8, U_BF16) + U_F32 * (1 + _gamma(8, U_BF16))) / 4)
+    assert error_bound(1.0, 8, wire_dtype=jnp.float16) == pytest.approx(_gamma(8, 2.0**-11))
+    with pytest.raises(ValueError, match="N \\* u < 1"):
+        error_bound(1.0, 256)
+
+
+def _sum_and_mean(b):
+    x = b["x"][0]
+    return rp.all_sum(x), rp.all_mean(x)
+
+
+def _check_against_exact(workers, cores, x, *extra):
+    """Run compressed and uncompressed; check the bound; return the compressed sum's error / (u sum|x|)."""
+    n = workers * cores
+    compressed = _replicator(workers, cores, CompressCommunication(), *extra).run(_sum_and_mean, _fixed_input(x))
+    plain = _replicator(workers, cores).run(_sum_and_mean, _fixed_input(x))
+    x64 = x.astype(np.float64).reshape(n, -1)  # one row per replica
+    exact, abs_sum = x64.sum(0), np.abs(x64).sum(0)
+    bound = _gamma(n, U_BF16) * abs_sum
+    for got_sum, got_mean in zip(*(np.asarray(o, np.float64) for o in compressed), strict=True):
+        assert np.all(np.abs(got_sum - exact) <= bound)
+        assert np.all(np.abs(got_sum - exact) <= error_bound(abs_sum, n))
+        assert np.all(np.abs(got_mean - exact / n) <= error_bound(abs_sum, n, op="mean"))
+    # The uncompressed all-reduce is within the float32 bound; the compressed one is not:
+    # a pass that did nothing (or compressed to float32) would fail here.
+    plain_sum, compressed_sum = np.asarray(plain[0][0], np.float64), np.asarray(compressed[0][0], np.float64)
+    assert np.all(np.abs(plain_sum - exact) <= _gamma(n, U_F32) * abs_sum)
+    assert np.any(np.abs(compressed_sum - exact) > _gamma(n, U_F32) * abs_sum)
+    assert not np.array_equal(compressed_sum, plain_sum)
+    return np.abs(compressed_sum - exact) / (U_BF16 * abs_sum)
+
+
+def test_bound_holds_on_random_data_with_every_replica(n_devices):
+    n = n_devices  # 8 by default
+    x = np.random.default_rng(0).normal(size=(1, n, 4096)).astype(np.float32)
+    ratio = _check_against_exact(1, n, x)
+    # The bound is u * sum|x_i| * c(N), c(8) = 8.26; the observed error reaches
+    # close to u * sum|x_i| (the rounding of operands and result), so the bound is
+    # within a factor c(N) of what happens.
+    assert ratio.max() > 0.5
+
+
+def test_bound_holds_with_hierarchical_all_reduce(repl2d):
+    workers, cores = repl2d.num_workers, repl2d.cores_per_worker
+    x = np.random.default_rng(1).normal(0, 3, size=(workers, cores, 1001)).astype(np.float32)
+    _check_against_exact(workers, cores, x, HierarchicalAllReduce())
+
+
+def test_the_rounding_of_each_operand_is_reached(n_devices):
+    """``1 + 2**-8 + 2**-20`` rounds up to ``1 + 2**-7`` in bf16: each operand's
+    error is (almost) ``u`` times its size, and so is the error of the sum."""
+    n = n_devices
+    x = np.full((1, n, 4), 1 + 2**-8 + 2**-20, np.float32)
+    ratio = _check_against_exact(1, n, x)
+    assert np.all(ratio > 0.99)
+
+
+def test_training_with_compression_stays_close(repl2d):
+    workers, cores = repl2d.num_workers, repl2d.cores_per_worker
+    rng = np.random.default_rng(2)
+    w = jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)
+    x = rng.normal(size=(workers, 2 * cores, 5)).astype(np.float32)
+
+    def step(w, b):
+        grads = jax.grad(lambda w: jnp.mean((b["x"] @ w) ** 2))(w)
+        return w - 0.1 * rp.all_mean(grads), {}
+
+    plain, compressed = _replicator(workers, cores), _replicator(workers, cores, CompressCommunication())
+    w_plain, _ = plain.run(step, _fixed_input(x), w)
+    w_compressed, _ = compressed.run(step, _fixed_input(x), w)
+    w_plain, w_compressed = np.asarray(w_plain), np.asarray(w_compressed)
+    assert not np.array_equal(w_plain, w_compressed)
+    # One step of lr 0.1: the difference is 0.1 times the gradient's rounding error.
+    xs = x.reshape(-1, 2, 5).astype(np.float64)  # one (2, 5) block per replica
+    grads = 2 * np.einsum("rbi,rbj->rij", xs, xs @ np.asarray(w, np.float64)) / 6  # d mean((x w)**2) / dw
+    bound = 0.1 * error_bound(np.abs(grads).sum(0), workers * cores, op="mean") + 1e-6
+    assert np.all(np.abs(w_plain - w_compressed) <= bound)
+
+
+# ----------------------------------------------------------------------------
+# Configuration
+# ----------------------------------------------------------------------------
+
+
+def test_repr_is_the_configuration_and_bad_configs_raise():
+    assert repr(CompressCommunication()) == (
+        "CompressCommunication(wire_dtype='bfloat16', groups=(None, 'cores', 'workers'))"
+    )
+    assert repr(CompressCommunication(jnp.float16, groups="workers")) == (
+        "CompressCommunication(wire_dtype='float16', groups=('workers',))"
+    )
+    assert CompressCommunication.name == "compress-communication" and not CompressCommunication.required
+    assert (
+        Pipeline(_passes(CompressCommunication())).key() != Pipeline(_passes(CompressCommunication(jnp.float16))).key()
+    )
+    with pytest.raises(ValueError, match="narrower than float32"):
+        CompressCommunication(wire_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="narrower than float32"):
+        CompressCommunication(wire_dtype=jnp.int8)
+    with pytest.raises(TypeError, match="not a dtype"):
+        CompressCommunication(wire_dtype="nonsense")
+    with pytest.raises(ValueError, match="unknown groups"):
+        CompressCommunication(groups=("hosts",))

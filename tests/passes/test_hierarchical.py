@@ -1,0 +1,332 @@
+"""hierarchical-allreduce: all-replica sums become cores / workers / cores steps.
+
+Graph checks count placeholders before and after the pass (one
+``rp.all_reduce`` becomes ``rp.reduce_scatter`` + ``rp.all_reduce(group='workers')``
++ ``rp.all_gather``) and type-check every rewritten graph; numeric checks run
+the same steps through ``Replicator.run`` with the default pipeline and with
+the pass, on two-level meshes whose core counts need padding.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import replicator as rp
+from replicator.passes import (
+    HierarchicalAllReduce,
+    LowerCollectives,
+    Pipeline,
+    count_primitives,
+    default_passes,
+    verify_graph,
+)
+from replicator.passes.base import iter_eqns
+
+ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = "rp.all_reduce", "rp.reduce_scatter", "rp.all_gather"
+RTOL, ATOL = 2e-6, 1e-6
+
+
+def _pipeline(algorithm: str = "native", **config) -> Pipeline:
+    """The default passes with the hierarchical pass right before lowering."""
+    passes = default_passes()
+    assert [p.name for p in passes[-2:]] == ["fuse-allreduce", "lower-collectives"]
+    passes[-1:] = [HierarchicalAllReduce(**config), LowerCollectives(algorithms={"all_reduce": algorithm})]
+    return Pipeline(passes, verify=True)
+
+
+_REPLICATORS: dict = {}
+
+
+def _replicator(workers: int, cores: int, hierarchical: bool = True, algorithm: str = "native") -> rp.Replicator:
+    key = (workers, cores, hierarchical, algorithm)
+    if key not in _REPLICATORS:
+        passes = _pipeline(algorithm) if hierarchical else None
+        _REPLICATORS[key] = rp.Replicator(workers, cores, passes=passes)
+    return _REPLICATORS[key]
+
+
+def _two_level(repl2d):
+    if repl2d.num_workers < 2 or repl2d.cores_per_worker < 2:
+        pytest.skip("needs two workers with two or more cores each")
+    return repl2d.num_workers, repl2d.cores_per_worker
+
+
+def _eqns(graph, name):
+    return [e for e in iter_eqns(graph.jaxpr.jaxpr) if e.primitive.name == name]
+
+
+def _placeholders(graph):
+    return count_primitives(graph.jaxpr, [ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER])
+
+
+def _rewrite(graph, **config):
+    """Run the pass on ``graph``; check it is pure and the result type-checks."""
+    text = str(graph.jaxpr)
+    result = HierarchicalAllReduce(**config).run(graph)
+    assert str(graph.jaxpr) == text
+    verify_graph(result.graph, lowered=False)
+    return result
+
+
+def _batch(cores, cols=5):
+    return {"x": np.zeros((2 * cores, cols), np.float32)}
+
+
+def _input_fn(make_batch, seed=0):
+    def input_fn(ctx):
+        rng = np.random.default_rng((seed, ctx.worker_id))
+        while True:
+            yield make_batch(rng)
+
+    return input_fn
+
+
+def _assert_close(expected, actual):
+    assert jax.tree.structure(expected) == jax.tree.structure(actual)
+    for e, a in zip(jax.tree.leaves(expected), jax.tree.leaves(actual), strict=True):
+        e, a = np.asarray(e), np.asarray(a)
+        assert e.dtype == a.dtype and e.shape == a.shape
+        if jnp.issubdtype(e.dtype, jnp.floating):
+            np.testing.assert_allclose(a, e, rtol=RTOL, atol=ATOL)
+        else:
+            np.testing.assert_array_equal(a, e)
+
+
+# ----------------------------------------------------------------------------
+# The graph
+# ----------------------------------------------------------------------------
+
+
+def test_one_all_reduce_becomes_three_steps(repl2d):
+    workers, cores = _two_level(repl2d)
+    graph = repl2d.lower(lambda b: rp.all_mean(b["x"]), _batch(cores)).traced
+    assert _placeholders(graph) == {ALL_REDUCE: 1}
+    result = _rewrite(graph)
+    assert result.changed
+    assert _placeholders(result.graph) == {REDUCE_SCATTER: 1, ALL_REDUCE: 1, ALL_GATHER: 1}
+    (scatter,) = _eqns(result.graph, REDUCE_SCATTER)
+    (reduce,) = _eqns(result.graph, ALL_REDUCE)
+    (gather,) = _eqns(result.graph, ALL_GATHER)
+    padded = -(-10 // cores) * cores  # the 2x5 operand, flattened and padded
+    assert scatter.params == {"axis": 0, "group": "cores", "group_size": cores}
+    assert scatter.invars[0].aval.shape == (padded,)
+    assert reduce.params == {"op": "sum", "group": "workers", "group_size": workers}
+    assert reduce.invars[0].aval.shape == (padded // cores,)  # only 1/C crosses workers
+    assert gather.params == {"axis": 0, "tiled": True, "group": "cores", "group_size": cores}
+    # The mean is one division, on the chunk, by the total replica count.
+    (div,) = _eqns(result.graph, "div")
+    assert float(div.invars[1].val) == workers * cores and div.invars[0] is reduce.outvars[0]
+    lowered = LowerCollectives().run(result.graph).graph
+    verify_graph(lowered, lowered=True)
+    axes = {e.primitive.name: e.params.get("axis_name", e.params.get("axes")) for e in iter_eqns(lowered.jaxpr.jaxpr)}
+    assert axes["reduce_scatter"] == ("cores",) and axes["psum"] == ("workers",) and axes["all_gather"] == ("cores",)
+
+
+def test_fused_gradients_become_one_hierarchical_reduce(repl2d):
+    workers, cores = _two_level(repl2d)
+    state = _mlp_params(np.random.default_rng(0))
+    batch = _mlp_batch(cores)(np.random.default_rng(1))
+    lowered = _replicator(workers, cores).lower(_mlp_step, batch, state)
+    names = [s.name for s in lowered.stages]
+    assert names.index("fuse-allreduce") < names.index("hierarchical-allreduce") < names.index("lower-collectives")
+    # fuse-allreduce leaves one f32 mean (gradients and loss), one int32 sum (the
+    # sum of a constant was simplified away) and the max, which is not hierarchical.
+    fused = lowered.after("fuse-allreduce")
+    kinds = sorted((e.params["op"], str(e.invars[0].aval.dtype), len(e.invars)) for e in _eqns(fused, ALL_REDUCE))
+    assert kinds == [("max", "bool", 1), ("mean", "float32", 1), ("sum", "int32", 1)]
+    after = lowered.after("hierarchical-allreduce")
+    assert _placeholders(after) == {REDUCE_SCATTER: 2, ALL_GATHER: 2, ALL_REDUCE: 3}
+    groups = sorted((e.params["op"], str(e.params["group"])) for e in _eqns(after, ALL_REDUCE))
+    assert groups == [("max", "None"), ("sum", "workers"), ("sum", "workers")]
+
+
+def test_operands_of_several_dtypes_share_one_inter_worker_collective(repl2d):
+    workers, cores = _two_level(repl2d)
+
+    def step(b):
+        x = b["x"]
+        return rp.all_sum({"a": x, "i": x.astype(jnp.int32), "b": x[:, :3] * 2, "e": x[:0]})
+
+    graph = repl2d.lower(step, _batch(cores)).traced
+    assert len(_eqns(graph, ALL_REDUCE)) == 1
+    result = _rewrite(graph)
+    scatters = sorted(
+        (str(e.invars[0].aval.dtype), e.invars[0].aval.shape) for e in _eqns(result.graph, REDUCE_SCATTER)
+    )
+    pad = lambda n: -(-n // cores) * cores  # noqa: E731
+    assert scatters == [("float32", (pad(10 + 6),)), ("int32", (pad(10),))]
+    (reduce,) = _eqns(result.graph, ALL_REDUCE)
+    assert [v.aval.dtype for v in reduce.invars] == [jnp.float32, jnp.int32]
+    assert len(_eqns(result.graph, ALL_GATHER)) == 2
+    _assert_close(
+        _replicator(workers, cores, hierarchical=False).run(step, _input_fn(_float_batch(cores))),
+        _replicator(workers, cores).run(step, _input_fn(_float_batch(cores))),
+    )
+
+
+def test_nothing_to_do_without_two_levels(n_devices):
+    step = lambda b: rp.all_sum(b["x"])  # noqa: E731
+    for workers, cores in [(1, n_devices), (n_devices, 1)]:
+        graph = rp.Replicator(workers, cores).lower(step, _batch(cores)).traced
+        result = _rewrite(graph)
+        assert not result.changed and result.graph is graph
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda b: rp.all_max(b["x"]),
+        lambda b: rp.all_min(b["x"]),
+        lambda b: rp.all_sum(b["x"], group="cores"),
+        lambda b: rp.all_mean(b["x"], group="workers"),
+        lambda b: rp.all_gather(b["x"]),
+    ],
+    ids=["max", "min", "cores", "workers", "all_gather"],
+)
+def test_only_sum_and_mean_over_all_replicas_are_rewritten(repl2d, fn):
+    _two_level(repl2d)
+    graph = repl2d.lower(fn, _batch(repl2d.cores_per_worker)).traced
+    result = _rewrite(graph)
+    assert not result.changed and result.graph is graph
+
+
+@pytest.mark.parametrize("min_bytes, rewritten", [(0, [40, 4]), (5, [40]), (40, [40]), (41, [])])
+def test_min_bytes(repl2d, min_bytes, rewritten):
+    _two_level(repl2d)
+
+    def step(b):
+        return rp.all_sum(b["x"]), rp.all_sum(b["x"][0, 0])  # 40 bytes, then 4
+
+    graph = repl2d.lower(step, _batch(repl2d.cores_per_worker)).traced
+    result = _rewrite(graph, min_bytes=min_bytes)
+    scattered = [e.invars[0].aval.size for e in _eqns(result.graph, REDUCE_SCATTER)]
+    pad = lambda n: -(-n // repl2d.cores_per_worker) * repl2d.cores_per_worker  # noqa: E731
+    assert scattered == [pad(b // 4) for b in rewritten]
+    assert result.changed == bool(rewritten)
+
+
+def test_rewriting_a_rewritten_graph_changes_nothing(repl2d):
+    _two_level(repl2d)
+    graph = repl2d.lower(lambda b: rp.all_sum(b["x"]), _batch(repl2d.cores_per_worker)).traced
+    once = _rewrite(graph)
+    again = _rewrite(once.graph)
+    assert once.changed and not again.changed and again.graph is once.graph
+
+
+def _in_scan(b):
+    def body(carry, row):
+        return carry + rp.all_sum(row), rp.all_mean(row * 2)
+
+    total, means = lax.scan(body, jnp.zeros(b["x"].shape[1]), b["x"])
+    return total, means, lax.cond(True, lambda y: rp.all_sum(y), lambda y: y, b["x"][0])
+
+
+def test_sub_jaxprs_are_rewritten_in_place(repl2d):
+    workers, cores = _two_level(repl2d)
+    graph = repl2d.lower(_in_scan, _batch(cores)).traced
+    result = _rewrite(graph)
+    top = result.graph.jaxpr.jaxpr
+    assert not [e for e in top.eqns if e.primitive.name in (ALL_REDUCE, REDUCE_SCATTER)]
+    (scan,) = [e for e in top.eqns if e.primitive.name == "scan"]
+    assert count_primitives(scan.params["jaxpr"], [REDUCE_SCATTER, ALL_GATHER]) == {REDUCE_SCATTER: 2, ALL_GATHER: 2}
+    (cond,) = [e for e in top.eqns if e.primitive.name == "cond"]
+    assert [count_primitives(br, [REDUCE_SCATTER]) for br in cond.params["branches"]] == [{}, {REDUCE_SCATTER: 1}]
+    _assert_close(
+        _replicator(workers, cores, hierarchical=False).run(_in_scan, _input_fn(_float_batch(cores, rows=3))),
+        _replicator(workers, cores).run(_in_scan, _input_fn(_float_batch(cores, rows=3))),
+    )
+
+
+# ----------------------------------------------------------------------------
+# The numbers
+# ----------------------------------------------------------------------------
+
+
+def _float_batch(cores, rows=1):
+    return lambda rng: {"x": rng.normal(size=(rows * cores, 5)).astype(np.float32)}
+
+
+def _mlp_params(rng):
+    """Odd sizes (the fused buffer needs padding to a multiple of the cores)."""
+    return {
+        "w1": jnp.asarray(rng.normal(0, 0.5, (3, 5)), jnp.float32),
+        "b1": jnp.asarray(rng.normal(0, 0.1, (5,)), jnp.float32),
+        "w2": jnp.asarray(rng.normal(0, 0.5, (5, 7)), jnp.float32),
+        "b2": jnp.asarray(rng.normal(0, 0.1, (7,)), jnp.float32),
+        "steps": jnp.int32(0),
+    }
+
+
+def _mlp_step(state, batch):
+    def loss_fn(p):
+        h = jnp.tanh(batch["x"] @ p["w1"] + p["b1"])
+        return jnp.mean((h @ p["w2"] + p["b2"] - batch["y"]) ** 2)
+
+    params = {k: v for k, v in state.items() if k != "steps"}
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    grads = rp.all_mean(grads)
+    new = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    new["steps"] = state["steps"] + rp.all_sum(jnp.int32(1)) // rp.num_replicas()
+    return new, {
+        "loss": rp.all_mean(loss),
+        "big": rp.all_max(loss > 1.0),
+        "rows": rp.all_sum(jnp.sum(batch["x"] > 0).astype(jnp.int32)),  # int32, varies
+    }
+
+
+def _mlp_batch(cores):
+    return lambda rng: {
+        "x": rng.normal(size=(2 * cores, 3)).astype(np.float32),
+        "y": rng.normal(size=(2 * cores, 7)).astype(np.float32),
+    }
+
+
+def _train(repl, state, steps=2):
+    input_fn = _input_fn(_mlp_batch(repl.cores_per_worker), seed=7)
+    for _ in range(steps):
+        state, out = repl.run(_mlp_step, input_fn, state)
+    return state, out
+
+
+@pytest.mark.parametrize(
+    "shape, algorithm", [("2xN/2", "native"), ("2x3", "native"), ("2xN/2", "ring")], ids=["2xN/2", "2x3", "ring"]
+)
+def test_mlp_training_matches_the_default_pipeline(n_devices, shape, algorithm):
+    if shape == "2x3":
+        if n_devices < 6:
+            pytest.skip("needs 6 devices")
+        workers, cores = 2, 3
+    else:
+        if n_devices % 2 or n_devices < 4:
+            pytest.skip("needs an even number of devices >= 4")
+        workers, cores = 2, n_devices // 2
+    state = _mlp_params(np.random.default_rng(0))
+    hierarchical = _replicator(workers, cores, algorithm=algorithm)
+    assert "hierarchical-allreduce" in hierarchical.pipeline.names
+    expected = _train(_replicator(workers, cores, hierarchical=False), state)
+    actual = _train(hierarchical, state)
+    _assert_close(expected, actual)
+    assert int(actual[0]["steps"]) == 2
+    assert not np.allclose(np.asarray(actual[0]["w1"]), np.asarray(state["w1"]))
+    # Every replica holds the same reduced values.
+    for leaf in jax.tree.leaves(actual[1]):
+        np.testing.assert_array_equal(np.asarray(leaf), np.broadcast_to(np.asarray(leaf)[:1], np.shape(leaf)))
+
+
+# ----------------------------------------------------------------------------
+# Configuration
+# ----------------------------------------------------------------------------
+
+
+def test_repr_is_the_configuration_and_bad_configs_raise():
+    assert repr(HierarchicalAllReduce()) == "HierarchicalAllReduce(min_bytes=0)"
+    assert repr(HierarchicalAllReduce(min_bytes=4096)) == "HierarchicalAllReduce(min_bytes=4096)"
+    assert HierarchicalAllReduce.name == "hierarchical-allreduce" and not HierarchicalAllReduce.required
+    assert _pipeline().key() != _pipeline(min_bytes=1).key()
+    assert "hierarchical-allreduce" not in Pipeline().names
+    with pytest.raises(ValueError, match=">= 0"):
+        HierarchicalAllReduce(min_bytes=-1)
+    with pytest.raises(TypeError, match="int"):
+        HierarchicalAllReduce(min_bytes=1.5)
