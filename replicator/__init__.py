@@ -32,7 +32,14 @@ from replicator.loop import LoggingHook as LoggingHook
 from replicator.loop import Trainer as Trainer
 from replicator.mesh import build_mesh as build_mesh
 from replicator.mesh import force_cpu_devices as force_cpu_devices
+from replicator.nn import cross_replica_batch_norm as cross_replica_batch_norm
+from replicator.optim import accumulate_gradients as accumulate_gradients
+from replicator.optim import wrap_optimizer as wrap_optimizer
 from replicator.passes import Pipeline as Pipeline
+from replicator.precision import DynamicLossScale as DynamicLossScale
+from replicator.precision import MixedPrecision as MixedPrecision
+from replicator.precision import all_finite as all_finite
+from replicator.precision import select_tree as select_tree
 from replicator.primitives import all_gather as all_gather
 from replicator.primitives import all_max as all_max
 from replicator.primitives import all_mean as all_mean
@@ -42,6 +49,7 @@ from replicator.primitives import broadcast as broadcast
 from replicator.primitives import num_replicas as num_replicas
 from replicator.primitives import reduce_scatter as reduce_scatter
 from replicator.primitives import replica_id as replica_id
+from replicator.state import broadcast_state as broadcast_state
 
 __version__ = "0.1.0"
 
@@ -55,24 +63,30 @@ __all__ = [
     "CompiledStep",
     "DivergentControlFlowError",
     "DivergentStateError",
+    "DynamicLossScale",
     "EvalHook",
     "Hook",
     "InputContext",
     "InputExhausted",
     "LoggingHook",
+    "MixedPrecision",
     "PassError",
     "Pipeline",
     "ReplicaContext",
     "ReplicationError",
     "Replicator",
     "Trainer",
+    "accumulate_gradients",
+    "all_finite",
     "all_gather",
     "all_max",
     "all_mean",
     "all_min",
     "all_sum",
     "broadcast",
+    "broadcast_state",
     "build_mesh",
+    "cross_replica_batch_norm",
     "force_cpu_devices",
     "latest_step",
     "num_replicas",
@@ -80,4 +94,6 @@ __all__ = [
     "replica_id",
     "restore_checkpoint",
     "save_checkpoint",
+    "select_tree",
+    "wrap_optimizer",
 ]

@@ -32,6 +32,7 @@ from replicator.context import ReplicaContext
 from replicator.execution import build_executable, place_batch, place_state
 from replicator.inputs import InputContext, WorkerInputs, check_input_fn, check_worker_batch
 from replicator.mesh import build_mesh
+from replicator.optim import wrap_optimizer
 from replicator.passes.pipeline import Lowered, Pipeline
 from replicator.report import CommunicationReport, communication_report
 from replicator.tracing import TracedStep, trace_step
@@ -51,14 +52,16 @@ class CompiledStep:
 
 
 @functools.cache
-def _canonical(dtype: np.dtype) -> np.dtype:
+def _canonical(dtype: Any) -> Any:
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # e.g. typed PRNG keys
+        return dtype
     return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
 
 
 def _signature(x: Any) -> tuple[tuple[int, ...], np.dtype]:
     """Shape and canonical dtype of an array, number or spec (weak types ignored)."""
     if isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray)):
-        return tuple(x.shape), _canonical(np.dtype(x.dtype))
+        return tuple(x.shape), _canonical(x.dtype)
     return tuple(np.shape(x)), _canonical(np.result_type(x))
 
 
@@ -198,6 +201,13 @@ class Replicator:
             except StopIteration:
                 raise ValueError("explain: input_fn yielded no batch to trace the step with.") from None
         return communication_report(self.lower(step_fn, batch, state), self.pipeline)
+
+    def wrap_optimizer(self, tx: Any, reduce: str = "mean", group: str | None = None) -> Any:
+        """``tx`` whose ``update`` first all-reduces the gradients.
+
+        See :func:`replicator.optim.wrap_optimizer`.
+        """
+        return wrap_optimizer(tx, reduce=reduce, group=group)
 
     # -- running ---------------------------------------------------------------
 

@@ -90,7 +90,7 @@ def check_worker_batch(batch: PyTree, cores_per_worker: int, worker_id: int) -> 
                 leaf = np.asarray(leaf)
             except Exception as e:  # noqa: BLE001
                 raise TypeError(f"{name} is a {type(leaf).__name__}, not an array.") from e
-            if leaf.dtype.kind not in "biufc":
+            if not (jax.dtypes.issubdtype(leaf.dtype, np.number) or leaf.dtype == np.bool_):
                 raise TypeError(
                     f"{name} is not a numeric array (dtype {leaf.dtype}); yield arrays of numbers or booleans."
                 )

@@ -53,8 +53,12 @@ def _check_outputs(outputs: PyTree) -> None:
         )
 
 
+def _dtype_name(dtype: Any) -> str:
+    return getattr(dtype, "name", str(dtype))
+
+
 def _describe(avals: Any) -> str:
-    return f"{tuple(avals.shape)} {np.dtype(avals.dtype).name}"
+    return f"{tuple(avals.shape)} {_dtype_name(avals.dtype)}"
 
 
 def _check_state_out(state_in: PyTree, state_out: PyTree) -> None:
@@ -69,13 +73,13 @@ def _check_state_out(state_in: PyTree, state_out: PyTree) -> None:
         )
     paths = leaf_paths(state_in, "state")
     for path, a, b in zip(paths, jax.tree.leaves(state_in), jax.tree.leaves(state_out), strict=True):
-        b_shape, b_dtype = np.shape(b), jax.numpy.result_type(b)
-        if tuple(a.shape) != tuple(b_shape) or np.dtype(a.dtype) != np.dtype(b_dtype):
+        b_shape = tuple(np.shape(b))
+        b_dtype = b.dtype if hasattr(b, "dtype") else jax.numpy.result_type(b)
+        if tuple(a.shape) != b_shape or a.dtype != b_dtype:
             raise ValueError(
-                f"step_fn changed {path} from {_describe(a)} to {tuple(b_shape)} "
-                f"{np.dtype(b_dtype).name}. State must keep its shapes and dtypes between "
-                f"steps (or every step would recompile); cast with .astype({np.dtype(a.dtype).name}) "
-                f"or reshape before returning it."
+                f"step_fn changed {path} from {_describe(a)} to {b_shape} {_dtype_name(b_dtype)}. "
+                f"State must keep its shapes and dtypes between steps (or every step would "
+                f"recompile); cast with .astype({_dtype_name(a.dtype)}) or reshape before returning it."
             )
 
 
