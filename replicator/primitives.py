@@ -108,10 +108,9 @@ def _zeros_like_aval(aval: Any) -> Any:
     return ad.Zero(aval.to_tangent_aval())
 
 
-def _instantiate(t: Any, primal: Any) -> Any:
-    if type(t) is ad.Zero:
-        return jnp.zeros(jnp.shape(primal), jnp.result_type(primal))
-    return t
+def _zero_tangent(primal: Any) -> Any:
+    """The symbolic zero tangent of ``primal`` (``ad.Zero.from_primal_value`` is gone)."""
+    return _zeros_like_aval(jax.typeof(primal))
 
 
 # ----------------------------------------------------------------------------
@@ -180,20 +179,36 @@ all_reduce_p.def_abstract_eval(_all_reduce_abstract_eval)
 def _all_reduce_jvp_rule(primals: list, tangents: list, *, op: str, group: str | None, group_size: int) -> tuple:
     params = dict(group=group, group_size=group_size)
     out = all_reduce_p.bind(*primals, op=op, **params)
+    # Only float leaves with a nonzero tangent take part: an integer or bool
+    # leaf's tangent is a float0 zero, which must stay symbolic.
+    out_tangents: list = [_zero_tangent(y) for y in out]
+    live = [
+        i
+        for i, (x, t) in enumerate(zip(primals, tangents, strict=True))
+        if type(t) is not ad.Zero and jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+    if not live:
+        return out, out_tangents
     if op in ("sum", "mean"):
-        tangents = [_instantiate(t, p) for t, p in zip(tangents, primals, strict=True)]
-        return out, all_reduce_p.bind(*tangents, op=op, **params)
+        summed = all_reduce_p.bind(*(tangents[i] for i in live), op=op, **params)
+        for i, t in zip(live, summed, strict=True):
+            out_tangents[i] = t
+        return out, out_tangents
     # max/min: the tangent of the chosen value, averaged over ties (as jnp.max).
-    out_tangents = []
-    for x, y, t in zip(primals, out, tangents, strict=True):
-        if type(t) is ad.Zero or not jnp.issubdtype(x.dtype, jnp.inexact):
-            out_tangents.append(ad.Zero.from_primal_value(y))
-            continue
-        chosen = x == y
-        count, picked = all_reduce_p.bind(
-            chosen.astype(t.dtype), jnp.where(chosen, t, jnp.zeros_like(t)), op="sum", **params
-        )
-        out_tangents.append(picked / count)
+    # The tie counts depend on primals only and are summed in their own bind:
+    # bound together with the tangents they would become part of the linear
+    # program, and dividing by them could not be transposed.
+    chosen = [primals[i] == out[i] for i in live]
+    counts = all_reduce_p.bind(
+        *(c.astype(tangents[i].dtype) for c, i in zip(chosen, live, strict=True)), op="sum", **params
+    )
+    picked = all_reduce_p.bind(
+        *(jnp.where(c, tangents[i], jnp.zeros_like(tangents[i])) for c, i in zip(chosen, live, strict=True)),
+        op="sum",
+        **params,
+    )
+    for i, count, t in zip(live, counts, picked, strict=True):
+        out_tangents[i] = t / count
     return out, out_tangents
 
 
@@ -425,7 +440,7 @@ replica_id_p.def_abstract_eval(lambda **params: jax.core.ShapedArray((), jnp.int
 def _replica_id_jvp_rule(primals: list, tangents: list, **params: Any) -> tuple:
     del primals, tangents
     out = replica_id_p.bind(**params)
-    return out, ad.Zero.from_primal_value(out)
+    return out, _zero_tangent(out)
 
 
 ad.primitive_jvps[replica_id_p] = _replica_id_jvp_rule
