@@ -30,8 +30,9 @@ def _batch(n, width=8):
     return {"x": np.ones((2 * n, width), np.float32)}
 
 
-def test_fused_gradients_are_one_row_carrying_every_tensor(repl):
-    n = repl.num_replicas
+def test_fused_gradients_are_one_row_carrying_every_tensor(n_devices):
+    n = n_devices
+    repl = rp.Replicator(1, n, passes=rp.Pipeline.default(shard_optimizer=False))
     report = repl.explain(_step, _batch(n), _params())
     kinds = [r.kind for r in report.rows]
     assert kinds == ["all_mean", "all_gather"]
@@ -47,8 +48,21 @@ def test_fused_gradients_are_one_row_carrying_every_tensor(repl):
     assert "all_mean" in text and "test_report.py" in text and f"on {n} replicas" in text
 
 
+def test_zero_rows_reduce_scatter_gradients_and_gather_parameters(n_devices):
+    n = n_devices
+    report = rp.Replicator(1, n).explain(_step, _batch(n), _params(width=n))
+    rows = {r.kind: r for r in report.rows if r.kind in ("reduce_scatter", "all_mean")}
+    param_bytes = sum(x.size * 4 for x in jax.tree.leaves(_params(width=n)))
+    scatter = rows["reduce_scatter"]
+    assert scatter.nbytes == param_bytes and scatter.tensors == len(_params())
+    assert np.isclose(scatter.sent_bytes, (n - 1) / n * param_bytes)
+    gathers = [r for r in report.rows if r.kind == "all_gather" and r.tensors == len(_params())]
+    assert len(gathers) == 1 and gathers[0].nbytes * n == param_bytes
+    assert rows["all_mean"].nbytes == 4  # only the loss is still all-reduced
+
+
 def test_without_fusion_each_user_collective_is_a_row(n_devices):
-    repl = rp.Replicator(1, n_devices, passes=rp.Pipeline(disable=["fuse-allreduce"]))
+    repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(disable=["fuse-allreduce"], shard_optimizer=False))
     report = repl.explain(_step, _batch(n_devices), _params())
     assert [r.kind for r in report.rows] == ["all_mean", "all_gather", "all_mean"]
     assert report.rows[0].tensors == len(_params())

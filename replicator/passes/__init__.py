@@ -14,6 +14,7 @@ from replicator.passes.pipeline import Lowered as Lowered
 from replicator.passes.pipeline import Pipeline as Pipeline
 from replicator.passes.pipeline import Stage as Stage
 from replicator.passes.pipeline import default_passes as default_passes
+from replicator.passes.shard_optimizer import ShardOptimizerUpdate as ShardOptimizerUpdate
 from replicator.passes.simplify import Simplify as Simplify
 from replicator.passes.verify import GraphInvariantError as GraphInvariantError
 from replicator.passes.verify import verify_graph as verify_graph
@@ -29,6 +30,7 @@ __all__ = [
     "Pass",
     "PassResult",
     "Pipeline",
+    "ShardOptimizerUpdate",
     "Simplify",
     "Stage",
     "StepGraph",

@@ -248,10 +248,11 @@ class _Window:
         if self.fuser.is_candidate(eqn):
             if self._reads_tainted(eqn):
                 self.flush()
+                eqn = self._substitute(eqn)  # it may read what the flush just produced
             self._join(eqn)
         elif eqn.effects:
             self.flush()
-            self.out.append(eqn)
+            self.out.append(self._substitute(eqn))
         elif self._reads_tainted(eqn):
             self._deferred.append(eqn)
             self._taint(eqn)

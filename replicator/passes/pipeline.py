@@ -21,12 +21,16 @@ import dataclasses
 import os
 import re
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from replicator.errors import PassError, ReplicationError
 from replicator.passes.base import Pass, StepGraph
-from replicator.passes.fuse_allreduce import FuseAllReduce
+from replicator.passes.compress import CompressCommunication
+from replicator.passes.fuse_allreduce import DEFAULT_THRESHOLD_BYTES, FuseAllReduce
+from replicator.passes.hierarchical import HierarchicalAllReduce
 from replicator.passes.invariance import CheckReplicaInvariance
 from replicator.passes.lower_collectives import LowerCollectives
+from replicator.passes.shard_optimizer import ShardOptimizerUpdate
 from replicator.passes.simplify import Simplify
 from replicator.passes.verify import verify_graph
 
@@ -35,13 +39,42 @@ __all__ = ["DUMP_ENV", "Lowered", "Pipeline", "Stage", "default_passes"]
 DUMP_ENV = "REPLICATOR_DUMP_DIR"
 
 
-def default_passes() -> list[Pass]:
-    """The default pipeline, in order.
+def default_passes(
+    *,
+    shard_optimizer: bool = True,
+    hierarchical: bool = False,
+    compress: bool = False,
+    all_reduce_algorithm: str = "native",
+    fuse_threshold_bytes: int = DEFAULT_THRESHOLD_BYTES,
+) -> list[Pass]:
+    """The default pipeline, in order, with its optional passes switched.
 
     Checks run first so their errors point at the collectives the user wrote;
-    optimizations work on placeholders; lowering comes last.
+    optimizations work on placeholders; lowering comes last. The defaults
+    were chosen by ``benchmarks/bench_step.py`` (see BENCHMARKS.md).
+
+    Args:
+      shard_optimizer: ZeRO-1 (``shard-optimizer-update``): reduce-scatter
+        gradients, update and store element-wise optimizer state in 1/N chunks.
+      hierarchical: ``hierarchical-allreduce`` over ('workers', 'cores').
+      compress: ``compress-communication``: f32 all-reduce payloads as bf16.
+      all_reduce_algorithm: ``'native'``, ``'ring'`` or ``'reduce_broadcast'``.
+      fuse_threshold_bytes: the largest fused all-reduce bucket.
+
+    Example::
+
+        repl = rp.Replicator(2, 4, passes=rp.Pipeline(default_passes(hierarchical=True)))
     """
-    return [CheckReplicaInvariance(), Simplify(), FuseAllReduce(), LowerCollectives()]
+    passes: list[Pass] = [CheckReplicaInvariance(), Simplify()]
+    if shard_optimizer:
+        passes.append(ShardOptimizerUpdate())
+    passes.append(FuseAllReduce(threshold_bytes=fuse_threshold_bytes))
+    if compress:
+        passes.append(CompressCommunication())
+    if hierarchical:
+        passes.append(HierarchicalAllReduce())
+    passes.append(LowerCollectives(algorithms={"all_reduce": all_reduce_algorithm}))
+    return passes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +156,16 @@ class Pipeline:
         self.dump_dir = dump_dir if dump_dir is not None else os.environ.get(DUMP_ENV) or None
 
     @classmethod
-    def default(cls, **kwargs: object) -> Pipeline:
-        return cls(None, **kwargs)  # type: ignore[arg-type]
+    def default(
+        cls,
+        *,
+        disable: Iterable[str] = (),
+        verify: bool = False,
+        dump_dir: str | os.PathLike | None = None,
+        **options: Any,
+    ) -> Pipeline:
+        """The default passes with ``options`` (see :func:`default_passes`)."""
+        return cls(default_passes(**options), disable=disable, verify=verify, dump_dir=dump_dir)
 
     @property
     def names(self) -> list[str]:

@@ -241,7 +241,9 @@ class ShardOptimizerUpdate(Pass):
                 pass
             else:
                 rw.keep(eqn)
-        if not rw.changed:
+        state_out = jaxpr.outvars[: graph.num_state]
+        if not (rw.changed and any(isinstance(v, Var) and v in rw.chunk_only for v in state_out)):
+            # No state update is computed on chunks: splitting would only add collectives.
             return PassResult(graph, False)
         return PassResult(self._finish(graph, jaxpr, rw, state_in), True)
 

@@ -484,3 +484,21 @@ def test_one_pytree_all_reduce_is_flattened_into_one_buffer(fused_repl, plain_re
     want = plain_repl.run(step, _input_fn([batch]))
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-6)
+
+
+def test_a_collective_reading_a_bucket_output_directly(fused_repl, plain_repl, n_devices):
+    """all_sum(all_sum(x)): the second reads the first's (fused) result itself."""
+
+    def step(b):
+        x = b["x"]
+        first, second = rp.all_sum(x), rp.all_sum(2 * x)  # one fused bucket
+        return rp.all_sum(first), rp.all_sum(second), rp.all_sum(second * 1.0)
+
+    batch = {"x": np.arange(2 * n_devices, dtype=np.float32)}
+    graph = _traced(fused_repl, step, batch)
+    result = _fuse(graph)  # type-checks the fused graph
+    _lower_and_check(result.graph)
+    got = fused_repl.run(step, _input_fn([batch]))
+    want = plain_repl.run(step, _input_fn([batch]))
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-6)

@@ -33,7 +33,24 @@ class Identity(Pass):
 
 def test_default_pipeline_order():
     assert Pipeline().names == [p.name for p in default_passes()]
-    assert Pipeline().names == ["check-replica-invariance", "simplify", "fuse-allreduce", "lower-collectives"]
+    assert Pipeline().names == [
+        "check-replica-invariance",
+        "simplify",
+        "shard-optimizer-update",
+        "fuse-allreduce",
+        "lower-collectives",
+    ]
+    everything = Pipeline.default(hierarchical=True, compress=True, all_reduce_algorithm="ring", shard_optimizer=False)
+    assert everything.names == [
+        "check-replica-invariance",
+        "simplify",
+        "fuse-allreduce",
+        "compress-communication",
+        "hierarchical-allreduce",
+        "lower-collectives",
+    ]
+    assert everything.key() != Pipeline().key()
+    assert "ring" in repr(everything.passes[-1])
 
 
 def test_lowered_prints_every_stage(repl):
@@ -44,7 +61,7 @@ def test_lowered_prints_every_stage(repl):
     assert "rp.all_reduce" in str(lowered.traced) and "psum" in str(lowered.final)
     assert [s.name for s in lowered.stages] == ["traced", *Pipeline().names]
     # all_mean of batch data: nothing to simplify or fuse; lowering changes it.
-    assert [s.changed for s in lowered.stages] == [False, False, False, False, True]
+    assert [s.changed for s in lowered.stages] == [False] * (len(lowered.stages) - 1) + [True]
     with pytest.raises(KeyError, match="no pass named 'nope'"):
         lowered.after("nope")
 

@@ -185,6 +185,17 @@ def test_shard_state_off_keeps_state_replicated(n_devices):
     assert count_primitives(after.jaxpr, ["rp.reduce_scatter"])
 
 
+def test_all_reduces_that_feed_no_state_update_are_left_alone(repl):
+    n = repl.num_replicas
+
+    def step(s, b):
+        return s + 1.0, {"sum": rp.all_sum(b["x"]), "mean": rp.all_mean(b["x"]) * 2}
+
+    graph = repl.lower(step, {"x": np.ones((n, n))}, jnp.zeros(4)).traced
+    result = ShardOptimizerUpdate().run(graph)
+    assert not result.changed and result.graph is graph
+
+
 def test_nothing_to_do_without_gradient_all_reduce(repl):
     graph = repl.lower(lambda s, b: (s + 1.0, {}), {"x": np.ones(repl.num_replicas)}, jnp.zeros(4)).traced
     result = ShardOptimizerUpdate().run(graph)
