@@ -179,8 +179,16 @@ def replicator_step(state, batch):
     return (optax.apply_updates(params, upd), opt), {"loss": rp.all_mean(loss)}
 
 
-def replicator_variant(params: list[dict], width: int, batch: int, n: int, disable: tuple[str, ...] = ()) -> Runner:
-    repl = rp.Replicator(1, n, passes=rp.Pipeline(disable=disable))
+def replicator_variant(
+    params: list[dict],
+    width: int,
+    batch: int,
+    n: int,
+    disable: tuple[str, ...] = (),
+    workers: int = 1,
+    **options: object,
+) -> Runner:
+    repl = rp.Replicator(workers, n // workers, passes=rp.Pipeline.default(disable=disable, **options))
 
     def input_fn(ctx):
         for x, y in host_batches(batch, width):
@@ -209,6 +217,12 @@ def training_variants(depth: int, width: int, batch: int, n: int) -> dict[str, R
     }
     for name in optimization_passes():
         variants[f"replicator -{name}"] = replicator_variant(params, width, batch, n, (name,))
+    if n % 2 == 0 and n >= 4:
+        w = 2
+        variants[f"replicator {w}x{n // w}"] = replicator_variant(params, width, batch, n, workers=w)
+        variants[f"replicator {w}x{n // w} +hierarchical"] = replicator_variant(
+            params, width, batch, n, workers=w, hierarchical=True
+        )
     return variants
 
 
@@ -238,8 +252,8 @@ def allreduce_variants(n: int) -> dict[str, Runner]:
     def repl_step(batch):
         return sum(jnp.sum(t) for t in rp.all_sum([batch["x"][0, i] * (i + 1) for i in range(N_TENSORS)]))
 
-    def repl_runner(disable: tuple[str, ...]) -> Runner:
-        repl = rp.Replicator(1, n, passes=rp.Pipeline(disable=disable))
+    def repl_runner(disable: tuple[str, ...] = (), workers: int = 1, **options: object) -> Runner:
+        repl = rp.Replicator(workers, n // workers, passes=rp.Pipeline.default(disable=disable, **options))
         # Already on the mesh, like the shard_map variants' input: no host transfer.
         placed = jax.device_put(np.ones((n, N_TENSORS, TENSOR_SIZE), np.float32), sharded(repl.mesh))
 
@@ -253,8 +267,19 @@ def allreduce_variants(n: int) -> dict[str, Runner]:
     return {
         "50 psums (shard_map)": lambda: sep(x),
         "1 flattened psum (shard_map)": lambda: flat(x),
-        "replicator all_sum (fused)": repl_runner(()),
+        "replicator all_sum (fused)": repl_runner(),
         "replicator -fuse-allreduce": repl_runner(("fuse-allreduce",)),
+        "replicator ring": repl_runner(all_reduce_algorithm="ring"),
+        "replicator reduce+broadcast (tree)": repl_runner(all_reduce_algorithm="reduce_broadcast"),
+        "replicator bf16 on the wire": repl_runner(compress=True),
+        **(
+            {
+                f"replicator 2x{n // 2}": repl_runner(workers=2),
+                f"replicator 2x{n // 2} +hierarchical": repl_runner(workers=2, hierarchical=True),
+            }
+            if n % 2 == 0 and n >= 4
+            else {}
+        ),
     }
 
 
