@@ -11,6 +11,7 @@ Write a step for one device, call cross-replica placeholders (``all_mean``,
 """
 
 from replicator import _jax_compat
+from replicator import distributed as distributed
 from replicator.api import CompiledStep as CompiledStep
 from replicator.api import Replicator as Replicator
 from replicator.checkpoint import CheckpointError as CheckpointError
@@ -19,6 +20,9 @@ from replicator.checkpoint import latest_step as latest_step
 from replicator.checkpoint import restore_checkpoint as restore_checkpoint
 from replicator.checkpoint import save_checkpoint as save_checkpoint
 from replicator.context import ReplicaContext as ReplicaContext
+from replicator.distributed import gather_outputs as gather_outputs
+from replicator.distributed import local_outputs as local_outputs
+from replicator.distributed import replica_invariant as replica_invariant
 from replicator.errors import DivergentControlFlowError as DivergentControlFlowError
 from replicator.errors import DivergentStateError as DivergentStateError
 from replicator.errors import InputExhausted as InputExhausted
@@ -87,11 +91,15 @@ __all__ = [
     "broadcast_state",
     "build_mesh",
     "cross_replica_batch_norm",
+    "distributed",
     "force_cpu_devices",
+    "gather_outputs",
     "latest_step",
+    "local_outputs",
     "num_replicas",
     "reduce_scatter",
     "replica_id",
+    "replica_invariant",
     "restore_checkpoint",
     "save_checkpoint",
     "select_tree",

@@ -240,6 +240,9 @@ class Replicator:
           ``outputs`` or ``(new_state, outputs)``. The new state is one copy
           (it lives replicated on the mesh: feed it back as is). Every output
           leaf gets a leading axis of size ``num_replicas``, in replica order.
+          In a multi-process job each process holds only its own replicas'
+          rows: read them with ``rp.local_outputs`` / ``rp.replica_invariant``
+          (no communication) or ``rp.gather_outputs`` (all rows, a collective).
         """
         inputs = self._worker_inputs(input_fn)
         batches = inputs.next_batches()

@@ -7,10 +7,18 @@ State is replicated (``P()``) and stays on the mesh between calls; batch
 leaves are sharded along their leading axis over ``('workers', 'cores')``;
 each replica's outputs get a new leading axis and come back stacked in
 replica-id order.
+
+With several processes (see :mod:`replicator.distributed`) the same code runs
+in every process on the global mesh: a batch is assembled from each process's
+local workers (``jax.make_array_from_process_local_data``), state from a host
+value is checked to be identical in every process before it is placed, and
+the first call of a step checks that every process compiled the same program
+(so that a mismatch is an error, not a collective that waits forever).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from replicator.context import REPLICA_AXES
 from replicator.passes.base import StepGraph
 
-__all__ = ["build_executable", "place_batch", "place_state", "replicated", "sharded"]
+__all__ = ["build_executable", "place_batch", "place_state", "replicated", "sharded", "spans_processes"]
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -35,8 +43,64 @@ def sharded(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(REPLICA_AXES))
 
 
+def spans_processes(mesh: Mesh) -> bool:
+    """True if the mesh has devices of more than one process (cheap: runs every step)."""
+    return jax.process_count() > 1 and _spans_processes(mesh)
+
+
+@functools.lru_cache(maxsize=64)
+def _spans_processes(mesh: Mesh) -> bool:
+    return len({d.process_index for d in mesh.devices.flat}) > 1
+
+
+class _CheckedAcrossProcesses:
+    """A jitted step whose first call checks that every process runs the same program.
+
+    Attributes other than the call (``lower``, ``_cache_size``, ...) are the
+    jitted function's.
+    """
+
+    def __init__(self, jitted: Callable, graph: StepGraph):
+        self._jitted = jitted
+        jaxpr = graph.jaxpr.jaxpr
+        self._signature = " ".join(
+            [
+                *(str(v.aval) for v in jaxpr.invars),
+                "->",
+                *(str(v.aval) for v in jaxpr.outvars),
+                "|",
+                *(e.primitive.name for e in jaxpr.eqns),
+            ]
+        )
+        self._checked = False
+
+    def __call__(self, state: list, batch: list) -> Any:
+        if not self._checked:
+            from replicator.distributed import check_same_across_workers
+
+            check_same_across_workers(
+                [self._signature],
+                ["the step's signature (state, per-replica batch and output shapes and dtypes, operations)"],
+                what="the compiled step",
+                fix=(
+                    "Every worker must run the same step_fn, with state of the same structure, shapes and "
+                    "dtypes, on batches of the same structure, shapes and dtypes (check that input_fn "
+                    "yields the same batch size on every worker), in the same order."
+                ),
+            )
+            self._checked = True
+        return self._jitted(state, batch)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._jitted, name)
+
+
 def build_executable(graph: StepGraph, mesh: Mesh, *, donate_state: bool = False) -> Callable:
-    """The compiled-on-first-call function ``(state_leaves, batch_leaves) -> (state, outputs)``."""
+    """The compiled-on-first-call function ``(state_leaves, batch_leaves) -> (state, outputs)``.
+
+    On a mesh that spans processes, the first call first checks (one small
+    collective) that every process compiled a step of the same signature.
+    """
     fn = jaxpr_as_fun(graph.jaxpr)
     n_state = graph.num_state
     state_specs = [state_spec(i, graph.sharded_state) for i in range(n_state)]
@@ -53,13 +117,14 @@ def build_executable(graph: StepGraph, mesh: Mesh, *, donate_state: bool = False
         out_specs=(state_specs, P(REPLICA_AXES)),
         check_vma=False,
     )
-    return jax.jit(mapped, donate_argnums=(0,) if donate_state else ())
+    jitted = jax.jit(mapped, donate_argnums=(0,) if donate_state else ())
+    return _CheckedAcrossProcesses(jitted, graph) if spans_processes(mesh) else jitted
 
 
 def _strong(x: Any) -> Any:
     """Host copy without weak types (a Python float must not retrace later)."""
     if isinstance(x, jax.Array):
-        return np.asarray(x) if x.weak_type else x
+        return np.asarray(x) if getattr(x, "weak_type", False) else x
     return np.asarray(x)
 
 
@@ -82,14 +147,46 @@ def state_spec(index: int, sharded_state: frozenset[int]) -> P:
 
 
 def place_state(leaves: Sequence[Any], mesh: Mesh, sharded_state: frozenset[int] = frozenset()) -> list[jax.Array]:
-    """Put state leaves on the mesh, replicated or sharded (no copy if already there)."""
-    out = []
+    """Put state leaves on the mesh, replicated or sharded (no copy if already there).
+
+    On a mesh that spans processes, leaves that come from the host (or from
+    one process's devices) are first checked to be identical in every process
+    (one collective for all of them), then each process fills its own devices.
+
+    Raises:
+      ValueError: if a leaf differs between processes; the message names it
+        and how to make the state agree.
+    """
+    targets = [NamedSharding(mesh, state_spec(i, sharded_state)) for i in range(len(leaves))]
+    out: list[Any] = [None] * len(leaves)
+    from_host: list[int] = []
+    multi = spans_processes(mesh)
     for i, leaf in enumerate(leaves):
-        target = NamedSharding(mesh, state_spec(i, sharded_state))
-        if isinstance(leaf, jax.Array) and not leaf.weak_type and _is_laid_out(leaf, target):
-            out.append(leaf)
+        target = targets[i]
+        if isinstance(leaf, jax.Array) and not getattr(leaf, "weak_type", False) and _is_laid_out(leaf, target):
+            out[i] = leaf
+        elif not multi:
+            out[i] = jax.device_put(_strong(leaf), target)
+        elif isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            out[i] = jax.device_put(leaf, target)  # a global array laid out otherwise: reshard on device
         else:
-            out.append(jax.device_put(_strong(leaf), target))
+            from_host.append(i)
+    if from_host:
+        from replicator.distributed import check_same_across_workers
+
+        hosts = [np.asarray(_strong(leaves[i])) for i in from_host]
+        check_same_across_workers(
+            hosts,
+            [f"state leaf {i} ({h.dtype}{list(h.shape)})" for i, h in zip(from_host, hosts, strict=True)],
+            what="the state",
+            fix=(
+                "State must enter the first step identical on every worker: initialize it from the same "
+                "seed on every worker (not from the worker id), or copy worker 0's value to all with "
+                "state = replicator.broadcast_state(state, repl) before the first step."
+            ),
+        )
+        for i, host in zip(from_host, hosts, strict=True):
+            out[i] = jax.make_array_from_callback(host.shape, targets[i], lambda index, host=host: host[index])
     return out
 
 
@@ -99,8 +196,11 @@ def place_batch(worker_leaves: list[list[Any]], mesh: Mesh) -> list[jax.Array]:
     Args:
       worker_leaves: for each worker of this process, in worker order, its
         batch leaves.
+      mesh: the mesh; on one that spans processes, each process passes its
+        own workers' leaves and gets the global arrays.
     """
     target = sharded(mesh)
+    multi = spans_processes(mesh)
     out = []
     for per_worker in zip(*worker_leaves, strict=True):
         if len(per_worker) == 1 and isinstance(per_worker[0], jax.Array) and per_worker[0].sharding == target:
@@ -111,8 +211,10 @@ def place_batch(worker_leaves: list[list[Any]], mesh: Mesh) -> list[jax.Array]:
         if len(dtypes) > 1:
             raise TypeError(f"workers yielded batch leaves of different dtypes {sorted(map(str, dtypes))}.")
         local = host[0] if len(host) == 1 else np.concatenate(host, axis=0)
-        if jax.process_count() == 1:
+        if not multi:
             out.append(jax.device_put(local, target))
         else:
-            out.append(jax.make_array_from_process_local_data(target, local))
+            # Every process holds the same number of workers (build_mesh checks it).
+            global_rows = local.shape[0] // len(worker_leaves) * mesh.devices.shape[0]
+            out.append(jax.make_array_from_process_local_data(target, local, (global_rows, *local.shape[1:])))
     return out

@@ -59,6 +59,44 @@ def _devices_by_process(devices: list) -> list:
     return sorted(devices, key=lambda d: (d.process_index, d.id))
 
 
+def _rows_by_process(available: list, num_workers: int, cores_per_worker: int, process_count: int) -> list[list]:
+    """Mesh rows for a multi-process job: each process feeds the same number of workers.
+
+    Worker ``w`` is ``cores_per_worker`` devices of one process; processes
+    take consecutive workers in process order (with one worker per process,
+    worker ``w`` is process ``w``), so that every process has a share of the
+    batch and runs the same program.
+    """
+    per_process: dict[int, list] = {}
+    for d in available:  # sorted by (process, id)
+        per_process.setdefault(d.process_index, []).append(d)
+    n_proc = len(per_process)
+    if n_proc != process_count:
+        raise ValueError(
+            f"the devices given cover process(es) {sorted(per_process)} of the job's "
+            f"{process_count}; every process runs the step and must feed a worker, so pass "
+            f"devices of every process (or leave devices=None)."
+        )
+    counts = {p: len(ds) for p, ds in per_process.items()}
+    if num_workers % n_proc:
+        raise ValueError(
+            f"num_workers={num_workers} does not split evenly over the job's {n_proc} processes; every "
+            f"process must feed the same number of workers. Use num_workers={n_proc} (one worker per "
+            f"process, the usual choice) or a multiple of {n_proc}."
+        )
+    per = num_workers // n_proc
+    short = {p: c for p, c in counts.items() if c < per * cores_per_worker}
+    if short:
+        raise ValueError(
+            f"{num_workers} workers of {cores_per_worker} cores over {n_proc} processes need "
+            f"{per * cores_per_worker} devices in each process, but process(es) {sorted(short)} have only "
+            f"{sorted(set(short.values()))} (devices per process: {counts}). Use cores_per_worker=None "
+            f"(all local devices), fewer workers, or start each process with more devices "
+            f"(python -m replicator.launch --cores-per-worker C emulates C CPU devices per worker)."
+        )
+    return [ds[i * cores_per_worker : (i + 1) * cores_per_worker] for ds in per_process.values() for i in range(per)]
+
+
 def build_mesh(num_workers: int = 1, cores_per_worker: int | None = None, *, devices: list | None = None) -> Mesh:
     """The ``('workers', 'cores')`` mesh for ``num_workers x cores_per_worker``.
 
@@ -68,9 +106,15 @@ def build_mesh(num_workers: int = 1, cores_per_worker: int | None = None, *, dev
         process (``jax.local_device_count()``).
       devices: the devices to use (default ``jax.devices()``).
 
+    In a multi-process job (``jax.process_count() > 1``) a worker's cores are
+    devices of one process, and each process holds ``num_workers /
+    process_count`` consecutive workers: with one worker per process, worker
+    ``w`` is process ``w``'s first ``cores_per_worker`` local devices.
+
     Raises:
-      ValueError: if more replicas are asked for than there are devices; the
-        message names both numbers and how to emulate CPU devices.
+      ValueError: if more replicas are asked for than there are devices, or
+        (multi-process) if the workers do not split evenly over the processes'
+        devices; the message names the numbers and the fix.
     """
     if not isinstance(num_workers, int) or num_workers < 1:
         raise ValueError(f"num_workers must be a positive int, got {num_workers!r}.")
@@ -89,23 +133,10 @@ def build_mesh(num_workers: int = 1, cores_per_worker: int | None = None, *, dev
             f"before JAX starts, or run with XLA_FLAGS={_FLAG}={wanted}."
         )
     grid = np.empty((num_workers, cores_per_worker), dtype=object)
-    if jax.process_count() > 1 and devices is None:
-        # One row per worker; a worker's cores are devices of one process.
-        per_process: dict[int, list] = {}
-        for d in available:
-            per_process.setdefault(d.process_index, []).append(d)
-        rows = [
-            ds[i : i + cores_per_worker] for ds in per_process.values() for i in range(0, len(ds), cores_per_worker)
-        ]
-        rows = [r for r in rows if len(r) == cores_per_worker]
-        if len(rows) < num_workers:
-            raise ValueError(
-                f"{num_workers} workers of {cores_per_worker} cores do not fit the processes' local "
-                f"devices ({ {p: len(ds) for p, ds in per_process.items()} })."
-            )
-        for w in range(num_workers):
-            grid[w, :] = rows[w]
+    if jax.process_count() > 1:
+        rows = _rows_by_process(available, num_workers, cores_per_worker, jax.process_count())
     else:
-        for w in range(num_workers):
-            grid[w, :] = available[w * cores_per_worker : (w + 1) * cores_per_worker]
+        rows = [available[w * cores_per_worker : (w + 1) * cores_per_worker] for w in range(num_workers)]
+    for w, row in enumerate(rows):
+        grid[w, :] = row
     return Mesh(grid, REPLICA_AXES)

@@ -110,6 +110,24 @@ def test_donated_state_in_flight(n_devices):
     assert repl.trace_count == 1
 
 
+def test_typed_prng_keys_in_state(repl):
+    def step(s, b):
+        key, sub = jax.random.split(s["key"])
+        return {"key": key, "w": s["w"] + jax.random.normal(sub, (3,))}, {}
+
+    state = {"key": jax.random.key(0), "w": jnp.zeros(3)}
+    input_fn = _forever({"x": np.ones(repl.num_replicas)})
+    before = repl.trace_count
+    for _ in range(3):
+        state, _ = repl.run(step, input_fn, state)
+    key, w = jax.random.key(0), jnp.zeros(3)
+    for _ in range(3):
+        key, sub = jax.random.split(key)
+        w = w + jax.random.normal(sub, (3,))
+    np.testing.assert_allclose(state["w"], w, rtol=1e-6)
+    assert repl.trace_count == before + 1
+
+
 class TestCompileOnce:
     def test_repeated_calls_neither_retrace_nor_recompile(self, n_devices):
         repl = rp.Replicator(1, n_devices)

@@ -1,0 +1,554 @@
+"""Multi-worker jobs: one process per worker, across processes and hosts.
+
+A :class:`~replicator.Replicator` spans several processes when JAX's
+distributed runtime is up: worker ``w`` of the ``('workers', 'cores')`` mesh is
+then process ``w``'s local devices, every process runs the same script, calls
+``input_fn`` for its own worker only, and the compiled step runs on the global
+mesh, with collectives crossing the process boundary (over gloo on CPU).
+
+Write the script once; it runs as a plain single process too, where
+:func:`initialize` does nothing::
+
+    # train.py
+    import numpy as np
+    import jax, jax.numpy as jnp
+    import replicator as rp
+    from replicator import distributed
+
+    info = distributed.initialize()  # reads what `python -m replicator.launch` set
+    repl = rp.Replicator(num_workers=info.num_workers, cores_per_worker=info.cores_per_worker)
+
+    def input_fn(ctx):  # runs in worker ctx.worker_id's process only
+        rng = np.random.default_rng(ctx.worker_id)
+        while True:
+            yield {"x": rng.normal(size=(8 * ctx.cores_per_worker, 3)).astype(np.float32)}
+
+    def step_fn(w, batch):
+        g = rp.all_mean(jnp.mean(batch["x"], axis=0))
+        return w - 0.1 * g, {"g": g, "rid": rp.replica_id()}
+
+    w = jnp.zeros(3)  # identical on every worker (it is checked)
+    for _ in range(10):
+        w, out = repl.run(step_fn, input_fn, w)
+    print(np.asarray(w))  # state is replicated: every worker can read it
+    print(distributed.local_outputs(out)["rid"])  # this worker's replicas, e.g. [4 5 6 7]
+    print(distributed.replica_invariant(out)["g"])  # one copy of a value equal on all replicas
+    print(distributed.gather_outputs(out)["rid"])  # every replica's row, on every worker
+
+and start it with two workers of four emulated CPU devices each::
+
+    python -m replicator.launch --num-workers 2 --cores-per-worker 4 train.py
+
+On several hosts, start one worker per host with ``--coordinator HOST:PORT
+--worker-id I --num-workers W``; under SLURM or Open MPI (``srun``,
+``mpirun``) :func:`initialize` with no arguments lets JAX read the cluster's
+environment.
+
+Failures end the job instead of hanging it: a worker that does not join within
+the start-up timeout makes the others exit with a message
+(exit code :data:`START_TIMEOUT_EXIT_CODE`); a worker that dies is noticed by
+the others within the heartbeat timeout (JAX then aborts them); an uncaught
+exception ends its worker at once (exit code 1) rather than after JAX's
+shutdown barrier; and the launcher stops every worker as soon as one fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from replicator._jax_compat import backends_initialized
+from replicator.mesh import force_cpu_devices
+
+__all__ = [
+    "DEFAULT_HEARTBEAT_TIMEOUT_S",
+    "DEFAULT_SHUTDOWN_TIMEOUT_S",
+    "DEFAULT_START_TIMEOUT_S",
+    "ENV_CORES_PER_WORKER",
+    "ENV_COORDINATOR",
+    "ENV_HEARTBEAT_TIMEOUT",
+    "ENV_NUM_WORKERS",
+    "ENV_SHUTDOWN_TIMEOUT",
+    "ENV_START_TIMEOUT",
+    "ENV_WORKER_ID",
+    "START_TIMEOUT_EXIT_CODE",
+    "WorkerInfo",
+    "check_same_across_workers",
+    "cluster_environment",
+    "cluster_rank",
+    "gather_outputs",
+    "initialize",
+    "is_initialized",
+    "local_outputs",
+    "replica_invariant",
+    "shutdown",
+]
+
+PyTree = Any
+
+# Set by `python -m replicator.launch` for each worker it starts.
+ENV_COORDINATOR = "REPLICATOR_COORDINATOR"
+ENV_NUM_WORKERS = "REPLICATOR_NUM_WORKERS"
+ENV_WORKER_ID = "REPLICATOR_WORKER_ID"
+ENV_CORES_PER_WORKER = "REPLICATOR_CORES_PER_WORKER"
+ENV_START_TIMEOUT = "REPLICATOR_START_TIMEOUT"
+ENV_HEARTBEAT_TIMEOUT = "REPLICATOR_HEARTBEAT_TIMEOUT"
+ENV_SHUTDOWN_TIMEOUT = "REPLICATOR_SHUTDOWN_TIMEOUT"
+
+DEFAULT_START_TIMEOUT_S = 120.0
+DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+
+#: Exit code of a worker that gave up waiting for the others to join (EX_TEMPFAIL).
+START_TIMEOUT_EXIT_CODE = 75
+
+# Cluster managers whose environment jax.distributed reads by itself: the
+# variables that must all be present, as JAX's own detection checks them.
+_CLUSTER_ENVS: dict[str, tuple[str, ...]] = {
+    "slurm": ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"),
+    "ompi": ("OMPI_MCA_orte_hnp_uri",),
+}
+_CLUSTER_RANK = {"slurm": "SLURM_PROCID", "ompi": "OMPI_COMM_WORLD_RANK"}
+_LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerInfo:
+    """Where this process stands in the job, as :func:`initialize` found it.
+
+    Attributes:
+      worker_id: this process's worker, ``0 <= worker_id < num_workers``.
+      num_workers: processes (workers) in the job.
+      cores_per_worker: devices per worker if the launcher or the caller said
+        (pass it on to ``Replicator``), else ``None`` (all local devices).
+      coordinator_address: ``HOST:PORT`` of worker 0's coordination service,
+        or ``None`` in a single process (and under SLURM / Open MPI, where JAX
+        derives it from the cluster's environment).
+      source: where the settings came from: ``'arguments'``, ``'launcher'``
+        (environment variables), ``'slurm'``, ``'ompi'``, ``'jax'`` (JAX's
+        distributed runtime was already up) or ``'single-process'``.
+    """
+
+    worker_id: int
+    num_workers: int
+    cores_per_worker: int | None
+    coordinator_address: str | None
+    source: str
+
+    @property
+    def is_multiprocess(self) -> bool:
+        return self.num_workers > 1
+
+
+_LOCK = threading.Lock()
+_INFO: WorkerInfo | None = None
+
+
+def cluster_environment(environ: Mapping[str, str] | None = None) -> str | None:
+    """``'slurm'`` or ``'ompi'`` if this process was started by one, else None.
+
+    Args:
+      environ: the environment to look at (default ``os.environ``).
+    """
+    environ = os.environ if environ is None else environ
+    for name, variables in _CLUSTER_ENVS.items():
+        if all(v in environ for v in variables):
+            return name
+    return None
+
+
+def cluster_rank(environ: Mapping[str, str] | None = None) -> int | None:
+    """This process's rank as the cluster manager numbers it, if any."""
+    environ = os.environ if environ is None else environ
+    env = cluster_environment(environ)
+    value = environ.get(_CLUSTER_RANK[env], "") if env else ""
+    return int(value) if value.isdigit() else None
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer.") from None
+
+
+def _timeout(value: float | None, env: str, default: float, what: str) -> float:
+    if value is None:
+        raw = os.environ.get(env)
+        value = default if raw in (None, "") else float(raw)
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{what} must be a positive number of seconds, got {value!r}.")
+    return float(value)
+
+
+def _check_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f"coordinator address {address!r} is not HOST:PORT; give worker 0's host and a free port, "
+            f"e.g. '10.0.0.1:29500' (or '127.0.0.1:29500' for workers on this machine)."
+        )
+    return host, int(port)
+
+
+def _check_worker(worker_id: int, num_workers: int) -> None:
+    if not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"num_workers must be a positive int, got {num_workers!r}.")
+    if not isinstance(worker_id, int) or not 0 <= worker_id < num_workers:
+        raise ValueError(
+            f"worker_id must be an int in [0, {num_workers}) for a job of {num_workers} workers, "
+            f"got {worker_id!r}; number the workers 0, 1, ..., {num_workers - 1}, worker 0 on the "
+            f"coordinator's host."
+        )
+
+
+def is_initialized() -> bool:
+    """True once :func:`initialize` has run in this process (or JAX's runtime is up)."""
+    return _INFO is not None or jax.distributed.is_initialized()
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_workers: int | None = None,
+    worker_id: int | None = None,
+    *,
+    cores_per_worker: int | None = None,
+    init_timeout_s: float | None = None,
+    heartbeat_timeout_s: float | None = None,
+    shutdown_timeout_s: float | None = None,
+    fail_fast: bool = True,
+) -> WorkerInfo:
+    """Join this process to a multi-worker job (or do nothing in a single process).
+
+    Call it at the top of the script, before anything starts JAX's backend
+    (``jax.devices()``, creating an array). Settings come, in order, from the
+    arguments, from the environment variables set by ``python -m
+    replicator.launch`` (``REPLICATOR_COORDINATOR``, ``REPLICATOR_NUM_WORKERS``,
+    ``REPLICATOR_WORKER_ID``, ``REPLICATOR_CORES_PER_WORKER`` and the
+    ``REPLICATOR_*_TIMEOUT`` ones), or from a SLURM / Open MPI environment,
+    which JAX reads itself. With none of them this is a single-process job and
+    nothing is initialized. Calling it again returns the same
+    :class:`WorkerInfo`.
+
+    On CPU the cross-process collectives go through gloo. Start-up is over
+    when every worker has joined and exchanged its devices; a worker missing
+    after ``init_timeout_s`` makes this one print which and exit with code
+    :data:`START_TIMEOUT_EXIT_CODE`.
+
+    Args:
+      coordinator_address: ``HOST:PORT`` of worker 0, which runs the
+        coordination service there (on a loopback host it binds to loopback
+        only, otherwise to all interfaces).
+      num_workers: processes in the job, one worker each.
+      worker_id: this process's worker id, ``0 <= worker_id < num_workers``.
+      cores_per_worker: devices per worker. On CPU this many devices are
+        emulated per process (before JAX starts). Returned in the info so the
+        script can pass it to ``Replicator``.
+      init_timeout_s: how long to wait for every worker to join (default
+        ``REPLICATOR_START_TIMEOUT`` or 120 s).
+      heartbeat_timeout_s: after how long without heartbeats a worker counts
+        as dead; the others then abort (default ``REPLICATOR_HEARTBEAT_TIMEOUT``
+        or 10 s; JAX's own default is 100 s).
+      shutdown_timeout_s: how long a finishing worker waits for the others at
+        exit (default ``REPLICATOR_SHUTDOWN_TIMEOUT`` or 30 s).
+      fail_fast: on an uncaught exception, print it and exit at once with
+        code 1 instead of waiting in JAX's shutdown barrier for workers that
+        are blocked in a collective with this one.
+
+    Returns:
+      A :class:`WorkerInfo` with this process's worker id and the job's size.
+
+    Raises:
+      ValueError: on incomplete or malformed settings (the message says which
+        argument or variable to set).
+      RuntimeError: if JAX's backend already started (the fix: call this
+        first), or if called again with different settings.
+    """
+    global _INFO
+    with _LOCK:
+        if _INFO is not None:
+            _check_same(_INFO, coordinator_address, num_workers, worker_id, cores_per_worker)
+            return _INFO
+        if jax.distributed.is_initialized():  # started by someone else: adopt it
+            _INFO = WorkerInfo(jax.process_index(), jax.process_count(), cores_per_worker, None, "jax")
+            return _INFO
+
+        source = "arguments"
+        if coordinator_address is None and num_workers is None and worker_id is None:
+            env_values = (os.environ.get(ENV_COORDINATOR), _env_int(ENV_NUM_WORKERS), _env_int(ENV_WORKER_ID))
+            if any(v is not None for v in env_values):
+                coordinator_address, num_workers, worker_id = env_values
+                source = "launcher"
+            else:
+                source = cluster_environment() or "single-process"
+        if cores_per_worker is None:
+            cores_per_worker = _env_int(ENV_CORES_PER_WORKER)
+        if cores_per_worker is not None and (not isinstance(cores_per_worker, int) or cores_per_worker < 1):
+            raise ValueError(f"cores_per_worker must be a positive int, got {cores_per_worker!r}.")
+        init_s = _timeout(init_timeout_s, ENV_START_TIMEOUT, DEFAULT_START_TIMEOUT_S, "init_timeout_s")
+        heartbeat_s = _timeout(
+            heartbeat_timeout_s, ENV_HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT_S, "heartbeat_timeout_s"
+        )
+        shutdown_s = _timeout(
+            shutdown_timeout_s, ENV_SHUTDOWN_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT_S, "shutdown_timeout_s"
+        )
+
+        if source == "single-process" or (num_workers == 1 and source in ("arguments", "launcher")):
+            if worker_id not in (None, 0):
+                _check_worker(worker_id, 1)
+            if cores_per_worker is not None:
+                force_cpu_devices(cores_per_worker)
+            _INFO = WorkerInfo(0, 1, cores_per_worker, None, source)
+            return _INFO
+
+        if source in ("arguments", "launcher"):
+            missing = [
+                name
+                for name, value in (
+                    ("coordinator_address", coordinator_address),
+                    ("num_workers", num_workers),
+                    ("worker_id", worker_id),
+                )
+                if value is None
+            ]
+            if missing:
+                raise ValueError(
+                    f"initialize() got only part of a multi-worker job's settings: {', '.join(missing)} "
+                    f"missing. Give all three (coordinator_address='HOST:PORT', num_workers=W, worker_id=I), "
+                    f"set {ENV_COORDINATOR}, {ENV_NUM_WORKERS} and {ENV_WORKER_ID}, or start the script "
+                    f"with `python -m replicator.launch --num-workers W script.py`."
+                )
+            assert coordinator_address is not None and num_workers is not None and worker_id is not None
+            _check_address(coordinator_address)
+            _check_worker(worker_id, num_workers)
+
+        if backends_initialized():
+            raise RuntimeError(
+                "replicator.distributed.initialize() must run before JAX starts its backend, but "
+                "jax.devices() was already called or an array was already created. Call it at the "
+                "top of your script, right after the imports."
+            )
+        if cores_per_worker is not None:
+            force_cpu_devices(cores_per_worker)
+        if jax.config.jax_cpu_collectives_implementation is None:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+        kwargs: dict[str, Any] = {}
+        if source in ("arguments", "launcher"):
+            host, _ = _check_address(coordinator_address)  # type: ignore[arg-type]
+            kwargs = {"coordinator_address": coordinator_address, "num_processes": num_workers, "process_id": worker_id}
+            if host in _LOOPBACK_HOSTS:
+                kwargs["coordinator_bind_address"] = coordinator_address
+            who = f"worker {worker_id} of {num_workers}"
+        else:
+            who = f"process {cluster_rank()} of a {source} job"
+        where = f" at {coordinator_address}" if coordinator_address else ""
+
+        timer = threading.Timer(init_s, _start_timed_out, args=(who, where, init_s))
+        timer.daemon = True
+        timer.start()
+        try:
+            jax.distributed.initialize(
+                **kwargs,
+                initialization_timeout=math.ceil(init_s) + 10,  # ours fires first, with a message
+                heartbeat_timeout_seconds=max(1, math.ceil(heartbeat_s)),
+                shutdown_timeout_seconds=max(1, math.ceil(shutdown_s)),
+            )
+            jax.devices()  # every worker exchanges its devices: part of start-up
+        finally:
+            timer.cancel()
+        _INFO = WorkerInfo(
+            jax.process_index(),
+            jax.process_count(),
+            cores_per_worker,
+            coordinator_address,  # None when JAX read it from the cluster's environment
+            source,
+        )
+        if fail_fast and _INFO.is_multiprocess:
+            _install_fail_fast(_INFO.worker_id)
+        return _INFO
+
+
+def _check_same(
+    info: WorkerInfo,
+    coordinator_address: str | None,
+    num_workers: int | None,
+    worker_id: int | None,
+    cores_per_worker: int | None,
+) -> None:
+    asked = {
+        "num_workers": num_workers,
+        "worker_id": worker_id,
+        "cores_per_worker": cores_per_worker,
+        "coordinator_address": coordinator_address,
+    }
+    for name, value in asked.items():
+        if value is not None and value != getattr(info, name):
+            raise RuntimeError(
+                f"replicator.distributed.initialize() already ran in this process with {name}="
+                f"{getattr(info, name)!r}; it cannot be re-initialized with {name}={value!r}. "
+                f"Initialize once per process, at the top of the script."
+            )
+
+
+def _start_timed_out(who: str, where: str, timeout_s: float) -> None:
+    """Watchdog: not every worker joined in time. Say so, and exit (no core dump)."""
+    sys.stderr.write(
+        f"replicator: {who} gave up after {timeout_s:g} s waiting for every worker to join the job"
+        f"{where}. A worker was not started, crashed before initialize(), or uses another "
+        f"coordinator address, port or worker count. Fix: start every worker with the same "
+        f"--coordinator and --num-workers and a distinct --worker-id (0 on the coordinator's host), "
+        f"check that the port is reachable, or allow more time with --start-timeout / init_timeout_s.\n"
+    )
+    sys.stderr.flush()
+    os._exit(START_TIMEOUT_EXIT_CODE)
+
+
+def _install_fail_fast(worker_id: int) -> None:
+    """Make an uncaught exception end the process now, not after the shutdown barrier.
+
+    At exit JAX waits (up to the shutdown timeout) for every worker to reach a
+    shutdown barrier; peers blocked in a collective with this worker never do,
+    so the job would hang for that long and then abort everywhere.
+    """
+    previous = sys.excepthook
+
+    def excepthook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        try:
+            previous(exc_type, exc, tb)
+            sys.stderr.write(
+                f"replicator: worker {worker_id} stopped by the uncaught {exc_type.__name__} above; "
+                f"exiting now so that the other workers are not kept waiting for it.\n"
+            )
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:  # noqa: BLE001 - a closed stream must not stop the exit
+                    pass
+            os._exit(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
+
+    sys.excepthook = excepthook
+
+
+def shutdown() -> None:
+    """Leave the job (JAX's shutdown barrier: waits for the other workers)."""
+    global _INFO
+    with _LOCK:
+        jax.distributed.shutdown()
+        _INFO = None
+
+
+# -- values across workers ------------------------------------------------------
+
+
+def _digest(x: np.ndarray) -> np.ndarray:
+    """A 64-bit fingerprint of an array's dtype, shape and bytes, as two int32s."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(f"{x.dtype.str}{x.shape}".encode())
+    h.update(np.ascontiguousarray(x).tobytes())
+    return np.frombuffer(h.digest(), dtype=np.int32)
+
+
+def check_same_across_workers(values: Sequence[Any], names: Sequence[str], *, what: str, fix: str) -> None:
+    """Check that each host value is identical in every process (one collective).
+
+    Every process must call it with the same number of values. In a single
+    process it does nothing.
+
+    Args:
+      values: host arrays (or anything ``np.asarray`` takes), or strings.
+      names: a name for each value, for the error message.
+      what: what the values are, e.g. ``"the state"``.
+      fix: the sentence that tells the user how to make them agree.
+
+    Raises:
+      ValueError: naming the values that differ and the workers that disagree
+        with worker 0.
+    """
+    if jax.process_count() == 1 or not values:
+        return
+    from jax.experimental import multihost_utils
+
+    local = np.concatenate(
+        [_digest(np.frombuffer(v.encode(), np.uint8) if isinstance(v, str) else np.asarray(v)) for v in values]
+    )
+    everyone = np.asarray(multihost_utils.process_allgather(local)).reshape(jax.process_count(), len(values), 2)
+    differ = (everyone != everyone[0]).any(axis=2)  # (process, value)
+    if differ.any():
+        bad = [names[i] for i in np.flatnonzero(differ.any(axis=0))]
+        procs = [int(p) for p in np.flatnonzero(differ.any(axis=1))]
+        raise ValueError(
+            f"{what} differs between workers: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''} "
+            f"on worker(s) {procs} is not what worker 0 has. {fix}"
+        )
+
+
+def _local_rows(x: Any) -> np.ndarray:
+    """This process's rows of an array stacked by replica, in replica order."""
+    if not isinstance(x, jax.Array):
+        return np.asarray(x)
+    if x.is_fully_addressable or x.sharding.is_fully_replicated:
+        return np.asarray(x) if x.is_fully_addressable else np.asarray(x.addressable_data(0))
+    rows: dict[int, np.ndarray] = {}
+    for shard in x.addressable_shards:
+        start = (shard.index[0].start or 0) if shard.index else 0
+        rows.setdefault(start, np.asarray(shard.data))
+    return np.concatenate([rows[k] for k in sorted(rows)], axis=0)
+
+
+def local_outputs(outputs: PyTree) -> PyTree:
+    """This worker's replicas' rows of ``Replicator.run`` outputs, as numpy.
+
+    Outputs come back with a leading axis over all replicas; in a
+    multi-process job each process holds only its own replicas' rows. This
+    returns those, stacked in replica order (leading size
+    ``len(repl.local_workers) * cores_per_worker``). In a single process it
+    is ``np.asarray`` of every leaf. No communication.
+    """
+    return jax.tree.map(_local_rows, outputs)
+
+
+def replica_invariant(outputs: PyTree) -> PyTree:
+    """One replica's row of each output leaf: the first local replica's.
+
+    For outputs that are equal on every replica (e.g. ``rp.all_mean(loss)``)
+    this is *the* value, read without communication on every worker.
+    """
+
+    def first(x: Any) -> np.ndarray:
+        if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.sharding.is_fully_replicated:
+            shard = min(x.addressable_shards, key=lambda s: (s.index[0].start or 0) if s.index else 0)
+            return np.asarray(shard.data)[0]
+        return np.asarray(x)[0]
+
+    return jax.tree.map(first, outputs)
+
+
+def gather_outputs(outputs: PyTree) -> PyTree:
+    """Every replica's rows of ``Replicator.run`` outputs, on every worker, as numpy.
+
+    A collective in a multi-process job: every worker must call it, with the
+    same outputs. In a single process it is ``np.asarray`` of every leaf.
+    """
+
+    def gather(x: Any) -> np.ndarray:
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+
+    return jax.tree.map(gather, outputs)

@@ -1,0 +1,50 @@
+"""A JAX-free stand-in worker for the launcher's tests (starts in milliseconds).
+
+Prints ``hello from worker I`` on stdout and ``note from worker I`` on
+stderr (``I`` from ``REPLICATOR_WORKER_ID``, else ``?``), then the requested
+environment variables as ``NAME=value``, then:
+
+* ``--fail-worker I --code C --after S``: worker ``I`` waits ``S`` seconds,
+  prints ``ValueError: toy failure in worker I`` on stderr and exits with
+  ``C`` (or kills itself with ``--signal NAME``); the others sleep ``--sleep``;
+* otherwise every worker sleeps ``--sleep`` seconds and exits 0.
+
+``--ignore-sigterm`` makes it ignore SIGTERM, as JAX's runtime does;
+``--ready-file PATH`` creates ``PATH.I`` once it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+p = argparse.ArgumentParser()
+p.add_argument("--env", nargs="*", default=[])
+p.add_argument("--fail-worker", type=int)
+p.add_argument("--code", type=int, default=3)
+p.add_argument("--signal")
+p.add_argument("--after", type=float, default=0.0)
+p.add_argument("--sleep", type=float, default=0.0)
+p.add_argument("--ignore-sigterm", action="store_true")
+p.add_argument("--ready-file")
+args = p.parse_args()
+
+if args.ignore_sigterm:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+me = os.environ.get("REPLICATOR_WORKER_ID", "?")
+print(f"hello from worker {me}", flush=True)
+print(f"note from worker {me}", file=sys.stderr, flush=True)
+for name in args.env:
+    print(f"{name}={os.environ.get(name, '<unset>')}", flush=True)
+if args.ready_file:
+    open(f"{args.ready_file}.{me}", "w").close()
+if args.fail_worker is not None and me == str(args.fail_worker):
+    time.sleep(args.after)
+    print(f"ValueError: toy failure in worker {me}", file=sys.stderr, flush=True)
+    if args.signal:
+        os.kill(os.getpid(), signal.Signals[f"SIG{args.signal}"])
+    sys.exit(args.code)
+time.sleep(args.sleep)

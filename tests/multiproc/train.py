@@ -1,0 +1,188 @@
+"""A small data-parallel training job, run by the multi-process tests.
+
+Run as one worker of a job (``python -m replicator.launch --num-workers 2
+--cores-per-worker 4 tests/multiproc/train.py --out DIR``) or as a single
+process (``python tests/multiproc/train.py --workers 2 --cores 4 --out DIR``);
+:func:`run` is also imported by the tests to compute references in-process.
+
+Each worker ``w`` writes its results to ``DIR/w{w}_{name}.npy`` (numpy files,
+never pickles): the trained parameters, the loss per step, and the outputs of
+a probe step that calls collectives over every group. ``--die-at-step K
+--die-worker I --die-how kill|stop|raise`` makes worker ``I`` SIGKILL or SIGSTOP
+itself, or raise, at step ``K``, printing ``dying at <unix time>`` first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import replicator as rp  # noqa: E402
+from replicator import distributed  # noqa: E402
+
+GLOBAL_BATCH = 64
+PROBE_STEP = 10_000  # the probe step reads global_batch(PROBE_STEP)
+SIZES = (4, 16, 16, 1)
+
+
+def init_params() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)  # the same on every worker
+    params = {}
+    for i, (m, n) in enumerate(zip(SIZES[:-1], SIZES[1:], strict=True)):
+        params[f"w{i}"] = (rng.normal(size=(m, n)) / np.sqrt(m)).astype(np.float32)
+        params[f"b{i}"] = np.zeros(n, np.float32)
+    return params
+
+
+def global_batch(step: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1000 + step)
+    x = rng.normal(size=(GLOBAL_BATCH, SIZES[0])).astype(np.float32)
+    y = np.sin(x.sum(axis=1, keepdims=True)).astype(np.float32)
+    return {"x": x, "y": y}
+
+
+def input_fn_for(first_step: int, extra_rows_worker: int | None = None):
+    def input_fn(ctx: rp.InputContext):
+        rows = GLOBAL_BATCH // ctx.num_workers
+        step = first_step
+        while True:
+            batch = global_batch(step)
+            batch = {k: v[ctx.worker_id * rows : (ctx.worker_id + 1) * rows] for k, v in batch.items()}
+            if ctx.worker_id == extra_rows_worker:  # a bug: this worker's batches are larger
+                batch = {k: np.concatenate([v, v[: ctx.cores_per_worker]]) for k, v in batch.items()}
+            yield batch
+            step += 1
+
+    return input_fn
+
+
+def loss_fn(params: dict, batch: dict) -> jax.Array:
+    h = batch["x"]
+    n = len(SIZES) - 1
+    for i in range(n):
+        h = h @ params[f"w{i}"] + params[f"b{i}"]
+        if i < n - 1:
+            h = jnp.tanh(h)
+    return jnp.mean((h - batch["y"]) ** 2)
+
+
+tx = optax.adam(1e-2)
+
+
+def train_step(state, batch):
+    params, opt_state = state
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    grads = rp.all_mean(grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), {"loss": rp.all_mean(loss)}
+
+
+def probe_step(batch):
+    """Collectives over every group, on integer replica ids and float data."""
+    rid = rp.replica_id()
+    s = batch["x"].sum()
+    return {
+        "rid": rid,
+        "rid_cores": rp.replica_id(group="cores"),
+        "rid_workers": rp.replica_id(group="workers"),
+        "sum_all": rp.all_sum(rid),
+        "sum_cores": rp.all_sum(rid, group="cores"),
+        "sum_workers": rp.all_sum(rid, group="workers"),
+        "max_cores": rp.all_max(rid, group="cores"),
+        "min_workers": rp.all_min(rid, group="workers"),
+        "gather_all": rp.all_gather(rid),
+        "gather_cores": rp.all_gather(rid, group="cores"),
+        "gather_workers": rp.all_gather(rid, group="workers"),
+        "bcast_workers": rp.broadcast(rid * 10, source=rp.num_replicas(group="workers") - 1, group="workers"),
+        "mean_all": rp.all_mean(s),
+        "mean_cores": rp.all_mean(s, group="cores"),
+        "mean_workers": rp.all_mean(s, group="workers"),
+    }
+
+
+def run(repl: rp.Replicator, steps: int, *, die_at=None, die_worker=1, die_how="kill", sleep=0.0, mismatch=None):
+    """Train ``steps`` steps and probe the collectives; return this worker's results.
+
+    ``mismatch='state'`` or ``'batch'`` gives worker 1 different initial
+    parameters or larger batches than the others (bugs that must be reported).
+    """
+    me = repl.local_workers[0]
+    params = init_params()
+    if mismatch == "state" and me == 1:
+        params["b1"] = params["b1"] + 1.0
+    state = (params, tx.init(params))
+    losses = []
+    input_fn = input_fn_for(0, extra_rows_worker=1 if mismatch == "batch" else None)
+    for step in range(steps):
+        if step == die_at and me == die_worker:
+            print(f"dying at {time.time():.6f} (worker {me}, step {step}, {die_how})", flush=True)
+            if die_how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if die_how == "stop":  # frozen, as on a host that hangs: no exit, no closed sockets
+                os.kill(os.getpid(), signal.SIGSTOP)
+            raise RuntimeError(f"injected failure in worker {me} at step {step}")
+        state, out = repl.run(train_step, input_fn, state)
+        losses.append(distributed.replica_invariant(out)["loss"])
+        if step % 10 == 0:
+            print(f"step {step} loss {losses[-1]:.6f}", flush=True)
+        if sleep:
+            time.sleep(sleep)
+    results = {f"param_{k}": np.asarray(v) for k, v in state[0].items()}
+    results["losses"] = np.asarray(losses)
+    probe = repl.run(probe_step, input_fn_for(PROBE_STEP))
+    for k, v in distributed.gather_outputs(probe).items():
+        results[f"probe_{k}"] = v
+    results["local_rid"] = distributed.local_outputs(probe)["rid"]
+    results["first_rid"] = np.asarray(distributed.replica_invariant(probe)["rid"])
+    return results
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--workers", type=int, default=1, help="single-process mode only")
+    p.add_argument("--cores", type=int, default=8, help="single-process mode only")
+    p.add_argument("--die-at-step", type=int)
+    p.add_argument("--die-worker", type=int, default=1)
+    p.add_argument("--die-how", choices=["kill", "stop", "raise"], default="kill")
+    p.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each step")
+    p.add_argument("--mismatch", choices=["state", "batch"], help="give worker 1 other state or batch sizes")
+    args = p.parse_args(argv)
+
+    info = distributed.initialize()
+    if info.is_multiprocess:
+        workers, cores = info.num_workers, info.cores_per_worker
+    else:
+        workers, cores = args.workers, args.cores
+        rp.force_cpu_devices(workers * cores)
+    repl = rp.Replicator(num_workers=workers, cores_per_worker=cores)
+    print(f"worker {info.worker_id} of {info.num_workers}: mesh {dict(repl.mesh.shape)}", flush=True)
+    results = run(
+        repl,
+        args.steps,
+        die_at=args.die_at_step,
+        die_worker=args.die_worker,
+        die_how=args.die_how,
+        sleep=args.sleep,
+        mismatch=args.mismatch,
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name, value in results.items():
+        np.save(args.out / f"w{info.worker_id}_{name}.npy", value, allow_pickle=False)
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,347 @@
+"""Multi-worker jobs: ``replicator.distributed`` in one process, then real jobs.
+
+The tests marked ``multiprocess`` start real worker processes on localhost
+(``python -m replicator.launch ... tests/multiproc/train.py``), each bounded by
+a subprocess timeout: the job gives the same result as one process, collectives
+over ``group='cores'`` / ``'workers'`` cross the process boundary correctly, and
+every kind of failure ends the job within a bound instead of hanging it. Run
+only them with ``pytest -m multiprocess``, skip them with ``-m 'not
+multiprocess'``. Measured times are printed (see them with ``-s``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+import pytest
+
+import replicator as rp
+from replicator import distributed
+from replicator.launch import free_port
+from replicator.mesh import _rows_by_process
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = Path(__file__).resolve().parent / "multiproc" / "train.py"
+STEPS = 20
+JOB_TIMEOUT_S = 120  # no multi-process test may take longer, whatever goes wrong
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """No job settings in the environment and nothing initialized yet."""
+    for name in list(os.environ):
+        if name.startswith(("REPLICATOR_", "SLURM_", "OMPI_")):
+            monkeypatch.delenv(name)
+    monkeypatch.setattr(distributed, "_INFO", None)
+
+
+class TestInitialize:
+    def test_single_process_without_settings(self, fresh):
+        info = distributed.initialize()
+        assert info == distributed.WorkerInfo(0, 1, None, None, "single-process")
+        assert not info.is_multiprocess and distributed.is_initialized()
+        assert distributed.initialize() is info  # idempotent
+        with pytest.raises(RuntimeError, match="already ran in this process with num_workers=1"):
+            distributed.initialize("127.0.0.1:1234", 2, 0)
+
+    def test_one_worker_from_the_launcher_needs_no_runtime(self, fresh, monkeypatch, n_devices):
+        monkeypatch.setenv(distributed.ENV_COORDINATOR, "127.0.0.1:1234")
+        monkeypatch.setenv(distributed.ENV_NUM_WORKERS, "1")
+        monkeypatch.setenv(distributed.ENV_WORKER_ID, "0")
+        monkeypatch.setenv(distributed.ENV_CORES_PER_WORKER, str(n_devices))
+        info = distributed.initialize()
+        assert (info.worker_id, info.num_workers, info.cores_per_worker, info.source) == (0, 1, n_devices, "launcher")
+
+    @pytest.mark.parametrize(
+        "args, message",
+        [
+            (("127.0.0.1:1234", 2, None), "worker_id missing"),
+            ((None, 2, 1), "coordinator_address missing.*replicator.launch"),
+            (("127.0.0.1", 2, 0), "is not HOST:PORT"),
+            (("127.0.0.1:1234", 2, 2), r"worker_id must be an int in \[0, 2\)"),
+        ],
+    )
+    def test_bad_settings_say_what_to_set(self, fresh, args, message):
+        with pytest.raises(ValueError, match=message):
+            distributed.initialize(*args)
+
+    def test_bad_timeout(self, fresh):
+        with pytest.raises(ValueError, match="heartbeat_timeout_s must be a positive number"):
+            distributed.initialize("127.0.0.1:1234", 2, 0, heartbeat_timeout_s=0)
+
+    def test_after_jax_started_says_to_call_it_first(self, fresh):
+        jax.devices()
+        with pytest.raises(RuntimeError, match="must run before JAX starts its backend.*top of your script"):
+            distributed.initialize("127.0.0.1:1234", 2, 0)
+
+    def test_cluster_detection(self):
+        assert distributed.cluster_environment({}) is None
+        assert distributed.cluster_environment({"OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1"}) == "ompi"
+        partial_slurm = {"SLURM_JOB_ID": "1", "SLURM_PROCID": "0"}  # e.g. salloc without srun
+        assert distributed.cluster_environment(partial_slurm) is None
+
+
+class TestOutputsInOneProcess:
+    def test_local_outputs_replica_invariant_gather(self, repl2d):
+        n = repl2d.num_replicas
+
+        def input_fn(ctx):
+            while True:
+                yield {"x": np.arange(ctx.cores_per_worker, dtype=np.float32) + 100 * ctx.worker_id}
+
+        out = repl2d.run(lambda b: {"rid": rp.replica_id(), "m": rp.all_mean(b["x"][0])}, input_fn)
+        local = distributed.local_outputs(out)
+        assert isinstance(local["rid"], np.ndarray)
+        np.testing.assert_array_equal(local["rid"], np.arange(n))  # one process holds every replica
+        np.testing.assert_array_equal(distributed.gather_outputs(out)["rid"], np.arange(n))
+        first = distributed.replica_invariant(out)
+        assert first["rid"] == 0 and first["m"] == pytest.approx(float(np.mean(local["m"])))
+
+    def test_nothing_to_compare_in_one_process(self):
+        distributed.check_same_across_workers([np.ones(2), "a"], ["x", "y"], what="x", fix="")
+
+
+def fake_devices(per_process: list[int]) -> list:
+    return [
+        SimpleNamespace(process_index=p, id=2048 * p + i, platform="cpu")
+        for p, n in enumerate(per_process)
+        for i in range(n)
+    ]
+
+
+class TestMeshOverProcesses:
+    def test_worker_w_is_process_w(self):
+        rows = _rows_by_process(fake_devices([4, 4]), 2, 4, 2)
+        assert [[d.id for d in r] for r in rows] == [[0, 1, 2, 3], [2048, 2049, 2050, 2051]]
+
+    def test_several_workers_per_process(self):
+        rows = _rows_by_process(fake_devices([4, 4]), 4, 2, 2)
+        assert [[d.process_index for d in r] for r in rows] == [[0, 0], [0, 0], [1, 1], [1, 1]]
+
+    @pytest.mark.parametrize(
+        "per_process, workers, cores, processes, message",
+        [
+            ([4, 4], 3, 2, 2, "does not split evenly over the job's 2 processes.*num_workers=2"),
+            ([4, 2], 2, 4, 2, r"process\(es\) \[1\] have only \[2\].*--cores-per-worker"),
+            ([4], 1, 4, 2, "cover process.*every process runs the step"),
+        ],
+    )
+    def test_errors(self, per_process, workers, cores, processes, message):
+        with pytest.raises(ValueError, match=message):
+            _rows_by_process(fake_devices(per_process), workers, cores, processes)
+
+
+# -- real multi-process jobs ---------------------------------------------------------
+
+
+def job_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("REPLICATOR_", "SLURM_", "OMPI_"))}
+    env.pop("XLA_FLAGS", None)  # the launcher sets the device count per worker
+    return env
+
+
+def launcher(*options: str) -> list[str]:
+    return [sys.executable, "-m", "replicator.launch", *options]
+
+
+def run_job(*options: str, train_args: tuple[str, ...] = (), timeout: float = JOB_TIMEOUT_S):
+    """Run one launcher; returns (completed process, the time it ended)."""
+    proc = subprocess.run(
+        [*launcher(*options), str(TRAIN), *train_args],
+        env=job_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return proc, time.time()
+
+
+def died_at(stdout: str, stderr: str) -> float:
+    match = re.search(r"dying at ([0-9.]+)", stdout)
+    assert match, f"the worker never reached the failure step:\n{stdout[-2000:]}\n{stderr[-4000:]}"
+    return float(match.group(1))
+
+
+def load(directory: Path, worker: int) -> dict[str, np.ndarray]:
+    prefix = f"w{worker}_"
+    return {p.stem[len(prefix) :]: np.load(p) for p in directory.glob(f"{prefix}*.npy")}
+
+
+def train_module():
+    spec = importlib.util.spec_from_file_location("multiproc_train", TRAIN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def expected_probe(workers: int, cores: int, probe_batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """What the probe's collectives return, from their definitions and the probe's batch."""
+    rid = np.arange(workers * cores)
+    w, c = np.divmod(rid, cores)
+    by_core = [rid[c == k] for k in range(cores)]  # replicas with the same core index
+    by_worker = [rid[w == k] for k in range(workers)]
+    s = probe_batch["x"].reshape(rid.size, -1).sum(axis=1)  # replica r's rows, summed
+    return {
+        "mean_all": np.full(rid.size, s.mean()),
+        "mean_cores": np.array([s[by_worker[k]].mean() for k in w]),
+        "mean_workers": np.array([s[by_core[k]].mean() for k in c]),
+        "rid": rid,
+        "rid_cores": c,
+        "rid_workers": w,
+        "sum_all": np.full_like(rid, rid.sum()),
+        "sum_cores": np.array([by_worker[k].sum() for k in w]),
+        "sum_workers": np.array([by_core[k].sum() for k in c]),
+        "max_cores": np.array([by_worker[k].max() for k in w]),
+        "min_workers": np.array([by_core[k].min() for k in c]),
+        "gather_all": np.tile(rid, (rid.size, 1)),
+        "gather_cores": np.stack([by_worker[k] for k in w]),
+        "gather_workers": np.stack([by_core[k] for k in c]),
+        "bcast_workers": np.array([10 * by_core[k][-1] for k in c]),
+    }
+
+
+@pytest.mark.multiprocess
+class TestTwoProcesses:
+    def test_same_result_as_one_process(self, tmp_path, n_devices):
+        if n_devices % 2 or n_devices < 2:
+            pytest.skip(f"{n_devices} devices do not split into 2 workers")
+        cores = n_devices // 2
+        start = time.time()
+        proc, end = run_job(
+            "--num-workers",
+            "2",
+            "--cores-per-worker",
+            str(cores),
+            train_args=("--out", str(tmp_path), "--steps", str(STEPS)),
+        )
+        assert proc.returncode == 0, proc.stderr[-5000:]
+        print(f"\n2 processes x {cores} devices, {STEPS} steps: job took {end - start:.1f} s")
+        results = [load(tmp_path, w) for w in (0, 1)]
+
+        train = train_module()
+        one_process = train.run(rp.Replicator(1, n_devices), STEPS)  # the reference: one process, all devices
+        want_probe = expected_probe(2, cores, train.global_batch(train.PROBE_STEP))
+        for w, got in enumerate(results):
+            params = sorted(k for k in got if k.startswith("param_"))
+            assert params == sorted(k for k in one_process if k.startswith("param_")) and params
+            for k in [*params, "losses"]:
+                np.testing.assert_allclose(got[k], one_process[k], atol=1e-6, rtol=0, err_msg=f"worker {w}: {k}")
+            for k in params:  # the state is replicated: identical bits on every worker
+                np.testing.assert_array_equal(got[k], results[0][k])
+            # Collectives over each group, across the process boundary.
+            for k, want in want_probe.items():
+                if k.startswith("mean_"):
+                    np.testing.assert_allclose(got[f"probe_{k}"], want, rtol=0, atol=1e-5, err_msg=k)
+                else:
+                    np.testing.assert_array_equal(got[f"probe_{k}"], want, err_msg=k)
+            # The helpers: this worker's rows, and the first local replica's value.
+            np.testing.assert_array_equal(got["local_rid"], np.arange(w * cores, (w + 1) * cores))
+            assert got["first_rid"] == w * cores
+
+    @pytest.mark.parametrize("how", ["kill", "raise"])
+    def test_a_failed_worker_stops_the_job(self, tmp_path, how):
+        # Worker 1 is SIGKILLed or raises at step 5: the launcher names it, stops the
+        # others and exits with its code, within the kill grace period (5 s) and margin.
+        proc, end = run_job(
+            "--num-workers", "2", "--cores-per-worker", "2",
+            train_args=("--out", str(tmp_path), "--steps", "100000", "--die-at-step", "5", "--die-how", how),
+        )  # fmt: skip
+        delay = end - died_at(proc.stdout, proc.stderr)
+        print(f"\nworker 1 {how}: the launcher exited {delay:.2f} s later")
+        if how == "kill":
+            assert proc.returncode == 137, proc.stderr[-3000:]
+            assert "[launcher] worker 1 was killed by SIGKILL" in proc.stderr
+        else:
+            assert proc.returncode == 1, proc.stderr[-3000:]
+            assert re.search(
+                r"\[launcher\] worker 1 failed with exit code 1 after .*RuntimeError: injected failure in worker 1",
+                proc.stderr,
+            )
+        assert delay < 15, delay
+
+    def test_a_hung_worker_is_dropped_after_the_heartbeat_timeout(self, tmp_path):
+        # Worker 1 freezes (SIGSTOP: no exit, no closed socket, like a hung host). The
+        # others notice the missing heartbeats and abort; the launcher stops worker 1.
+        proc, end = run_job(
+            "--num-workers", "2", "--cores-per-worker", "2", "--heartbeat-timeout", "3", "--kill-grace", "1",
+            train_args=("--out", str(tmp_path), "--steps", "100000", "--die-at-step", "5", "--die-how", "stop"),
+        )  # fmt: skip
+        delay = end - died_at(proc.stdout, proc.stderr)
+        print(f"\nworker 1 hung, heartbeat timeout 3 s: the launcher exited {delay:.2f} s later")
+        assert proc.returncode == 134, proc.stderr[-3000:]
+        assert "[launcher] worker 0 was killed by SIGABRT" in proc.stderr
+        assert "maybe hung: worker(s) [1]" in proc.stderr
+        assert delay < 3 + 1 + 10, delay
+
+    @pytest.mark.parametrize("victim", [1, 0], ids=["worker1-dies", "coordinator-dies"])
+    def test_survivors_exit_on_their_own(self, tmp_path, victim):
+        # One launcher per worker, as on separate hosts: nobody kills the survivor.
+        port = str(free_port())
+        procs = [
+            subprocess.Popen(
+                [
+                    *launcher("--coordinator", f"127.0.0.1:{port}", "--num-workers", "2", "--worker-id", str(w)),
+                    *("--cores-per-worker", "2", "--heartbeat-timeout", "3", str(TRAIN), "--out", str(tmp_path)),
+                    *("--steps", "100000", "--die-at-step", "5", "--die-worker", str(victim)),
+                ],
+                env=job_env(),
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for w in (0, 1)
+        ]
+        try:
+            outs = [p.communicate(timeout=JOB_TIMEOUT_S) for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+        ended = time.time()  # both are done; the survivor's own exit was measured below
+        survivor = 1 - victim
+        assert procs[victim].returncode == 137, outs[victim][1][-3000:]
+        assert procs[survivor].returncode not in (0, None), outs[survivor][1][-3000:]
+        assert f"[launcher] worker {survivor} " in outs[survivor][1]
+        delay = ended - died_at(*outs[victim])
+        print(f"\nworker {victim} killed, separate launchers: worker {survivor} done within {delay:.2f} s")
+        assert delay < 3 + 10, delay
+
+    def test_a_worker_that_never_starts(self, tmp_path):
+        start = time.time()
+        proc, end = run_job(
+            "--coordinator", f"127.0.0.1:{free_port()}", "--num-workers", "2", "--worker-id", "0",
+            "--cores-per-worker", "2", "--start-timeout", "3",
+            train_args=("--out", str(tmp_path)),
+        )  # fmt: skip
+        print(f"\nworker 1 never started, start timeout 3 s: worker 0 exited after {end - start:.2f} s")
+        assert proc.returncode == distributed.START_TIMEOUT_EXIT_CODE, proc.stderr[-3000:]
+        assert "worker 0 of 2 gave up after 3 s waiting for every worker to join the job" in proc.stderr
+        assert "--start-timeout" in proc.stderr
+        assert end - start < 3 + 15
+
+    @pytest.mark.parametrize(
+        "mismatch, message",
+        [
+            ("state", r"the state differs between workers: state leaf 1 \(float32\[16\]\) on worker\(s\) \[1\]"),
+            ("batch", r"the compiled step differs between workers.*check that input_fn yields the same batch size"),
+        ],
+    )
+    def test_workers_that_disagree_are_an_error(self, tmp_path, mismatch, message):
+        proc, _ = run_job(
+            "--num-workers", "2", "--cores-per-worker", "2",
+            train_args=("--out", str(tmp_path), "--mismatch", mismatch),
+        )  # fmt: skip
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        assert re.search(
+            r"\[launcher\] worker \d failed with exit code 1 after .*: ValueError: " + message, proc.stderr
+        )

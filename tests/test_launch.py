@@ -1,0 +1,245 @@
+"""The launcher: modes, environment, prefixed output, and stopping a failed job.
+
+Most tests run ``launch()`` on a JAX-free toy worker (tests/multiproc/toy_worker.py),
+which starts in milliseconds; one runs ``python -m replicator.launch`` itself. The
+jobs with real JAX workers are in tests/test_distributed.py.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from replicator import distributed, launch
+from replicator.launch import LaunchError
+
+ROOT = Path(__file__).resolve().parent.parent
+TOY = str(Path(__file__).resolve().parent / "multiproc" / "toy_worker.py")
+CLUSTER_VARS = ("SLURM_", "OMPI_", "REPLICATOR_")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(CLUSTER_VARS)}
+    env.update(extra)
+    return env
+
+
+def run(*toy_args: str, **kwargs) -> tuple[int, str, str, float]:
+    """launch() the toy worker; returns (exit code, stdout, stderr, seconds)."""
+    out, err = io.StringIO(), io.StringIO()
+    kwargs.setdefault("env", clean_env())
+    kwargs.setdefault("max_time_s", 60)  # a backstop: no test may hang
+    start = time.monotonic()
+    code = launch.launch([sys.executable, TOY, *toy_args], stdout=out, stderr=err, **kwargs)
+    return code, out.getvalue(), err.getvalue(), time.monotonic() - start
+
+
+class TestCommandLine:
+    @pytest.mark.parametrize(
+        "argv, options, command",
+        [
+            (
+                ["--num-workers", "2", "train.py", "--num-workers", "5"],
+                ["--num-workers", "2"],
+                ["train.py", "--num-workers", "5"],
+            ),
+            (["--cores-per-worker=4", "train.py", "-x"], ["--cores-per-worker=4"], ["train.py", "-x"]),
+            (
+                ["--num-workers", "2", "-m", "pkg.train", "--lr", "1"],
+                ["--num-workers", "2", "-m", "pkg.train"],
+                ["--lr", "1"],
+            ),
+            (["--num-workers", "2", "--", "--weird.py"], ["--num-workers", "2"], ["--weird.py"]),
+            (["--num-workers", "2"], ["--num-workers", "2"], []),
+        ],
+    )
+    def test_options_end_at_the_script(self, argv, options, command):
+        assert launch._split_argv(argv, launch._parser()) == (options, command)
+
+    def test_worker_env(self):
+        base = {"XLA_FLAGS": "--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=8", "KEEP": "1"}
+        env = launch.worker_env(
+            base,
+            coordinator="127.0.0.1:1234",
+            num_workers=2,
+            worker_id=1,
+            cores_per_worker=4,
+            start_timeout_s=7,
+            heartbeat_timeout_s=3,
+            shutdown_timeout_s=5,
+        )
+        assert env["KEEP"] == "1" and env["PYTHONUNBUFFERED"] == "1"
+        assert env["XLA_FLAGS"].split() == [
+            "--xla_cpu_enable_fast_math=false",
+            "--xla_force_host_platform_device_count=4",
+        ]
+        assert (env[distributed.ENV_COORDINATOR], env[distributed.ENV_NUM_WORKERS], env[distributed.ENV_WORKER_ID]) == (
+            "127.0.0.1:1234",
+            "2",
+            "1",
+        )
+        assert env[distributed.ENV_CORES_PER_WORKER] == "4"
+        assert (env[distributed.ENV_START_TIMEOUT], env[distributed.ENV_HEARTBEAT_TIMEOUT]) == ("7", "3")
+        assert env[distributed.ENV_SHUTDOWN_TIMEOUT] == "5"
+
+    @pytest.mark.parametrize(
+        "kwargs, message",
+        [
+            ({}, "how many workers"),
+            ({"num_workers": 2, "worker_id": 0}, "needs --coordinator"),
+            ({"num_workers": 2, "worker_id": 2, "coordinator": "h:1"}, r"--worker-id must be in \[0, 2\)"),
+            ({"num_workers": 2, "coordinator": "nohost"}, "is not HOST:PORT"),
+            ({"num_workers": 0}, "--num-workers must be a positive int"),
+            ({"num_workers": 2, "heartbeat_timeout_s": 0}, "--heartbeat-timeout must be a positive"),
+        ],
+    )
+    def test_bad_arguments_say_what_to_pass(self, kwargs, message):
+        with pytest.raises(LaunchError, match=message):
+            launch.launch([sys.executable, TOY], env=clean_env(), **kwargs)
+
+    def test_no_script(self, capsys):
+        with pytest.raises(SystemExit) as e:
+            launch.main(["--num-workers", "2"])
+        assert e.value.code == 2
+        assert "give the script to run" in capsys.readouterr().err
+
+
+class TestLocalJobs:
+    def test_output_is_prefixed_and_the_job_configured(self):
+        names = [
+            distributed.ENV_COORDINATOR,
+            distributed.ENV_NUM_WORKERS,
+            distributed.ENV_CORES_PER_WORKER,
+            "XLA_FLAGS",
+        ]
+        code, out, err, _ = run("--env", *names, num_workers=2, cores_per_worker=3)
+        assert code == 0, err
+        lines = out.splitlines()
+        for w in (0, 1):
+            assert f"[worker {w}] hello from worker {w}" in lines
+            assert f"[worker {w}] note from worker {w}" in err.splitlines()
+            assert f"[worker {w}] {distributed.ENV_NUM_WORKERS}=2" in lines
+            assert f"[worker {w}] {distributed.ENV_CORES_PER_WORKER}=3" in lines
+            assert f"[worker {w}] XLA_FLAGS=--xla_force_host_platform_device_count=3" in lines
+        coordinators = {line.split("=", 1)[1] for line in lines if distributed.ENV_COORDINATOR in line}
+        assert len(coordinators) == 1 and re.fullmatch(r"127\.0\.0\.1:\d+", coordinators.pop())
+        assert all(re.match(r"\[(worker \d|launcher)\] ", line) for line in lines + err.splitlines())
+
+    def test_first_failure_stops_the_others_and_gives_its_exit_code(self):
+        code, _, err, took = run(
+            "--fail-worker", "1", "--code", "3", "--after", "0.5", "--sleep", "60", num_workers=3, kill_grace_s=2
+        )
+        assert code == 3
+        # The launcher's line names the worker, the exit code and the error it printed.
+        assert re.search(r"\[launcher\] worker 1 failed with exit code 3 after [\d.]+ s: ValueError: toy failure", err)
+        assert "stopping worker(s) [0, 2]" in err
+        assert took < 10, took  # the sleepers end on SIGTERM at once
+
+    def test_sigterm_is_escalated_to_sigkill(self):
+        # JAX's runtime catches SIGTERM: the launcher must not rely on it.
+        code, _, err, took = run(
+            "--fail-worker", "0", "--code", "2", "--sleep", "60", "--ignore-sigterm", num_workers=2, kill_grace_s=1
+        )
+        assert code == 2
+        assert "SIGKILL after 1 s" in err and "workers' exit codes: {0: 2, 1: -9}" in err
+        assert took < 10, took
+
+    def test_killed_worker_gives_128_plus_signal(self):
+        code, _, err, _ = run("--fail-worker", "1", "--signal", "KILL", "--sleep", "60", num_workers=2, kill_grace_s=1)
+        assert code == 128 + signal.SIGKILL
+        assert "worker 1 was killed by SIGKILL" in err
+
+    def test_max_time_bounds_the_job(self):
+        code, _, err, took = run("--sleep", "60", num_workers=2, max_time_s=1, kill_grace_s=1)
+        assert code == 124 and "longer than --max-time 1 s" in err
+        assert took < 10, took
+
+    def test_workers_stuck_after_another_finished_are_stopped(self):
+        # Worker 0 finishes at once; worker 1 would sleep 60 s: stopped after 2 * 0.5 + 0.5 s.
+        code, _, err, took = run(
+            "--fail-worker", "1", "--after", "60", num_workers=2, shutdown_timeout_s=0.5, kill_grace_s=0.5
+        )
+        assert code == 1 and "worker(s) [1] still running" in err
+        assert took < 10, took
+
+
+class TestOtherModes:
+    def test_one_worker_of_a_multi_host_job(self):
+        names = [distributed.ENV_COORDINATOR, distributed.ENV_NUM_WORKERS, distributed.ENV_WORKER_ID]
+        code, out, err, _ = run("--env", *names, num_workers=4, worker_id=2, coordinator="10.0.0.1:29500")
+        assert code == 0, err
+        assert out.splitlines() == [
+            "[worker 2] hello from worker 2",
+            f"[worker 2] {distributed.ENV_COORDINATOR}=10.0.0.1:29500",
+            f"[worker 2] {distributed.ENV_NUM_WORKERS}=4",
+            f"[worker 2] {distributed.ENV_WORKER_ID}=2",
+        ]
+
+    def test_under_slurm_one_worker_reads_the_cluster(self):
+        slurm = {
+            "SLURM_JOB_ID": "77",
+            "SLURM_STEP_NODELIST": "node[1-2]",
+            "SLURM_NTASKS": "4",
+            "SLURM_PROCID": "3",
+            "SLURM_LOCALID": "1",
+        }
+        env = clean_env(**slurm)
+        assert distributed.cluster_environment(env) == "slurm" and distributed.cluster_rank(env) == 3
+        names = [distributed.ENV_COORDINATOR, distributed.ENV_NUM_WORKERS, distributed.ENV_HEARTBEAT_TIMEOUT]
+        code, out, err, _ = run("--env", *names, env=env, heartbeat_timeout_s=4)
+        assert code == 0, err
+        assert out.splitlines()[1:] == [
+            f"[worker 3] {distributed.ENV_COORDINATOR}=<unset>",  # jax.distributed detects SLURM itself
+            f"[worker 3] {distributed.ENV_NUM_WORKERS}=<unset>",
+            f"[worker 3] {distributed.ENV_HEARTBEAT_TIMEOUT}=4",
+        ]
+
+
+def test_command_line_end_to_end():
+    proc = subprocess.run(
+        [sys.executable, "-m", "replicator.launch", "--num-workers", "2", "--kill-grace", "1", TOY]
+        + ["--fail-worker", "0", "--code", "4", "--sleep", "60"],
+        env=clean_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 4, proc.stderr
+    assert "[launcher] worker 0 failed with exit code 4" in proc.stderr
+    assert "[worker 1] hello from worker 1" in proc.stdout
+
+
+def test_sigterm_to_the_launcher_stops_the_job(tmp_path):
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "replicator.launch", "--num-workers", "2", "--kill-grace", "1", TOY]
+        + ["--sleep", "60", "--ignore-sigterm", "--ready-file", str(ready)],
+        env=clean_env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"ready.{w}").exists() for w in (0, 1)):
+            assert time.monotonic() < deadline and proc.poll() is None, "the workers did not start"
+            time.sleep(0.05)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "[launcher] interrupted (SIGTERM)" in err and "job failed, exit code 143" in err
+    assert "workers' exit codes: {0: -9, 1: -9}" in err  # they ignore SIGTERM: killed after the grace period
+    assert time.monotonic() - start < 10
