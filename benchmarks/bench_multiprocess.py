@@ -7,7 +7,10 @@ back every step) on 8 replicas three ways:
 * ``1 proc x 8``   one process, ``Replicator(1, 8)``
 * ``1 proc 2x4``   one process, ``Replicator(2, 4)`` (the same mesh as below)
 * ``2 procs x 4``  two processes of 4 emulated CPU devices each, collectives over gloo,
-  started by ``python -m replicator.launch``
+  started by ``python -m replicator.launch``; also with ``hierarchical-allreduce``
+  on (``+hier``), with ``fuse-allreduce`` off (``-fuse``), and with fusion and
+  ``shard-optimizer-update`` off (``-fuse-zero``: what a hand-written pmean of
+  the gradient pytree does)
 
 for two MLPs: ``small`` (4 -> 16 -> 16 -> 1, batch 64: all overhead) and ``wide``
 (256 -> 512 x 3 -> 1, batch 512: compute and a 0.8 M-float all-reduce).
@@ -60,7 +63,11 @@ def worker(args: argparse.Namespace) -> None:
     import numpy as np
     import optax
 
-    repl = rp.Replicator(num_workers=workers, cores_per_worker=cores)
+    options = json.loads(args.pipeline)
+    disable = options.pop("disable", [])
+    repl = rp.Replicator(
+        num_workers=workers, cores_per_worker=cores, passes=rp.Pipeline.default(disable=disable, **options)
+    )
     tx = optax.adam(1e-3)
     results = {}
     for name, (sizes, batch) in WORKLOADS.items():
@@ -125,19 +132,27 @@ def _result(command: list[str]) -> dict[str, float]:
 def step_times(args: argparse.Namespace) -> None:
     me = [str(Path(__file__).resolve()), "--worker", "--steps", str(args.steps), "--warmup", str(args.warmup)]
     launcher = [sys.executable, "-m", "replicator.launch"]
+    multi = [*launcher, "--num-workers", "2", "--cores-per-worker", "4", *me]
     variants = {
         "1 proc x 8": [sys.executable, *me, "--workers", "1", "--cores", "8"],
         "1 proc 2x4": [sys.executable, *me, "--workers", "2", "--cores", "4"],
-        "2 procs x 4": [*launcher, "--num-workers", "2", "--cores-per-worker", "4", *me],
+        "2 procs x 4": multi,
+        "2 procs +hier": [*multi, "--pipeline", json.dumps({"hierarchical": True})],
+        "2 procs -fuse": [*multi, "--pipeline", json.dumps({"disable": ["fuse-allreduce"]})],
+        "2 procs -fuse-zero": [
+            *multi,
+            "--pipeline",
+            json.dumps({"disable": ["fuse-allreduce"], "shard_optimizer": False}),
+        ],
     }
     rounds: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     for _ in range(args.rounds):  # interleaved, so that machine noise hits every variant alike
         for name, command in variants.items():
             rounds[name].append(_result(command))
     print(f"median step time, ms ({args.steps} steps after {args.warmup} warm-up, median of {args.rounds} runs)")
-    print(f"{'variant':<14}" + "".join(f"{w:>10}" for w in WORKLOADS))
+    print(f"{'variant':<20}" + "".join(f"{w:>10}" for w in WORKLOADS))
     for name, runs in rounds.items():
-        print(f"{name:<14}" + "".join(f"{statistics.median(r[w] for r in runs):>10.2f}" for w in WORKLOADS))
+        print(f"{name:<20}" + "".join(f"{statistics.median(r[w] for r in runs):>10.2f}" for w in WORKLOADS))
 
 
 def _job(options: list[str], train_args: list[str]) -> tuple[subprocess.CompletedProcess, float]:
@@ -188,6 +203,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--failures", action="store_true", help="also measure failure detection times")
+    p.add_argument("--pipeline", default="{}", help=argparse.SUPPRESS)  # JSON: Pipeline.default options
     args = p.parse_args()
     if args.worker:
         worker(args)
