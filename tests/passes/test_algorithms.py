@@ -22,6 +22,8 @@ from replicator.passes.base import iter_eqns
 from replicator.passes.lower_collectives import ALGORITHMS, LOWERINGS, lower_all_reduce
 from replicator.primitives import all_reduce_p
 
+from .workloads import mlp_params, mlp_step
+
 ALGORITHM_NAMES = ["ring", "reduce_broadcast"]
 RTOL, ATOL = 2e-6, 1e-6  # float32; bf16 is checked against its rounding bound instead
 
@@ -289,30 +291,6 @@ def test_bf16_within_the_rounding_bound_of_the_exact_sum(repl2d, algorithm):
     )
 
 
-def _mlp_params(rng):
-    """Odd sizes that need padding, an int32 counter (bf16 is checked by its bound above)."""
-    return {
-        "w1": jnp.asarray(rng.normal(0, 0.5, (3, 5)), jnp.float32),
-        "b1": jnp.asarray(rng.normal(0, 0.1, (5,)), jnp.float32),
-        "w2": jnp.asarray(rng.normal(0, 0.5, (5, 7)), jnp.float32),
-        "b2": jnp.asarray(rng.normal(0, 0.1, (7,)), jnp.float32),
-        "steps": jnp.int32(0),
-    }
-
-
-def _mlp_step(state, batch):
-    def loss_fn(p):
-        h = jnp.tanh(batch["x"] @ p["w1"] + p["b1"])
-        return jnp.mean((h @ p["w2"] + p["b2"] - batch["y"]) ** 2)
-
-    params = {k: v for k, v in state.items() if k != "steps"}
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    grads = rp.all_mean(grads)
-    new = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
-    new["steps"] = state["steps"] + rp.all_sum(jnp.int32(1)) // rp.num_replicas()
-    return new, {"loss": rp.all_mean(loss), "big": rp.all_max(loss > 1.0)}
-
-
 def _mlp_batch(cores):
     return lambda rng: {
         "x": rng.normal(size=(2 * cores, 3)).astype(np.float32),
@@ -323,14 +301,14 @@ def _mlp_batch(cores):
 def _train(repl, state, steps=2):
     input_fn = _input_fn(_mlp_batch(repl.cores_per_worker), seed=7)
     for _ in range(steps):
-        state, out = repl.run(_mlp_step, input_fn, state)
+        state, out = repl.run(mlp_step, input_fn, state)
     return state, out
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHM_NAMES)
 def test_mlp_gradients_match_native(repl2d, algorithm):
     workers, cores = repl2d.num_workers, repl2d.cores_per_worker
-    state = _mlp_params(np.random.default_rng(0))
+    state = mlp_params(np.random.default_rng(0))
     expected = _train(_replicator(workers, cores, None), state)
     actual = _train(_replicator(workers, cores, algorithm), state)
     _assert_close(expected, actual)

@@ -24,6 +24,8 @@ from replicator.passes import (
 )
 from replicator.passes.base import iter_eqns
 
+from .workloads import mlp_params, mlp_step
+
 ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = "rp.all_reduce", "rp.reduce_scatter", "rp.all_gather"
 RTOL, ATOL = 2e-6, 1e-6
 
@@ -126,9 +128,9 @@ def test_one_all_reduce_becomes_three_steps(repl2d):
 
 def test_fused_gradients_become_one_hierarchical_reduce(repl2d):
     workers, cores = _two_level(repl2d)
-    state = _mlp_params(np.random.default_rng(0))
+    state = mlp_params(np.random.default_rng(0))
     batch = _mlp_batch(cores)(np.random.default_rng(1))
-    lowered = _replicator(workers, cores).lower(_mlp_step, batch, state)
+    lowered = _replicator(workers, cores).lower(mlp_step, batch, state)
     names = [s.name for s in lowered.stages]
     assert names.index("fuse-allreduce") < names.index("hierarchical-allreduce") < names.index("lower-collectives")
     # fuse-allreduce leaves one f32 mean (gradients and loss), one int32 sum (the
@@ -248,34 +250,6 @@ def _float_batch(cores, rows=1):
     return lambda rng: {"x": rng.normal(size=(rows * cores, 5)).astype(np.float32)}
 
 
-def _mlp_params(rng):
-    """Odd sizes (the fused buffer needs padding to a multiple of the cores)."""
-    return {
-        "w1": jnp.asarray(rng.normal(0, 0.5, (3, 5)), jnp.float32),
-        "b1": jnp.asarray(rng.normal(0, 0.1, (5,)), jnp.float32),
-        "w2": jnp.asarray(rng.normal(0, 0.5, (5, 7)), jnp.float32),
-        "b2": jnp.asarray(rng.normal(0, 0.1, (7,)), jnp.float32),
-        "steps": jnp.int32(0),
-    }
-
-
-def _mlp_step(state, batch):
-    def loss_fn(p):
-        h = jnp.tanh(batch["x"] @ p["w1"] + p["b1"])
-        return jnp.mean((h @ p["w2"] + p["b2"] - batch["y"]) ** 2)
-
-    params = {k: v for k, v in state.items() if k != "steps"}
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    grads = rp.all_mean(grads)
-    new = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
-    new["steps"] = state["steps"] + rp.all_sum(jnp.int32(1)) // rp.num_replicas()
-    return new, {
-        "loss": rp.all_mean(loss),
-        "big": rp.all_max(loss > 1.0),
-        "rows": rp.all_sum(jnp.sum(batch["x"] > 0).astype(jnp.int32)),  # int32, varies
-    }
-
-
 def _mlp_batch(cores):
     return lambda rng: {
         "x": rng.normal(size=(2 * cores, 3)).astype(np.float32),
@@ -286,7 +260,7 @@ def _mlp_batch(cores):
 def _train(repl, state, steps=2):
     input_fn = _input_fn(_mlp_batch(repl.cores_per_worker), seed=7)
     for _ in range(steps):
-        state, out = repl.run(_mlp_step, input_fn, state)
+        state, out = repl.run(mlp_step, input_fn, state)
     return state, out
 
 
@@ -302,7 +276,7 @@ def test_mlp_training_matches_the_default_pipeline(n_devices, shape, algorithm):
         if n_devices % 2 or n_devices < 4:
             pytest.skip("needs an even number of devices >= 4")
         workers, cores = 2, n_devices // 2
-    state = _mlp_params(np.random.default_rng(0))
+    state = mlp_params(np.random.default_rng(0))
     hierarchical = _replicator(workers, cores, algorithm=algorithm)
     assert "hierarchical-allreduce" in hierarchical.pipeline.names
     expected = _train(_replicator(workers, cores, hierarchical=False), state)
