@@ -35,6 +35,7 @@ __all__ = [
     "inline_function",
     "iter_eqns",
     "map_subjaxprs",
+    "open_jaxpr",
     "rewrite_jaxpr",
     "sub_jaxprs",
 ]
@@ -130,6 +131,11 @@ def _map_param(value: Any, fn: Callable[[Jaxpr], Jaxpr]) -> Any:
     if isinstance(value, tuple) and any(isinstance(v, (Jaxpr, ClosedJaxpr)) for v in value):
         return tuple(_map_param(v, fn) for v in value)
     return value
+
+
+def open_jaxpr(x: Jaxpr | ClosedJaxpr) -> Jaxpr:
+    """The ``Jaxpr`` of a param that may hold a closed or an open one (``remat``)."""
+    return x.jaxpr if isinstance(x, ClosedJaxpr) else x
 
 
 def sub_jaxprs(params: dict) -> Iterator[Jaxpr]:

@@ -27,12 +27,12 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Primitive, Var
+from jax.extend.core import Jaxpr, JaxprEqn, Literal, Primitive, Var
 
 from replicator._jax_compat import UNKNOWN_LOCATION, user_source_line
 from replicator.context import group_axes
 from replicator.errors import DivergentControlFlowError, DivergentStateError
-from replicator.passes.base import CALL_PARAMS, Pass, PassResult, StepGraph, iter_eqns
+from replicator.passes.base import CALL_PARAMS, Pass, PassResult, StepGraph, iter_eqns, open_jaxpr
 from replicator.primitives import (
     PLACEHOLDERS,
     all_gather_p,
@@ -125,10 +125,6 @@ def _default_rule(analysis: VarianceAnalysis, eqn: JaxprEqn, ins: list[Variance]
     return [v] * len(eqn.outvars)
 
 
-def _jaxpr(x: Jaxpr | ClosedJaxpr) -> Jaxpr:
-    return x.jaxpr if isinstance(x, ClosedJaxpr) else x
-
-
 # -- collectives -------------------------------------------------------------
 
 
@@ -180,7 +176,7 @@ def _check_uniform_predicate(
 
 def _cond_rule(analysis: VarianceAnalysis, eqn: JaxprEqn, ins: list[Variance]) -> list[Variance]:
     predicate, operands = ins[0], ins[1:]
-    branches = [_jaxpr(b) for b in eqn.params["branches"]]
+    branches = [open_jaxpr(b) for b in eqn.params["branches"]]
     _check_uniform_predicate(analysis, eqn, predicate, branches, "lax.cond/switch")
     outs = [analysis.run(b, operands)[0] for b in branches]
     return [_union(vs) | predicate for vs in zip(*outs, strict=True)]
@@ -199,7 +195,7 @@ def _while_rule(analysis: VarianceAnalysis, eqn: JaxprEqn, ins: list[Variance]) 
     cond_consts = ins[: p["cond_nconsts"]]
     body_consts = ins[p["cond_nconsts"] : p["cond_nconsts"] + p["body_nconsts"]]
     carry = list(ins[p["cond_nconsts"] + p["body_nconsts"] :])
-    cond_j, body_j = _jaxpr(p["cond_jaxpr"]), _jaxpr(p["body_jaxpr"])
+    cond_j, body_j = open_jaxpr(p["cond_jaxpr"]), open_jaxpr(p["body_jaxpr"])
 
     def step(c: list[Variance]) -> list[Variance]:
         (predicate,), _ = analysis.run(cond_j, cond_consts + c)
@@ -217,7 +213,7 @@ def _scan_rule(analysis: VarianceAnalysis, eqn: JaxprEqn, ins: list[Variance]) -
     p = eqn.params
     n_consts, n_carry = p["num_consts"], p["num_carry"]
     consts, carry, xs = ins[:n_consts], list(ins[n_consts : n_consts + n_carry]), ins[n_consts + n_carry :]
-    body = _jaxpr(p["jaxpr"])
+    body = open_jaxpr(p["jaxpr"])
 
     def step(c: list[Variance]) -> list[Variance]:
         return analysis.run(body, consts + c + xs)[0][:n_carry]
@@ -230,7 +226,7 @@ def _scan_rule(analysis: VarianceAnalysis, eqn: JaxprEqn, ins: list[Variance]) -
 def _call_rule(param: str) -> Rule:
     def rule(analysis: VarianceAnalysis, eqn: JaxprEqn, ins: list[Variance]) -> list[Variance]:
         callee = eqn.params[param]
-        inner = _jaxpr(callee)
+        inner = open_jaxpr(callee)
         return analysis.run(inner, ins[len(ins) - len(inner.invars) :])[0]
 
     return rule

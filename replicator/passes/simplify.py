@@ -43,7 +43,7 @@ from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Var
 
 from replicator.context import ReplicaContext
 from replicator.errors import DivergentControlFlowError
-from replicator.passes.base import CALL_PARAMS, Pass, PassResult, StepGraph, inline_function, map_subjaxprs
+from replicator.passes.base import CALL_PARAMS, Pass, PassResult, StepGraph, inline_function, map_subjaxprs, open_jaxpr
 from replicator.passes.invariance import INVARIANT, Variance, VarianceAnalysis, variance_of
 from replicator.primitives import (
     PLACEHOLDERS,
@@ -59,10 +59,6 @@ __all__ = ["Simplify"]
 Atom = Any  # Var | Literal
 
 
-def _jaxpr(x: Jaxpr | ClosedJaxpr) -> Jaxpr:
-    return x.jaxpr if isinstance(x, ClosedJaxpr) else x
-
-
 def _sub_variances(eqn: JaxprEqn, ins: list[Variance], outs: list[Variance]) -> dict[int, list[Variance]]:
     """Input variances of ``eqn``'s sub-jaxprs, keyed by ``id(jaxpr)``.
 
@@ -71,22 +67,22 @@ def _sub_variances(eqn: JaxprEqn, ins: list[Variance], outs: list[Variance]) -> 
     """
     name, p = eqn.primitive.name, eqn.params
     if name == "cond":
-        return {id(_jaxpr(b)): list(ins[1:]) for b in p["branches"]}
+        return {id(open_jaxpr(b)): list(ins[1:]) for b in p["branches"]}
     if name == "while":
         nc, nb = p["cond_nconsts"], p["body_nconsts"]
         # The results of a while are its fixpoint carry.
         return {
-            id(_jaxpr(p["cond_jaxpr"])): list(ins[:nc]) + outs,
-            id(_jaxpr(p["body_jaxpr"])): list(ins[nc : nc + nb]) + outs,
+            id(open_jaxpr(p["cond_jaxpr"])): list(ins[:nc]) + outs,
+            id(open_jaxpr(p["body_jaxpr"])): list(ins[nc : nc + nb]) + outs,
         }
     if name == "scan":
         n_consts, n_carry = p["num_consts"], p["num_carry"]
         # The first results of a scan are its fixpoint carry.
         body_ins = list(ins[:n_consts]) + outs[:n_carry] + list(ins[n_consts + n_carry :])
-        return {id(_jaxpr(p["jaxpr"])): body_ins}
+        return {id(open_jaxpr(p["jaxpr"])): body_ins}
     param = CALL_PARAMS.get(name)
     if param is not None and param in p:
-        inner = _jaxpr(p[param])
+        inner = open_jaxpr(p[param])
         return {id(inner): list(ins[len(ins) - len(inner.invars) :])}
     return {}
 
