@@ -26,7 +26,7 @@ Example::
 
 **Why our own format, and not orbax.** Orbax is not one of replicator's runtime
 dependencies (jax, numpy, optax), and what we need is small: a single process
-writes a replicated state. ``.npz`` plus JSON can be inspected with
+writes the whole state (see *Multi-process jobs* below). ``.npz`` plus JSON can be inspected with
 ``np.load`` and a text editor, and reading it never executes anything: arrays
 are loaded with ``allow_pickle=False`` and the manifest is plain JSON (no
 ``pickle``, no ``eval``), so a checkpoint from an untrusted source can at worst
@@ -58,16 +58,42 @@ width, with the real dtype in the manifest. Typed PRNG keys
 (``jax.random.key``) are stored as their ``key_data``, with the key
 implementation recorded.
 
-**Devices and processes.** State on a device mesh is copied to the host with
-``np.asarray`` (a replicated array that spans several processes is read from
-this process's first shard). Restored leaves are numpy arrays, or, where the
-target leaf has a sharding (a ``jax.Array``, or a ``jax.ShapeDtypeStruct``
-with ``sharding=``), arrays put on that sharding. With
-several processes call ``save`` on every process: only process 0
-(``jax.process_index() == 0``) writes, the others return at once without
-waiting for it (add a barrier such as
-``jax.experimental.multihost_utils.sync_global_devices`` if they must), and the
-directory must be on a file system that every process can read.
+**Devices and processes.** State on a device mesh is copied to the host:
+a leaf that this process can read whole (on its own devices, or replicated
+over a mesh that spans processes: read from this process's first shard,
+without communication) with ``np.asarray``, and a leaf sharded over several
+processes (e.g. Adam's ``mu``/``nu`` under the default ZeRO-1 pass
+``shard-optimizer-update``) gathered to the host of every process with
+``jax.experimental.multihost_utils.process_allgather(x, tiled=True)`` (its
+full, global value; each process holds it in memory for the save). Restored
+leaves are numpy arrays, or, where the target leaf has a sharding (a
+``jax.Array``, or a ``jax.ShapeDtypeStruct`` with ``sharding=``), arrays put on
+that sharding, also one that spans processes.
+
+**Multi-process jobs.** A checkpoint has one writer, so a checkpoint saved by a
+job of any number of workers restores in a job of any other number, a single
+process included (the arrays are stored whole, whatever their sharding was):
+
+* ``save`` is a collective: call it on every process, with the same state
+  (the same step, and the same ``extra`` on every process in practice: process
+  0's is written). Every process gathers the leaves sharded over several
+  processes (so each must take part), then process 0 alone writes the
+  checkpoint (atomically, as above) while the others wait for it; ``save``
+  returns on every process once the checkpoint is committed, so none goes on
+  (or restores it) before it exists. If process 0 fails to write (e.g. an
+  existing later step without ``overwrite=True``, or a full disk), ``save``
+  raises a :class:`CheckpointError` on every process, so they stay in step.
+  The wait is a collective over the job's devices (as a training step is), so
+  a process 0 that dies or hangs meanwhile ends the job within JAX's heartbeat
+  timeout instead of hanging it.
+* ``restore`` reads the files on every process: the directory must be on a
+  file system that every process can read (a shared one, e.g. NFS). It needs
+  no communication when the target leaves are host values or
+  ``jax.ShapeDtypeStruct`` s without a sharding (``Replicator.run`` then
+  places the state, checking that it is identical on every process); where
+  the target has leaves on a sharding that spans processes, every process must
+  call it, and it checks (one small collective) that every process read the
+  same checkpoint.
 """
 
 from __future__ import annotations
@@ -103,6 +129,7 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp-"
 _OLD_PREFIX = ".replaced-"  # a checkpoint being overwritten by one of the same step
 _OLD_DIR = re.compile(r"^\.replaced-step_(\d+)-[0-9a-f]+$")
+_MESSAGE_BYTES = 2048  # of process 0's error, sent to the other processes when its save fails
 
 
 class CheckpointError(ValueError):
@@ -131,30 +158,42 @@ def _leaf_spec(leaf: Any) -> tuple[tuple[int, ...], str]:
     return shape, jnp.dtype(jax.dtypes.canonicalize_dtype(dtype)).name
 
 
-def _to_host(leaf: Any) -> np.ndarray:
-    """A numpy copy of a state leaf (one replica's copy for arrays spanning processes)."""
+def _to_host(leaf: Any, fetch: bool = True) -> np.ndarray | None:
+    """A numpy copy of a state leaf: its whole, global value.
+
+    A leaf sharded over several processes is gathered with
+    ``process_allgather``, a collective in which every process must take
+    part; ``fetch=False`` (a process that does not write) takes part in that
+    but copies nothing else and returns None. A replicated leaf that spans
+    processes is read from this process's first shard, without communication.
+    """
     if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-        if not leaf.is_fully_replicated:
-            raise CheckpointError(
-                f"cannot save an array sharded over several processes ({leaf.sharding}); "
-                f"checkpoints hold replicated state: gather it first (e.g. with rp.all_gather in the step)."
-            )
-        leaf = leaf.addressable_data(0)
+        if leaf.is_fully_replicated:
+            if not fetch:
+                return None
+            leaf = leaf.addressable_data(0)
+        else:
+            from jax.experimental import multihost_utils
+
+            leaf = multihost_utils.process_allgather(leaf, tiled=True)  # the global value, on every process
+            if not fetch:
+                return None
+    elif not fetch:
+        return None
     _, dtype = _leaf_spec(leaf)
     return np.asarray(leaf).astype(jnp.dtype(dtype), copy=False)
 
 
-def _encode(path: str, leaf: Any) -> tuple[np.ndarray, dict[str, Any]]:
-    """(array to store, manifest entry) for one state leaf."""
+def _entry(path: str, leaf: Any) -> dict[str, Any]:
+    """The manifest entry of one state leaf; raises if it cannot be saved. No data is copied."""
     dtype = getattr(leaf, "dtype", None)
     if dtype is not None and _is_key(dtype):
-        entry = {
+        return {
             "path": path,
             "shape": list(leaf.shape),
             "dtype": str(dtype),
             "key_impl": str(jax.random.key_impl(leaf)),
         }
-        return _to_host(jax.random.key_data(leaf)), entry
     try:
         shape, name = _leaf_spec(leaf)
         numeric = jnp.dtype(name).kind in "biufcV"
@@ -166,13 +205,20 @@ def _encode(path: str, leaf: Any) -> tuple[np.ndarray, dict[str, Any]]:
             f"checkpoints hold arrays of numbers or booleans. Keep other values out of the state "
             f"(JSON-serializable ones can go in extra=)."
         )
-    entry = {"path": path, "shape": list(shape), "dtype": name}
-    host = _to_host(leaf)
-    if host.dtype.isbuiltin != 1:  # bfloat16, float8, int4, ...: not storable in .npz without pickle
-        stored = np.dtype(f"u{host.dtype.itemsize}")
-        entry["stored_as"] = stored.name
-        host = host.view(stored)
-    return host, entry
+    entry: dict[str, Any] = {"path": path, "shape": list(shape), "dtype": name}
+    if jnp.dtype(name).isbuiltin != 1:  # bfloat16, float8, int4, ...: not storable in .npz without pickle
+        entry["stored_as"] = np.dtype(f"u{jnp.dtype(name).itemsize}").name
+    return entry
+
+
+def _stored(leaf: Any, entry: Mapping[str, Any], fetch: bool = True) -> np.ndarray | None:
+    """The array to store for a leaf and its entry (None where ``fetch=False``; see :func:`_to_host`)."""
+    if "key_impl" in entry:
+        return _to_host(jax.random.key_data(leaf), fetch)
+    host = _to_host(leaf, fetch)
+    if host is not None and "stored_as" in entry:
+        host = host.view(np.dtype(entry["stored_as"]))
+    return host
 
 
 def _decode(array: np.ndarray, entry: Mapping[str, Any]) -> Any:
@@ -298,11 +344,17 @@ class CheckpointManager:
     def save(self, step: int, state: PyTree, *, extra: Mapping[str, Any] | None = None, overwrite: bool = False) -> str:
         """Atomically write a checkpoint of ``state`` at ``step``, then prune old ones.
 
+        In a multi-process job this is a collective: call it on every
+        process with the same state. Leaves sharded over several processes
+        are gathered on every process, process 0 writes, and every process
+        returns once the checkpoint is committed (see the module's
+        *Multi-process jobs*).
+
         Args:
           step: the training step, a non-negative int.
           state: a pytree of arrays (on devices or not).
           extra: JSON-serializable metadata saved with it, e.g. the input
-            position ``{"input_position": 1200}``.
+            position ``{"input_position": 1200}`` (process 0's is saved).
           overwrite: replace a checkpoint of the same step and delete those of
             later steps (a run restarted from an earlier step). Without it,
             saving a step that is not newer than every checkpoint in the
@@ -315,13 +367,13 @@ class CheckpointManager:
           CheckpointError: ``extra`` is not JSON-serializable, a leaf is not
             numeric, or (without ``overwrite``) the directory already has a
             checkpoint of ``step`` or a later one. Nothing saved is changed.
+            In a multi-process job it is raised on every process, also when
+            process 0 failed to write (the others' message says why).
         """
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
             raise CheckpointError(f"step must be a non-negative int, got {step!r}.")
         step = int(step)
         final = os.path.join(self.directory, f"step_{step:08d}")
-        if jax.process_index() != 0:
-            return final
         try:
             extra_json = json.loads(json.dumps(dict(extra or {})))
         except (TypeError, ValueError) as e:
@@ -329,6 +381,38 @@ class CheckpointManager:
                 f"extra= must be JSON-serializable (numbers, strings, lists, dicts): {e}. "
                 f"Convert arrays with .tolist() or int()/float()."
             ) from None
+        flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+        leaves = [_entry(jax.tree_util.keystr(keys), leaf) for keys, leaf in flat]  # the same on every process
+        writer = jax.process_index() == 0
+        multi = jax.process_count() > 1
+
+        error: Exception | None = None
+        existing: dict[int, str] = {}
+        if writer:
+            try:
+                existing = self._check_new(step, overwrite)
+            except CheckpointError as e:
+                if not multi:
+                    raise
+                error = e  # the others still gather (below), then learn of it
+        # Every process takes part in gathering the leaves sharded over processes.
+        fetch = writer and error is None
+        arrays = {
+            f"a{i}": _stored(leaf, entry, fetch) for i, ((_, leaf), entry) in enumerate(zip(flat, leaves, strict=True))
+        }
+        if fetch:
+            try:
+                self._write(step, final, arrays, leaves, treedef, extra_json, existing)
+            except Exception as e:
+                if not multi:
+                    raise
+                error = e
+        if multi:
+            _agree_on_save(error, final)
+        return final
+
+    def _check_new(self, step: int, overwrite: bool) -> dict[int, str]:
+        """The committed checkpoints; raises if ``step`` is not newer than all of them (without overwrite)."""
         existing = self._entries()
         later = sorted(s for s in existing if s > step)
         if not overwrite and (step in existing or later):
@@ -338,14 +422,20 @@ class CheckpointManager:
                 f"from its latest checkpoint, save into another directory, or pass overwrite=True to replace "
                 f"step {step} and discard the checkpoints after it."
             )
+        return existing
 
-        flat, treedef = jax.tree_util.tree_flatten_with_path(state)
-        arrays, leaves = {}, []
-        for i, (keys, leaf) in enumerate(flat):
-            array, entry = _encode(jax.tree_util.keystr(keys), leaf)
-            arrays[f"a{i}"] = array
-            leaves.append(entry)
-
+    def _write(
+        self,
+        step: int,
+        final: str,
+        arrays: dict[str, Any],
+        leaves: list[dict[str, Any]],
+        treedef: Any,
+        extra_json: Any,
+        existing: dict[int, str],
+    ) -> None:
+        """Write and commit the checkpoint (process 0), then prune."""
+        later = sorted(s for s in existing if s > step)
         os.makedirs(self.directory, exist_ok=True)
         self._remove_leftovers(existing)
         token = uuid.uuid4().hex
@@ -381,7 +471,6 @@ class CheckpointManager:
         for newer in later:  # overwrite=True: the run restarted from `step`; its old future goes
             _rmtree(os.path.join(self.directory, existing[newer]))
         self._prune()
-        return final
 
     def _remove_leftovers(self, entries: dict[int, str]) -> None:
         """Remove temporary directories of saves that died, and replaced checkpoints."""
@@ -468,14 +557,40 @@ class CheckpointManager:
           sharding (a ``jax.Array``, or a ``jax.ShapeDtypeStruct`` with
           ``sharding=``), an array on that sharding.
 
+        In a multi-process job every process reads the files (they must be on
+        a file system every process can read). Where ``target_state`` has
+        leaves on a sharding that spans processes this is a collective: call
+        it on every process; it checks that they all read the same
+        checkpoint. Otherwise it needs no communication.
+
         Raises:
           CheckpointError: no such checkpoint, a damaged or foreign one, or
             one whose tree paths, shapes or dtypes differ from ``target_state``
-            (the message names the first mismatching leaf).
+            (the message names the first mismatching leaf), or (where it is a
+            collective) processes that read different checkpoints.
         """
+        target_flat, target_def = jax.tree_util.tree_flatten_with_path(target_state)
+        shardings = [_target_sharding(target) for _, target in target_flat]
+        spans = jax.process_count() > 1 and any(s is not None and not s.is_fully_addressable for s in shardings)
+        try:
+            manifest, leaves = self._read(target_flat, step)
+        except CheckpointError as e:
+            if not spans:
+                raise
+            try:  # the others may have read it: make them fail too, rather than wait for this process
+                _check_same_checkpoint(f"error: {e}")
+            except CheckpointError:
+                pass
+            raise
+        if spans:
+            _check_same_checkpoint(f"step {manifest['step']} sha256 {manifest['arrays_sha256']}")
+        placed = [_place_like(leaf, s) for leaf, s in zip(leaves, shardings, strict=True)]
+        return int(manifest["step"]), target_def.unflatten(placed), manifest["extra"]
+
+    def _read(self, target_flat: list[tuple[Any, Any]], step: int | None) -> tuple[dict[str, Any], list[Any]]:
+        """The manifest and the leaves (host arrays) of a checkpoint, checked against the target."""
         manifest = self.read_manifest(step)
         path = manifest["path"]
-        target_flat, target_def = jax.tree_util.tree_flatten_with_path(target_state)
         entries = manifest["leaves"]
         _check_structure(path, entries, target_flat)
 
@@ -514,8 +629,7 @@ class CheckpointManager:
             raise
         except Exception as e:  # noqa: BLE001 - whatever np.load makes of a bad file
             raise CheckpointError(f"checkpoint {path}: cannot read {manifest['arrays_file']} ({e}).") from None
-        placed = [_place_like(leaf, target) for leaf, (_, target) in zip(leaves, target_flat, strict=True)]
-        return int(manifest["step"]), target_def.unflatten(placed), manifest["extra"]
+        return manifest, leaves
 
 
 def _check_structure(path: str, entries: list[dict[str, Any]], target_flat: list[tuple[Any, Any]]) -> None:
@@ -547,12 +661,66 @@ def _check_structure(path: str, entries: list[dict[str, Any]], target_flat: list
             )
 
 
-def _place_like(leaf: Any, target: Any) -> Any:
-    """``leaf`` on ``target``'s sharding if it has one, else as it is."""
-    sharding = getattr(target, "sharding", None) if isinstance(target, (jax.Array, jax.ShapeDtypeStruct)) else None
-    if sharding is not None:
-        return jax.device_put(leaf, sharding)
-    return leaf
+def _target_sharding(target: Any) -> Any:
+    """The sharding a restored leaf goes on: ``target``'s, if it has one."""
+    return getattr(target, "sharding", None) if isinstance(target, (jax.Array, jax.ShapeDtypeStruct)) else None
+
+
+def _place_like(leaf: Any, sharding: Any) -> Any:
+    """``leaf`` on ``sharding`` if there is one, else as it is.
+
+    On a sharding that spans processes each process fills its own devices
+    from its copy of the leaf (every process read the same checkpoint).
+    """
+    if sharding is None:
+        return leaf
+    if not sharding.is_fully_addressable:
+        return jax.make_array_from_callback(leaf.shape, sharding, lambda index: leaf[index])
+    return jax.device_put(leaf, sharding)
+
+
+def _check_same_checkpoint(what_was_read: str) -> None:
+    """Check that every process read the same checkpoint (or failed the same way); one collective."""
+    from replicator.distributed import check_same_across_workers
+
+    try:
+        check_same_across_workers(
+            [what_was_read],
+            ["the checkpoint read (its step and sha256, or the error)"],
+            what="the restored checkpoint",
+            fix=(
+                "Every process must restore the same checkpoint: keep the checkpoint directory on a file "
+                "system that every process reads (a shared one), and pass the same directory and step= "
+                "on every process."
+            ),
+        )
+    except CheckpointError:
+        raise
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def _agree_on_save(error: Exception | None, final: str) -> None:
+    """Process 0 tells every process whether its save succeeded; a collective that all wait in.
+
+    Returns on every process once process 0 has committed the checkpoint (or
+    raises on every process if it failed: process 0 its own exception, the
+    others a :class:`CheckpointError` that quotes it).
+    """
+    from jax.experimental import multihost_utils
+
+    text = np.zeros(_MESSAGE_BYTES, np.uint8)
+    if error is not None:
+        raw = f"{type(error).__name__}: {error}".encode()[:_MESSAGE_BYTES]
+        text[: len(raw)] = np.frombuffer(raw, np.uint8)
+    failed, text = multihost_utils.broadcast_one_to_all((np.int32(error is not None), text))
+    if jax.process_index() == 0:
+        if error is not None:
+            raise error
+        return
+    if int(failed):
+        message = np.asarray(text).tobytes().rstrip(b"\0").decode(errors="replace")
+        raise CheckpointError(f"process 0 failed to save the checkpoint {final}: {message}")
 
 
 # -- functions -----------------------------------------------------------------------------------------

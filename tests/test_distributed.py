@@ -248,6 +248,90 @@ class TestTwoProcesses:
             np.testing.assert_array_equal(got["local_rid"], np.arange(w * cores, (w + 1) * cores))
             assert got["first_rid"] == w * cores
 
+    def test_checkpoints_move_between_one_and_two_processes(self, tmp_path, n_devices):
+        # One chain covers both directions with a single job: one process trains and saves
+        # after step k1; a 2-process job resumes from it (b), saves after step k2, with
+        # Adam's mu/nu sharded over both processes (ZeRO-1), and trains to the end; one
+        # process resumes from that checkpoint (a) and trains to the end. Both ends equal
+        # the uninterrupted single-process run.
+        if n_devices % 2 or n_devices < 2:
+            pytest.skip(f"{n_devices} devices do not split into 2 workers")
+        cores, k1, k2 = n_devices // 2, 8, 14
+        one, two = tmp_path / "ckpt_one_process", tmp_path / "ckpt_two_processes"
+        train = train_module()
+        reference = train.run(rp.Replicator(1, n_devices), STEPS, save_at=k1, ckpt=one)  # uninterrupted
+        assert rp.latest_step(one) == k1
+
+        start = time.time()
+        proc, end = run_job(
+            "--num-workers", "2", "--cores-per-worker", str(cores),
+            train_args=(
+                "--out", str(tmp_path / "job"), "--steps", str(STEPS),
+                "--resume", str(one), "--save-at", str(k2), "--ckpt", str(two),
+            ),
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-5000:]
+        print(f"\n2 processes x {cores} devices, resumed at step {k1}, saved at {k2}: job took {end - start:.1f} s")
+        for w in (0, 1):
+            assert f"[worker {w}] resumed from step {k1} of {one}" in proc.stdout, proc.stdout[-3000:]
+            split = re.search(
+                rf"\[worker {w}\] saved step {k2} to \S+ \((\d+) leaves sharded over processes\)", proc.stdout
+            )
+            assert split, proc.stdout[-3000:]
+            assert int(split.group(1)) > 0  # the gather across processes was exercised
+        assert sorted(os.listdir(two)) == [f"step_{k2:08d}"]  # one writer, committed, nothing left over
+
+        resumed = train.run(rp.Replicator(1, n_devices), STEPS, resume=two)
+        job = [load(tmp_path / "job", w) for w in (0, 1)]
+        params = sorted(k for k in reference if k.startswith("param_"))
+        assert params
+        for name, got, first in [("worker 0", job[0], k1), ("worker 1", job[1], k1), ("one process", resumed, k2)]:
+            for k in params:
+                np.testing.assert_allclose(got[k], reference[k], atol=1e-6, rtol=0, err_msg=f"{name}: {k}")
+            np.testing.assert_allclose(
+                got["losses"], reference["losses"][first:], atol=1e-6, rtol=0, err_msg=f"{name}: losses"
+            )
+
+    def test_a_save_that_fails_on_worker_0_fails_on_every_worker(self, tmp_path):
+        # Worker 0 cannot write (the directory has a later step): worker 1, waiting for the
+        # commit, must not go on as if it were saved, nor hang. One launcher per worker, so
+        # that neither is stopped by the other's failure before it says why it failed.
+        ckpt = tmp_path / "ckpt"
+        train = train_module()
+        params = train.init_params()
+        rp.save_checkpoint(ckpt, 30, (params, train.tx.init(params)))
+        port = str(free_port())
+        procs = [
+            subprocess.Popen(
+                [
+                    *launcher("--coordinator", f"127.0.0.1:{port}", "--num-workers", "2", "--worker-id", str(w)),
+                    *("--cores-per-worker", "2", str(TRAIN), "--out", str(tmp_path), "--steps", "4"),
+                    *("--save-at", "2", "--ckpt", str(ckpt)),
+                ],
+                env=job_env(),
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for w in (0, 1)
+        ]
+        try:
+            outs = [p.communicate(timeout=JOB_TIMEOUT_S) for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+        assert [p.returncode for p in procs] == [1, 1], [err[-3000:] for _, err in outs]
+        later = r"CheckpointError: '.*ckpt' already has checkpoints of later steps \[30\]"
+        assert re.search(r"\[worker 0\] replicator\.checkpoint\." + later, outs[0][1]), outs[0][1][-3000:]
+        assert re.search(
+            r"\[worker 1\] replicator\.checkpoint\.CheckpointError: process 0 failed to save the checkpoint "
+            r".*step_00000002: " + later,
+            outs[1][1],
+        ), outs[1][1][-3000:]
+        assert "saved step" not in outs[0][0] + outs[1][0]
+        assert sorted(os.listdir(ckpt)) == ["step_00000030"]  # nothing written, nothing left over
+
     @pytest.mark.parametrize("how", ["kill", "raise"])
     def test_a_failed_worker_stops_the_job(self, tmp_path, how):
         # Worker 1 is SIGKILLed or raises at step 5: the launcher names it, stops the

@@ -10,6 +10,12 @@ never pickles): the trained parameters, the loss per step, and the outputs of
 a probe step that calls collectives over every group. ``--die-at-step K
 --die-worker I --die-how kill|stop|raise`` makes worker ``I`` SIGKILL or SIGSTOP
 itself, or raise, at step ``K``, printing ``dying at <unix time>`` first.
+
+Checkpoints: ``--resume CKPT`` restores the newest checkpoint in ``CKPT`` (state
+and step) and trains from there to ``--steps``; ``--save-at K --ckpt CKPT``
+saves a checkpoint of the state after ``K`` steps into ``CKPT`` (every worker
+calls save; worker 0 writes) and goes on to ``--steps``. The losses are those of
+the steps this run trained.
 """
 
 from __future__ import annotations
@@ -111,20 +117,47 @@ def probe_step(batch):
     }
 
 
-def run(repl: rp.Replicator, steps: int, *, die_at=None, die_worker=1, die_how="kill", sleep=0.0, mismatch=None):
-    """Train ``steps`` steps and probe the collectives; return this worker's results.
+def sharded_over_processes(state) -> int:
+    """How many leaves of ``state`` no single process holds whole (ZeRO-1's optimizer state)."""
+    return sum(
+        isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated
+        for x in jax.tree.leaves(state)
+    )
+
+
+def run(
+    repl: rp.Replicator,
+    steps: int,
+    *,
+    die_at=None,
+    die_worker=1,
+    die_how="kill",
+    sleep=0.0,
+    mismatch=None,
+    save_at=None,
+    ckpt=None,
+    resume=None,
+):
+    """Train up to step ``steps`` and probe the collectives; return this worker's results.
 
     ``mismatch='state'`` or ``'batch'`` gives worker 1 different initial
     parameters or larger batches than the others (bugs that must be reported).
+    ``resume=DIR`` starts from the newest checkpoint in ``DIR``;
+    ``save_at=K, ckpt=DIR`` saves one after step ``K``.
     """
     me = repl.local_workers[0]
     params = init_params()
     if mismatch == "state" and me == 1:
         params["b1"] = params["b1"] + 1.0
     state = (params, tx.init(params))
+    first = 0
+    if resume is not None:  # host arrays (numpy): Replicator.run places them, checked equal on every worker
+        first, state, extra = rp.restore_checkpoint(resume, state)
+        assert extra == {"input_position": first}, extra
+        print(f"resumed from step {first} of {resume}", flush=True)
     losses = []
-    input_fn = input_fn_for(0, extra_rows_worker=1 if mismatch == "batch" else None)
-    for step in range(steps):
+    input_fn = input_fn_for(first, extra_rows_worker=1 if mismatch == "batch" else None)
+    for step in range(first, steps):
         if step == die_at and me == die_worker:
             print(f"dying at {time.time():.6f} (worker {me}, step {step}, {die_how})", flush=True)
             if die_how == "kill":
@@ -138,6 +171,11 @@ def run(repl: rp.Replicator, steps: int, *, die_at=None, die_worker=1, die_how="
             print(f"step {step} loss {losses[-1]:.6f}", flush=True)
         if sleep:
             time.sleep(sleep)
+        if save_at is not None and step + 1 == save_at:
+            split = sharded_over_processes(state)
+            path = rp.save_checkpoint(ckpt, save_at, state, extra={"input_position": save_at})
+            assert os.path.isdir(path), path  # committed before save returns, on every worker
+            print(f"saved step {save_at} to {path} ({split} leaves sharded over processes)", flush=True)
     results = {f"param_{k}": np.asarray(v) for k, v in state[0].items()}
     results["losses"] = np.asarray(losses)
     probe = repl.run(probe_step, input_fn_for(PROBE_STEP))
@@ -159,7 +197,12 @@ def main(argv=None) -> None:
     p.add_argument("--die-how", choices=["kill", "stop", "raise"], default="kill")
     p.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each step")
     p.add_argument("--mismatch", choices=["state", "batch"], help="give worker 1 other state or batch sizes")
+    p.add_argument("--resume", type=Path, help="restore the newest checkpoint in this directory first")
+    p.add_argument("--save-at", type=int, help="save a checkpoint after this many steps (into --ckpt)")
+    p.add_argument("--ckpt", type=Path, help="the directory --save-at saves into")
     args = p.parse_args(argv)
+    if args.save_at is not None and args.ckpt is None:
+        p.error("--save-at needs --ckpt DIR")
 
     info = distributed.initialize()
     if info.is_multiprocess:
@@ -177,6 +220,9 @@ def main(argv=None) -> None:
         die_how=args.die_how,
         sleep=args.sleep,
         mismatch=args.mismatch,
+        save_at=args.save_at,
+        ckpt=args.ckpt,
+        resume=args.resume,
     )
     args.out.mkdir(parents=True, exist_ok=True)
     for name, value in results.items():
