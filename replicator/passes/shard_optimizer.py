@@ -184,8 +184,10 @@ class _Rewrite:
             v if isinstance(v, Literal) else self.full(v) if v.aval.shape == () else self.chunk_of(v, eqn)
             for v in eqn.invars
         ]
-        prim, params = eqn.primitive, dict(eqn.params)
-        (c,) = self.emit(lambda *xs: prim.bind(*xs, **params), atoms, eqn)
+        # Element-wise: the same equation on chunks, built directly (re-tracing
+        # thousands of small equations would dominate the pass's time).
+        c = Var(outvar.aval.update(shape=_chunk_shape(outvar.aval.shape, self.n)))
+        self.out.append(eqn.replace(invars=atoms, outvars=[c]))
         if not isinstance(outvar, DropVar):
             self.chunk[outvar] = c
             self.chunk_only.add(outvar)
