@@ -156,7 +156,10 @@ def main() -> None:
     print(f"  traced per-replica graph: {rp.passes.count_primitives(lowered.traced.jaxpr, collectives)}")
     print(f"  after lower-collectives:  {rp.passes.count_primitives(lowered.final.jaxpr, collectives)}")
     for stage in (lowered.stages[0], lowered.stages[-1]):
-        eqn = next(e for e in stage.graph.jaxpr.eqns if e.primitive.name in collectives)
+        eqn = next((e for e in stage.graph.jaxpr.eqns if e.primitive.name in collectives), None)
+        if eqn is None:  # e.g. one replica: simplify removed every collective
+            print(f"  no collective left after {stage.name}")
+            continue
         attrs = ", ".join(f"{k}={v}" for k, v in eqn.params.items())
         print(f"  first collective, {stage.name}: {eqn.primitive.name}[{attrs}] on {len(eqn.invars)} array(s)")
 

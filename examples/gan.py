@@ -1,0 +1,401 @@
+"""A small GAN, in the spirit of BigGAN, trained on 8 replicas: a ring of 8 Gaussians.
+
+The target is the classic 2-D mixture of 8 Gaussians (standard deviation
+``MODE_STD``) on a circle of radius 2. The generator maps 16-D noise to a point
+through two hidden layers with **cross-replica batch normalization**
+(``rp.cross_replica_batch_norm``: BigGAN's and TF-Replicator's batch norm, whose
+statistics span the global batch, not one replica's 32 rows); running averages
+of those statistics are kept in the training state and used to sample at the
+end. The discriminator is a plain MLP.
+
+One ``step_fn`` alternates the two updates, each with its own optimizer wrapped
+by ``rp.wrap_optimizer`` (which all-reduces the gradients): first the
+discriminator on real and generated points, then the generator against the
+updated discriminator. As in BigGAN the loss is the hinge loss; the
+discriminator judges packs of ``PACK`` points (PacGAN), which keeps the
+generator from dropping modes in a short run. Noise is drawn inside the step
+from ``fold_in(key, step, replica_id)``, so every replica draws different noise
+while the state stays identical on all replicas.
+
+What it prints:
+
+* a check that the generator's batch norm on 8 replicas equals batch norm on
+  the concatenated global batch on one device;
+* the losses every ``--log-every`` steps (``rp.LoggingHook``) and, every
+  ``--eval-every`` steps, sample quality: the fraction of 2000 samples within
+  ``3 * MODE_STD`` of a mode ("high quality", about 0.99 for real data) and the
+  number of modes covered (a mode holding at least 2% of the samples);
+* a PNG scatter of samples if matplotlib or Pillow is installed.
+
+Run it (8 emulated CPU devices by default)::
+
+    python examples/gan.py
+    python examples/gan.py --devices 8 --workers 2 --steps 3000 --png /tmp/gan.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import tempfile
+import time
+
+# Importing jax does not start its backend; rp.force_cpu_devices() in main() must
+# run before anything does (jax.devices(), creating an array).
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import replicator as rp
+
+GLOBAL_BATCH = 256  # real points (and as many generated ones) per step, over all replicas
+NOISE_DIM = 16
+HIDDEN = 128
+MODES = 8
+RADIUS = 2.0
+MODE_STD = 0.05
+BN_MOMENTUM = 0.99  # running averages: avg <- m * avg + (1 - m) * batch statistic
+LEARNING_RATE = 3e-3  # both optimizers: Adam(b1=0.5), cosine decay to 0 over the run
+PACK = 2  # the discriminator judges packs of 2 points (PacGAN): counters mode collapse
+EVAL_SAMPLES = 2000
+COVERED_FRACTION = 0.02  # a mode is covered if at least this fraction of the samples is near it
+BN_TOLERANCE = 1e-5  # max |generator on N replicas - generator on one device|
+
+CENTERS = RADIUS * np.stack(
+    [np.cos(2 * np.pi * np.arange(MODES) / MODES), np.sin(2 * np.pi * np.arange(MODES) / MODES)], axis=1
+).astype(np.float32)
+
+
+# -- data ------------------------------------------------------------------------------------------
+
+
+def real_batch(step: int, size: int = GLOBAL_BATCH, seed: int = 0) -> np.ndarray:
+    """``size`` points of the mixture, deterministic in ``(seed, step)``."""
+    rng = np.random.default_rng([seed, step])
+    modes = rng.integers(0, MODES, size)
+    return (CENTERS[modes] + rng.normal(scale=MODE_STD, size=(size, 2))).astype(np.float32)
+
+
+def make_input_fn(seed: int):
+    def input_fn(ctx: rp.InputContext):
+        """One worker's contiguous slice of every global batch of real points."""
+        rows = ctx.worker_batch_size(GLOBAL_BATCH)
+        start = ctx.worker_id * rows
+        for step in itertools.count():
+            yield {"real": real_batch(step, seed=seed)[start : start + rows]}
+
+    return input_fn
+
+
+# -- models ------------------------------------------------------------------------------------------
+
+
+def dense_init(key, n_in, n_out, scale=1.0):
+    return {"w": jax.random.normal(key, (n_in, n_out)) * scale * jnp.sqrt(1.0 / n_in), "b": jnp.zeros(n_out)}
+
+
+def init_generator(key):
+    k1, k2, k3 = jax.random.split(key, 3)
+    return {
+        "l1": dense_init(k1, NOISE_DIM, HIDDEN),
+        "bn1": {"scale": jnp.ones(HIDDEN), "offset": jnp.zeros(HIDDEN)},
+        "l2": dense_init(k2, HIDDEN, HIDDEN),
+        "bn2": {"scale": jnp.ones(HIDDEN), "offset": jnp.zeros(HIDDEN)},
+        "out": dense_init(k3, HIDDEN, 2),
+    }
+
+
+def init_discriminator(key):
+    k1, k2, k3 = jax.random.split(key, 3)
+    return {
+        "l1": dense_init(k1, 2 * PACK, HIDDEN),
+        "l2": dense_init(k2, HIDDEN, HIDDEN),
+        "out": dense_init(k3, HIDDEN, 1),
+    }
+
+
+def init_bn_stats():
+    return {name: {"mean": jnp.zeros(HIDDEN), "var": jnp.ones(HIDDEN)} for name in ("bn1", "bn2")}
+
+
+def local_batch_norm(x, scale, offset, eps=1e-5):
+    """Batch norm over this device's rows only (the single-device reference)."""
+    mean = x.mean(0)
+    var = jnp.square(x - mean).mean(0)
+    return (x - mean) * jax.lax.rsqrt(var + eps) * scale + offset, mean, var
+
+
+def running_batch_norm(stats):
+    """Inference-mode batch norm with the running averages ``stats[name]``."""
+
+    def bn(name, x, scale, offset, eps=1e-5):
+        s = stats[name]
+        return (x - s["mean"]) * jax.lax.rsqrt(s["var"] + eps) * scale + offset, s["mean"], s["var"]
+
+    return bn
+
+
+def cross_replica_bn(name, x, scale, offset):
+    return rp.cross_replica_batch_norm(x, scale, offset)  # statistics over every replica's rows
+
+
+def generator(params, z, bn=cross_replica_bn):
+    """``(points, batch statistics)``; ``bn(name, x, scale, offset) -> (y, mean, var)``."""
+    stats = {}
+    h = z
+    for layer, norm in (("l1", "bn1"), ("l2", "bn2")):
+        h = h @ params[layer]["w"] + params[layer]["b"]
+        h, mean, var = bn(norm, h, params[norm]["scale"], params[norm]["offset"])
+        stats[norm] = {"mean": mean, "var": var}
+        h = jax.nn.relu(h)
+    return h @ params["out"]["w"] + params["out"]["b"], stats
+
+
+def discriminator(params, x):
+    x = x.reshape(x.shape[0] // PACK, 2 * PACK)
+    h = jax.nn.leaky_relu(x @ params["l1"]["w"] + params["l1"]["b"], 0.2)
+    h = jax.nn.leaky_relu(h @ params["l2"]["w"] + params["l2"]["b"], 0.2)
+    return (h @ params["out"]["w"] + params["out"]["b"])[:, 0]
+
+
+def make_optimizers(steps: int):
+    """Two optimizers; each update() all-reduces its gradients first (rp.all_mean), then runs Adam."""
+    schedule = optax.cosine_decay_schedule(LEARNING_RATE, steps)
+    return rp.wrap_optimizer(optax.adam(schedule, b1=0.5)), rp.wrap_optimizer(optax.adam(schedule, b1=0.5))
+
+
+def init_state(seed: int, g_tx, d_tx):
+    kg, kd = jax.random.split(jax.random.key(seed))
+    g, d = init_generator(kg), init_discriminator(kd)
+    return {
+        "g": g,
+        "d": d,
+        "g_opt": g_tx.init(g),
+        "d_opt": d_tx.init(d),
+        "bn_stats": init_bn_stats(),
+        "step": jnp.zeros((), jnp.int32),
+    }
+
+
+# -- the step, written for ONE replica -----------------------------------------------------------------
+
+
+def make_train_step(seed: int, g_tx, d_tx):
+    def train_step(state, batch):
+        real = batch["real"]  # this replica's rows
+        # Different noise on every replica and step; nothing replica-dependent goes into the state.
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed + 1), state["step"]), rp.replica_id())
+        k_d, k_g = jax.random.split(key)
+
+        # 1. Discriminator (hinge loss, as in BigGAN): real points -> score >= 1, generated -> <= -1.
+        fake, _ = generator(state["g"], jax.random.normal(k_d, (real.shape[0], NOISE_DIM)))
+        fake = jax.lax.stop_gradient(fake)
+
+        def d_loss_fn(d):
+            real_logits, fake_logits = discriminator(d, real), discriminator(d, fake)
+            loss = jnp.mean(jax.nn.relu(1 - real_logits)) + jnp.mean(jax.nn.relu(1 + fake_logits))  # hinge
+            return loss, (real_logits.mean(), fake_logits.mean())
+
+        (d_loss, (d_real, d_fake)), d_grads = jax.value_and_grad(d_loss_fn, has_aux=True)(state["d"])
+        d_updates, d_opt = d_tx.update(d_grads, state["d_opt"], state["d"])
+        d = optax.apply_updates(state["d"], d_updates)
+
+        # 2. Generator, against the updated discriminator.
+        def g_loss_fn(g):
+            points, stats = generator(g, jax.random.normal(k_g, (real.shape[0], NOISE_DIM)))
+            return -jnp.mean(discriminator(d, points)), stats  # hinge loss, generator side
+
+        (g_loss, stats), g_grads = jax.value_and_grad(g_loss_fn, has_aux=True)(state["g"])
+        g_updates, g_opt = g_tx.update(g_grads, state["g_opt"], state["g"])
+        g = optax.apply_updates(state["g"], g_updates)
+
+        # The batch statistics are over the global batch, identical on every replica: keep their averages.
+        bn_stats = jax.tree.map(lambda avg, s: BN_MOMENTUM * avg + (1 - BN_MOMENTUM) * s, state["bn_stats"], stats)
+        new_state = {"g": g, "d": d, "g_opt": g_opt, "d_opt": d_opt, "bn_stats": bn_stats, "step": state["step"] + 1}
+        metrics = rp.all_mean({"d_loss": d_loss, "g_loss": g_loss, "D_real": d_real, "D_fake": d_fake})
+        return new_state, metrics
+
+    return train_step
+
+
+# -- sample quality ------------------------------------------------------------------------------------
+
+
+@jax.jit
+def sample(g_params, bn_stats, z):
+    """Inference mode: batch norm with the running averages."""
+    return generator(g_params, z, running_batch_norm(bn_stats))[0]
+
+
+def quality(points: np.ndarray) -> tuple[float, int, np.ndarray]:
+    """``(fraction within 3 std of a mode, modes covered, samples near each mode)``."""
+    dist = np.linalg.norm(points[:, None, :] - CENTERS[None], axis=-1)
+    nearest, near = dist.argmin(1), dist.min(1) < 3 * MODE_STD
+    counts = np.bincount(nearest[near], minlength=MODES)
+    return float(near.mean()), int((counts >= COVERED_FRACTION * len(points)).sum()), counts
+
+
+class SampleQuality(rp.Hook):
+    """Every ``every`` steps (and at the end): draw samples with the running averages, measure them."""
+
+    def __init__(self, every: int, z: np.ndarray):
+        self.every, self.z, self.history = every, z, []
+
+    def measure(self, trainer: rp.Trainer) -> None:
+        points = np.asarray(sample(trainer.state["g"], trainer.state["bn_stats"], self.z))
+        hq, covered, counts = quality(points)
+        self.history.append({"step": trainer.step, "quality": hq, "covered": covered, "points": points})
+        trainer.log(
+            f"samples step {trainer.step}  high quality {hq:.3f}  modes covered {covered}/{MODES}  "
+            f"per mode {counts.tolist()}"
+        )
+
+    def after_step(self, trainer: rp.Trainer) -> None:
+        if trainer.step % self.every == 0:
+            self.measure(trainer)
+
+    def after_run(self, trainer: rp.Trainer) -> None:
+        if not self.history or self.history[-1]["step"] != trainer.step:
+            self.measure(trainer)
+
+
+def save_png(path: str, points: np.ndarray, real: np.ndarray) -> str:
+    """Write a scatter of generated (blue) over real (grey) points; returns how, or why not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        plt = None
+    if plt is not None:
+        fig, ax = plt.subplots(figsize=(5, 5), dpi=100)
+        ax.scatter(real[:, 0], real[:, 1], s=2, c="0.7", label="real")
+        ax.scatter(points[:, 0], points[:, 1], s=2, c="tab:blue", label="generated")
+        ax.set(xlim=(-3, 3), ylim=(-3, 3), aspect="equal", title="GAN samples (8 replicas)")
+        ax.legend(loc="upper right", markerscale=4)
+        fig.savefig(path)
+        plt.close(fig)
+        return "matplotlib"
+    try:
+        from PIL import Image, ImageDraw
+    except ImportError:
+        return ""
+    size = 400
+    image = Image.new("RGB", (size, size), "white")
+    draw = ImageDraw.Draw(image)
+    for pts, colour in ((real, (180, 180, 180)), (points, (31, 119, 180))):
+        for x, y in (pts + 3.0) / 6.0 * size:
+            draw.ellipse((x - 1, size - y - 1, x + 1, size - y + 1), fill=colour)
+    image.save(path)
+    return "Pillow"
+
+
+# -- main -----------------------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=8, help="emulated CPU devices (default 8)")
+    parser.add_argument("--workers", type=int, default=1, help="workers; cores per worker = devices / workers")
+    parser.add_argument("--steps", type=int, default=3000, help="training steps (default 3000)")
+    parser.add_argument("--log-every", type=int, default=300, help="print the losses every N steps")
+    parser.add_argument("--eval-every", type=int, default=500, help="measure sample quality every N steps")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--png",
+        default=os.path.join(tempfile.gettempdir(), "replicator_gan_samples.png"),
+        help="where to save a scatter of samples ('' to skip; needs matplotlib or Pillow)",
+    )
+    parser.add_argument("--min-modes", type=int, default=MODES, help=f"fail with fewer modes covered (default {MODES})")
+    parser.add_argument(
+        "--min-quality", type=float, default=0.6, help="fail with a smaller high-quality fraction (default 0.6)"
+    )
+    args = parser.parse_args()
+    if min(args.devices, args.workers, args.steps, args.log_every, args.eval_every) < 1:
+        parser.error("--devices, --workers, --steps, --log-every and --eval-every must be positive")
+    if args.devices % args.workers:
+        parser.error(f"--devices {args.devices} is not divisible by --workers {args.workers}")
+    if GLOBAL_BATCH % (args.devices * PACK):
+        parser.error(f"the global batch {GLOBAL_BATCH} is not divisible by --devices {args.devices} x {PACK} (packs)")
+    return args
+
+
+def check_batch_norm(repl: rp.Replicator, g_params) -> float:
+    """Max difference between the generator on the replicas and on one device, same global batch of noise."""
+    z = np.random.default_rng(123).normal(size=(GLOBAL_BATCH, NOISE_DIM)).astype(np.float32)
+
+    def noise_input_fn(ctx: rp.InputContext):
+        rows = ctx.worker_batch_size(GLOBAL_BATCH)
+        yield {"z": z[ctx.worker_id * rows : (ctx.worker_id + 1) * rows]}
+
+    def forward(params, batch):
+        points, _ = generator(params, batch["z"])
+        return params, points
+
+    _, points = repl.run(forward, noise_input_fn, g_params)  # (replicas, rows each, 2), in replica order
+    replicated = np.asarray(points).reshape(GLOBAL_BATCH, 2)
+    single = np.asarray(jax.jit(lambda p, z: generator(p, z, lambda _, *a: local_batch_norm(*a))[0])(g_params, z))
+    return float(np.max(np.abs(replicated - single)))
+
+
+def main() -> None:
+    args = parse_args()
+    rp.force_cpu_devices(args.devices)  # before anything starts JAX's backend
+    start = time.perf_counter()
+
+    repl = rp.Replicator(num_workers=args.workers, cores_per_worker=args.devices // args.workers)
+    print(repl)
+    rows = GLOBAL_BATCH // repl.num_replicas
+    print(f"{repl.num_replicas} replicas, global batch {GLOBAL_BATCH} real + {GLOBAL_BATCH} generated, {rows} each")
+    print(f"target: {MODES} Gaussians (std {MODE_STD}) on a circle of radius {RADIUS}")
+
+    g_tx, d_tx = make_optimizers(args.steps)
+    state0 = init_state(args.seed, g_tx, d_tx)
+    bn_diff = check_batch_norm(repl, state0["g"])
+    print(
+        f"generator with cross-replica batch norm on {repl.num_replicas} x {rows} rows vs batch norm on "
+        f"{GLOBAL_BATCH} rows on one device: max difference {bn_diff:.2e} (tolerance {BN_TOLERANCE:.0e})"
+    )
+
+    z_eval = np.random.default_rng([args.seed, 2]).normal(size=(EVAL_SAMPLES, NOISE_DIM)).astype(np.float32)
+    samples = SampleQuality(args.eval_every, z_eval)
+    reference = real_batch(0, EVAL_SAMPLES, seed=args.seed + 10_000)  # held-out real points
+    real_hq, real_covered, _ = quality(reference)
+    print(f"real data: high quality {real_hq:.3f}  modes covered {real_covered}/{MODES}")
+    trainer = rp.Trainer(
+        repl,
+        make_train_step(args.seed, g_tx, d_tx),
+        make_input_fn(args.seed),
+        state0,
+        hooks=[rp.LoggingHook(args.log_every), samples],
+    )
+    trainer.run(args.steps)
+    final = samples.history[-1]
+    print(f"trained {args.steps} steps in {time.perf_counter() - start:.1f} s incl. compiling")
+
+    if args.png:
+        how = save_png(args.png, final["points"], reference)
+        print(f"samples saved to {args.png} ({how})" if how else "matplotlib/Pillow not installed: no PNG saved")
+
+    failures = []
+    if not bn_diff < BN_TOLERANCE:
+        failures.append(f"cross-replica batch norm differs from single-device batch norm by {bn_diff:.2e}")
+    if final["covered"] < args.min_modes:
+        failures.append(f"{final['covered']} modes covered < {args.min_modes}")
+    if not final["quality"] >= args.min_quality:
+        failures.append(f"high-quality fraction {final['quality']:.3f} < {args.min_quality}")
+    if failures:
+        raise SystemExit("FAIL: " + "; ".join(failures))
+    print(f"PASS: cross-replica batch norm == single-device batch norm on the global batch (max diff {bn_diff:.2e})")
+    print(
+        f"PASS: {final['covered']}/{MODES} modes covered (>= {args.min_modes}), "
+        f"high quality {final['quality']:.3f} (>= {args.min_quality})"
+    )
+    print("PASS")
+
+
+if __name__ == "__main__":
+    main()
