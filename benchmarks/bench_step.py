@@ -15,7 +15,10 @@ host batch each step):
 
 Workloads: ``mlp64x32`` (64 layers of width 32: 128 small tensors),
 ``mlp16x128`` (fewer, larger tensors), ``allreduce`` (50 all-reduces of 1000
-floats: separate psums, one hand-flattened psum, replicator fused / unfused).
+floats: separate psums, one hand-flattened psum, replicator fused / unfused,
+the ring and tree algorithms, bf16 on the wire, hierarchical on 2 workers), and
+``threshold`` (MLPs with 0.25 and 8 MiB of gradients under several fusion
+bucket sizes; not in the default list, run it with ``--workloads threshold``).
 
 Also reported: time spent tracing + in our passes against XLA's compile time.
 
@@ -226,6 +229,25 @@ def training_variants(depth: int, width: int, batch: int, n: int) -> dict[str, R
     return variants
 
 
+# -- the fusion threshold ------------------------------------------------------------
+
+#: (depth, width, global batch): 0.25 MiB of gradients in 32 tensors, and 8 MiB in 16.
+THRESHOLD_MLPS = ((16, 128, 512), (8, 512, 64))
+THRESHOLDS = (64 * 2**10, 256 * 2**10, 2**20, 4 * 2**20, 25 * 2**20, 64 * 2**20)
+
+
+def threshold_variants(n: int, depth: int, width: int, batch: int) -> dict[str, Runner]:
+    params = mlp_init(depth, width)
+    variants = {"single": single_variant(params, width, batch)}
+    for t in THRESHOLDS:
+        label = f"{t // 2**20} MiB" if t >= 2**20 else f"{t // 2**10} KiB"
+        variants[f"buckets of {label}, every tensor fused"] = replicator_variant(
+            params, width, batch, n, fuse_threshold_bytes=t, fuse_max_tensor_bytes=None
+        )
+    variants["default (64 MiB buckets, tensors > 256 KiB alone)"] = replicator_variant(params, width, batch, n)
+    return variants
+
+
 # -- the many-small-tensors all-reduce ---------------------------------------------
 
 N_TENSORS, TENSOR_SIZE = 50, 1000
@@ -385,7 +407,16 @@ def main() -> None:
     print(f"# replicator benchmark: {n} emulated CPU devices, {os.cpu_count()} host cores, jax {jax.__version__}")
     print(f"# {ARGS.rounds} interleaved rounds x {ARGS.steps} steps; medians")
     for w in ARGS.workloads.split(","):
-        if w == "allreduce":
+        if w == "threshold":
+            for depth, width, batch in THRESHOLD_MLPS:
+                medians = time_interleaved(threshold_variants(n, depth, width, batch), ARGS.rounds, ARGS.steps)
+                grads = 4 * depth * (width + 1) * width / 2**20
+                print_table(
+                    f"fusion threshold, mlp{depth}x{width} ({grads:.2f} MiB of gradients), global batch {batch}",
+                    medians,
+                    "single",
+                )
+        elif w == "allreduce":
             medians = time_interleaved(allreduce_variants(n), ARGS.rounds, ARGS.steps)
             print_table(f"{N_TENSORS} all-reduces of {TENSOR_SIZE} floats", medians, "1 flattened psum (shard_map)")
         else:

@@ -67,13 +67,22 @@ from replicator.context import ReplicaContext
 from replicator.passes.base import Pass, PassResult, StepGraph, inline_function, map_subjaxprs
 from replicator.primitives import REDUCE_OPS, all_gather_p, all_reduce_p, reduce_scatter_p
 
-__all__ = ["DEFAULT_THRESHOLD_BYTES", "Bucket", "FuseAllReduce", "fusion_report"]
+__all__ = ["DEFAULT_MAX_TENSOR_BYTES", "DEFAULT_THRESHOLD_BYTES", "Bucket", "FuseAllReduce", "fusion_report"]
 
 Atom = Any  # Var | Literal
 BucketKey = tuple  # (kind, op, group, group_size, dtype, weak_type)
 
-#: Bucket size cap; 64 MiB as Horovod's default fusion buffer.
+#: Bucket size cap, as Horovod's default fusion buffer (DDP uses 25 MiB). On 8
+#: emulated CPU devices (``benchmarks/bench_step.py --workloads threshold``,
+#: BENCHMARKS.md) a 16x128 MLP (1 MiB of gradients in 64 KiB tensors) is fastest
+#: with all of them in one bucket.
 DEFAULT_THRESHOLD_BYTES = 64 * 2**20
+
+#: Tensors larger than this are not fused (each keeps its own collective):
+#: copying them into a buffer and back costs more than one more collective. An
+#: 8x512 MLP (1 MiB weight tensors) is fastest when they are not fused; see
+#: BENCHMARKS.md.
+DEFAULT_MAX_TENSOR_BYTES = 256 * 2**10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,6 +274,11 @@ class _Window:
             aval = atom.aval
             key = (_kind(eqn), params.get("op"), params["group"], params["group_size"], aval.dtype, aval.weak_type)
             size = _nbytes(aval)
+            if self.fuser.max_tensor_bytes is not None and size > self.fuser.max_tensor_bytes:
+                # A large tensor travels alone: copying it into a buffer costs more than it saves.
+                alone = _Pending(key, [_Member(eqn, index)], size)
+                self._buckets.append(alone)
+                continue
             bucket = self._open.get(key)
             if bucket is None or (bucket.members and bucket.nbytes + size > self.fuser.threshold_bytes):
                 bucket = self._open[key] = _Pending(key)
@@ -322,6 +336,10 @@ class FuseAllReduce(Pass):
         that would grow past it is closed and a new one started.
       ops: the reductions to fuse (any of ``'sum'``, ``'mean'``, ``'max'``,
         ``'min'``); all-reduces with other ops are left alone.
+      scatter_gather: also bucket the reduce-scatters and tiled all-gathers
+        along axis 0 that ``shard-optimizer-update`` emits.
+      max_tensor_bytes: tensors larger than this keep their own collective
+        (``None``: fuse every size).
     """
 
     name = "fuse-allreduce"
@@ -332,6 +350,7 @@ class FuseAllReduce(Pass):
         ops: Sequence[str] = ("sum", "mean"),
         *,
         scatter_gather: bool = True,
+        max_tensor_bytes: int | None = DEFAULT_MAX_TENSOR_BYTES,
     ):
         if isinstance(threshold_bytes, bool) or not isinstance(threshold_bytes, (int, np.integer)):
             raise TypeError(f"FuseAllReduce: threshold_bytes must be an int, got {threshold_bytes!r}.")
@@ -345,11 +364,14 @@ class FuseAllReduce(Pass):
         self.threshold_bytes = int(threshold_bytes)
         self.ops = tuple(dict.fromkeys(ops))
         self.scatter_gather = bool(scatter_gather)
+        if max_tensor_bytes is not None and (isinstance(max_tensor_bytes, bool) or max_tensor_bytes < 0):
+            raise ValueError(f"FuseAllReduce: max_tensor_bytes must be None or >= 0, got {max_tensor_bytes!r}.")
+        self.max_tensor_bytes = None if max_tensor_bytes is None else int(max_tensor_bytes)
 
     def __repr__(self) -> str:
         return (
             f"FuseAllReduce(threshold_bytes={self.threshold_bytes}, ops={self.ops!r}, "
-            f"scatter_gather={self.scatter_gather})"
+            f"scatter_gather={self.scatter_gather}, max_tensor_bytes={self.max_tensor_bytes})"
         )
 
     def is_candidate(self, eqn: JaxprEqn) -> bool:

@@ -26,7 +26,7 @@ from typing import Any
 from replicator.errors import PassError, ReplicationError
 from replicator.passes.base import Pass, StepGraph
 from replicator.passes.compress import CompressCommunication
-from replicator.passes.fuse_allreduce import DEFAULT_THRESHOLD_BYTES, FuseAllReduce
+from replicator.passes.fuse_allreduce import DEFAULT_MAX_TENSOR_BYTES, DEFAULT_THRESHOLD_BYTES, FuseAllReduce
 from replicator.passes.hierarchical import HierarchicalAllReduce
 from replicator.passes.invariance import CheckReplicaInvariance
 from replicator.passes.lower_collectives import LowerCollectives
@@ -46,6 +46,7 @@ def default_passes(
     compress: bool = False,
     all_reduce_algorithm: str = "native",
     fuse_threshold_bytes: int = DEFAULT_THRESHOLD_BYTES,
+    fuse_max_tensor_bytes: int | None = DEFAULT_MAX_TENSOR_BYTES,
 ) -> list[Pass]:
     """The default pipeline, in order, with its optional passes switched.
 
@@ -60,6 +61,7 @@ def default_passes(
       compress: ``compress-communication``: f32 all-reduce payloads as bf16.
       all_reduce_algorithm: ``'native'``, ``'ring'`` or ``'reduce_broadcast'``.
       fuse_threshold_bytes: the largest fused all-reduce bucket.
+      fuse_max_tensor_bytes: larger tensors are not fused (``None``: all are).
 
     Example::
 
@@ -68,7 +70,7 @@ def default_passes(
     passes: list[Pass] = [CheckReplicaInvariance(), Simplify()]
     if shard_optimizer:
         passes.append(ShardOptimizerUpdate())
-    passes.append(FuseAllReduce(threshold_bytes=fuse_threshold_bytes))
+    passes.append(FuseAllReduce(threshold_bytes=fuse_threshold_bytes, max_tensor_bytes=fuse_max_tensor_bytes))
     if compress:
         passes.append(CompressCommunication())
     if hierarchical:

@@ -22,7 +22,13 @@ from replicator.passes import (
     count_primitives,
     verify_graph,
 )
-from replicator.passes.fuse_allreduce import DEFAULT_THRESHOLD_BYTES, Bucket, FuseAllReduce, fusion_report
+from replicator.passes.fuse_allreduce import (
+    DEFAULT_MAX_TENSOR_BYTES,
+    DEFAULT_THRESHOLD_BYTES,
+    Bucket,
+    FuseAllReduce,
+    fusion_report,
+)
 
 ALL_REDUCE = "rp.all_reduce"
 N_LAYERS, WIDTH = 8, 4
@@ -448,7 +454,8 @@ def test_fusion_report_lists_bucket_membership(plain_repl, n_devices):
 
 def test_repr_names_the_configuration_and_bad_configs_raise():
     assert repr(FuseAllReduce()) == (
-        f"FuseAllReduce(threshold_bytes={DEFAULT_THRESHOLD_BYTES}, ops=('sum', 'mean'), scatter_gather=True)"
+        f"FuseAllReduce(threshold_bytes={DEFAULT_THRESHOLD_BYTES}, ops=('sum', 'mean'), scatter_gather=True, "
+        f"max_tensor_bytes={DEFAULT_MAX_TENSOR_BYTES})"
     )
     assert _pipeline(scatter_gather=False).key() != _pipeline().key()
     assert FuseAllReduce.name == "fuse-allreduce" and not FuseAllReduce.required
@@ -502,3 +509,21 @@ def test_a_collective_reading_a_bucket_output_directly(fused_repl, plain_repl, n
     want = plain_repl.run(step, _input_fn([batch]))
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-6)
+
+
+def test_tensors_above_max_tensor_bytes_keep_their_own_collective(n_devices):
+    big, small = (64, 64), (3,)  # 16 KiB and 12 B of float32
+
+    def step(b):
+        s = b["x"].sum()
+        return rp.all_sum([jnp.ones(big) * s, jnp.ones(small) * s, jnp.ones(big) * 2 * s, jnp.ones(small) * 3 * s])
+
+    repl = rp.Replicator(1, n_devices, passes=_pipeline())
+    graph = _traced(repl, step, {"x": np.ones(n_devices, np.float32)})
+    fused = FuseAllReduce(max_tensor_bytes=1024).run(graph).graph
+    sizes = sorted(_size(e) for e in _top_level(fused.jaxpr.jaxpr))
+    assert sizes == [6, 64 * 64, 64 * 64]  # the two small ones share a bucket
+    everything = FuseAllReduce(max_tensor_bytes=None).run(graph).graph
+    assert [_size(e) for e in _top_level(everything.jaxpr.jaxpr)] == [2 * 64 * 64 + 6]
+    with pytest.raises(ValueError, match="max_tensor_bytes"):
+        FuseAllReduce(max_tensor_bytes=-1)
