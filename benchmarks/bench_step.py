@@ -244,7 +244,7 @@ def threshold_variants(n: int, depth: int, width: int, batch: int) -> dict[str, 
         variants[f"buckets of {label}, every tensor fused"] = replicator_variant(
             params, width, batch, n, fuse_threshold_bytes=t, fuse_max_tensor_bytes=None
         )
-    variants["default (64 MiB buckets, tensors > 256 KiB alone)"] = replicator_variant(params, width, batch, n)
+    variants["default (64 MiB buckets, tensors > 64 KiB alone)"] = replicator_variant(params, width, batch, n)
     return variants
 
 

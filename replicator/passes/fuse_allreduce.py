@@ -72,17 +72,17 @@ __all__ = ["DEFAULT_MAX_TENSOR_BYTES", "DEFAULT_THRESHOLD_BYTES", "Bucket", "Fus
 Atom = Any  # Var | Literal
 BucketKey = tuple  # (kind, op, group, group_size, dtype, weak_type)
 
-#: Bucket size cap, as Horovod's default fusion buffer (DDP uses 25 MiB). On 8
-#: emulated CPU devices (``benchmarks/bench_step.py --workloads threshold``,
-#: BENCHMARKS.md) a 16x128 MLP (1 MiB of gradients in 64 KiB tensors) is fastest
-#: with all of them in one bucket.
+#: Bucket size cap, as Horovod's default fusion buffer (DDP uses 25 MiB).
 DEFAULT_THRESHOLD_BYTES = 64 * 2**20
 
 #: Tensors larger than this are not fused (each keeps its own collective):
-#: copying them into a buffer and back costs more than one more collective. An
-#: 8x512 MLP (1 MiB weight tensors) is fastest when they are not fused; see
-#: BENCHMARKS.md.
-DEFAULT_MAX_TENSOR_BYTES = 256 * 2**10
+#: copying them into a buffer and back costs more than one more collective.
+#: Measured on 8 emulated CPU devices (``benchmarks/bench_step.py --workloads
+#: threshold``, BENCHMARKS.md): a 16x128 MLP (64 KiB tensors) runs at 1.12x
+#: the single-device step with this default, as with every tensor in one
+#: bucket; an 8x512 MLP (1 MiB weights) at 2.99x, against 4.45x with every
+#: tensor fused into 64 MiB buckets.
+DEFAULT_MAX_TENSOR_BYTES = 64 * 2**10
 
 
 @dataclasses.dataclass(frozen=True)
