@@ -22,7 +22,7 @@ from replicator.passes.base import iter_eqns
 from replicator.passes.lower_collectives import ALGORITHMS, LOWERINGS, lower_all_reduce
 from replicator.primitives import all_reduce_p
 
-from .workloads import mlp_params, mlp_step
+from .workloads import input_fn_from, mlp_params, mlp_step
 
 ALGORITHM_NAMES = ["ring", "reduce_broadcast"]
 RTOL, ATOL = 2e-6, 1e-6  # float32; bf16 is checked against its rounding bound instead
@@ -58,17 +58,6 @@ def _mesh(shape: str, n_devices: int) -> tuple[int, int]:
     if n_devices < 6:
         pytest.skip("needs 6 devices")
     return 2, 3
-
-
-def _input_fn(make_batch, seed=0):
-    """Every worker yields its own stream of batches (``make_batch(rng)``)."""
-
-    def input_fn(ctx):
-        rng = np.random.default_rng((seed, ctx.worker_id))
-        while True:
-            yield make_batch(rng)
-
-    return input_fn
 
 
 def _assert_close(expected, actual):
@@ -240,8 +229,8 @@ def test_every_op_group_and_dtype_matches_native(n_devices, shape, algorithm):
     native = _replicator(workers, cores, None)
     algo = _replicator(workers, cores, algorithm)
     for seed in range(2):
-        expected = native.run(_every_op_and_group, _input_fn(_op_batch(cores), seed))
-        actual = algo.run(_every_op_and_group, _input_fn(_op_batch(cores), seed))
+        expected = native.run(_every_op_and_group, input_fn_from(_op_batch(cores), seed))
+        actual = algo.run(_every_op_and_group, input_fn_from(_op_batch(cores), seed))
         _assert_close(expected, actual)
         for name, out in actual.items():
             for leaf in jax.tree.leaves(out):
@@ -264,7 +253,7 @@ def test_bf16_within_the_rounding_bound_of_the_exact_sum(repl2d, algorithm):
     workers, cores = repl2d.num_workers, repl2d.cores_per_worker
     make_batch = _op_batch(cores)
     total, by_core = _replicator(workers, cores, None if algorithm == "native" else algorithm).run(
-        _bf16_sums, _input_fn(make_batch, seed=3)
+        _bf16_sums, input_fn_from(make_batch, seed=3)
     )
     # Each worker's batch as its input_fn yields it, cut into per-replica rows.
     rngs = [np.random.default_rng((3, w)) for w in range(workers)]
@@ -299,7 +288,7 @@ def _mlp_batch(cores):
 
 
 def _train(repl, state, steps=2):
-    input_fn = _input_fn(_mlp_batch(repl.cores_per_worker), seed=7)
+    input_fn = input_fn_from(_mlp_batch(repl.cores_per_worker), seed=7)
     for _ in range(steps):
         state, out = repl.run(mlp_step, input_fn, state)
     return state, out
@@ -334,8 +323,8 @@ def test_inside_scan_and_cond(repl2d, algorithm):
     algo = _replicator(workers, cores, algorithm)
     final = algo.lower(_control_flow, make_batch(np.random.default_rng(0))).final
     assert count_primitives(final.jaxpr).get("psum", 0) == 0
-    expected = _replicator(workers, cores, None).run(_control_flow, _input_fn(make_batch))
-    _assert_close(expected, algo.run(_control_flow, _input_fn(make_batch)))
+    expected = _replicator(workers, cores, None).run(_control_flow, input_fn_from(make_batch))
+    _assert_close(expected, algo.run(_control_flow, input_fn_from(make_batch)))
 
 
 # ----------------------------------------------------------------------------

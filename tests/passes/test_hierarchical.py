@@ -24,7 +24,7 @@ from replicator.passes import (
 )
 from replicator.passes.base import iter_eqns
 
-from .workloads import mlp_params, mlp_step
+from .workloads import input_fn_from, mlp_params, mlp_step
 
 ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = "rp.all_reduce", "rp.reduce_scatter", "rp.all_gather"
 RTOL, ATOL = 2e-6, 1e-6
@@ -74,15 +74,6 @@ def _rewrite(graph, **config):
 
 def _batch(cores, cols=5):
     return {"x": np.zeros((2 * cores, cols), np.float32)}
-
-
-def _input_fn(make_batch, seed=0):
-    def input_fn(ctx):
-        rng = np.random.default_rng((seed, ctx.worker_id))
-        while True:
-            yield make_batch(rng)
-
-    return input_fn
 
 
 def _assert_close(expected, actual):
@@ -163,8 +154,8 @@ def test_operands_of_several_dtypes_share_one_inter_worker_collective(repl2d):
     assert [v.aval.dtype for v in reduce.invars] == [jnp.float32, jnp.int32]
     assert len(_eqns(result.graph, ALL_GATHER)) == 2
     _assert_close(
-        _replicator(workers, cores, hierarchical=False).run(step, _input_fn(_float_batch(cores))),
-        _replicator(workers, cores).run(step, _input_fn(_float_batch(cores))),
+        _replicator(workers, cores, hierarchical=False).run(step, input_fn_from(_float_batch(cores))),
+        _replicator(workers, cores).run(step, input_fn_from(_float_batch(cores))),
     )
 
 
@@ -236,8 +227,8 @@ def test_sub_jaxprs_are_rewritten_in_place(repl2d):
     (cond,) = [e for e in top.eqns if e.primitive.name == "cond"]
     assert [count_primitives(br, [REDUCE_SCATTER]) for br in cond.params["branches"]] == [{}, {REDUCE_SCATTER: 1}]
     _assert_close(
-        _replicator(workers, cores, hierarchical=False).run(_in_scan, _input_fn(_float_batch(cores, rows=3))),
-        _replicator(workers, cores).run(_in_scan, _input_fn(_float_batch(cores, rows=3))),
+        _replicator(workers, cores, hierarchical=False).run(_in_scan, input_fn_from(_float_batch(cores, rows=3))),
+        _replicator(workers, cores).run(_in_scan, input_fn_from(_float_batch(cores, rows=3))),
     )
 
 
@@ -258,7 +249,7 @@ def _mlp_batch(cores):
 
 
 def _train(repl, state, steps=2):
-    input_fn = _input_fn(_mlp_batch(repl.cores_per_worker), seed=7)
+    input_fn = input_fn_from(_mlp_batch(repl.cores_per_worker), seed=7)
     for _ in range(steps):
         state, out = repl.run(mlp_step, input_fn, state)
     return state, out

@@ -7,6 +7,17 @@ import numpy as np
 import replicator as rp
 
 
+def input_fn_from(make_batch, seed: int = 0):
+    """An ``input_fn`` whose every worker yields its own stream ``make_batch(rng)``."""
+
+    def input_fn(ctx):
+        rng = np.random.default_rng((seed, ctx.worker_id))
+        while True:
+            yield make_batch(rng)
+
+    return input_fn
+
+
 def mlp_params(rng: np.random.Generator) -> dict:
     """Odd sizes (the fused buffer needs padding to a multiple of the cores)."""
     return {
