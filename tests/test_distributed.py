@@ -210,6 +210,33 @@ def expected_probe(workers: int, cores: int, probe_batch: dict[str, np.ndarray])
     }
 
 
+def run_per_worker_launchers(options: tuple, train_args: tuple) -> tuple[list, list]:
+    """Two workers, one launcher each (as on separate hosts); both waited for, bounded."""
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [
+                *launcher("--coordinator", f"127.0.0.1:{port}", "--num-workers", "2", "--worker-id", str(w)),
+                *options,
+                str(TRAIN),
+                *train_args,
+            ],
+            env=job_env(),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for w in (0, 1)
+    ]
+    try:
+        outs = [p.communicate(timeout=JOB_TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return procs, outs
+
+
 @pytest.mark.multiprocess
 class TestTwoProcesses:
     def test_same_result_as_one_process(self, tmp_path, n_devices):
@@ -300,27 +327,10 @@ class TestTwoProcesses:
         train = train_module()
         params = train.init_params()
         rp.save_checkpoint(ckpt, 30, (params, train.tx.init(params)))
-        port = str(free_port())
-        procs = [
-            subprocess.Popen(
-                [
-                    *launcher("--coordinator", f"127.0.0.1:{port}", "--num-workers", "2", "--worker-id", str(w)),
-                    *("--cores-per-worker", "2", str(TRAIN), "--out", str(tmp_path), "--steps", "4"),
-                    *("--save-at", "2", "--ckpt", str(ckpt)),
-                ],
-                env=job_env(),
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for w in (0, 1)
-        ]
-        try:
-            outs = [p.communicate(timeout=JOB_TIMEOUT_S) for p in procs]
-        finally:
-            for p in procs:
-                p.kill()
+        procs, outs = run_per_worker_launchers(
+            ("--cores-per-worker", "2"),
+            ("--out", str(tmp_path), "--steps", "4", "--save-at", "2", "--ckpt", str(ckpt)),
+        )
         assert [p.returncode for p in procs] == [1, 1], [err[-3000:] for _, err in outs]
         later = r"CheckpointError: '.*ckpt' already has checkpoints of later steps \[30\]"
         assert re.search(r"\[worker 0\] replicator\.checkpoint\." + later, outs[0][1]), outs[0][1][-3000:]
@@ -370,27 +380,10 @@ class TestTwoProcesses:
     @pytest.mark.parametrize("victim", [1, 0], ids=["worker1-dies", "coordinator-dies"])
     def test_survivors_exit_on_their_own(self, tmp_path, victim):
         # One launcher per worker, as on separate hosts: nobody kills the survivor.
-        port = str(free_port())
-        procs = [
-            subprocess.Popen(
-                [
-                    *launcher("--coordinator", f"127.0.0.1:{port}", "--num-workers", "2", "--worker-id", str(w)),
-                    *("--cores-per-worker", "2", "--heartbeat-timeout", "3", str(TRAIN), "--out", str(tmp_path)),
-                    *("--steps", "100000", "--die-at-step", "5", "--die-worker", str(victim)),
-                ],
-                env=job_env(),
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for w in (0, 1)
-        ]
-        try:
-            outs = [p.communicate(timeout=JOB_TIMEOUT_S) for p in procs]
-        finally:
-            for p in procs:
-                p.kill()
+        procs, outs = run_per_worker_launchers(
+            ("--cores-per-worker", "2", "--heartbeat-timeout", "3"),
+            ("--out", str(tmp_path), "--steps", "100000", "--die-at-step", "5", "--die-worker", str(victim)),
+        )
         ended = time.time()  # both are done; the survivor's own exit was measured below
         survivor = 1 - victim
         assert procs[victim].returncode == 137, outs[victim][1][-3000:]
