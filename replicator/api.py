@@ -35,6 +35,7 @@ from replicator.mesh import build_mesh
 from replicator.optim import wrap_optimizer
 from replicator.passes.pipeline import Lowered, Pipeline
 from replicator.report import CommunicationReport, communication_report
+from replicator.state import broadcast_state
 from replicator.tracing import TracedStep, trace_step
 
 __all__ = ["CompiledStep", "Replicator"]
@@ -201,6 +202,13 @@ class Replicator:
             except StopIteration:
                 raise ValueError("explain: input_fn yielded no batch to trace the step with.") from None
         return communication_report(self.lower(step_fn, batch, state), self.pipeline)
+
+    def broadcast_state(self, state: PyTree) -> PyTree:
+        """Replica 0's (process 0's) ``state`` on every replica, placed on the mesh.
+
+        See :func:`replicator.state.broadcast_state`.
+        """
+        return broadcast_state(state, self)
 
     def wrap_optimizer(self, tx: Any, reduce: str = "mean", group: str | None = None) -> Any:
         """``tx`` whose ``update`` first all-reduces the gradients.

@@ -27,7 +27,7 @@ Write the script once; it runs as a plain single process too, where
         g = rp.all_mean(jnp.mean(batch["x"], axis=0))
         return w - 0.1 * g, {"g": g, "rid": rp.replica_id()}
 
-    w = jnp.zeros(3)  # identical on every worker (it is checked)
+    w = jnp.zeros(3)  # from the host: every worker starts from worker 0's copy
     for _ in range(10):
         w, out = repl.run(step_fn, input_fn, w)
     print(np.asarray(w))  # state is replicated: every worker can read it

@@ -150,12 +150,9 @@ def place_state(leaves: Sequence[Any], mesh: Mesh, sharded_state: frozenset[int]
     """Put state leaves on the mesh, replicated or sharded (no copy if already there).
 
     On a mesh that spans processes, leaves that come from the host (or from
-    one process's devices) are first checked to be identical in every process
-    (one collective for all of them), then each process fills its own devices.
-
-    Raises:
-      ValueError: if a leaf differs between processes; the message names it
-        and how to make the state agree.
+    one process's devices) are first made identical: every process takes
+    process 0's values (one collective for all of them), then each process
+    fills its own devices.
     """
     targets = [NamedSharding(mesh, state_spec(i, sharded_state)) for i in range(len(leaves))]
     out: list[Any] = [None] * len(leaves)
@@ -172,19 +169,11 @@ def place_state(leaves: Sequence[Any], mesh: Mesh, sharded_state: frozenset[int]
         else:
             from_host.append(i)
     if from_host:
-        from replicator.distributed import check_same_across_workers
+        # Rank-0 semantics (Horovod's broadcast_parameters, DDP's constructor):
+        # every worker takes worker 0's copy, whatever it built itself.
+        from jax.experimental import multihost_utils
 
-        hosts = [np.asarray(_strong(leaves[i])) for i in from_host]
-        check_same_across_workers(
-            hosts,
-            [f"state leaf {i} ({h.dtype}{list(h.shape)})" for i, h in zip(from_host, hosts, strict=True)],
-            what="the state",
-            fix=(
-                "State must enter the first step identical on every worker: initialize it from the same "
-                "seed on every worker (not from the worker id), or copy worker 0's value to all with "
-                "state = replicator.broadcast_state(state, repl) before the first step."
-            ),
-        )
+        hosts = [np.asarray(h) for h in multihost_utils.broadcast_one_to_all([_strong(leaves[i]) for i in from_host])]
         for i, host in zip(from_host, hosts, strict=True):
             out[i] = jax.make_array_from_callback(host.shape, targets[i], lambda index, host=host: host[index])
     return out

@@ -127,3 +127,10 @@ class TestFromTheHost:
             broadcast_state({"w": np.ones(3)})
         with pytest.raises(TypeError, match="must be a replicator.Replicator"):
             broadcast_state({"w": np.ones(3)}, "repl")
+
+
+def test_replicator_method(repl):
+    state = {"w": np.arange(3, dtype=np.float32)}
+    placed = repl.broadcast_state(state)
+    np.testing.assert_array_equal(placed["w"], state["w"])
+    assert placed["w"].sharding.is_fully_replicated and placed["w"].sharding.mesh == repl.mesh

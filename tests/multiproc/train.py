@@ -140,8 +140,9 @@ def run(
 ):
     """Train up to step ``steps`` and probe the collectives; return this worker's results.
 
-    ``mismatch='state'`` or ``'batch'`` gives worker 1 different initial
-    parameters or larger batches than the others (bugs that must be reported).
+    ``mismatch='state'`` gives worker 1 different initial parameters (worker
+    0's are used: rank-0 semantics); ``'batch'`` gives it larger batches than
+    the others (a bug that must be reported).
     ``resume=DIR`` starts from the newest checkpoint in ``DIR``;
     ``save_at=K, ckpt=DIR`` saves one after step ``K``.
     """
@@ -151,7 +152,7 @@ def run(
         params["b1"] = params["b1"] + 1.0
     state = (params, tx.init(params))
     first = 0
-    if resume is not None:  # host arrays (numpy): Replicator.run places them, checked equal on every worker
+    if resume is not None:  # host arrays (numpy): Replicator.run places worker 0's copy on every worker
         first, state, extra = rp.restore_checkpoint(resume, state)
         assert extra == {"input_position": first}, extra
         print(f"resumed from step {first} of {resume}", flush=True)
