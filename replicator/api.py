@@ -226,6 +226,10 @@ class Replicator:
             if not token.is_deleted():  # a donated state was consumed by a later step
                 jax.block_until_ready(token)
 
+    def forget_input(self, input_fn: Callable) -> None:
+        """Drop the iterators of ``input_fn``: the next ``run`` with it starts over."""
+        self._inputs.pop(input_fn, None)
+
     def _worker_inputs(self, input_fn: Callable) -> WorkerInputs:
         check_input_fn(input_fn)
         inputs = self._inputs.get(input_fn)

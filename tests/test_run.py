@@ -69,6 +69,19 @@ class TestSemantics:
         with pytest.raises(StopIteration):  # a plain `except StopIteration` ends loops
             repl.run(lambda b: b["x"], input_fn)
 
+    def test_forget_input_starts_over(self, repl):
+        n = repl.num_replicas
+
+        def input_fn(ctx):
+            for i in range(3):
+                yield {"x": np.full((n,), i, np.float32)}
+
+        step = lambda b: b["x"]  # noqa: E731
+        assert [float(repl.run(step, input_fn)[0, 0]) for _ in range(2)] == [0.0, 1.0]
+        repl.forget_input(input_fn)
+        assert float(repl.run(step, input_fn)[0, 0]) == 0.0
+        assert input_fn in repl._inputs
+
     def test_input_context(self, repl2d):
         contexts = []
 
