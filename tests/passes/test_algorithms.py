@@ -22,7 +22,7 @@ from replicator.passes.base import iter_eqns
 from replicator.passes.lower_collectives import ALGORITHMS, LOWERINGS, lower_all_reduce
 from replicator.primitives import all_reduce_p
 
-from .workloads import input_fn_from, mlp_params, mlp_step
+from .workloads import input_fn_from, mlp_params, train_mlp
 
 ALGORITHM_NAMES = ["ring", "reduce_broadcast"]
 RTOL, ATOL = 2e-6, 1e-6  # float32; bf16 is checked against its rounding bound instead
@@ -280,26 +280,12 @@ def test_bf16_within_the_rounding_bound_of_the_exact_sum(repl2d, algorithm):
     )
 
 
-def _mlp_batch(cores):
-    return lambda rng: {
-        "x": rng.normal(size=(2 * cores, 3)).astype(np.float32),
-        "y": rng.normal(size=(2 * cores, 7)).astype(np.float32),
-    }
-
-
-def _train(repl, state, steps=2):
-    input_fn = input_fn_from(_mlp_batch(repl.cores_per_worker), seed=7)
-    for _ in range(steps):
-        state, out = repl.run(mlp_step, input_fn, state)
-    return state, out
-
-
 @pytest.mark.parametrize("algorithm", ALGORITHM_NAMES)
 def test_mlp_gradients_match_native(repl2d, algorithm):
     workers, cores = repl2d.num_workers, repl2d.cores_per_worker
     state = mlp_params(np.random.default_rng(0))
-    expected = _train(_replicator(workers, cores, None), state)
-    actual = _train(_replicator(workers, cores, algorithm), state)
+    expected = train_mlp(_replicator(workers, cores, None), state)
+    actual = train_mlp(_replicator(workers, cores, algorithm), state)
     _assert_close(expected, actual)
     assert int(actual[0]["steps"]) == 2
     assert not np.allclose(np.asarray(actual[0]["w1"]), np.asarray(state["w1"]))

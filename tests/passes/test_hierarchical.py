@@ -24,7 +24,7 @@ from replicator.passes import (
 )
 from replicator.passes.base import iter_eqns
 
-from .workloads import input_fn_from, mlp_params, mlp_step
+from .workloads import input_fn_from, mlp_batch, mlp_params, mlp_step, train_mlp
 
 ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = "rp.all_reduce", "rp.reduce_scatter", "rp.all_gather"
 RTOL, ATOL = 2e-6, 1e-6
@@ -120,7 +120,7 @@ def test_one_all_reduce_becomes_three_steps(repl2d):
 def test_fused_gradients_become_one_hierarchical_reduce(repl2d):
     workers, cores = _two_level(repl2d)
     state = mlp_params(np.random.default_rng(0))
-    batch = _mlp_batch(cores)(np.random.default_rng(1))
+    batch = mlp_batch(cores)(np.random.default_rng(1))
     lowered = _replicator(workers, cores).lower(mlp_step, batch, state)
     names = [s.name for s in lowered.stages]
     assert names.index("fuse-allreduce") < names.index("hierarchical-allreduce") < names.index("lower-collectives")
@@ -241,20 +241,6 @@ def _float_batch(cores, rows=1):
     return lambda rng: {"x": rng.normal(size=(rows * cores, 5)).astype(np.float32)}
 
 
-def _mlp_batch(cores):
-    return lambda rng: {
-        "x": rng.normal(size=(2 * cores, 3)).astype(np.float32),
-        "y": rng.normal(size=(2 * cores, 7)).astype(np.float32),
-    }
-
-
-def _train(repl, state, steps=2):
-    input_fn = input_fn_from(_mlp_batch(repl.cores_per_worker), seed=7)
-    for _ in range(steps):
-        state, out = repl.run(mlp_step, input_fn, state)
-    return state, out
-
-
 @pytest.mark.parametrize(
     "shape, algorithm", [("2xN/2", "native"), ("2x3", "native"), ("2xN/2", "ring")], ids=["2xN/2", "2x3", "ring"]
 )
@@ -270,8 +256,8 @@ def test_mlp_training_matches_the_default_pipeline(n_devices, shape, algorithm):
     state = mlp_params(np.random.default_rng(0))
     hierarchical = _replicator(workers, cores, algorithm=algorithm)
     assert "hierarchical-allreduce" in hierarchical.pipeline.names
-    expected = _train(_replicator(workers, cores, hierarchical=False), state)
-    actual = _train(hierarchical, state)
+    expected = train_mlp(_replicator(workers, cores, hierarchical=False), state)
+    actual = train_mlp(hierarchical, state)
     _assert_close(expected, actual)
     assert int(actual[0]["steps"]) == 2
     assert not np.allclose(np.asarray(actual[0]["w1"]), np.asarray(state["w1"]))

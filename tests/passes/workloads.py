@@ -44,3 +44,19 @@ def mlp_step(state: dict, batch: dict) -> tuple:
         "big": rp.all_max(loss > 1.0),
         "rows": rp.all_sum(jnp.sum(batch["x"] > 0).astype(jnp.int32)),  # int32, varies
     }
+
+
+def mlp_batch(cores: int):
+    """``make_batch`` for :func:`input_fn_from`: a worker batch for :func:`mlp_step`."""
+    return lambda rng: {
+        "x": rng.normal(size=(2 * cores, 3)).astype(np.float32),
+        "y": rng.normal(size=(2 * cores, 7)).astype(np.float32),
+    }
+
+
+def train_mlp(repl, state: dict, steps: int = 2) -> tuple:
+    """``steps`` of :func:`mlp_step` on ``repl``; the final state and outputs."""
+    input_fn = input_fn_from(mlp_batch(repl.cores_per_worker), seed=7)
+    for _ in range(steps):
+        state, out = repl.run(mlp_step, input_fn, state)
+    return state, out
