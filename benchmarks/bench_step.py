@@ -107,24 +107,35 @@ def host_batches(batch: int, width: int, seed: int = 1):
 TX = optax.adam(1e-3)
 
 
-def single_variant(params: list[dict], width: int, batch: int) -> Runner:
-    dev = jax.devices()[0]
+def adam_step(params, opt, x, y):
+    """The whole training step on one device (or under GSPMD)."""
+    loss, g = jax.value_and_grad(mlp_loss)(params, x, y)
+    upd, opt = TX.update(g, opt, params)
+    return optax.apply_updates(params, upd), opt, loss
 
-    @jax.jit
-    def step(params, opt, x, y):
-        loss, g = jax.value_and_grad(mlp_loss)(params, x, y)
-        upd, opt = TX.update(g, opt, params)
-        return optax.apply_updates(params, upd), opt, loss
 
-    state = [jax.device_put(params, dev), jax.device_put(TX.init(params), dev)]
+def hand_runner(step: Callable, params: list[dict], width: int, batch: int, state_on, batch_on) -> Runner:
+    """One step of a hand-written variant: state on ``state_on``, a host batch each call.
+
+    ``batch_on`` is where the batch is put before the call (``None``: the host
+    arrays are passed as they are, and ``jit``'s ``in_shardings`` place them).
+    """
+    state = [jax.device_put(params, state_on), jax.device_put(TX.init(params), state_on)]
     data = host_batches(batch, width)
 
     def run() -> object:
         x, y = next(data)
-        state[0], state[1], loss = step(state[0], state[1], jax.device_put(x, dev), jax.device_put(y, dev))
+        if batch_on is not None:
+            x, y = jax.device_put(x, batch_on), jax.device_put(y, batch_on)
+        state[0], state[1], loss = step(state[0], state[1], x, y)
         return loss
 
     return run
+
+
+def single_variant(params: list[dict], width: int, batch: int) -> Runner:
+    dev = jax.devices()[0]
+    return hand_runner(jax.jit(adam_step), params, width, batch, dev, dev)
 
 
 def shard_map_variant(params: list[dict], width: int, batch: int, n: int) -> Runner:
@@ -141,37 +152,14 @@ def shard_map_variant(params: list[dict], width: int, batch: int, n: int) -> Run
             per_replica, mesh=mesh, in_specs=(P(), P(), P("d"), P("d")), out_specs=(P(), P(), P()), check_vma=False
         )
     )
-    rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
-    state = [jax.device_put(params, rep), jax.device_put(TX.init(params), rep)]
-    data = host_batches(batch, width)
-
-    def run() -> object:
-        x, y = next(data)
-        state[0], state[1], loss = step(state[0], state[1], jax.device_put(x, shard), jax.device_put(y, shard))
-        return loss
-
-    return run
+    return hand_runner(step, params, width, batch, NamedSharding(mesh, P()), NamedSharding(mesh, P("d")))
 
 
 def gspmd_variant(params: list[dict], width: int, batch: int, n: int) -> Runner:
     mesh = Mesh(np.array(jax.devices()[:n]), ("d",))
     rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
-
-    def step(params, opt, x, y):
-        loss, g = jax.value_and_grad(mlp_loss)(params, x, y)
-        upd, opt = TX.update(g, opt, params)
-        return optax.apply_updates(params, upd), opt, loss
-
-    step = jax.jit(step, in_shardings=(rep, rep, shard, shard), out_shardings=(rep, rep, rep))
-    state = [jax.device_put(params, rep), jax.device_put(TX.init(params), rep)]
-    data = host_batches(batch, width)
-
-    def run() -> object:
-        x, y = next(data)
-        state[0], state[1], loss = step(state[0], state[1], x, y)
-        return loss
-
-    return run
+    step = jax.jit(adam_step, in_shardings=(rep, rep, shard, shard), out_shardings=(rep, rep, rep))
+    return hand_runner(step, params, width, batch, rep, None)
 
 
 def replicator_step(state, batch):

@@ -58,16 +58,7 @@ def variant(params, width: int, batch: int, n: int, stage: str) -> bench.Runner:
             per_replica, mesh=mesh, in_specs=(P(), P(), P("d"), P("d")), out_specs=(P(), P(), P()), check_vma=False
         )
     )
-    rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
-    state = [jax.device_put(params, rep), jax.device_put(tx.init(params), rep)]
-    data = bench.host_batches(batch, width)
-
-    def run():
-        x, y = next(data)
-        state[0], state[1], loss = step(state[0], state[1], jax.device_put(x, shard), jax.device_put(y, shard))
-        return loss
-
-    return run
+    return bench.hand_runner(step, params, width, batch, NamedSharding(mesh, P()), NamedSharding(mesh, P("d")))
 
 
 def main() -> None:
