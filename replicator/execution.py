@@ -32,11 +32,7 @@ from jax.sharding import PartitionSpec as P
 from replicator.context import REPLICA_AXES
 from replicator.passes.base import StepGraph
 
-__all__ = ["build_executable", "place_batch", "place_state", "replicated", "sharded", "spans_processes"]
-
-
-def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P())
+__all__ = ["build_executable", "place_batch", "place_state", "sharded", "spans_processes"]
 
 
 def sharded(mesh: Mesh) -> NamedSharding:

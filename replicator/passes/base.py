@@ -24,7 +24,6 @@ import jax
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 
 from replicator.context import ReplicaContext
-from replicator.primitives import PLACEHOLDERS
 
 __all__ = [
     "CALL_PARAMS",
@@ -183,10 +182,6 @@ def count_primitives(jaxpr: Jaxpr | ClosedJaxpr, names: Sequence[str] | None = N
         if names is None or name in names:
             counts[name] = counts.get(name, 0) + 1
     return counts
-
-
-def has_placeholders(jaxpr: Jaxpr) -> bool:
-    return any(eqn.primitive in PLACEHOLDERS for eqn in iter_eqns(jaxpr))
 
 
 def rewrite_jaxpr(jaxpr: Jaxpr, rule: EqnRule) -> tuple[Jaxpr, bool]:
