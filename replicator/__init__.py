@@ -28,6 +28,7 @@ from replicator.errors import DivergentStateError as DivergentStateError
 from replicator.errors import InputExhausted as InputExhausted
 from replicator.errors import PassError as PassError
 from replicator.errors import ReplicationError as ReplicationError
+from replicator.errors import UnanalyzableStepError as UnanalyzableStepError
 from replicator.inputs import InputContext as InputContext
 from replicator.loop import CheckpointHook as CheckpointHook
 from replicator.loop import EvalHook as EvalHook
@@ -80,6 +81,7 @@ __all__ = [
     "ReplicationError",
     "Replicator",
     "Trainer",
+    "UnanalyzableStepError",
     "accumulate_gradients",
     "all_finite",
     "all_gather",

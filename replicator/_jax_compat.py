@@ -17,6 +17,7 @@ UNKNOWN_LOCATION = "<unknown location>"
 __all__ = [
     "UNKNOWN_LOCATION",
     "backends_initialized",
+    "custom_vmap_call_primitive",
     "exclude_from_user_frames",
     "extend_axis_env",
     "user_source_line",
@@ -52,3 +53,15 @@ def extend_axis_env(axis_env: list[tuple[str, int]]) -> Any:
     from jax._src import core as _core
 
     return _core.extend_axis_env_nd(axis_env)
+
+
+def custom_vmap_call_primitive() -> Any:
+    """The primitive of ``jax.custom_batching.custom_vmap`` calls (not in ``jax.extend``).
+
+    Returns ``None`` if this JAX has no such primitive.
+    """
+    try:
+        from jax._src.custom_batching import custom_vmap_p
+    except ImportError:  # pragma: no cover - depends on the JAX version
+        return None
+    return custom_vmap_p

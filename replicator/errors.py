@@ -7,6 +7,7 @@ __all__ = [
     "DivergentStateError",
     "InputExhausted",
     "PassError",
+    "UnanalyzableStepError",
     "ReplicationError",
 ]
 
@@ -33,3 +34,7 @@ class InputExhausted(StopIteration):
     A subclass of ``StopIteration``, so ``except StopIteration`` around a
     training loop ends it cleanly.
     """
+
+
+class UnanalyzableStepError(ReplicationError):
+    """A cross-replica operation where the analysis cannot prove it is safe."""

@@ -6,6 +6,15 @@ identical; batch data and ``replica_id()`` vary along both axes; a collective
 over a group makes its result identical along the group's axes; everything
 else varies wherever one of its inputs does.
 
+The analysis is **conservative**: "invariant" is a proof, "varying" a
+possibility. Rules live in one table keyed by primitive (:data:`RULES`), next
+to the primitives they handle. A primitive without a rule is a pure function
+of its inputs (it varies wherever they do) unless it holds sub-graphs: an
+unknown higher-order primitive whose body contains a cross-replica operation
+is assumed to vary along every mesh axis, and a collective inside one is
+rejected (:class:`UnanalyzableStepError`), since nothing proves the replicas
+all reach it. Effectful equations and host callbacks vary along every axis.
+
 The ``check-replica-invariance`` pass uses it to reject, at trace time, the two
 bugs that make data-parallel jobs hang or silently diverge:
 
@@ -28,11 +37,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jax.extend.core import Jaxpr, JaxprEqn, Literal, Primitive, Var
+from jax.extend.core import primitives as jax_primitives
 
-from replicator._jax_compat import UNKNOWN_LOCATION, user_source_line
+from replicator._jax_compat import UNKNOWN_LOCATION, custom_vmap_call_primitive, user_source_line
 from replicator.context import group_axes
-from replicator.errors import DivergentControlFlowError, DivergentStateError
-from replicator.passes.base import CALL_PARAMS, Pass, PassResult, StepGraph, iter_eqns, open_jaxpr
+from replicator.errors import DivergentControlFlowError, DivergentStateError, UnanalyzableStepError
+from replicator.passes.base import Pass, PassResult, StepGraph, iter_eqns, open_jaxpr, sub_jaxprs
 from replicator.primitives import (
     PLACEHOLDERS,
     all_gather_p,
@@ -46,6 +56,7 @@ from replicator.primitives import (
 __all__ = [
     "INVARIANT",
     "OPAQUE_PRIMITIVES",
+    "RULES",
     "CheckReplicaInvariance",
     "InvarianceInfo",
     "Variance",
@@ -58,6 +69,8 @@ __all__ = [
 Variance = frozenset  # of mesh axis names
 INVARIANT: Variance = frozenset()
 Rule = Callable[["VarianceAnalysis", JaxprEqn, list[Variance]], list[Variance]]
+#: The variance rule of each primitive; :func:`rule_for` falls back to a
+#: conservative default for the others.
 RULES: dict[Primitive, Rule] = {}
 
 
@@ -73,9 +86,10 @@ class InvarianceInfo:
 
 
 def variance_of(env: dict[Var, Variance], atom: Any) -> Variance:
+    """The variance of a literal (invariant) or of a var defined in ``env``."""
     if isinstance(atom, Literal):
         return INVARIANT
-    return env.get(atom, INVARIANT)
+    return env[atom]
 
 
 def _union(vs: Sequence[Variance]) -> Variance:
@@ -99,10 +113,19 @@ class VarianceAnalysis:
     def __init__(self, axis_sizes: dict[str, int]):
         # Axes of size 1 cannot make values differ.
         self.live_axes = frozenset(a for a, n in axis_sizes.items() if n > 1)
-        self.all_axes = self.live_axes
+
+    @property
+    def all_axes(self) -> Variance:
+        """Every axis along which values can differ (the same as ``live_axes``)."""
+        return self.live_axes
 
     def axes(self, group: str | None) -> Variance:
         return frozenset(group_axes(group)) & self.live_axes
+
+    def named_axes(self, names: Any) -> Variance:
+        """The live mesh axes among a raw collective's ``axis_name``/``axes``."""
+        names = names if isinstance(names, tuple) else (names,)
+        return frozenset(names) & self.live_axes
 
     def run(self, jaxpr: Jaxpr, in_variance: Sequence[Variance]) -> tuple[list[Variance], dict[Var, Variance]]:
         env: dict[Var, Variance] = dict(zip(jaxpr.invars, in_variance, strict=True))
@@ -113,19 +136,49 @@ class VarianceAnalysis:
             outs = rule_for(eqn.primitive)(self, eqn, ins)
             if eqn.effects or eqn.primitive.name in OPAQUE_PRIMITIVES:
                 # Host callbacks and effectful code may return per-replica data.
-                outs = [self.all_axes] * len(eqn.outvars)
+                outs = [self.live_axes] * len(eqn.outvars)
             for var, v in zip(eqn.outvars, outs, strict=True):
                 env[var] = v
         return [variance_of(env, a) for a in jaxpr.outvars], env
 
 
+def _placeholders_in(jaxprs: Sequence[Jaxpr]) -> list[JaxprEqn]:
+    return [e for j in jaxprs for e in iter_eqns(j) if e.primitive in PLACEHOLDERS]
+
+
 def _default_rule(analysis: VarianceAnalysis, eqn: JaxprEqn, ins: list[Variance]) -> list[Variance]:
-    del analysis
+    """A primitive without a rule: its inputs' variance, or worse.
+
+    A first-order primitive is a function of its inputs. A higher-order one
+    (it holds sub-graphs) that we cannot look into is assumed to vary along
+    every mesh axis if its body uses a cross-replica operation, and a
+    collective in it is rejected: nothing proves every replica reaches it.
+    """
     v = _union(ins)
+    inner = _placeholders_in(list(sub_jaxprs(eqn.params)))
+    if inner:
+        collectives = [e for e in inner if e.primitive is not replica_id_p]
+        if collectives:
+            name = collective_name(collectives[0].primitive, collectives[0].params)
+            raise UnanalyzableStepError(
+                f"{name} at {user_source_line(collectives[0].source_info)} is inside a "
+                f"'{eqn.primitive.name}' at {user_source_line(eqn.source_info)}, a JAX primitive whose "
+                f"sub-graph replicator's replica-invariance analysis has no rule for, so it cannot prove "
+                f"that every replica runs this collective.\n"
+                f"Fix: call the collective outside that transformation (before or after it), or disable "
+                f"the check with Pipeline(disable=['check-replica-invariance']) if you are sure; please "
+                f"report the primitive so a rule can be added."
+            )
+        v = analysis.live_axes
     return [v] * len(eqn.outvars)
 
 
-# -- collectives -------------------------------------------------------------
+def rule_for(prim: Primitive) -> Rule:
+    """The variance rule of ``prim`` (the conservative default if none)."""
+    return RULES.get(prim, _default_rule)
+
+
+# -- placeholders ----------------------------------------------------------------
 
 
 def _reducing_rule(analysis: VarianceAnalysis, eqn: JaxprEqn, ins: list[Variance]) -> list[Variance]:
@@ -140,11 +193,35 @@ RULES[reduce_scatter_p] = lambda a, eqn, ins: [ins[0] | a.axes(eqn.params["group
 RULES[replica_id_p] = lambda a, eqn, ins: [a.axes(eqn.params["group"])]
 
 
+# -- raw mesh collectives (in lowered graphs) -------------------------------------
+
+
+def _raw_reducing_rule(param: str) -> Rule:
+    def rule(analysis: VarianceAnalysis, eqn: JaxprEqn, ins: list[Variance]) -> list[Variance]:
+        axes = analysis.named_axes(eqn.params[param])
+        return [v - axes for v in ins]
+
+    return rule
+
+
+def _raw_spreading_rule(analysis: VarianceAnalysis, eqn: JaxprEqn, ins: list[Variance]) -> list[Variance]:
+    axes = analysis.named_axes(eqn.params["axis_name"])
+    return [_union(ins) | axes] * len(eqn.outvars)
+
+
+for _p in (jax_primitives.psum_p, jax_primitives.pmax_p, jax_primitives.pmin_p):
+    RULES[_p] = _raw_reducing_rule("axes")
+RULES[jax_primitives.all_gather_p] = _raw_reducing_rule("axis_name")
+# A permutation leaves zeros on replicas nobody sends to; chunks differ per replica.
+for _p in (jax_primitives.axis_index_p, jax_primitives.ppermute_p, jax_primitives.all_to_all_p):
+    RULES[_p] = _raw_spreading_rule
+
+
 # -- control flow --------------------------------------------------------------
 
 
 def _collectives_in(jaxprs: Sequence[Jaxpr]) -> list[JaxprEqn]:
-    return [e for j in jaxprs for e in iter_eqns(j) if e.primitive in PLACEHOLDERS and e.primitive is not replica_id_p]
+    return [e for e in _placeholders_in(jaxprs) if e.primitive is not replica_id_p]
 
 
 def _check_uniform_predicate(
@@ -182,6 +259,9 @@ def _cond_rule(analysis: VarianceAnalysis, eqn: JaxprEqn, ins: list[Variance]) -
     return [_union(vs) | predicate for vs in zip(*outs, strict=True)]
 
 
+RULES[jax_primitives.cond_p] = _cond_rule
+
+
 def _fixpoint(step: Callable[[list[Variance]], list[Variance]], carry: list[Variance]) -> list[Variance]:
     while True:
         new = [c | n for c, n in zip(carry, step(carry), strict=True)]
@@ -209,6 +289,9 @@ def _while_rule(analysis: VarianceAnalysis, eqn: JaxprEqn, ins: list[Variance]) 
     return carry
 
 
+RULES[jax_primitives.while_p] = _while_rule
+
+
 def _scan_rule(analysis: VarianceAnalysis, eqn: JaxprEqn, ins: list[Variance]) -> list[Variance]:
     p = eqn.params
     n_consts, n_carry = p["num_consts"], p["num_carry"]
@@ -223,40 +306,42 @@ def _scan_rule(analysis: VarianceAnalysis, eqn: JaxprEqn, ins: list[Variance]) -
     return carry + outs[n_carry:]
 
 
+RULES[jax_primitives.scan_p] = _scan_rule
+
+
 def _call_rule(param: str) -> Rule:
+    """A call: the callee runs once on the trailing operands (unconditionally)."""
+
     def rule(analysis: VarianceAnalysis, eqn: JaxprEqn, ins: list[Variance]) -> list[Variance]:
-        callee = eqn.params[param]
-        inner = open_jaxpr(callee)
+        inner = open_jaxpr(eqn.params[param])
         return analysis.run(inner, ins[len(ins) - len(inner.invars) :])[0]
 
     return rule
 
 
-# Control-flow primitives are registered by name: their Primitive objects live
-# in jax._src, which only the compat module may import.
-_BY_NAME: dict[str, Rule] = {
-    "cond": _cond_rule,
-    "while": _while_rule,
-    "scan": _scan_rule,
-    **{name: _call_rule(param) for name, param in CALL_PARAMS.items()},
-}
-
-
-def rule_for(prim: Primitive) -> Rule:
-    rule = RULES.get(prim)
-    if rule is not None:
-        return rule
-    return _BY_NAME.get(prim.name, _default_rule)
+for _p, _param in [
+    (jax_primitives.jit_p, "jaxpr"),
+    (jax_primitives.closed_call_p, "call_jaxpr"),
+    (jax_primitives.call_p, "call_jaxpr"),
+    (jax_primitives.remat_p, "jaxpr"),
+    (jax_primitives.custom_jvp_call_p, "call_jaxpr"),
+    (jax_primitives.custom_vjp_call_p, "call_jaxpr"),
+    (custom_vmap_call_primitive(), "call"),
+]:
+    if _p is not None:
+        RULES[_p] = _call_rule(_param)
 
 
 # -- the analysis and the pass -------------------------------------------------
 
 
 def analyze(graph: StepGraph) -> InvarianceInfo:
-    """Variance of every top-level value of ``graph`` (state in: invariant)."""
+    """Variance of every top-level value of ``graph`` (replicated state in: invariant)."""
     analysis = VarianceAnalysis(graph.context.axis_sizes)
-    both = analysis.all_axes
-    ins = [INVARIANT] * graph.num_state + [both] * graph.num_batch
+    both = analysis.live_axes
+    # A sharded state leaf enters as this replica's own chunk: it varies.
+    state = [both if i in graph.sharded_state else INVARIANT for i in range(graph.num_state)]
+    ins = state + [both] * graph.num_batch
     outs, env = analysis.run(graph.jaxpr.jaxpr, ins)
     return InvarianceInfo(variance=env, output_variance=tuple(outs))
 
@@ -280,10 +365,15 @@ class CheckReplicaInvariance(Pass):
     def run(self, graph: StepGraph) -> PassResult:
         info = analyze(graph)
         jaxpr = graph.jaxpr.jaxpr
-        for path, var, variance in zip(
-            graph.state_paths, jaxpr.outvars[: graph.num_state], info.output_variance[: graph.num_state], strict=True
+        for index, (path, var, variance) in enumerate(
+            zip(
+                graph.state_paths,
+                jaxpr.outvars[: graph.num_state],
+                info.output_variance[: graph.num_state],
+                strict=True,
+            )
         ):
-            if variance:
+            if variance and index not in graph.sharded_state:
                 producer = _producer(jaxpr, var)
                 where = f" (last computed at {user_source_line(producer.source_info)})" if producer else ""
                 raise DivergentStateError(

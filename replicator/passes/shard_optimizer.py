@@ -7,30 +7,45 @@ reduce-scatter the gradients, let replica ``r`` update only the ``r``-th 1/N
 chunk of each tensor (with the ``r``-th chunk of the optimizer state, which is
 all it stores), then all-gather the new parameters.
 
-This pass finds that pattern on placeholders and rewrites it:
+**Precondition.** Replica ``r`` may compute only the ``r``-th chunk of a value
+``v``, and others later rebuild ``v`` by all-gathering every replica's chunk,
+*only if* ``v`` is identical on every replica (so that the chunks of
+different replicas are chunks of one value). The pass proves this with the
+replica-variance analysis (:mod:`replicator.passes.invariance`, state enters
+identical, batch data and ``replica_id()`` vary):
 
-* ``g = all_sum/all_mean(x)`` over all replicas, for a leaf whose leading
-  axis divides by N, becomes ``g_r = reduce_scatter(x)`` (the chunk);
-* element-wise equations (``add``, ``mul``, ``sqrt``, ``select_n``, ...) that
-  read such a chunk are computed on chunks; their other operands are sliced
-  to this replica's chunk (a local ``dynamic_slice``) or are scalars;
+* ``g = all_sum/all_mean(x)`` over *all* replicas, for a floating-point leaf
+  whose leading axis divides by N, is identical everywhere whatever ``x`` is:
+  it becomes ``g_r = reduce_scatter(x)`` (``/ N`` for a mean);
+* an element-wise equation (``add``, ``mul``, ``sqrt``, ``select_n``, ...) is
+  computed on chunks only if **every operand is proven invariant**; its
+  same-shaped operands are then this replica's chunks (a reduce-scatter's
+  result, a chunked equation's result, or a local ``dynamic_slice`` of a full
+  invariant value) and its scalar operands are used whole;
 * a state leaf read *only* by chunked equations and written from a chunk
   (Adam's ``mu``/``nu``) becomes **sharded state**: the step receives and
   returns only this replica's chunk, and between steps it lives sharded along
   its leading axis over the mesh (its global shape is unchanged), so each
   device holds 1/N of it;
-* every other use of a chunked value (new parameters, outputs, control flow)
-  gets the full value back with ``all_gather``.
+* every other use of a chunked value (new parameters, outputs, control flow,
+  a non-element-wise equation) reads the full value back from one
+  ``all_gather``.
+
+Anything outside this (a value that may differ between replicas, a group
+collective, an integer leaf, a shape that does not divide, sub-graphs of
+control flow) is left as it was. Chunking that would not pay is not done: an
+element-wise equation with no chunked operand whose result nobody reads as a
+chunk, and a reduce-scatter whose chunk nobody reads, stay whole. If no state
+update ends up computed on chunks the graph is returned unchanged.
 
 Non-element-wise updates (e.g. ``clip_by_global_norm``'s reduction over all
-gradients) simply read gathered values: results are unchanged, and the pass
-helps less. Only the top-level graph is rewritten (the state lives there).
+gradients) simply read gathered values. Only the top-level graph is
+rewritten (the state lives there).
 
 Example::
 
-    passes = rp.Pipeline([*rp.passes.default_passes()[:2], ShardOptimizerUpdate(),
-                          *rp.passes.default_passes()[2:]])
-    repl = rp.Replicator(1, 8, passes=passes)   # Adam state: 1/8 per device
+    repl = rp.Replicator(1, 8, passes=rp.Pipeline.default(shard_optimizer=True))
+    # Adam's moments are stored 1/8 per device; parameters stay replicated.
 """
 
 from __future__ import annotations
@@ -43,7 +58,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 
+from replicator.errors import ReplicationError
 from replicator.passes.base import Pass, PassResult, StepGraph, inline_function
+from replicator.passes.invariance import InvarianceInfo, analyze
 from replicator.primitives import all_gather_p, all_reduce_p, reduce_scatter_p, replica_id_p
 
 __all__ = ["ELEMENTWISE", "ShardOptimizerUpdate"]
@@ -68,24 +85,161 @@ def _chunk_shape(shape: tuple[int, ...], n: int) -> tuple[int, ...]:
     return (shape[0] // n, *shape[1:])
 
 
+def _is_float(aval: Any) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.floating)
+
+
+def _vars(atoms: Any) -> list[Var]:
+    return [a for a in atoms if isinstance(a, Var) and not isinstance(a, DropVar)]
+
+
+# -- the plan: which equations run on chunks ------------------------------------------
+
+
 @dataclasses.dataclass
-class _Rewrite:
-    """The state of one rewrite of the top-level jaxpr."""
+class _Plan:
+    """What to chunk, decided on the original graph before anything is emitted.
+
+    Attributes:
+      scatter: all-reduce equation index -> operand positions that become
+        reduce-scatters.
+      chunked: indices of element-wise equations computed on chunks.
+      sharded: state indices stored sharded.
+    """
+
+    scatter: dict[int, list[int]]
+    chunked: set[int]
+    sharded: set[int]
+
+    def chunk_vars(self, jaxpr: Jaxpr) -> set[Var]:
+        """The vars that exist as chunks."""
+        out: set[Var] = set()
+        for i, picks in self.scatter.items():
+            out.update(_vars(jaxpr.eqns[i].outvars[k] for k in picks))
+        for i in self.chunked:
+            out.update(_vars(jaxpr.eqns[i].outvars))
+        return out
+
+
+def _scatter_picks(eqn: JaxprEqn, n: int) -> list[int]:
+    """Operands of an all-reduce whose result may be produced as a chunk."""
+    p = eqn.params
+    if eqn.primitive is not all_reduce_p or p["op"] not in ("sum", "mean") or p["group"] is not None:
+        return []
+    return [
+        k
+        for k, v in enumerate(eqn.invars)
+        if isinstance(v, Var)
+        and _chunkable(v.aval, n)
+        and _is_float(v.aval)
+        and not isinstance(eqn.outvars[k], DropVar)
+    ]
+
+
+def _elementwise_ok(eqn: JaxprEqn, n: int, info: InvarianceInfo) -> bool:
+    """The precondition for computing ``eqn`` on chunks (see the module docstring)."""
+    if eqn.primitive.name not in ELEMENTWISE or len(eqn.outvars) != 1 or eqn.effects:
+        return False
+    (out,) = eqn.outvars
+    if isinstance(out, DropVar) or not _chunkable(out.aval, n):
+        return False
+    shape = out.aval.shape
+    for v in eqn.invars:
+        if isinstance(v, Literal):
+            if getattr(v.aval, "shape", ()) != ():
+                return False
+            continue
+        if v.aval.shape not in ((), shape) or not info.is_invariant(v):
+            return False
+    return True
+
+
+def _plan(graph: StepGraph, n: int, info: InvarianceInfo, shard_state: bool) -> _Plan:
+    jaxpr = graph.jaxpr.jaxpr
+    eqns = jaxpr.eqns
+    readers: dict[Var, list[int]] = {}
+    for i, eqn in enumerate(eqns):
+        for v in _vars(eqn.invars):
+            readers.setdefault(v, []).append(i)
+    in_outvars = {v: sum(1 for o in jaxpr.outvars if o is v) for v in _vars(jaxpr.outvars)}
+    state_in = jaxpr.invars[: graph.num_state]
+    state_out = jaxpr.outvars[: graph.num_state]
+
+    eligible = {i for i, e in enumerate(eqns) if _elementwise_ok(e, n, info)}
+    # State read only by element-wise equations that may run on chunks
+    # (optimizer state): reading it is reason enough to compute on chunks.
+    # Parameters, read by the forward pass too, are not.
+    chunk_state = {
+        v
+        for i, v in enumerate(state_in)
+        if i not in graph.sharded_state
+        and _chunkable(v.aval, n)
+        and v not in in_outvars
+        and readers.get(v)
+        and all(r in eligible for r in readers[v])
+    }
+
+    scatter = {i: picks for i, e in enumerate(eqns) if (picks := _scatter_picks(e, n))}
+    plan = _Plan(scatter=scatter, chunked=set(), sharded=set())
+    chunks = plan.chunk_vars(jaxpr)
+    for i in sorted(eligible):
+        if any(v in chunks or v in chunk_state for v in _vars(eqns[i].invars)):
+            plan.chunked.add(i)
+            chunks.update(_vars(eqns[i].outvars))
+
+    # Drop chunking that does not pay: a chunk that no chunked equation reads
+    # and that is not stored as sharded state, made from no chunk (a slice and
+    # a gather for nothing) or by a reduce-scatter (an all-reduce in two steps).
+    def shardable(plan: _Plan, chunks: set[Var]) -> set[int]:
+        if not shard_state:
+            return set()
+        return {
+            i
+            for i, (v, out) in enumerate(zip(state_in, state_out, strict=True))
+            if v in chunk_state
+            and all(r in plan.chunked for r in readers[v])
+            and isinstance(out, Var)
+            and out in chunks
+            and in_outvars.get(out) == 1
+            and all(r in plan.chunked for r in readers.get(out, []))
+        }
+
+    while True:
+        chunks = plan.chunk_vars(jaxpr)
+        plan.sharded = shardable(plan, chunks)
+        stored = {state_out[i] for i in plan.sharded}
+
+        def read_as_chunk(v: Var, stored: set = stored) -> bool:
+            return v in stored or any(r in plan.chunked for r in readers.get(v, []))
+
+        drop = {
+            i
+            for i in plan.chunked
+            if not any(v in chunks for v in _vars(eqns[i].invars)) and not read_as_chunk(eqns[i].outvars[0])
+        }
+        unscatter = {i: [k for k in ks if read_as_chunk(eqns[i].outvars[k])] for i, ks in plan.scatter.items()}
+        unscatter = {i: ks for i, ks in unscatter.items() if ks}
+        if not drop and unscatter == plan.scatter:
+            break
+        plan.chunked -= drop
+        plan.scatter = unscatter
+    return plan
+
+
+# -- emitting the rewritten graph -----------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Emitter:
+    """Builds the new top-level equations from a plan."""
 
     graph: StepGraph
     n: int
     out: list[JaxprEqn] = dataclasses.field(default_factory=list)
+    prologue: list[JaxprEqn] = dataclasses.field(default_factory=list)
     chunk: dict[Var, Atom] = dataclasses.field(default_factory=dict)  # var -> this replica's chunk
-    chunk_only: set[Var] = dataclasses.field(default_factory=set)  # vars with no full value
+    chunk_only: set[Var] = dataclasses.field(default_factory=set)  # vars with no full value (yet)
     gathered: dict[Var, Atom] = dataclasses.field(default_factory=dict)
-    full_used: set[Var] = dataclasses.field(default_factory=set)  # state invars read in full
-    state_chunk: dict[Var, Var] = dataclasses.field(default_factory=dict)  # state invar -> chunk var
-    #: State inputs read only element-wise (optimizer state): reading them is
-    #: reason enough to compute on chunks. Parameters, read by the forward
-    #: pass too, are not: their element-wise uses there stay whole.
-    elementwise_state: set[Var] = dataclasses.field(default_factory=set)
-    changed: bool = False
-    prologue: list[JaxprEqn] = dataclasses.field(default_factory=list)  # runs before everything
     _rid: Atom | None = None
 
     def replica_index(self) -> Atom:
@@ -95,112 +249,69 @@ class _Rewrite:
             self.prologue.extend(eqns)
         return self._rid
 
-    def slice_chunk(self, atom: Atom, like: JaxprEqn | None, out: list[JaxprEqn]) -> Atom:
-        """Emit into ``out`` this replica's chunk of a full value; return it."""
-        rows = atom.aval.shape[0] // self.n
-        eqns, (chunk,) = inline_function(
-            lambda x, r: lax.dynamic_slice_in_dim(x, r * rows, rows, axis=0),
-            [atom, self.replica_index()],
-            context=self.graph.context,
-            like=like,
-        )
-        out.extend(eqns)
-        return chunk
-
     def emit(self, fn: Callable[..., Any], atoms: list[Atom], like: JaxprEqn | None) -> list[Atom]:
         eqns, outs = inline_function(fn, atoms, context=self.graph.context, like=like)
         self.out.extend(eqns)
         return outs
 
-    # -- full values and chunks ------------------------------------------------------
-
     def full(self, atom: Atom, like: JaxprEqn | None = None) -> Atom:
         """The full value of ``atom``; all-gathers a chunk-only value once."""
-        if not isinstance(atom, Var):
-            return atom
-        if atom in self.state_chunk:
-            self.full_used.add(atom)
-        if atom not in self.chunk_only:
+        if not isinstance(atom, Var) or atom not in self.chunk_only:
             return atom
         if atom not in self.gathered:
             n = self.n
             (self.gathered[atom],) = self.emit(
-                lambda c: all_gather_p.bind(c, axis=0, tiled=True, group=None, group_size=n),
-                [self.chunk[atom]],
-                like,
+                lambda c: all_gather_p.bind(c, axis=0, tiled=True, group=None, group_size=n), [self.chunk[atom]], like
             )
         return self.gathered[atom]
 
-    def chunk_of(self, atom: Atom, like: JaxprEqn) -> Atom:
-        """This replica's chunk of a full-shaped value (sliced locally if needed)."""
-        if atom in self.chunk:
-            return self.chunk[atom]
-        if atom in self.state_chunk:  # decided at the end: an input or a slice
-            return self.state_chunk[atom]
-        self.chunk[atom] = self.slice_chunk(atom, like, self.out)
+    def chunk_of(self, atom: Var, like: JaxprEqn) -> Atom:
+        """This replica's chunk of an invariant full-shaped value (sliced locally if needed)."""
+        if atom not in self.chunk:
+            rows = atom.aval.shape[0] // self.n
+            (self.chunk[atom],) = self.emit(
+                lambda x, r: lax.dynamic_slice_in_dim(x, r * rows, rows, axis=0), [atom, self.replica_index()], like
+            )
         return self.chunk[atom]
 
-    # -- equations ---------------------------------------------------------------------
-
-    def all_reduce(self, eqn: JaxprEqn) -> bool:
-        p = eqn.params
-        if p["op"] not in ("sum", "mean") or p["group"] is not None:
-            return False
-        picks = [k for k, v in enumerate(eqn.invars) if _chunkable(v.aval, self.n) and not isinstance(v, Literal)]
-        if not picks:
-            return False
+    def scatter(self, eqn: JaxprEqn, picks: list[int]) -> None:
         rest = [k for k in range(len(eqn.invars)) if k not in picks]
         if rest:
             self.out.append(
-                eqn.replace(
-                    invars=[self.full(eqn.invars[k]) for k in rest],
-                    outvars=[eqn.outvars[k] for k in rest],
-                )
+                eqn.replace(invars=[self.full(eqn.invars[k]) for k in rest], outvars=[eqn.outvars[k] for k in rest])
             )
-        n, mean = self.n, p["op"] == "mean"
+        n, mean = self.n, eqn.params["op"] == "mean"
 
-        def scatter(x: Any) -> Any:
+        def reduce_scatter(x: Any) -> Any:
             c = reduce_scatter_p.bind(x, axis=0, group=None, group_size=n)
             return c / jnp.asarray(n, c.dtype) if mean else c
 
         for k in picks:
-            outvar = eqn.outvars[k]
-            (c,) = self.emit(scatter, [self.full(eqn.invars[k])], eqn)
-            if not isinstance(outvar, DropVar):
-                self.chunk[outvar] = c
-                self.chunk_only.add(outvar)
-        return True
+            (c,) = self.emit(reduce_scatter, [self.full(eqn.invars[k])], eqn)
+            self.chunk[eqn.outvars[k]] = c
+            self.chunk_only.add(eqn.outvars[k])
 
-    def elementwise(self, eqn: JaxprEqn) -> bool:
-        (outvar,) = eqn.outvars if len(eqn.outvars) == 1 else (None,)
-        if outvar is None or not _chunkable(outvar.aval, self.n):
-            return False
-        if not any(isinstance(v, Var) and (v in self.chunk_only or v in self.elementwise_state) for v in eqn.invars):
-            return False
-        shape = outvar.aval.shape
-        if any(not isinstance(v, Literal) and v.aval.shape not in ((), shape) for v in eqn.invars):
-            return False
-        atoms = [
-            v if isinstance(v, Literal) else self.full(v) if v.aval.shape == () else self.chunk_of(v, eqn)
-            for v in eqn.invars
-        ]
-        # Element-wise: the same equation on chunks, built directly (re-tracing
-        # thousands of small equations would dominate the pass's time).
+    def elementwise(self, eqn: JaxprEqn) -> None:
+        (outvar,) = eqn.outvars
+        atoms = [v if isinstance(v, Literal) or v.aval.shape == () else self.chunk_of(v, eqn) for v in eqn.invars]
+        # The same equation on chunks, built directly (re-tracing thousands of
+        # small equations would dominate the pass's time).
         c = Var(outvar.aval.update(shape=_chunk_shape(outvar.aval.shape, self.n)))
         self.out.append(eqn.replace(invars=atoms, outvars=[c]))
-        if not isinstance(outvar, DropVar):
-            self.chunk[outvar] = c
-            self.chunk_only.add(outvar)
-        return True
+        self.chunk[outvar] = c
+        self.chunk_only.add(outvar)
 
     def keep(self, eqn: JaxprEqn) -> None:
-        if any(isinstance(v, Var) and (v in self.chunk_only or v in self.state_chunk) for v in eqn.invars):
+        if any(isinstance(v, Var) and v in self.chunk_only for v in eqn.invars):
             eqn = eqn.replace(invars=[self.full(v, eqn) for v in eqn.invars])
         self.out.append(eqn)
 
 
 class ShardOptimizerUpdate(Pass):
     """Reduce-scatter gradients, update 1/N chunks, shard element-wise optimizer state.
+
+    Sound by construction: only values the variance analysis proves identical
+    on every replica are cut into chunks (see the module docstring).
 
     Args:
       shard_state: store state leaves that only the chunked update reads
@@ -220,61 +331,39 @@ class ShardOptimizerUpdate(Pass):
         n = graph.context.num_replicas
         if n == 1:
             return PassResult(graph, False)
+        try:
+            info = analyze(graph)
+        except ReplicationError:
+            # The invariance check was disabled and the step is one it rejects:
+            # nothing can be proven, so nothing is rewritten.
+            return PassResult(graph, False)
+        plan = _plan(graph, n, info, self.shard_state)
         jaxpr = graph.jaxpr.jaxpr
-        rw = _Rewrite(graph, n)
-        state_in = list(jaxpr.invars[: graph.num_state])
-        for i, v in enumerate(state_in):
-            if i not in graph.sharded_state and _chunkable(v.aval, n):
-                rw.state_chunk[v] = Var(v.aval.update(shape=_chunk_shape(v.aval.shape, n)))
-        readers: dict[Var, list[JaxprEqn]] = {v: [] for v in rw.state_chunk}
-        for eqn in jaxpr.eqns:
-            for v in eqn.invars:
-                if isinstance(v, Var) and v in readers:
-                    readers[v].append(eqn)
-        rw.elementwise_state = {
-            v
-            for v, eqns in readers.items()
-            if eqns and v not in jaxpr.outvars and all(e.primitive.name in ELEMENTWISE for e in eqns)
-        }
-        for eqn in jaxpr.eqns:
-            if eqn.primitive is all_reduce_p and rw.all_reduce(eqn):
-                rw.changed = True
-            elif eqn.primitive.name in ELEMENTWISE and rw.elementwise(eqn):
-                pass
-            else:
-                rw.keep(eqn)
-        state_out = jaxpr.outvars[: graph.num_state]
-        if not (rw.changed and any(isinstance(v, Var) and v in rw.chunk_only for v in state_out)):
+        chunks = plan.chunk_vars(jaxpr)
+        if not any(isinstance(v, Var) and v in chunks for v in jaxpr.outvars[: graph.num_state]):
             # No state update is computed on chunks: splitting would only add collectives.
             return PassResult(graph, False)
-        return PassResult(self._finish(graph, jaxpr, rw, state_in), True)
+        return PassResult(self._emit(graph, plan), True)
 
-    def _finish(self, graph: StepGraph, jaxpr: Jaxpr, rw: _Rewrite, state_in: list[Var]) -> StepGraph:
-        """Decide sharded state leaves; route outputs; prepend the state slices needed."""
-        outvars = list(jaxpr.outvars)
-        sharded = set(graph.sharded_state)
+    def _emit(self, graph: StepGraph, plan: _Plan) -> StepGraph:
+        jaxpr = graph.jaxpr.jaxpr
+        em = _Emitter(graph, graph.context.num_replicas)
         new_invars = list(jaxpr.invars)
-        prologue: list[JaxprEqn] = []
-        for i, v in enumerate(state_in):
-            if v not in rw.state_chunk:
-                continue
-            chunk_var, out = rw.state_chunk[v], outvars[i]
-            used = any(chunk_var in e.invars for e in rw.out)
-            written_as_chunk = isinstance(out, Var) and out in rw.chunk_only
-            if self.shard_state and written_as_chunk and v not in rw.full_used and out not in rw.gathered:
-                new_invars[i] = chunk_var  # this replica's chunk comes in ...
-                outvars[i] = rw.chunk[out]  # ... and goes out
-                sharded.add(i)
-            elif used:
-                sliced: list[JaxprEqn] = []
-                c = rw.slice_chunk(v, None, sliced)
-                assert sliced and sliced[-1].outvars == [c]
-                sliced[-1] = sliced[-1].replace(outvars=[chunk_var])
-                prologue.extend(sliced)
-        outvars = [rw.full(a) if i not in sharded else a for i, a in enumerate(outvars)]
-        eqns = rw.prologue + prologue + rw.out
+        for i in plan.sharded:
+            v = jaxpr.invars[i]
+            new_invars[i] = em.chunk[v] = Var(v.aval.update(shape=_chunk_shape(v.aval.shape, em.n)))
+        for index, eqn in enumerate(jaxpr.eqns):
+            if index in plan.scatter:
+                em.scatter(eqn, plan.scatter[index])
+            elif index in plan.chunked:
+                em.elementwise(eqn)
+            else:
+                em.keep(eqn)
+        outvars = [em.chunk[a] if i in plan.sharded else em.full(a) for i, a in enumerate(jaxpr.outvars)]
+        eqns = em.prologue + em.out
         effects: set = set()
         for e in eqns:
             effects |= set(e.effects)
         new = jaxpr.replace(invars=new_invars, eqns=eqns, outvars=outvars, effects=frozenset(effects))
-        return dataclasses.replace(graph, jaxpr=ClosedJaxpr(new, graph.jaxpr.consts), sharded_state=frozenset(sharded))
+        sharded = frozenset(graph.sharded_state | plan.sharded)
+        return dataclasses.replace(graph, jaxpr=ClosedJaxpr(new, graph.jaxpr.consts), sharded_state=sharded)
