@@ -35,8 +35,9 @@ Anything outside this (a value that may differ between replicas, a group
 collective, an integer leaf, a shape that does not divide, sub-graphs of
 control flow) is left as it was. Chunking that would not pay is not done: an
 element-wise equation with no chunked operand whose result nobody reads as a
-chunk, and a reduce-scatter whose chunk nobody reads, stay whole. If no state
-update ends up computed on chunks the graph is returned unchanged.
+chunk, and a reduce-scatter whose chunk nobody reads, stay whole. The graph is
+returned unchanged if no state leaf ends up stored sharded (with
+``shard_state=False``: if no state update ends up computed on chunks).
 
 Non-element-wise updates (e.g. ``clip_by_global_norm``'s reduction over all
 gradients) simply read gathered values. Only the top-level graph is
@@ -340,6 +341,10 @@ class ShardOptimizerUpdate(Pass):
         plan = _plan(graph, n, info, self.shard_state)
         jaxpr = graph.jaxpr.jaxpr
         chunks = plan.chunk_vars(jaxpr)
+        if self.shard_state and not plan.sharded:
+            # ZeRO-1 pays by storing optimizer state in 1/N: without any, a
+            # reduce-scatter + all-gather only replaces an all-reduce.
+            return PassResult(graph, False)
         if not any(isinstance(v, Var) and v in chunks for v in jaxpr.outvars[: graph.num_state]):
             # No state update is computed on chunks: splitting would only add collectives.
             return PassResult(graph, False)

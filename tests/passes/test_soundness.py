@@ -267,3 +267,50 @@ def test_collective_inside_unknown_higher_order_primitive_is_rejected(repl, monk
     monkeypatch.delitem(RULES, custom_vmap_call_primitive())
     with pytest.raises(rp.UnanalyzableStepError, match="custom_vmap_call.*no rule"):
         repl.lower(lambda w, b: step(w, b), batch, jnp.float32(0))
+
+
+# -- where the ZeRO pass fires, and what fusion makes of it ------------------------------------
+
+
+def test_zero_without_any_state_to_shard_leaves_all_reduces_alone(n_devices):
+    """50 all-sums added to state read whole: no optimizer state, so one fused psum, not RS + AG."""
+
+    def step(state, batch):
+        k = jnp.mean(batch["x"])
+        return [s + rp.all_sum(s * k) for s in state], {}
+
+    repl = _replicator(n_devices, 1, "zero")
+    lowered = repl.lower(step, {"x": np.ones((n_devices, 1), np.float32)}, [jnp.ones(1000)] * 50)
+    assert not lowered.after("shard-optimizer-update").sharded_state
+    assert count_primitives(lowered.after("shard-optimizer-update").jaxpr, ["rp.all_reduce"]) == {"rp.all_reduce": 50}
+    assert count_primitives(lowered.final.jaxpr, ["psum", "reduce_scatter", "all_gather"]) == {"psum": 1}
+
+
+def test_zero_reduce_scatters_and_all_gathers_are_fused(n_devices):
+    tx = optax.adam(1e-2)
+    width = 2 * n_devices
+    params = [{"w": np.ones((width, width), np.float32), "b": np.zeros(width, np.float32)} for _ in range(6)]
+
+    def step(state, batch):
+        params, opt = state
+
+        def loss(ps):
+            h = batch["x"]
+            for p in ps:
+                h = jnp.tanh(h @ p["w"] + p["b"])
+            return jnp.mean(h**2)
+
+        g = rp.all_mean(jax.grad(loss)(params))
+        upd, opt = tx.update(g, opt, params)
+        return (optax.apply_updates(params, upd), opt), {}
+
+    repl = _replicator(n_devices, 1, "zero")
+    lowered = repl.lower(step, {"x": np.ones((2 * n_devices, width), np.float32)}, (params, tx.init(params)))
+    zero = lowered.after("shard-optimizer-update")
+    assert len(zero.sharded_state) == 24  # mu and nu of 12 tensors
+    names = ["rp.all_reduce", "rp.reduce_scatter", "rp.all_gather"]
+    assert count_primitives(zero.jaxpr, names) == {"rp.reduce_scatter": 12, "rp.all_gather": 12}
+    assert count_primitives(lowered.after("fuse-allreduce").jaxpr, names) == {
+        "rp.reduce_scatter": 1,
+        "rp.all_gather": 1,
+    }
