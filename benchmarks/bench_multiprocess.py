@@ -8,12 +8,13 @@ back every step) on 8 replicas three ways:
 * ``1 proc 2x4``   one process, ``Replicator(2, 4)`` (the same mesh as below)
 * ``2 procs x 4``  two processes of 4 emulated CPU devices each, collectives over gloo,
   started by ``python -m replicator.launch``; also with ``hierarchical-allreduce``
-  on (``+hier``), with ``fuse-allreduce`` off (``-fuse``), and with fusion and
-  ``shard-optimizer-update`` off (``-fuse-zero``: what a hand-written pmean of
-  the gradient pytree does)
+  on (``+hier``), with ``fuse-allreduce`` off (``-fuse``), and with
+  ``shard-optimizer-update`` explicitly on (``zero``) and off (``no-zero``)
 
 for two MLPs: ``small`` (4 -> 16 -> 16 -> 1, batch 64: all overhead) and ``wide``
-(256 -> 512 x 3 -> 1, batch 512: compute and a 0.8 M-float all-reduce).
+(256 -> 512 x 3 -> 1, batch 512: compute and a 0.8 M-float all-reduce), and
+``sum50``: 50 state tensors of 1000 floats, each plus an all-sum of a
+per-replica scaling of it (50 small all-reduces, no optimizer state).
 
 Failures (``--failures``): with the launcher's defaults (kill grace 5 s,
 heartbeat timeout 10 s), the seconds from a worker's death (or freeze) to the
@@ -103,16 +104,37 @@ def worker(args: argparse.Namespace) -> None:
                 }
 
         state = (params, tx.init(params))
-        times = []
-        for i in range(args.warmup + args.steps):
-            t0 = time.perf_counter()
-            state, out = repl.run(step, input_fn, state)
-            float(distributed.replica_invariant(out)["loss"])
-            if i >= args.warmup:
-                times.append(time.perf_counter() - t0)
-        results[name] = 1e3 * statistics.median(times)
+        results[name] = _time_steps(args, repl, step, input_fn, state, distributed)
+    results["sum50"] = _time_steps(args, repl, *_sum50(rp, jnp, np), distributed)
     if info.worker_id == 0:
         print("RESULT " + json.dumps(results), flush=True)
+
+
+def _sum50(rp, jnp, np):
+    """50 state tensors of 1000 floats, each plus an all-sum of a per-replica scaling of it."""
+
+    def step(state, b):
+        k = jnp.mean(b["x"])
+        return [s + 0.001 * rp.all_sum(s * k) for s in state], {"loss": rp.all_mean(k)}
+
+    def input_fn(ctx):
+        r = np.random.default_rng(ctx.worker_id)
+        while True:
+            yield {"x": r.normal(size=(8 // ctx.num_workers, 1)).astype(np.float32)}
+
+    return step, input_fn, [np.ones(1000, np.float32) for _ in range(50)]
+
+
+def _time_steps(args, repl, step, input_fn, state, distributed) -> float:
+    """Median ms per step (the loss read back every step) after ``args.warmup`` steps."""
+    times = []
+    for i in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        state, out = repl.run(step, input_fn, state)
+        float(distributed.replica_invariant(out)["loss"])
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
 
 
 def _clean_env() -> dict[str, str]:
@@ -137,22 +159,20 @@ def step_times(args: argparse.Namespace) -> None:
         "1 proc x 8": [sys.executable, *me, "--workers", "1", "--cores", "8"],
         "1 proc 2x4": [sys.executable, *me, "--workers", "2", "--cores", "4"],
         "2 procs x 4": multi,
+        "2 procs zero": [*multi, "--pipeline", json.dumps({"shard_optimizer": True})],
+        "2 procs no-zero": [*multi, "--pipeline", json.dumps({"shard_optimizer": False})],
         "2 procs +hier": [*multi, "--pipeline", json.dumps({"hierarchical": True})],
         "2 procs -fuse": [*multi, "--pipeline", json.dumps({"disable": ["fuse-allreduce"]})],
-        "2 procs -fuse-zero": [
-            *multi,
-            "--pipeline",
-            json.dumps({"disable": ["fuse-allreduce"], "shard_optimizer": False}),
-        ],
     }
     rounds: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     for _ in range(args.rounds):  # interleaved, so that machine noise hits every variant alike
         for name, command in variants.items():
             rounds[name].append(_result(command))
     print(f"median step time, ms ({args.steps} steps after {args.warmup} warm-up, median of {args.rounds} runs)")
-    print(f"{'variant':<20}" + "".join(f"{w:>10}" for w in WORKLOADS))
+    columns = [*WORKLOADS, "sum50"]
+    print(f"{'variant':<20}" + "".join(f"{w:>10}" for w in columns))
     for name, runs in rounds.items():
-        print(f"{name:<20}" + "".join(f"{statistics.median(r[w] for r in runs):>10.2f}" for w in WORKLOADS))
+        print(f"{name:<20}" + "".join(f"{statistics.median(r[w] for r in runs):>10.2f}" for w in columns))
 
 
 def _job(options: list[str], train_args: list[str]) -> tuple[subprocess.CompletedProcess, float]:
