@@ -294,7 +294,7 @@ class TestTwoProcesses:
             "--num-workers", "2", "--cores-per-worker", str(cores),
             train_args=(
                 "--out", str(tmp_path / "job"), "--steps", str(STEPS),
-                "--resume", str(one), "--save-at", str(k2), "--ckpt", str(two),
+                "--resume", str(one), "--save-at", str(k2), "--ckpt", str(two), "--zero",
             ),
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-5000:]

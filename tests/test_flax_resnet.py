@@ -124,7 +124,11 @@ def _init(rng: np.random.Generator, global_batch: int) -> tuple[TrainState, list
 @pytest.mark.parametrize("shard_optimizer", [True, False], ids=["zero", "no-zero"])
 def test_flax_resnet_training_matches_one_device(n_devices, workers, shard_optimizer):
     state, batches = _init(np.random.default_rng(0), 2 * n_devices)
-    repl = rp.Replicator(workers, n_devices // workers, passes=Pipeline.default(shard_optimizer=shard_optimizer))
+    repl = rp.Replicator(
+        workers,
+        n_devices // workers,
+        passes=Pipeline.default(shard_optimizer=shard_optimizer, shard_optimizer_min_bytes=0),
+    )
 
     def input_fn(ctx):
         rows = len(batches[0]["label"]) // workers

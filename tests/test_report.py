@@ -50,7 +50,11 @@ def test_fused_gradients_are_one_row_carrying_every_tensor(n_devices):
 
 def test_zero_rows_reduce_scatter_gradients_and_gather_parameters(n_devices):
     n = n_devices
-    report = rp.Replicator(1, n).explain(_step, _batch(n, width=n), _params(width=n))
+    # Plain SGD has no optimizer state to shard: ZeRO's update splitting alone (shard_state=False).
+    passes = rp.passes.default_passes()
+    passes.insert(2, rp.passes.ShardOptimizerUpdate(shard_state=False, min_tensor_bytes=0))
+    zero = rp.Pipeline(passes)
+    report = rp.Replicator(1, n, passes=zero).explain(_step, _batch(n, width=n), _params(width=n))
     rows = {r.kind: r for r in report.rows if r.kind in ("reduce_scatter", "all_mean")}
     param_bytes = sum(x.size * 4 for x in jax.tree.leaves(_params(width=n)))
     scatter = rows["reduce_scatter"]

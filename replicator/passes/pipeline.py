@@ -30,7 +30,7 @@ from replicator.passes.fuse_allreduce import DEFAULT_MAX_TENSOR_BYTES, DEFAULT_T
 from replicator.passes.hierarchical import HierarchicalAllReduce
 from replicator.passes.invariance import CheckReplicaInvariance
 from replicator.passes.lower_collectives import LowerCollectives
-from replicator.passes.shard_optimizer import ShardOptimizerUpdate
+from replicator.passes.shard_optimizer import DEFAULT_MIN_TENSOR_BYTES, ShardOptimizerUpdate
 from replicator.passes.simplify import Simplify
 from replicator.passes.verify import verify_graph
 
@@ -41,7 +41,8 @@ DUMP_ENV = "REPLICATOR_DUMP_DIR"
 
 def default_passes(
     *,
-    shard_optimizer: bool = True,
+    shard_optimizer: bool = False,
+    shard_optimizer_min_bytes: int = DEFAULT_MIN_TENSOR_BYTES,
     hierarchical: bool = False,
     compress: bool = False,
     all_reduce_algorithm: str = "native",
@@ -57,6 +58,10 @@ def default_passes(
     Args:
       shard_optimizer: ZeRO-1 (``shard-optimizer-update``): reduce-scatter
         gradients, update and store element-wise optimizer state in 1/N chunks.
+        Off by default: it divides optimizer-state memory by N but was not
+        faster on every workload measured (BENCHMARKS.md).
+      shard_optimizer_min_bytes: with ``shard_optimizer``, smaller gradients
+        and state leaves stay whole.
       hierarchical: ``hierarchical-allreduce`` over ('workers', 'cores').
       compress: ``compress-communication``: f32 all-reduce payloads as bf16.
       all_reduce_algorithm: ``'native'``, ``'ring'`` or ``'reduce_broadcast'``.
@@ -69,7 +74,7 @@ def default_passes(
     """
     passes: list[Pass] = [CheckReplicaInvariance(), Simplify()]
     if shard_optimizer:
-        passes.append(ShardOptimizerUpdate())
+        passes.append(ShardOptimizerUpdate(min_tensor_bytes=shard_optimizer_min_bytes))
     passes.append(FuseAllReduce(threshold_bytes=fuse_threshold_bytes, max_tensor_bytes=fuse_max_tensor_bytes))
     if compress:
         passes.append(CompressCommunication())

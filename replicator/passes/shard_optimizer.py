@@ -15,7 +15,8 @@ replica-variance analysis (:mod:`replicator.passes.invariance`, state enters
 identical, batch data and ``replica_id()`` vary):
 
 * ``g = all_sum/all_mean(x)`` over *all* replicas, for a floating-point leaf
-  whose leading axis divides by N, is identical everywhere whatever ``x`` is:
+  whose leading axis divides by N (and of at least ``min_tensor_bytes``), is
+  identical everywhere whatever ``x`` is:
   it becomes ``g_r = reduce_scatter(x)`` (``/ N`` for a mean);
 * an element-wise equation (``add``, ``mul``, ``sqrt``, ``select_n``, ...) is
   computed on chunks only if **every operand is proven invariant**; its
@@ -56,6 +57,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 
@@ -64,7 +66,12 @@ from replicator.passes.base import Pass, PassResult, StepGraph, inline_function
 from replicator.passes.invariance import InvarianceInfo, analyze
 from replicator.primitives import all_gather_p, all_reduce_p, reduce_scatter_p, replica_id_p
 
-__all__ = ["ELEMENTWISE", "ShardOptimizerUpdate"]
+__all__ = ["DEFAULT_MIN_TENSOR_BYTES", "ELEMENTWISE", "ShardOptimizerUpdate"]
+
+#: Smaller gradients and state leaves stay whole: sharding them saves little
+#: memory and costs a reduce-scatter and an all-gather where one all-reduce
+#: did (measured in BENCHMARKS.md).
+DEFAULT_MIN_TENSOR_BYTES = 64 * 2**10
 
 Atom = Any
 
@@ -122,7 +129,11 @@ class _Plan:
         return out
 
 
-def _scatter_picks(eqn: JaxprEqn, n: int) -> list[int]:
+def _nbytes(aval: Any) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+def _scatter_picks(eqn: JaxprEqn, n: int, min_bytes: int) -> list[int]:
     """Operands of an all-reduce whose result may be produced as a chunk."""
     p = eqn.params
     if eqn.primitive is not all_reduce_p or p["op"] not in ("sum", "mean") or p["group"] is not None:
@@ -133,6 +144,7 @@ def _scatter_picks(eqn: JaxprEqn, n: int) -> list[int]:
         if isinstance(v, Var)
         and _chunkable(v.aval, n)
         and _is_float(v.aval)
+        and _nbytes(v.aval) >= min_bytes
         and not isinstance(eqn.outvars[k], DropVar)
     ]
 
@@ -155,7 +167,7 @@ def _elementwise_ok(eqn: JaxprEqn, n: int, info: InvarianceInfo) -> bool:
     return True
 
 
-def _plan(graph: StepGraph, n: int, info: InvarianceInfo, shard_state: bool) -> _Plan:
+def _plan(graph: StepGraph, n: int, info: InvarianceInfo, shard_state: bool, min_bytes: int) -> _Plan:
     jaxpr = graph.jaxpr.jaxpr
     eqns = jaxpr.eqns
     readers: dict[Var, list[int]] = {}
@@ -175,12 +187,13 @@ def _plan(graph: StepGraph, n: int, info: InvarianceInfo, shard_state: bool) -> 
         for i, v in enumerate(state_in)
         if i not in graph.sharded_state
         and _chunkable(v.aval, n)
+        and _nbytes(v.aval) >= min_bytes
         and v not in in_outvars
         and readers.get(v)
         and all(r in eligible for r in readers[v])
     }
 
-    scatter = {i: picks for i, e in enumerate(eqns) if (picks := _scatter_picks(e, n))}
+    scatter = {i: picks for i, e in enumerate(eqns) if (picks := _scatter_picks(e, n, min_bytes))}
     plan = _Plan(scatter=scatter, chunked=set(), sharded=set())
     chunks = plan.chunk_vars(jaxpr)
     for i in sorted(eligible):
@@ -318,15 +331,18 @@ class ShardOptimizerUpdate(Pass):
       shard_state: store state leaves that only the chunked update reads
         sharded over the replicas (ZeRO-1's memory saving). With ``False``
         they stay replicated and only the update work is split.
+      min_tensor_bytes: gradients and state leaves smaller than this stay
+        whole (all-reduced, replicated).
     """
 
     name = "shard-optimizer-update"
 
-    def __init__(self, *, shard_state: bool = True):
+    def __init__(self, *, shard_state: bool = True, min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES):
         self.shard_state = bool(shard_state)
+        self.min_tensor_bytes = int(min_tensor_bytes)
 
     def __repr__(self) -> str:
-        return f"ShardOptimizerUpdate(shard_state={self.shard_state})"
+        return f"ShardOptimizerUpdate(shard_state={self.shard_state}, min_tensor_bytes={self.min_tensor_bytes})"
 
     def run(self, graph: StepGraph) -> PassResult:
         n = graph.context.num_replicas
@@ -338,7 +354,7 @@ class ShardOptimizerUpdate(Pass):
             # The invariance check was disabled and the step is one it rejects:
             # nothing can be proven, so nothing is rewritten.
             return PassResult(graph, False)
-        plan = _plan(graph, n, info, self.shard_state)
+        plan = _plan(graph, n, info, self.shard_state, self.min_tensor_bytes)
         jaxpr = graph.jaxpr.jaxpr
         chunks = plan.chunk_vars(jaxpr)
         if self.shard_state and not plan.sharded:

@@ -201,6 +201,7 @@ def main(argv=None) -> None:
     p.add_argument("--resume", type=Path, help="restore the newest checkpoint in this directory first")
     p.add_argument("--save-at", type=int, help="save a checkpoint after this many steps (into --ckpt)")
     p.add_argument("--ckpt", type=Path, help="the directory --save-at saves into")
+    p.add_argument("--zero", action="store_true", help="shard-optimizer-update on every tensor (ZeRO-1)")
     args = p.parse_args(argv)
     if args.save_at is not None and args.ckpt is None:
         p.error("--save-at needs --ckpt DIR")
@@ -211,7 +212,8 @@ def main(argv=None) -> None:
     else:
         workers, cores = args.workers, args.cores
         rp.force_cpu_devices(workers * cores)
-    repl = rp.Replicator(num_workers=workers, cores_per_worker=cores)
+    passes = rp.Pipeline.default(shard_optimizer=True, shard_optimizer_min_bytes=0) if args.zero else None
+    repl = rp.Replicator(num_workers=workers, cores_per_worker=cores, passes=passes)
     print(f"worker {info.worker_id} of {info.num_workers}: mesh {dict(repl.mesh.shape)}", flush=True)
     results = run(
         repl,

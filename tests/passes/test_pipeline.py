@@ -36,14 +36,14 @@ def test_default_pipeline_order():
     assert Pipeline().names == [
         "check-replica-invariance",
         "simplify",
-        "shard-optimizer-update",
         "fuse-allreduce",
         "lower-collectives",
     ]
-    everything = Pipeline.default(hierarchical=True, compress=True, all_reduce_algorithm="ring", shard_optimizer=False)
+    everything = Pipeline.default(hierarchical=True, compress=True, all_reduce_algorithm="ring", shard_optimizer=True)
     assert everything.names == [
         "check-replica-invariance",
         "simplify",
+        "shard-optimizer-update",
         "fuse-allreduce",
         "compress-communication",
         "hierarchical-allreduce",

@@ -14,6 +14,7 @@ PLACEHOLDERS = ["rp.all_reduce", "rp.reduce_scatter", "rp.all_gather"]
 
 
 def _with_zero(**kwargs) -> Pipeline:
+    kwargs.setdefault("min_tensor_bytes", 0)  # the test tensors are small
     passes = default_passes()
     names = [p.name for p in passes]
     if "shard-optimizer-update" in names:
@@ -192,12 +193,12 @@ def test_all_reduces_that_feed_no_state_update_are_left_alone(repl):
         return s + 1.0, {"sum": rp.all_sum(b["x"]), "mean": rp.all_mean(b["x"]) * 2}
 
     graph = repl.lower(step, {"x": np.ones((n, n))}, jnp.zeros(4)).traced
-    result = ShardOptimizerUpdate().run(graph)
+    result = ShardOptimizerUpdate(min_tensor_bytes=0).run(graph)
     assert not result.changed and result.graph is graph
 
 
 def test_nothing_to_do_without_gradient_all_reduce(repl):
     graph = repl.lower(lambda s, b: (s + 1.0, {}), {"x": np.ones(repl.num_replicas)}, jnp.zeros(4)).traced
-    result = ShardOptimizerUpdate().run(graph)
+    result = ShardOptimizerUpdate(min_tensor_bytes=0).run(graph)
     assert not result.changed and result.graph is graph
-    assert repr(ShardOptimizerUpdate()) == "ShardOptimizerUpdate(shard_state=True)"
+    assert repr(ShardOptimizerUpdate()) == "ShardOptimizerUpdate(shard_state=True, min_tensor_bytes=65536)"

@@ -15,7 +15,8 @@ from jax import custom_batching
 import replicator as rp
 from replicator.passes import Pipeline, count_primitives
 
-ZERO = {"zero": dict(shard_optimizer=True), "no-zero": dict(shard_optimizer=False)}
+# The test tensors are small: ZeRO on every tensor, whatever its size.
+ZERO = {"zero": dict(shard_optimizer=True, shard_optimizer_min_bytes=0), "no-zero": dict(shard_optimizer=False)}
 
 
 def _replicator(n_devices: int, workers: int, variant: str) -> rp.Replicator:
@@ -314,3 +315,25 @@ def test_zero_reduce_scatters_and_all_gathers_are_fused(n_devices):
         "rp.reduce_scatter": 1,
         "rp.all_gather": 1,
     }
+
+
+def test_zero_leaves_small_tensors_whole_by_default(n_devices):
+    tx = optax.adam(1e-2)
+    small = {"w": np.ones((2 * n_devices, 4), np.float32)}  # far below 64 KiB
+    big = {"w": np.ones((128 * n_devices, 32), np.float32)}  # 128 KiB and more
+    for params, sharded in ((small, 0), (big, 2)):
+        repl = rp.Replicator(1, n_devices, passes=Pipeline.default(shard_optimizer=True))
+        step = _adam_step_no_bias(tx)
+        batch = {"x": np.ones((n_devices, params["w"].shape[0]), np.float32)}
+        after = repl.lower(step, batch, (params, tx.init(params))).after("shard-optimizer-update")
+        assert len(after.sharded_state) == sharded
+
+
+def _adam_step_no_bias(tx):
+    def step(state, batch):
+        params, opt = state
+        g = rp.all_mean(jax.grad(lambda p: jnp.mean((batch["x"] @ p["w"]) ** 2))(params))
+        upd, opt = tx.update(g, opt, params)
+        return (optax.apply_updates(params, upd), opt), {}
+
+    return step
