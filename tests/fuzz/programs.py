@@ -1,0 +1,402 @@
+"""Random step programs for the differential fuzzer, and their independent reference.
+
+A program is a random :class:`Spec` turned into one step function written
+against an *ops* object ``K``. Two ops objects run it:
+
+* :class:`PerReplica`: the step as a user writes it for ``Replicator.run``;
+  collectives are ``rp.all_sum``/``rp.all_gather``/..., local code is plain JAX.
+* :class:`Stacked`: every replica at once on one device. Every value carries a
+  leading replica axis of size ``R = W * C`` (replica ``r = w * C + c``);
+  local code is ``jax.vmap`` of the same per-replica function; collectives are
+  explicit reductions over that axis in NumPy-like ``jnp`` code; a gradient
+  is ``jax.grad`` of the *sum over replicas* of the stacked losses (the
+  library's convention: the transpose of a cross-replica sum is a
+  cross-replica sum, i.e. each replica gets the gradient of every replica's
+  loss with respect to its own input); ``cond`` takes replica 0's predicate
+  (the generator only makes predicates identical on every replica).
+
+Nothing of the library's tracing, passes or lowering is used by
+:class:`Stacked`, so a bug there cannot cancel out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+import replicator as rp
+
+GROUPS = (None, "cores", "workers")
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "clip_adam", "wrapped_adam")
+
+
+# -- the two ops objects ---------------------------------------------------------------
+
+
+class PerReplica:
+    """Ops for the per-replica step run by ``Replicator.run``."""
+
+    def __init__(self, workers: int, cores: int):
+        self.W, self.C, self.R = workers, cores, workers * cores
+
+    def local(self, fn: Callable, *args: Any) -> Any:
+        return fn(*args)
+
+    def all_sum(self, x, group=None):
+        return rp.all_sum(x, group=group)
+
+    def all_mean(self, x, group=None):
+        return rp.all_mean(x, group=group)
+
+    def all_max(self, x, group=None):
+        return rp.all_max(x, group=group)
+
+    def all_min(self, x, group=None):
+        return rp.all_min(x, group=group)
+
+    def all_gather(self, x, group=None, tiled=False):
+        return rp.all_gather(x, group=group, tiled=tiled)
+
+    def reduce_scatter(self, x, group=None):
+        return rp.reduce_scatter(x, group=group)
+
+    def broadcast(self, x, source=0, group=None):
+        return rp.broadcast(x, source=source, group=group)
+
+    def replica_id(self, group=None):
+        return rp.replica_id(group=group)
+
+    def batch_norm(self, x, scale, offset, group=None):
+        return rp.cross_replica_batch_norm(x, scale, offset, group=group)
+
+    def grad(self, loss: Callable, params: Any) -> tuple[Any, Any]:
+        """``(loss, grads)`` of this replica's loss."""
+        return jax.value_and_grad(loss)(params)
+
+    def cond(self, pred, true_fn, false_fn, *operands):
+        return lax.cond(pred, true_fn, false_fn, *operands)
+
+    def scan(self, body, carry, xs):
+        return lax.scan(body, carry, xs)
+
+    def optimizer_update(self, tx, wrapped: bool, grads, opt, params):
+        if wrapped:
+            return rp.wrap_optimizer(tx).update(grads, opt, params)
+        return tx.update(grads, opt, params)
+
+
+class Stacked:
+    """Ops for all replicas at once: a leading replica axis on every value."""
+
+    def __init__(self, workers: int, cores: int):
+        self.W, self.C, self.R = workers, cores, workers * cores
+
+    def local(self, fn: Callable, *args: Any) -> Any:
+        return jax.vmap(fn)(*args)
+
+    def _grouped(self, x, group):
+        """``x`` as (groups, members, ...): members are the replicas a collective spans."""
+        x = x.reshape(self.W, self.C, *x.shape[1:])
+        if group is None:
+            return x.reshape(1, self.R, *x.shape[2:])
+        if group == "cores":
+            return x
+        return jnp.swapaxes(x, 0, 1)  # (C, W, ...): the replicas of one core index
+
+    def _ungrouped(self, g, group):
+        if group is None:
+            return g.reshape(self.R, *g.shape[2:])
+        if group == "workers":
+            g = jnp.swapaxes(g, 0, 1)
+        return g.reshape(self.R, *g.shape[2:])
+
+    def _reduce(self, x, group, op):
+        g = self._grouped(x, group)
+        r = op(g, axis=1, keepdims=True)
+        return self._ungrouped(jnp.broadcast_to(r, g.shape), group)
+
+    def all_sum(self, x, group=None):
+        return jax.tree.map(lambda a: self._reduce(a, group, jnp.sum), x)
+
+    def all_mean(self, x, group=None):
+        return jax.tree.map(lambda a: self._reduce(a, group, jnp.mean), x)
+
+    def all_max(self, x, group=None):
+        return jax.tree.map(lambda a: self._reduce(a, group, jnp.max), x)
+
+    def all_min(self, x, group=None):
+        return jax.tree.map(lambda a: self._reduce(a, group, jnp.min), x)
+
+    def all_gather(self, x, group=None, tiled=False):
+        return jax.tree.map(lambda a: self._all_gather(a, group, tiled), x)
+
+    def _all_gather(self, x, group, tiled):
+        g = self._grouped(x, group)  # (G, M, *s)
+        m = g.shape[1]
+        every = jnp.broadcast_to(g[:, None], (g.shape[0], m, *g.shape[1:]))  # (G, M, M, *s)
+        if tiled:
+            every = every.reshape(g.shape[0], m, m * g.shape[2], *g.shape[3:])
+        return self._ungrouped(every, group)
+
+    def reduce_scatter(self, x, group=None):
+        return jax.tree.map(lambda a: self._reduce_scatter(a, group), x)
+
+    def _reduce_scatter(self, x, group):
+        g = self._grouped(x, group)  # (G, M, n, ...)
+        m = g.shape[1]
+        total = jnp.sum(g, axis=1)  # (G, n, ...)
+        chunks = total.reshape(g.shape[0], m, g.shape[2] // m, *g.shape[3:])
+        return self._ungrouped(chunks, group)
+
+    def broadcast(self, x, source=0, group=None):
+        return jax.tree.map(lambda a: self._broadcast(a, source, group), x)
+
+    def _broadcast(self, x, source, group):
+        g = self._grouped(x, group)
+        return self._ungrouped(jnp.broadcast_to(g[:, source : source + 1], g.shape), group)
+
+    def replica_id(self, group=None):
+        ids = jnp.arange(self.R, dtype=jnp.int32)
+        if group == "cores":
+            return ids % self.C
+        if group == "workers":
+            return ids // self.C
+        return ids
+
+    def batch_norm(self, x, scale, offset, group=None, eps=1e-5):
+        axes = tuple(range(1, x.ndim - 1))
+        mean = self.all_mean(jnp.mean(x, axis=axes), group)
+        centered = x - mean.reshape(mean.shape[0], *([1] * len(axes)), mean.shape[-1])
+        var = self.all_mean(jnp.mean(centered**2, axis=axes), group)
+        inv = lax.rsqrt(var + eps).reshape(centered.shape[0], *([1] * len(axes)), var.shape[-1])
+        return centered * inv * scale[:, None] + offset[:, None], mean, var
+
+    def grad(self, loss: Callable, params: Any) -> tuple[Any, Any]:
+        """Row ``r`` of the gradient: d(sum of every replica's loss) / d(replica r's params)."""
+        return loss(params), jax.grad(lambda p: jnp.sum(loss(p)))(params)
+
+    def cond(self, pred, true_fn, false_fn, *operands):
+        return lax.cond(pred[0], true_fn, false_fn, *operands)
+
+    def scan(self, body, carry, xs):
+        carry, ys = lax.scan(body, carry, jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), xs))
+        return carry, jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), ys)
+
+    def optimizer_update(self, tx, wrapped: bool, grads, opt, params):
+        if wrapped:
+            grads = self.all_mean(grads)
+        return jax.vmap(tx.update)(grads, opt, params)
+
+
+# -- the random program ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One random program: sizes and which features it uses."""
+
+    seed: int
+    features: int  # input width
+    hidden: int  # hidden width (state vectors, batch-norm features)
+    rows: int  # rows per replica
+    optimizer: str
+    batch_norm: str | None  # group name as text ('all' for None) or None: no batch norm
+    checkpoint: bool
+    grad_reduce: str  # 'mean', 'sum', 'scatter_gather', 'broadcast'
+    stats: bool  # Flax-style running mean of per-replica statistics
+    extra: tuple[tuple[str, str | None], ...]  # (collective, group) outputs
+    cond: str | None  # None, 'state' or 'collective': a collective inside lax.cond
+    scan: bool  # all_sum inside lax.scan over row chunks
+    loop: bool  # all_mean inside lax.fori_loop (while) with a fixed trip count
+    replica_offset: bool  # replica_id() feeds the loss
+
+    def describe(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(self).items())
+
+
+def random_spec(seed: int, replicas: int) -> Spec:
+    rng = np.random.default_rng(seed)
+    collectives = ("all_sum", "all_mean", "all_max", "all_min", "all_gather", "gather_tiled", "reduce_scatter")
+    collectives += ("broadcast", "replica_id")
+    n_extra = int(rng.integers(0, 4))
+    extra = tuple(
+        (str(rng.choice(collectives)), [None, "cores", "workers"][int(rng.integers(0, 3))]) for _ in range(n_extra)
+    )
+    return Spec(
+        seed=seed,
+        features=int(rng.choice([3, 4, 5, 8])),
+        hidden=int(rng.choice([4, 5, 8, 16, 64, replicas * 2])),
+        rows=int(rng.choice([1, 2, 4])),
+        optimizer=str(rng.choice(OPTIMIZERS)),
+        batch_norm=[None, "all", "cores"][int(rng.integers(0, 3))],
+        checkpoint=bool(rng.integers(0, 2)),
+        grad_reduce=str(rng.choice(["mean", "mean", "sum", "scatter_gather", "broadcast"])),
+        stats=bool(rng.integers(0, 2)),
+        extra=extra,
+        cond=[None, "state", "collective"][int(rng.integers(0, 3))],
+        scan=bool(rng.integers(0, 2)),
+        loop=bool(rng.integers(0, 2)),
+        replica_offset=bool(rng.integers(0, 2)),
+    )
+
+
+def _optimizer(name: str) -> tuple[optax.GradientTransformation, bool]:
+    return {
+        "sgd": (optax.sgd(0.1), False),
+        "momentum": (optax.sgd(0.05, momentum=0.9), False),
+        "adam": (optax.adam(1e-2), False),
+        "adamw": (optax.adamw(1e-2, weight_decay=1e-2), False),
+        "clip_adam": (optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2)), False),
+        "wrapped_adam": (optax.adam(1e-2), True),
+    }[name]
+
+
+def initial_state(spec: Spec) -> dict:
+    rng = np.random.default_rng((spec.seed, 1))
+    params = {
+        "w": (rng.normal(size=(spec.features, spec.hidden)) * 0.5).astype(np.float32),
+        "b": (rng.normal(size=(spec.hidden,)) * 0.1).astype(np.float32),
+        "scale": np.ones(spec.hidden, np.float32),
+        "offset": np.zeros(spec.hidden, np.float32),
+    }
+    tx, _ = _optimizer(spec.optimizer)
+    return {
+        "params": params,
+        "opt": tx.init(params),
+        "stats": np.zeros(spec.hidden, np.float32),
+        "step": np.zeros((), np.int32),
+    }
+
+
+def global_batches(spec: Spec, replicas: int, steps: int) -> list[dict]:
+    """Global batches: replica ``r`` gets rows ``[r * rows, (r + 1) * rows)``."""
+    rng = np.random.default_rng((spec.seed, 2))
+    n = replicas * spec.rows
+    return [
+        {
+            "x": rng.normal(size=(n, spec.features)).astype(np.float32),
+            "y": rng.normal(size=(n, spec.hidden)).astype(np.float32),
+        }
+        for _ in range(steps)
+    ]
+
+
+def make_step(spec: Spec, K: Any) -> Callable:
+    """The step of ``spec`` written against the ops object ``K``."""
+    tx, wrapped = _optimizer(spec.optimizer)
+    group = {None: None, "all": None, "cores": "cores"}[spec.batch_norm]
+    R = K.R
+
+    def forward(p, x):
+        return x @ p["w"] + p["b"]
+
+    def loss_fn(p, batch):
+        if spec.batch_norm is None:
+            h = K.local(forward, p, batch["x"])
+        else:  # a bias before batch norm has a gradient of rounding noise, which Adam would amplify
+            h = K.local(lambda w, x: x @ w, p["w"], batch["x"])
+            h, _, _ = K.batch_norm(h, p["scale"], p["offset"], group=group)
+            h = K.local(jnp.add, h, p["b"])
+        if spec.replica_offset:
+            rid = K.replica_id()
+            h = K.local(lambda a, r: a + 0.01 * r.astype(a.dtype), h, rid)
+        return K.local(lambda a, y: jnp.mean((jnp.tanh(a) - y) ** 2), h, batch["y"])
+
+    def step(state, batch):
+        params, opt = state["params"], state["opt"]
+        fn = (lambda p: loss_fn(p, batch)) if not spec.checkpoint else jax.checkpoint(lambda p: loss_fn(p, batch))
+        loss, grads = K.grad(fn, params)
+        if not wrapped:
+            if spec.grad_reduce == "mean":
+                grads = K.all_mean(grads)
+            elif spec.grad_reduce == "sum":
+                grads = jax.tree.map(lambda g: K.local(lambda a: a / R, g), K.all_sum(grads))
+            elif spec.grad_reduce == "broadcast":
+                grads = K.broadcast(K.all_mean(grads), source=R - 1)
+            else:  # reduce-scatter then all-gather, written by the user (leaves padded to divide)
+                grads = jax.tree.map(lambda g: _scatter_gather(K, g), grads)
+        updates, opt = K.optimizer_update(tx, wrapped, grads, opt, params)
+        params = K.local(optax.apply_updates, params, updates)
+        new = {"params": params, "opt": opt, "stats": state["stats"], "step": state["step"]}
+        outputs = {"loss": K.all_mean(loss)}
+        if spec.stats:  # Flax's batch statistics: a running mean of per-replica means
+            local_mean = K.local(lambda h: jnp.mean(jnp.tanh(h), axis=0), K.local(forward, params, batch["x"]))
+            new["stats"] = K.all_mean(K.local(lambda s, m: 0.9 * s + 0.1 * m, state["stats"], local_mean))
+        new["step"] = K.local(lambda s: s + 1, state["step"])
+        x = batch["x"]
+        for i, (kind, g) in enumerate(spec.extra):
+            outputs[f"extra{i}_{kind}"] = _extra(K, kind, g, x)
+        if spec.cond is not None:
+            if spec.cond == "state":
+                pred = K.local(lambda s: s % 2 == 0, state["step"])
+            else:
+                pred = K.local(lambda m: m > 0.0, K.all_max(K.local(lambda a: jnp.sum(a), x)))
+            outputs["cond"] = K.cond(
+                pred,
+                lambda a: K.all_sum(K.local(lambda v: v * 2.0, a)),
+                lambda a: K.all_max(a, group="cores"),
+                x,
+            )
+        if spec.scan:
+            chunks = K.local(lambda a: a.reshape(a.shape[0], 1, a.shape[1]), x)
+
+            def body(carry, xs):
+                s = K.all_sum(K.local(lambda v: jnp.sum(v, axis=0), xs))
+                return K.local(jnp.add, carry, s), K.local(jnp.max, s)
+
+            carry0 = K.local(lambda a: jnp.zeros(a.shape[1], a.dtype), x)
+            outputs["scan_total"], outputs["scan_max"] = K.scan(body, carry0, chunks)
+        if spec.loop:
+            start = K.local(lambda a: jnp.sum(a, axis=0), x)
+
+            def loop(_, v):
+                return K.all_mean(K.local(lambda a: jnp.sin(a) + 0.5 * a, v))
+
+            outputs["loop"] = _while(3, loop, start)
+        return new, outputs
+
+    return step
+
+
+def _while(n: int, body: Callable, init: Any) -> Any:
+    """``n`` trips of ``body`` in a ``lax.while_loop`` (the trip count is the same on every replica)."""
+    return lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, body(c[0], c[1])), (0, init))[1]
+
+
+def _scatter_gather(K: Any, g: Any) -> Any:
+    """``all_gather(reduce_scatter(g)) / R`` along a leading axis padded to divide by R."""
+    R = K.R
+    flat = K.local(lambda a: jnp.pad(a.reshape(-1), (0, (-a.size) % R)), g)
+    chunk = K.reduce_scatter(flat)
+    full = K.all_gather(chunk, tiled=True)
+    return K.local(lambda f, a: (f[: a.size] / R).reshape(a.shape), full, g)
+
+
+def _extra(K: Any, kind: str, group: str | None, x: Any) -> Any:
+    members = {None: K.R, "cores": K.C, "workers": K.W}[group]
+    v = K.local(lambda a: jnp.tanh(a).sum(axis=0), x)
+    if kind == "all_sum":
+        return K.all_sum(v, group)
+    if kind == "all_mean":
+        return K.all_mean(v, group)
+    if kind == "all_max":
+        return K.all_max(v, group)
+    if kind == "all_min":
+        return K.all_min(v, group)
+    if kind == "all_gather":
+        return K.all_gather(v, group)
+    if kind == "gather_tiled":
+        return K.all_gather(v, group, tiled=True)
+    if kind == "reduce_scatter":
+        rows = K.local(lambda a: jnp.tile(a, (members, 1)), v)  # (members * f,): divides
+        return K.reduce_scatter(rows, group)
+    if kind == "broadcast":
+        return K.broadcast(v, source=members - 1, group=group)
+    return K.local(lambda r, a: a * r.astype(a.dtype), K.replica_id(group), v)

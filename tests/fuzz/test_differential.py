@@ -1,0 +1,57 @@
+"""The differential fuzzer's fixed-seed sample (about a minute), and checks of its reference.
+
+Each program runs replicated under one pipeline variant and mesh and is
+compared with every replica simulated at once on one device. The long run is
+``python scripts/fuzz.py --programs 2000``.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from .differential import MESHES, VARIANTS, check, reference
+from .programs import PerReplica, Stacked, random_spec
+
+# (seed, variant, mesh): every variant on both meshes, a different program each.
+SAMPLE = [(100 + i, v, MESHES[i % 2]) for i, v in enumerate(VARIANTS)]
+SAMPLE += [(200 + i, v, MESHES[(i + 1) % 2]) for i, v in enumerate(VARIANTS)]
+
+
+@pytest.mark.parametrize(("seed", "variant", "mesh"), SAMPLE, ids=[f"{s}-{v}-{w}x{c}" for s, v, (w, c) in SAMPLE])
+def test_random_program_matches_the_stacked_reference(seed, variant, mesh):
+    outcome = check(random_spec(seed, mesh[0] * mesh[1]), variant, mesh)
+    assert outcome.ok, str(outcome)
+
+
+class TestReference:
+    """The stacked reference against NumPy written by hand (2 workers x 2 cores)."""
+
+    K = Stacked(2, 2)
+    X = np.arange(4 * 4, dtype=np.float32).reshape(4, 4)  # row r: replica r's value
+
+    def test_groups(self):
+        np.testing.assert_array_equal(self.K.all_sum(self.X)[3], self.X.sum(0))
+        np.testing.assert_array_equal(self.K.all_sum(self.X, "cores")[2], self.X[2] + self.X[3])  # worker 1
+        np.testing.assert_array_equal(self.K.all_max(self.X, "workers")[1], np.maximum(self.X[1], self.X[3]))
+        np.testing.assert_array_equal(self.K.replica_id("cores"), [0, 1, 0, 1])
+        np.testing.assert_array_equal(self.K.replica_id("workers"), [0, 0, 1, 1])
+
+    def test_gather_scatter_broadcast(self):
+        np.testing.assert_array_equal(self.K.all_gather(self.X, "workers")[1], self.X[[1, 3]])
+        np.testing.assert_array_equal(self.K.all_gather(self.X, tiled=True)[0], self.X.reshape(-1))
+        np.testing.assert_array_equal(self.K.reduce_scatter(self.X)[2], self.X.sum(0)[2:3])
+        np.testing.assert_array_equal(self.K.reduce_scatter(self.X, "cores")[3], (self.X[2] + self.X[3])[2:])
+        np.testing.assert_array_equal(self.K.broadcast(self.X, source=1, group="cores")[2], self.X[3])
+
+    def test_gradient_is_of_the_sum_over_replicas(self):
+        # loss_r = all_sum(x)_0 * x_r0: d(sum_r loss_r)/d x_r0 = sum_j x_j0 + sum_j x_j0 (both factors)
+        g = self.K.grad(lambda x: self.K.all_sum(x)[:, 0] * x[:, 0], jnp.asarray(self.X))[1]
+        np.testing.assert_allclose(g[:, 0], 2 * self.X[:, 0].sum())
+
+    def test_per_replica_ops_have_the_same_names(self):
+        names = {n for n in dir(Stacked) if not n.startswith("_")}
+        assert names == {n for n in dir(PerReplica) if not n.startswith("_")}
+
+    def test_reference_state_is_identical_on_every_replica(self):
+        state, outputs = reference(random_spec(7, 8), 2, 4)
+        assert len(outputs) == 2 and np.all(np.isfinite(np.asarray(state["params"]["w"])))
