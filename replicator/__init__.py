@@ -26,6 +26,7 @@ from replicator.distributed import replica_invariant as replica_invariant
 from replicator.errors import DivergentControlFlowError as DivergentControlFlowError
 from replicator.errors import DivergentStateError as DivergentStateError
 from replicator.errors import InputExhausted as InputExhausted
+from replicator.errors import MiscompileError as MiscompileError
 from replicator.errors import PassError as PassError
 from replicator.errors import ReplicationError as ReplicationError
 from replicator.errors import UnanalyzableStepError as UnanalyzableStepError
@@ -74,6 +75,7 @@ __all__ = [
     "InputContext",
     "InputExhausted",
     "LoggingHook",
+    "MiscompileError",
     "MixedPrecision",
     "PassError",
     "Pipeline",

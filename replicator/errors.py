@@ -6,6 +6,7 @@ __all__ = [
     "DivergentControlFlowError",
     "DivergentStateError",
     "InputExhausted",
+    "MiscompileError",
     "PassError",
     "UnanalyzableStepError",
     "ReplicationError",
@@ -38,3 +39,7 @@ class InputExhausted(StopIteration):
 
 class UnanalyzableStepError(ReplicationError):
     """A cross-replica operation where the analysis cannot prove it is safe."""
+
+
+class MiscompileError(ReplicationError):
+    """Translation validation found a pass that changed what the step computes."""

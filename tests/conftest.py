@@ -8,6 +8,9 @@ import os
 
 import replicator as rp
 
+# Every pipeline in the tests checks the graph invariants after every pass.
+os.environ.setdefault("REPLICATOR_VERIFY", "1")
+
 rp.force_cpu_devices(int(os.environ.get("REPLICATOR_TEST_DEVICES", "8")))
 
 import jax  # noqa: E402

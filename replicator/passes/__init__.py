@@ -4,6 +4,8 @@ from replicator.passes.base import Pass as Pass
 from replicator.passes.base import PassResult as PassResult
 from replicator.passes.base import StepGraph as StepGraph
 from replicator.passes.base import count_primitives as count_primitives
+from replicator.passes.bisect import BisectReport as BisectReport
+from replicator.passes.bisect import bisect_passes as bisect_passes
 from replicator.passes.compress import CompressCommunication as CompressCommunication
 from replicator.passes.fuse_allreduce import FuseAllReduce as FuseAllReduce
 from replicator.passes.hierarchical import HierarchicalAllReduce as HierarchicalAllReduce
@@ -20,6 +22,7 @@ from replicator.passes.verify import GraphInvariantError as GraphInvariantError
 from replicator.passes.verify import verify_graph as verify_graph
 
 __all__ = [
+    "BisectReport",
     "CheckReplicaInvariance",
     "CompressCommunication",
     "FuseAllReduce",
@@ -35,6 +38,7 @@ __all__ = [
     "Stage",
     "StepGraph",
     "analyze_invariance",
+    "bisect_passes",
     "count_primitives",
     "default_passes",
     "verify_graph",

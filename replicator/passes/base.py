@@ -108,6 +108,9 @@ class Pass:
     name: ClassVar[str] = "unnamed-pass"
     #: A pass that must run for the step to execute (cannot be disabled).
     required: ClassVar[bool] = False
+    #: False for a pass that changes precision on purpose (translation
+    #: validation then allows a bf16-sized difference).
+    exact: ClassVar[bool] = True
 
     def run(self, graph: StepGraph) -> PassResult:
         raise NotImplementedError

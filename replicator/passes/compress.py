@@ -161,6 +161,7 @@ class CompressCommunication(Pass):
     """
 
     name = "compress-communication"
+    exact = False  # bf16 on the wire
 
     def __init__(self, wire_dtype: Any = jnp.bfloat16, *, groups: Sequence[str | None] = GROUPS):
         self.wire_dtype = _wire(wire_dtype)

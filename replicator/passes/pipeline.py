@@ -32,11 +32,17 @@ from replicator.passes.invariance import CheckReplicaInvariance
 from replicator.passes.lower_collectives import LowerCollectives
 from replicator.passes.shard_optimizer import DEFAULT_MIN_TENSOR_BYTES, ShardOptimizerUpdate
 from replicator.passes.simplify import Simplify
+from replicator.passes.validate import GraphRunner, compare_results, validate_from_env
 from replicator.passes.verify import verify_graph
 
-__all__ = ["DUMP_ENV", "Lowered", "Pipeline", "Stage", "default_passes"]
+__all__ = ["DUMP_ENV", "VERIFY_ENV", "Lowered", "Pipeline", "Stage", "default_passes"]
 
 DUMP_ENV = "REPLICATOR_DUMP_DIR"
+VERIFY_ENV = "REPLICATOR_VERIFY"
+
+
+def _flag_from_env(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def default_passes(
@@ -134,7 +140,13 @@ class Pipeline:
     Args:
       passes: the passes in order (default: :func:`default_passes`).
       disable: names of passes to skip; required passes cannot be skipped.
-      verify: run the invariant checks before the first and after every pass.
+      verify: run the invariant checks before the first and after every pass
+        (default: the ``REPLICATOR_VERIFY`` environment variable; the test
+        suite sets it).
+      validate: translation validation (:mod:`replicator.passes.validate`):
+        execute the graph before and after every pass on random inputs and
+        raise :class:`~replicator.errors.MiscompileError` if a result changed
+        (default: the ``REPLICATOR_VALIDATE`` environment variable).
       dump_dir: write ``NN-<pass>.before.txt``/``.after.txt`` here (default: the
         ``REPLICATOR_DUMP_DIR`` environment variable, if set).
     """
@@ -144,7 +156,8 @@ class Pipeline:
         passes: Sequence[Pass] | None = None,
         *,
         disable: Iterable[str] = (),
-        verify: bool = False,
+        verify: bool | None = None,
+        validate: bool | None = None,
         dump_dir: str | os.PathLike | None = None,
     ):
         self.passes = list(default_passes() if passes is None else passes)
@@ -159,7 +172,8 @@ class Pipeline:
         required = [p.name for p in self.passes if p.required and p.name in self.disabled]
         if required:
             raise ValueError(f"Pipeline: pass {required} is required for the step to run and cannot be disabled.")
-        self.verify = verify
+        self.verify = _flag_from_env(VERIFY_ENV) if verify is None else bool(verify)
+        self.validate = validate_from_env() if validate is None else bool(validate)
         self.dump_dir = dump_dir if dump_dir is not None else os.environ.get(DUMP_ENV) or None
 
     @classmethod
@@ -167,12 +181,13 @@ class Pipeline:
         cls,
         *,
         disable: Iterable[str] = (),
-        verify: bool = False,
+        verify: bool | None = None,
+        validate: bool | None = None,
         dump_dir: str | os.PathLike | None = None,
         **options: Any,
     ) -> Pipeline:
         """The default passes with ``options`` (see :func:`default_passes`)."""
-        return cls(default_passes(**options), disable=disable, verify=verify, dump_dir=dump_dir)
+        return cls(default_passes(**options), disable=disable, verify=verify, validate=validate, dump_dir=dump_dir)
 
     @property
     def names(self) -> list[str]:
@@ -180,7 +195,7 @@ class Pipeline:
 
     def key(self) -> tuple:
         """Hashable identity of the configuration (for compile caches)."""
-        return (tuple(repr(p) for p in self.passes), self.disabled, self.verify)
+        return (tuple(repr(p) for p in self.passes), self.disabled, self.verify, self.validate)
 
     def __repr__(self) -> str:
         active = [p.name for p in self.passes if p.name not in self.disabled]
@@ -189,6 +204,8 @@ class Pipeline:
     def run(self, graph: StepGraph) -> Lowered:
         stages = [Stage("traced", graph, False)]
         ran: list[str] = []
+        runner = GraphRunner(graph) if self.validate else None
+        results = runner.run(graph) if runner else None
         if self.verify:
             verify_graph(graph, lowered=False)
         for index, p in enumerate(self.passes):
@@ -208,6 +225,10 @@ class Pipeline:
                     f"Disable it with Replicator(..., passes=Pipeline(disable=['{p.name}'])) and "
                     f"please report the failing step."
                 ) from e
+            if runner is not None and result.changed:
+                new_results = runner.run(result.graph)
+                compare_results(results, new_results, graph, p.name, exact=p.exact)
+                results = new_results
             graph = result.graph
             ran.append(p.name)
             stages.append(Stage(p.name, graph, result.changed))
