@@ -22,6 +22,11 @@ sum and divided by the group size after the cast back, in float32. With
 ``groups=('workers',)`` after ``hierarchical-allreduce`` only the
 inter-worker step (the slow links) is compressed.
 
+**Precondition.** Only float32 operands of ``sum``/``mean`` all-reduces are
+cast; this pass changes results by design, within the bound below, so it is
+``exact = False`` for translation validation (``max``/``min`` and other dtypes:
+``tests/passes/test_compress.py::test_only_float32_operands_are_compressed``).
+
 Error. Let ``u`` be the unit roundoff of the wire dtype (``finfo.eps / 2``:
 ``2**-8`` for bfloat16, whose significand has 8 bits; ``2**-11`` for
 float16), ``x_1 .. x_N`` the float32 values of one element on the ``N``

@@ -43,6 +43,15 @@ every replica (and every run) builds the same program. A region where nothing
 is fused is kept exactly as it was (reordering alone is not a change), so
 running the pass on its own output changes nothing.
 
+**Precondition (soundness).** Collectives are fused only when they have the
+same primitive, op, group, dtype and weak type, lie in one region, and none
+reads (directly or through deferred equations) the result of another in the
+bucket; concatenating, reducing once and slicing back is then the same
+element-wise reduction of the same values. Tests just outside: dependent
+all-reduces, mixed dtypes, different groups, ops not chosen, effects, and
+collectives in different regions stay apart
+(``tests/passes/test_fuse_allreduce.py``).
+
 Example::
 
     passes = rp.Pipeline([CheckReplicaInvariance(), FuseAllReduce(), LowerCollectives()])

@@ -27,6 +27,15 @@ binds placeholders only, so ``lower-collectives`` stays the one place that
 knows the mesh axes, and an all-reduce algorithm chosen there (e.g.
 ``'ring'``) applies to the inter-worker step too.
 
+**Precondition (soundness).** A sum over all ``W x C`` replicas equals a
+reduce-scatter within each worker, a sum of the chunks across workers and an
+all-gather within the worker (the chunks partition the padded buffer, and
+chunk ``c`` of every worker is reduced together), for ``sum`` and ``mean``
+(divided once by ``W * C``) of numeric non-boolean dtypes; ``max``/``min``,
+group collectives, one-level meshes and booleans are left alone
+(``tests/passes/test_hierarchical.py::test_only_sum_and_mean_over_all_replicas_are_rewritten``
+and ``test_nothing_to_do_without_two_levels``).
+
 Run it after ``fuse-allreduce`` (it then splits the fused buckets, one
 rewrite per bucket) and before ``lower-collectives``. It recurses into every
 sub-jaxpr (``cond`` branches, ``scan``/``while`` bodies, ``jit``, ``remat``,

@@ -35,6 +35,13 @@ bitwise the same result (each element is reduced once, on one replica, and
 copied). Sums are added in a different order than by ``psum``, so float
 results differ from ``'native'`` by rounding (about ``1e-6`` relative in f32).
 
+**Precondition (soundness).** Each rule computes its placeholder's
+documented result over the group's mesh axes, for every op, group and dtype;
+the ring and tree algorithms are checked against ``'native'`` for every op,
+group and dtype (``tests/passes/test_algorithms.py``; the tree on group sizes
+that are not powers of two), and all three by the differential fuzzer
+(``tests/fuzz``) against all replicas simulated on one device.
+
 Example::
 
     graph = LowerCollectives().run(graph).graph

@@ -19,6 +19,18 @@ rewrites, each switchable in the constructor:
 * ``dead``: equations without effects whose results are never used (dropped
   collectives, and the code that only fed them) are removed.
 
+**Preconditions (soundness).** ``dedup``: two placeholders with equal
+primitive, parameters and operand *atoms* in one region compute the same
+value (placeholders are pure; a region is straight-line code, so both see the
+same operands). ``invariant``: the operand is proven identical along every
+axis of the collective's group by :mod:`replicator.passes.invariance` (inside
+a sub-jaxpr only where the analysis has a rule for its container; elsewhere,
+and where the analysis rejects the step, nothing is rewritten). ``dead``: the
+equation has no effects. Tests just outside each: collectives of batch data,
+of values varying along the group's axis, of host-callback results, inside
+unknown containers and under divergent control flow are kept
+(``tests/passes/test_simplify.py``).
+
 Example::
 
     pipe = rp.Pipeline([Simplify(), *default_passes()])
