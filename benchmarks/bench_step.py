@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -65,6 +64,7 @@ import optax  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from timing import time_interleaved  # noqa: E402
 
 from replicator.execution import place_batch, place_state, sharded  # noqa: E402
 
@@ -294,37 +294,6 @@ def allreduce_variants(n: int) -> dict[str, Runner]:
 
 
 # -- timing ---------------------------------------------------------------------------
-
-
-def block(x: object) -> None:
-    jax.block_until_ready(x)
-
-
-#: Every variant may run this many steps ahead of the host, as Replicator does
-#: on CPU (XLA CPU deadlocks when many collective programs are queued).
-MAX_IN_FLIGHT = 2
-
-
-def time_interleaved(variants: dict[str, Runner], rounds: int, steps: int) -> dict[str, float]:
-    """Median seconds per step of each variant, variants interleaved per round."""
-    for run in variants.values():  # compile and warm up
-        for _ in range(2):
-            block(run())
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    for r in range(rounds):
-        order = list(variants.items())
-        if r % 2:
-            order.reverse()
-        for name, run in order:
-            t0 = time.perf_counter()
-            in_flight: list[object] = []
-            for _ in range(steps):
-                in_flight.append(run())
-                if len(in_flight) > MAX_IN_FLIGHT:
-                    block(in_flight.pop(0))
-            block(in_flight)
-            samples[name].append((time.perf_counter() - t0) / steps)
-    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def print_table(title: str, medians: dict[str, float], floor: str) -> None:

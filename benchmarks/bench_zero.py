@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -53,6 +51,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from timing import time_interleaved  # noqa: E402
 
 Step = Callable  # (state, batch, all_mean, batch_norm) -> (state, loss)
 
@@ -198,23 +197,6 @@ def replicated(state, batches, step, *, shard_optimizer: bool, workers: int = 1)
     return run, sharded
 
 
-def time_interleaved(variants: dict[str, Callable], rounds: int, steps: int) -> dict[str, float]:
-    for run in variants.values():
-        jax.block_until_ready(run())
-    samples: dict[str, list[float]] = {k: [] for k in variants}
-    for r in range(rounds):
-        order = list(variants.items())
-        if r % 2:
-            order.reverse()
-        for name, run in order:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                out = run()
-            jax.block_until_ready(out)
-            samples[name].append((time.perf_counter() - t0) / steps)
-    return {k: 1e3 * statistics.median(v) for k, v in samples.items()}
-
-
 def main() -> None:
     n = jax.device_count()
     print(
@@ -229,7 +211,7 @@ def main() -> None:
             for zero in (False, True):
                 label = f"{w}x{n // w} {'zero' if zero else 'no-zero'}"
                 variants[label], sharded[label] = replicated(state, batches, step, shard_optimizer=zero, workers=w)
-        times = time_interleaved(variants, ARGS.rounds, ARGS.steps)
+        times = {k: 1e3 * v for k, v in time_interleaved(variants, ARGS.rounds, ARGS.steps).items()}
         for label, ms in times.items():
             print(f"{name:<11}{label:<22}{ms:>9.2f}{ms / times['single']:>10.2f}x{sharded[label]!s:>16}")
         for w in meshes:
