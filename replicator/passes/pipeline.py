@@ -33,7 +33,7 @@ from replicator.passes.lower_collectives import LowerCollectives
 from replicator.passes.shard_optimizer import DEFAULT_MIN_TENSOR_BYTES, ShardOptimizerUpdate
 from replicator.passes.simplify import Simplify
 from replicator.passes.validate import GraphRunner, compare_results, validate_from_env
-from replicator.passes.verify import verify_graph
+from replicator.passes.verify import check_defined, verify_graph
 
 __all__ = ["DUMP_ENV", "VERIFY_ENV", "Lowered", "Pipeline", "Stage", "default_passes"]
 
@@ -214,6 +214,7 @@ class Pipeline:
             self._dump(index, p.name, "before", graph)
             try:
                 result = p.run(graph)
+                check_defined(result.graph)
                 if self.verify:
                     verify_graph(result.graph, lowered=isinstance(p, LowerCollectives) or _lowered(ran))
             except ReplicationError as e:

@@ -1,4 +1,10 @@
-"""Invariant checks run between passes when a pipeline is asked to verify.
+"""Invariant checks run between passes.
+
+Always, after every pass (cheap, linear): :func:`check_defined`, every
+variable is defined before it is read, in every sub-jaxpr.
+
+When a pipeline is asked to verify (``verify=True``; several times the cost of
+the passes themselves on large steps):
 
 * the jaxpr type-checks (``jax.extend.core.check_jaxpr``) under the mesh axes;
 * after lowering, no placeholder is left anywhere (sub-jaxprs included);
@@ -7,14 +13,14 @@
 
 from __future__ import annotations
 
-from jax.extend.core import check_jaxpr
+from jax.extend.core import Jaxpr, Var, check_jaxpr
 
 from replicator._jax_compat import extend_axis_env
 from replicator.context import REPLICA_AXES
-from replicator.passes.base import StepGraph, iter_eqns
+from replicator.passes.base import StepGraph, iter_eqns, sub_jaxprs
 from replicator.primitives import PLACEHOLDERS
 
-__all__ = ["GraphInvariantError", "verify_graph"]
+__all__ = ["GraphInvariantError", "check_defined", "verify_graph"]
 
 _AXIS_PARAMS = ("axes", "axis_name")
 #: Real collectives whose named axes must be mesh axes.
@@ -35,8 +41,30 @@ def _axes_of(eqn) -> tuple:
     return ()
 
 
+def _check_defined(jaxpr: Jaxpr, where: str) -> None:
+    defined = set(jaxpr.invars) | set(jaxpr.constvars)
+    for index, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if isinstance(v, Var) and v not in defined:
+                raise GraphInvariantError(
+                    f"{where}equation {index} ({eqn.primitive.name}) reads {v}, which is never defined before it"
+                )
+        for sub in sub_jaxprs(eqn.params):
+            _check_defined(sub, f"{where}a sub-graph of equation {index} ({eqn.primitive.name}): ")
+        defined.update(v for v in eqn.outvars if isinstance(v, Var))
+    for v in jaxpr.outvars:
+        if isinstance(v, Var) and v not in defined:
+            raise GraphInvariantError(f"{where}the result {v} is never defined")
+
+
+def check_defined(graph: StepGraph) -> None:
+    """Raise :class:`GraphInvariantError` if some equation reads a variable not defined before it."""
+    _check_defined(graph.jaxpr.jaxpr, "")
+
+
 def verify_graph(graph: StepGraph, *, lowered: bool) -> None:
     """Raise :class:`GraphInvariantError` if ``graph`` breaks an invariant."""
+    check_defined(graph)
     jaxpr = graph.jaxpr.jaxpr
     try:
         with extend_axis_env(graph.context.axis_env):

@@ -121,3 +121,22 @@ def test_validation_sees_a_wrong_sharded_state_update(n_devices):
     repl = rp.Replicator(1, n, passes=Pipeline(passes, validate=True))
     with pytest.raises(rp.MiscompileError, match=r"zero-then-break' changed new state\[1\]"):
         repl.lower(step, {"x": np.ones((2 * n, 2 * n), np.float32)}, (params, tx.init(params)))
+
+
+def test_a_pass_that_reads_an_undefined_variable_is_named_even_without_verify(n_devices):
+    class DropFirstEquation(Pass):
+        name = "drop-first-equation"
+
+        def run(self, graph):
+            jaxpr = graph.jaxpr.jaxpr
+            new = jaxpr.replace(eqns=jaxpr.eqns[1:])
+            return type(rewrite_graph(graph, lambda e: None))(
+                graph.with_jaxpr(jax.extend.core.ClosedJaxpr(new, graph.jaxpr.consts)), True
+            )
+
+    passes = default_passes()
+    passes.insert(2, DropFirstEquation())
+    repl = rp.Replicator(1, n_devices, passes=Pipeline(passes, verify=False))
+    batch, state = _inputs(n_devices)
+    with pytest.raises(rp.PassError, match="drop-first-equation.*never defined"):
+        repl.lower(_step, batch, state)
