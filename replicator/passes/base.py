@@ -111,6 +111,13 @@ class Pass:
     #: False for a pass that changes precision on purpose (translation
     #: validation then allows a bf16-sized difference).
     exact: ClassVar[bool] = True
+    #: The pass works on placeholders: it must come before the pass that
+    #: lowers them (a pipeline that puts it after raises when it is built).
+    needs_placeholders: ClassVar[bool] = True
+    #: The pass replaces the placeholders by mesh collectives.
+    lowers: ClassVar[bool] = False
+    #: Names of passes that, when in the same pipeline, must run before this one.
+    run_after: ClassVar[tuple[str, ...]] = ()
 
     def run(self, graph: StepGraph) -> PassResult:
         raise NotImplementedError

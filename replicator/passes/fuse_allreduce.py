@@ -352,6 +352,8 @@ class FuseAllReduce(Pass):
     """
 
     name = "fuse-allreduce"
+    #: ZeRO's reduce-scatters and all-gathers are fused only if they exist already.
+    run_after = ("shard-optimizer-update",)
 
     def __init__(
         self,

@@ -298,6 +298,8 @@ class LowerCollectives(Pass):
     """
 
     name = "lower-collectives"
+    lowers = True
+    needs_placeholders = False
     required = True
 
     def __init__(self, algorithms: Mapping[str, str] | None = None):

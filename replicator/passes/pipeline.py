@@ -169,6 +169,7 @@ class Pipeline:
         unknown = self.disabled - set(names)
         if unknown:
             raise ValueError(f"Pipeline(disable=...): no pass named {sorted(unknown)}; the passes are {names}.")
+        _check_order(self.passes)
         required = [p.name for p in self.passes if p.required and p.name in self.disabled]
         if required:
             raise ValueError(f"Pipeline: pass {required} is required for the step to run and cannot be disabled.")
@@ -243,6 +244,26 @@ class Pipeline:
         safe = re.sub(r"[^a-z0-9-]", "_", name)
         with open(os.path.join(self.dump_dir, f"{index:02d}-{safe}.{when}.txt"), "w") as f:
             f.write(str(graph.jaxpr))
+
+
+def _check_order(passes: Sequence[Pass]) -> None:
+    """Raise ``ValueError`` naming both passes if the order breaks a declared constraint."""
+    lowering: Pass | None = None
+    for index, p in enumerate(passes):
+        if p.needs_placeholders and lowering is not None:
+            raise ValueError(
+                f"Pipeline: pass '{p.name}' works on placeholders but comes after '{lowering.name}', which "
+                f"replaces them, so it would do nothing. Put '{p.name}' before '{lowering.name}'."
+            )
+        later = [q.name for q in passes[index + 1 :] if q.name in p.run_after]
+        if later:
+            raise ValueError(
+                f"Pipeline: pass '{p.name}' must run after '{later[0]}' (it rewrites what '{later[0]}' "
+                f"produces), but comes before it. Move '{later[0]}' before '{p.name}'."
+            )
+        if p.lowers:
+            lowering = p
+    return None
 
 
 def _lowered(ran: list[str]) -> bool:

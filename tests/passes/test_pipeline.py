@@ -131,3 +131,37 @@ def test_user_errors_pass_through_with_a_note(repl):
 def test_pipeline_rejects_non_passes():
     with pytest.raises(TypeError, match="not a replicator.passes.Pass"):
         Pipeline([object()])
+
+
+class TestOrder:
+    """The pipeline rejects an order in which a pass would silently do nothing."""
+
+    def test_a_placeholder_pass_after_lowering_is_rejected_naming_both(self):
+        from replicator.passes import FuseAllReduce, LowerCollectives
+
+        with pytest.raises(ValueError, match="'fuse-allreduce' works on placeholders.*after 'lower-collectives'"):
+            Pipeline([LowerCollectives(), FuseAllReduce()])
+
+    def test_fusion_before_zero_is_rejected_naming_both(self):
+        from replicator.passes import FuseAllReduce, LowerCollectives, ShardOptimizerUpdate
+
+        with pytest.raises(ValueError, match="'fuse-allreduce' must run after 'shard-optimizer-update'"):
+            Pipeline([FuseAllReduce(), ShardOptimizerUpdate(), LowerCollectives()])
+
+    def test_a_pass_for_lowered_graphs_may_follow_lowering(self):
+        from replicator.passes import LowerCollectives
+
+        class CountCollectives(Pass):
+            name = "count-collectives"
+            needs_placeholders = False
+
+            def run(self, graph):
+                return PassResult(graph, False)
+
+        assert Pipeline([LowerCollectives(), CountCollectives()]).names == ["lower-collectives", "count-collectives"]
+
+    def test_every_default_combination_is_in_order(self):
+        for zero in (False, True):
+            for hierarchical in (False, True):
+                for compress in (False, True):
+                    Pipeline.default(shard_optimizer=zero, hierarchical=hierarchical, compress=compress)
