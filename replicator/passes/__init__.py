@@ -4,6 +4,7 @@ from replicator.passes.base import Pass as Pass
 from replicator.passes.base import PassResult as PassResult
 from replicator.passes.base import StepGraph as StepGraph
 from replicator.passes.base import count_primitives as count_primitives
+from replicator.passes.base import rewrite_graph as rewrite_graph
 from replicator.passes.bisect import BisectReport as BisectReport
 from replicator.passes.bisect import bisect_passes as bisect_passes
 from replicator.passes.compress import CompressCommunication as CompressCommunication
@@ -41,5 +42,6 @@ __all__ = [
     "bisect_passes",
     "count_primitives",
     "default_passes",
+    "rewrite_graph",
     "verify_graph",
 ]

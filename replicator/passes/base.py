@@ -35,6 +35,7 @@ __all__ = [
     "iter_eqns",
     "map_subjaxprs",
     "open_jaxpr",
+    "rewrite_graph",
     "rewrite_jaxpr",
     "sub_jaxprs",
 ]
@@ -45,13 +46,12 @@ Atom = Any  # Var | Literal
 #: inputs are the trailing operands of the equation.
 CALL_PARAMS: dict[str, str] = {
     "jit": "jaxpr",
-    "pjit": "jaxpr",
     "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
+    "call": "call_jaxpr",
     "remat2": "jaxpr",
-    "checkpoint": "jaxpr",
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",
+    "custom_vmap_call": "call",
 }
 EqnRule = Callable[[JaxprEqn], "tuple[list[JaxprEqn], list[Atom]] | None"]
 

@@ -114,11 +114,6 @@ class VarianceAnalysis:
         # Axes of size 1 cannot make values differ.
         self.live_axes = frozenset(a for a, n in axis_sizes.items() if n > 1)
 
-    @property
-    def all_axes(self) -> Variance:
-        """Every axis along which values can differ (the same as ``live_axes``)."""
-        return self.live_axes
-
     def axes(self, group: str | None) -> Variance:
         return frozenset(group_axes(group)) & self.live_axes
 

@@ -344,7 +344,9 @@ class Simplify(Pass):
         in_variance: list[Variance] | None = None
         if self.invariant:
             analysis = VarianceAnalysis(graph.context.axis_sizes)
-            in_variance = [INVARIANT] * graph.num_state + [analysis.all_axes] * graph.num_batch
+            live = analysis.live_axes
+            state = [live if i in graph.sharded_state else INVARIANT for i in range(graph.num_state)]
+            in_variance = state + [live] * graph.num_batch
             try:
                 analysis.run(closed.jaxpr, in_variance)
             except DivergentControlFlowError:
