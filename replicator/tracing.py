@@ -28,11 +28,8 @@ class TracedStep:
     """A traced step: its graph and how to rebuild pytrees around it."""
 
     graph: StepGraph
-    has_state: bool
     state_treedef: Any
-    batch_treedef: Any
     output_treedef: Any
-    state_avals: tuple[jax.ShapeDtypeStruct, ...]
 
 
 def leaf_paths(tree: PyTree, root: str) -> tuple[str, ...]:
@@ -137,9 +134,6 @@ def trace_step(
     )
     return TracedStep(
         graph=graph,
-        has_state=has_state,
         state_treedef=state_treedef,
-        batch_treedef=batch_treedef,
         output_treedef=out_info["treedef"],
-        state_avals=tuple(state_leaves),
     )
