@@ -1,5 +1,8 @@
 """Run a random program replicated and as the stacked reference; compare every leaf.
 
+Also checks the replica-variance analysis against what ran: an output leaf it
+calls identical along a mesh axis must be identical along that axis.
+
 Pipeline variants: the default pipeline and each optional pass or algorithm
 switched on, all with ``verify=True`` (graph invariants after every pass).
 """
@@ -13,6 +16,7 @@ import jax
 import numpy as np
 
 import replicator as rp
+from replicator.passes import analyze_invariance
 
 from .programs import PerReplica, Spec, Stacked, global_batches, initial_state, make_step, random_spec
 
@@ -68,7 +72,8 @@ def reference(spec: Spec, workers: int, cores: int) -> tuple[Any, list[Any]]:
     return jax.tree.map(lambda a: a[0], rows), outputs
 
 
-def replicated(spec: Spec, workers: int, cores: int, variant: str) -> tuple[Any, list[Any]]:
+def replicated(spec: Spec, workers: int, cores: int, variant: str) -> tuple[Any, list[Any], tuple]:
+    """Final state, each step's per-replica outputs, and the analysis's variance of each output leaf."""
     options = dict(VARIANTS[variant])
     repl = rp.Replicator(workers, cores, passes=rp.Pipeline.default(verify=True, **options))
     R = workers * cores
@@ -84,7 +89,28 @@ def replicated(spec: Spec, workers: int, cores: int, variant: str) -> tuple[Any,
     for _ in batches:
         state, out = repl.run(step, input_fn, state)
         outputs.append(out)
-    return jax.tree.map(np.asarray, state), [jax.tree.map(np.asarray, o) for o in outputs]
+    outputs = [jax.tree.map(np.asarray, o) for o in outputs]
+    traced = repl.lower(step, jax.tree.map(lambda a: a[:rows], batches[0]), initial_state(spec)).traced
+    variance = analyze_invariance(traced).output_variance[traced.num_state :]
+    return jax.tree.map(np.asarray, state), outputs, variance
+
+
+def claimed_identical_but_differs(outputs: list[Any], variance: tuple, workers: int, cores: int) -> str | None:
+    """Check the variance analysis against the run: an output it calls identical along an axis must be."""
+    for step, out in enumerate(outputs):
+        leaves = jax.tree_util.tree_leaves_with_path(out)
+        for (path, leaf), axes in zip(leaves, variance, strict=True):
+            rows = np.asarray(leaf).reshape(workers, cores, *np.shape(leaf)[1:]).astype(np.float64)
+            for axis, name in ((1, "cores"), (0, "workers")):
+                if name in axes:
+                    continue
+                spread = float(np.max(np.abs(rows - np.take(rows, [0], axis=axis)), initial=0.0))
+                if not spread <= 1e-6 * max(1.0, float(np.max(np.abs(rows), initial=0.0))):
+                    return (
+                        f"step {step} output {jax.tree_util.keystr(path)}: the analysis says it is identical "
+                        f"along '{name}', but replicas differ by {spread:.3g}"
+                    )
+    return None
 
 
 def tolerance(variant: str, ref: np.ndarray) -> float:
@@ -121,7 +147,7 @@ def check(spec: Spec, variant: str, mesh: tuple[int, int], ref: tuple[Any, list[
     outcome = Outcome(spec, variant, mesh)
     try:
         want_state, want_outputs = ref if ref is not None else reference(spec, workers, cores)
-        got_state, got_outputs = replicated(spec, workers, cores, variant)
+        got_state, got_outputs, variance = replicated(spec, workers, cores, variant)
     except Exception as e:  # noqa: BLE001 - every crash is a finding
         outcome.error = f"{type(e).__name__}: {str(e)[:400]}"
         return outcome
@@ -130,6 +156,8 @@ def check(spec: Spec, variant: str, mesh: tuple[int, int], ref: tuple[Any, list[
         if outcome.mismatch is None:
             m = first_mismatch(variant, g, w)
             outcome.mismatch = f"step {i} outputs{m}" if m else None
+    if outcome.mismatch is None:
+        outcome.mismatch = claimed_identical_but_differs(got_outputs, variance, workers, cores)
     return outcome
 
 

@@ -55,3 +55,12 @@ class TestReference:
     def test_reference_state_is_identical_on_every_replica(self):
         state, outputs = reference(random_spec(7, 8), 2, 4)
         assert len(outputs) == 2 and np.all(np.isfinite(np.asarray(state["params"]["w"])))
+
+
+def test_the_variance_check_catches_a_false_claim():
+    from .differential import claimed_identical_but_differs
+
+    rows = np.arange(8, dtype=np.float32).reshape(8, 1) // 4  # 2 workers x 4 cores: differs across workers only
+    outputs = [{"x": rows}]
+    assert claimed_identical_but_differs(outputs, (frozenset({"workers"}),), 2, 4) is None
+    assert "identical along 'workers'" in claimed_identical_but_differs(outputs, (frozenset(),), 2, 4)
