@@ -138,7 +138,12 @@ def _map_param(value: Any, fn: Callable[[Jaxpr], Jaxpr]) -> Any:
     if isinstance(value, Jaxpr):
         return fn(value)
     if isinstance(value, tuple) and any(isinstance(v, (Jaxpr, ClosedJaxpr)) for v in value):
-        return tuple(_map_param(v, fn) for v in value)
+        items = [_map_param(v, fn) for v in value]
+        if all(new is old for new, old in zip(items, value, strict=True)):
+            return value
+        # A named tuple (``custom_linear_solve``'s jaxprs) keeps its type: the
+        # primitive reads its fields by name.
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
     return value
 
 

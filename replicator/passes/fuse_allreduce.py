@@ -43,14 +43,32 @@ every replica (and every run) builds the same program. A region where nothing
 is fused is kept exactly as it was (reordering alone is not a change), so
 running the pass on its own output changes nothing.
 
-**Precondition (soundness).** Collectives are fused only when they have the
-same primitive, op, group, dtype and weak type, lie in one region, and none
-reads (directly or through deferred equations) the result of another in the
-bucket; concatenating, reducing once and slicing back is then the same
-element-wise reduction of the same values. Tests just outside: dependent
-all-reduces, mixed dtypes, different groups, ops not chosen, effects, and
-collectives in different regions stay apart
-(``tests/passes/test_fuse_allreduce.py``).
+**Precondition (soundness).** Collectives share a bucket only when all of
+these hold, and the pass checks each:
+
+* same kind and parameters: ``rp.all_reduce`` with the same ``op`` (one of
+  ``ops``), or (with ``scatter_gather``) ``rp.reduce_scatter`` along axis 0,
+  or tiled ``rp.all_gather`` along axis 0; the same ``group`` and
+  ``group_size``; operands of the same dtype *and* weak type (an all-reduce of
+  several dtypes is split, one bucket per dtype);
+* the same region: the same jaxpr, never across a ``cond``/``while``/``scan``
+  body or any other sub-jaxpr (those are fused on their own);
+* no data dependence: no member reads, directly or through any chain of
+  equations (sub-jaxpr containers included), the result of another member of
+  a pending bucket; such an all-reduce first flushes the window;
+* no effects crossed: an equation with effects flushes the window, so the
+  fused collectives and the deferred equations run before it.
+
+Then every element is reduced over the same replicas with the same op as
+before (concatenation and slicing move no element across replicas; a
+reduce-scatter's leaf ``(a, ...)`` viewed as ``(N, a/N * ...)`` puts chunk
+``r`` in row ``r``, which replica ``r`` keeps; a gather's row ``r`` is replica
+``r``'s chunk), and the result is the same up to the order in which the
+backend adds the ``N`` values of one element (integers: exactly).
+Tests just outside (``tests/passes/test_fuse_allreduce.py``): dependent
+all-reduces, also through a ``jit``/``cond``/``scan``; mixed dtypes; weak and
+strong types; different groups; ops not chosen; reduce-scatters off axis 0
+and untiled all-gathers; effects; collectives in different regions.
 
 Example::
 

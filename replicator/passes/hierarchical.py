@@ -27,14 +27,34 @@ binds placeholders only, so ``lower-collectives`` stays the one place that
 knows the mesh axes, and an all-reduce algorithm chosen there (e.g.
 ``'ring'``) applies to the inter-worker step too.
 
-**Precondition (soundness).** A sum over all ``W x C`` replicas equals a
-reduce-scatter within each worker, a sum of the chunks across workers and an
-all-gather within the worker (the chunks partition the padded buffer, and
-chunk ``c`` of every worker is reduced together), for ``sum`` and ``mean``
-(divided once by ``W * C``) of numeric non-boolean dtypes; ``max``/``min``,
-group collectives, one-level meshes and booleans are left alone
-(``tests/passes/test_hierarchical.py::test_only_sum_and_mean_over_all_replicas_are_rewritten``
-and ``test_nothing_to_do_without_two_levels``).
+**Precondition (soundness).** An ``rp.all_reduce`` is rewritten only if
+all of these hold (:meth:`HierarchicalAllReduce.is_candidate`):
+
+* its op is ``sum`` or ``mean``: a reduce-scatter can only add. (``max`` and
+  ``min`` would decompose too, but there is no max-scatter placeholder; they
+  are left alone);
+* its group is ``None`` (all ``W x C`` replicas) on a mesh with ``W >= 2``
+  and ``C >= 2``: group collectives and one-level meshes are left alone;
+* every operand has a numeric, non-boolean NumPy dtype (booleans cannot be
+  added; extended dtypes such as PRNG keys are not arrays of numbers) and
+  together they carry at least ``min_bytes`` (and more than zero) bytes.
+
+Why it is then the same reduction: the padded buffer is cut into ``C`` chunks;
+core ``c`` of every worker ends the reduce-scatter with chunk ``c`` summed
+over its worker's cores, the all-reduce over ``'workers'`` adds the chunks
+``c`` of all workers (the replicas with core index ``c``), and the tiled
+all-gather over ``'cores'`` puts chunk ``c`` back at position ``c``. Every
+element is thus the sum of its ``W * C`` values, and every replica holds the
+same buffer. Integer sums wrap around exactly as one sum does (addition mod
+``2**bits`` is associative); floating-point sums are added in another order,
+so they differ from one ``psum`` by rounding only, as two XLA algorithms do.
+A ``mean`` (float dtypes only: ``all_mean`` rejects integers) divides the
+summed chunk by ``W * C`` once, in the operand's dtype, as the native lowering
+does. Tests just outside (``tests/passes/test_hierarchical.py``):
+``test_only_sum_and_mean_over_all_replicas_are_rewritten``,
+``test_nothing_to_do_without_two_levels``,
+``test_zero_size_operands_are_left_alone``, ``test_min_bytes``; against numpy:
+``test_integer_sums_wrap_and_means_match_numpy``.
 
 Run it after ``fuse-allreduce`` (it then splits the fused buckets, one
 rewrite per bucket) and before ``lower-collectives``. It recurses into every

@@ -100,7 +100,10 @@ def _union(vs: Sequence[Variance]) -> Variance:
 
 
 #: Primitives whose results may differ between replicas whatever their inputs.
-OPAQUE_PRIMITIVES = frozenset(["pure_callback", "io_callback"])
+# Primitives whose result may differ per device even from identical inputs:
+# host callbacks, per-device random bits (``lax.rng_uniform``) and foreign
+# function calls, whose semantics the analysis cannot see.
+OPAQUE_PRIMITIVES = frozenset(["pure_callback", "io_callback", "rng_uniform", "ffi_call"])
 
 
 class VarianceAnalysis:

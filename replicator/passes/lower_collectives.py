@@ -35,12 +35,37 @@ bitwise the same result (each element is reduced once, on one replica, and
 copied). Sums are added in a different order than by ``psum``, so float
 results differ from ``'native'`` by rounding (about ``1e-6`` relative in f32).
 
-**Precondition (soundness).** Each rule computes its placeholder's
-documented result over the group's mesh axes, for every op, group and dtype;
-the ring and tree algorithms are checked against ``'native'`` for every op,
-group and dtype (``tests/passes/test_algorithms.py``; the tree on group sizes
-that are not powers of two), and all three by the differential fuzzer
-(``tests/fuzz``) against all replicas simulated on one device.
+**Precondition (soundness).** The pass has none of its own: it must run
+(it is ``required``) and each rule computes its placeholder's documented
+result over the group's mesh axes, for every op, group and dtype the
+placeholders accept. Replica order is the mesh's: the linear index of
+``lax.axis_index``/``ppermute``/``all_gather``/``psum_scatter`` over
+``('workers', 'cores')`` is ``worker * C + core``, the replica id. For the
+two alternative ``all_reduce`` algorithms:
+
+* ops: ``sum`` and ``mean`` combine with ``lax.add`` (``mean`` divides the
+  sum by ``N`` afterwards, in the operand's dtype, as ``'native'`` does),
+  ``max``/``min`` with ``lax.max``/``lax.min``; booleans (``max``/``min``
+  only: the API rejects summing them) travel as int32 and are cast back;
+* dtypes: any numeric dtype. Integer sums wrap around exactly as ``psum``'s
+  (addition mod ``2**bits`` is associative and commutative), ``max``/``min``
+  are exact; float sums are added in another order than ``psum``'s, so they
+  differ by rounding only;
+* group sizes: any ``N >= 1``, powers of two or not. The ring pads the
+  buffer with zeros to a multiple of ``N`` and slices them off (padding
+  never meets a real element: chunks are combined position by position); the
+  tree leaves a replica without a partner as it is (``ppermute`` gives
+  non-receivers zeros, which ``select`` discards). ``N = 1`` is the identity;
+* groups ``None``, ``'cores'`` and ``'workers'``: each ``ppermute`` and
+  ``axis_index`` is over the group's axes only, so the replicas of one group
+  talk to each other and to no one else.
+
+Tests: ``tests/passes/test_algorithms.py`` checks both algorithms against
+``'native'`` for every op, group and dtype, and against numpy with every
+replica simulated (``test_narrow_dtypes_and_odd_group_sizes_match_numpy``:
+groups of 3 and 7, wrapping int8 sums, uint8, bool, float16); the
+differential fuzzer (``tests/fuzz``) runs all three against all replicas
+simulated on one device.
 
 Example::
 

@@ -314,6 +314,82 @@ def test_inside_scan_and_cond(repl2d, algorithm):
 
 
 # ----------------------------------------------------------------------------
+# Against numpy: every replica simulated, one leading axis each for workers and cores
+# ----------------------------------------------------------------------------
+
+_GROUP_AXES = {None: (0, 1), "cores": 1, "workers": 0}
+
+
+def _narrow_types(b):
+    """Integer sums that wrap around, unsigned and signed max/min, booleans, float16."""
+    out = {}
+    for group in _GROUP_AXES:
+        out[f"i8_sum/{group}"] = rp.all_sum(b["i8"], group=group)
+        out[f"u8_min/{group}"] = rp.all_min(b["u8"], group=group)
+        out[f"i8_max/{group}"] = rp.all_max(b["i8"], group=group)
+        out[f"b_max/{group}"] = rp.all_max(b["f"] > 1.0, group=group)
+        out[f"b_min/{group}"] = rp.all_min(b["f"] > -1.0, group=group)
+        out[f"h_sum/{group}"] = rp.all_sum(b["f"].astype(jnp.float16), group=group)
+        out[f"f_mean/{group}"] = rp.all_mean(b["f"], group=group)
+    return out
+
+
+def _narrow_batch(cores):
+    return lambda rng: {
+        "i8": rng.integers(-128, 128, size=(cores, 5)).astype(np.int8),
+        "u8": rng.integers(0, 256, size=(cores, 5)).astype(np.uint8),
+        "f": rng.normal(size=(cores, 5)).astype(np.float32),
+    }
+
+
+def _narrow_reference(x: dict) -> dict:
+    """What every replica should hold; ``x[k]`` is ``(workers, cores, 5)``."""
+    out = {}
+    for group, axes in _GROUP_AXES.items():
+
+        def reduce(a, fn, axes=axes):
+            return np.broadcast_to(fn(a, axis=axes, keepdims=True), a.shape)
+
+        out[f"i8_sum/{group}"] = reduce(x["i8"], lambda a, **k: a.sum(dtype=np.int8, **k))  # wraps mod 256
+        out[f"u8_min/{group}"] = reduce(x["u8"], np.min)
+        out[f"i8_max/{group}"] = reduce(x["i8"], np.max)
+        out[f"b_max/{group}"] = reduce(x["f"] > 1.0, np.max)
+        out[f"b_min/{group}"] = reduce(x["f"] > -1.0, np.min)
+        out[f"h_sum/{group}"] = reduce(x["f"].astype(np.float16).astype(np.float64), np.sum)
+        out[f"f_mean/{group}"] = reduce(x["f"].astype(np.float64), np.mean)
+    return out
+
+
+@pytest.mark.parametrize("shape", ["2xN/2", "2x3", "1x7"])
+@pytest.mark.parametrize("algorithm", ["native", *ALGORITHM_NAMES])
+def test_narrow_dtypes_and_odd_group_sizes_match_numpy(n_devices, shape, algorithm):
+    """Each algorithm on non-power-of-two groups (3, 7), wrapping int8 sums, uint8, bool and float16."""
+    if shape == "1x7":
+        if n_devices < 7:
+            pytest.skip("needs 7 devices")
+        workers, cores = 1, 7
+    else:
+        workers, cores = _mesh(shape, n_devices)
+    make_batch = _narrow_batch(cores)
+    got = _replicator(workers, cores, None if algorithm == "native" else algorithm).run(
+        _narrow_types, input_fn_from(make_batch, seed=5)
+    )
+    rngs = [np.random.default_rng((5, w)) for w in range(workers)]
+    batches = [make_batch(rng) for rng in rngs]
+    x = {k: np.stack([b[k] for b in batches]) for k in batches[0]}  # (workers, cores, 5): one row per replica
+    for name, want in _narrow_reference(x).items():
+        have = np.asarray(got[name]).reshape(workers, cores, 5)
+        if name.startswith("h_"):
+            assert have.dtype == np.float16
+            np.testing.assert_allclose(have, want, rtol=1e-2, atol=1e-2, err_msg=name)
+        elif name.startswith("f_"):
+            np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6, err_msg=name)
+        else:
+            assert have.dtype == want.dtype, name
+            np.testing.assert_array_equal(have, want, err_msg=name)
+
+
+# ----------------------------------------------------------------------------
 # Configuration
 # ----------------------------------------------------------------------------
 

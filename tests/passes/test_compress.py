@@ -30,6 +30,7 @@ from replicator.passes.compress import error_bound
 ALL_REDUCE = "rp.all_reduce"
 U_BF16 = 2.0**-8  # bf16: 8-bit significand, round to nearest
 U_F32 = 2.0**-24
+F16_TINY = 2.0**-14  # float16's smallest normal number
 
 
 def _gamma(n: int, u: float) -> float:
@@ -174,7 +175,10 @@ def test_error_bound_formula():
     assert error_bound(1.0, 8) == pytest.approx(_gamma(8, U_BF16))
     assert error_bound(1.0, 8) == pytest.approx(U_BF16 * 8 / (1 - 8 * U_BF16))  # u * c(N)
     assert error_bound(2.0, 8, op="mean") == pytest.approx((_gamma(8, U_BF16) + U_F32 * (1 + _gamma(8, U_BF16))) / 4)
-    assert error_bound(1.0, 8, wire_dtype=jnp.float16) == pytest.approx(_gamma(8, 2.0**-11))
+    # The underflow term, (2N - 1) eta (1 + gamma_N): negligible for bf16, not for f16.
+    f16_gamma = _gamma(8, 2.0**-11)
+    assert error_bound(1.0, 8, wire_dtype=jnp.float16) == pytest.approx(f16_gamma + 15 * F16_TINY * (1 + f16_gamma))
+    assert error_bound(0.0, 8) == pytest.approx(15 * float(jnp.finfo(jnp.bfloat16).tiny) * (1 + _gamma(8, U_BF16)))
     with pytest.raises(ValueError, match="N \\* u < 1"):
         error_bound(1.0, 256)
 
@@ -276,3 +280,82 @@ def test_repr_is_the_configuration_and_bad_configs_raise():
         CompressCommunication(wire_dtype="nonsense")
     with pytest.raises(ValueError, match="unknown groups"):
         CompressCommunication(groups=("hosts",))
+
+
+# ----------------------------------------------------------------------------
+# Just outside the precondition: left alone
+# ----------------------------------------------------------------------------
+
+
+def _one_replica_groups(b):
+    x = b["x"][0]
+    return rp.all_mean(x, group="workers"), rp.all_sum(x * 2, group="workers")
+
+
+def test_groups_of_one_replica_are_not_compressed(n_devices):
+    """Over a group of one replica nothing travels: casting would only round (regression).
+
+    Before: ``all_mean(x, group='workers')`` on one worker returned ``bf16(x)``,
+    1.0 for ``x = 1 + 2**-9``, where the mean of one value is ``x`` itself.
+    """
+    repl = rp.Replicator(1, n_devices)
+    graph = repl.lower(_one_replica_groups, _batch(n_devices)).traced
+    before = count_primitives(graph.jaxpr)
+    result = _compress(graph)
+    assert not result.changed and result.graph is graph
+    assert count_primitives(result.graph.jaxpr) == before
+    # Numbers: simplify would make these collectives local itself, so run without it.
+    pipeline = Pipeline.default(shard_optimizer=False, compress=True, disable=["simplify"], verify=True)
+    x = np.full((1, 2 * n_devices, 3), 1 + 2**-9, np.float32)
+    x[0, :, 1] = np.arange(2 * n_devices) * (1 + 2**-12)  # a different value on each replica
+    mean, total = rp.Replicator(1, n_devices, passes=pipeline).run(_one_replica_groups, _fixed_input(x))
+    mine = x[0, ::2]  # replica r's first row: the only value in its group
+    np.testing.assert_array_equal(np.asarray(mean), mine)
+    np.testing.assert_array_equal(np.asarray(total), 2 * mine)
+
+
+def _with_group_size(graph, group_size):
+    """``graph`` with its all-reduce's ``group_size`` changed (a graph as a larger mesh would trace it)."""
+    jaxpr = graph.jaxpr.jaxpr
+    eqns = [
+        e.replace(params={**e.params, "group_size": group_size}) if e.primitive.name == ALL_REDUCE else e
+        for e in jaxpr.eqns
+    ]
+    return graph.with_jaxpr(jax.extend.core.ClosedJaxpr(jaxpr.replace(eqns=eqns), graph.jaxpr.consts))
+
+
+@pytest.mark.parametrize(
+    "group_size, wire_dtype, compressed",
+    [
+        (255, jnp.bfloat16, True),  # 255 * 2**-8 < 1
+        (256, jnp.bfloat16, False),  # N u = 1: no bound
+        (256, jnp.float16, True),  # float16's u = 2**-11
+        (2048, jnp.float16, False),
+    ],
+)
+def test_groups_too_large_for_the_bound_are_not_compressed(repl, group_size, wire_dtype, compressed):
+    graph = repl.lower(lambda b: rp.all_mean(b["x"]), _batch(repl.num_replicas)).traced
+    graph = _with_group_size(graph, group_size)
+    before = count_primitives(graph.jaxpr)
+    result = CompressCommunication(wire_dtype=wire_dtype).run(graph)
+    assert result.changed == compressed
+    if not compressed:
+        assert result.graph is graph and count_primitives(result.graph.jaxpr) == before
+
+
+def test_float16_underflow_is_within_the_bound(n_devices):
+    """Values below float16's range round to zero on the wire: the bound's underflow term covers it.
+
+    ``x = 1e-8`` on every replica: the float16 sum is 0, the exact one ``N * 1e-8``;
+    ``gamma_N * sum|x_i|`` alone (the bound without the underflow term) is 255 times too small.
+    """
+    n = n_devices
+    x = np.full((1, n, 4), 1e-8, np.float32)
+    total, mean = _replicator(1, n, CompressCommunication(wire_dtype=jnp.float16)).run(_sum_and_mean, _fixed_input(x))
+    exact, abs_sum = n * 1e-8, n * 1e-8
+    error = np.abs(np.asarray(total, np.float64) - exact)
+    assert np.all(np.asarray(total) == 0)
+    assert np.all(error > _gamma(n, 2.0**-11) * abs_sum)
+    assert np.all(error <= error_bound(abs_sum, n, wire_dtype=jnp.float16))
+    mean_error = np.abs(np.asarray(mean, np.float64) - exact / n)
+    assert np.all(mean_error <= error_bound(abs_sum, n, wire_dtype=jnp.float16, op="mean"))

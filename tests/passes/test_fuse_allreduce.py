@@ -527,3 +527,61 @@ def test_tensors_above_max_tensor_bytes_keep_their_own_collective(n_devices):
     assert [_size(e) for e in _top_level(everything.jaxpr.jaxpr)] == [2 * 64 * 64 + 6]
     with pytest.raises(ValueError, match="max_tensor_bytes"):
         FuseAllReduce(max_tensor_bytes=-1)
+
+
+# ----------------------------------------------------------------------------
+# Just outside the precondition: left alone
+# ----------------------------------------------------------------------------
+
+
+def _assert_left_alone(graph, **kwargs):
+    before = count_primitives(graph.jaxpr)
+    result = _fuse(graph, **kwargs)
+    assert not result.changed and result.graph is graph
+    assert count_primitives(result.graph.jaxpr) == before
+    assert fusion_report(graph, FuseAllReduce(**kwargs)) == fusion_report(result.graph, FuseAllReduce(**kwargs))
+
+
+def test_weak_and_strong_types_stay_apart(repl):
+    """Same dtype, different weak type: one buffer would change a value's type."""
+    graph = _traced(repl, lambda b: (rp.all_sum(1.0), rp.all_sum(b["x"][0, 0])), _eight_batch(repl.num_replicas))
+    assert [v.aval.weak_type for e in _top_level(graph.jaxpr.jaxpr) for v in e.invars] == [True, False]
+    _assert_left_alone(graph)
+
+
+@pytest.mark.parametrize("container", ["jit", "cond", "scan"])
+def test_dependence_through_a_sub_jaxpr_is_not_fused(repl, container):
+    """The second all-reduce reads the first's result through a call or control flow."""
+
+    def double(v):
+        if container == "jit":
+            return jax.jit(lambda u: u * 2)(v)
+        if container == "cond":
+            return lax.cond(True, lambda u: u * 2, lambda u: u, v)
+        return lax.scan(lambda c, _: (c * 2, None), v, None, length=1)[0]
+
+    def step(b):
+        first = rp.all_sum(b["x"])
+        return first, rp.all_sum(double(first))
+
+    graph = _traced(repl, step, {"x": np.zeros((repl.num_replicas, 3), np.float32)})
+    assert _count(graph.jaxpr) == 2
+    _assert_left_alone(graph)
+
+
+def test_scatters_off_axis_0_and_untiled_gathers_are_not_fused(repl):
+    n = repl.num_replicas
+
+    def step(b):
+        x = b["x"]  # (2, 4 n)
+        return (
+            rp.reduce_scatter(x, axis=1),
+            rp.reduce_scatter(x * 2, axis=1),
+            rp.all_gather(x),
+            rp.all_gather(x * 2),
+            rp.all_gather(x, axis=1, tiled=True),
+            rp.all_gather(x * 3, axis=1, tiled=True),
+        )
+
+    graph = _traced(repl, step, {"x": np.zeros((2 * n, 4 * n), np.float32)})
+    _assert_left_alone(graph)

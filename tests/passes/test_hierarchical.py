@@ -266,6 +266,61 @@ def test_mlp_training_matches_the_default_pipeline(n_devices, shape, algorithm):
         np.testing.assert_array_equal(np.asarray(leaf), np.broadcast_to(np.asarray(leaf)[:1], np.shape(leaf)))
 
 
+def test_zero_size_operands_are_left_alone(repl2d):
+    """Nothing to reduce: no reduce-scatter of an empty buffer."""
+    _two_level(repl2d)
+    graph = repl2d.lower(lambda b: rp.all_sum(b["x"][:, :0]), _batch(repl2d.cores_per_worker)).traced
+    before = count_primitives(graph.jaxpr)
+    result = _rewrite(graph)
+    assert not result.changed and result.graph is graph
+    assert count_primitives(result.graph.jaxpr) == before == {**before, ALL_REDUCE: 1}
+
+
+def _wrapping_sums(b):
+    return {
+        "i8": rp.all_sum(b["i8"]),  # wraps around mod 256
+        "u8": rp.all_sum(b["u8"]),
+        "i32": rp.all_sum(b["i32"]),  # near 2**31: wraps too
+        "mean": rp.all_mean(b["f"]),
+    }
+
+
+def _wrapping_batch(cores):
+    return lambda rng: {
+        "i8": rng.integers(-128, 128, size=(cores, 6)).astype(np.int8),
+        "u8": rng.integers(0, 256, size=(cores, 6)).astype(np.uint8),
+        "i32": rng.integers(2**30, 2**31 - 1, size=(cores, 6)).astype(np.int32),
+        "f": rng.normal(size=(cores, 6)).astype(np.float32),
+    }
+
+
+@pytest.mark.parametrize("shape, algorithm", [("2xN/2", "native"), ("2x3", "native"), ("2x3", "ring")])
+def test_integer_sums_wrap_and_means_match_numpy(n_devices, shape, algorithm):
+    """Modular integer addition is associative: cores-then-workers wraps exactly as one sum."""
+    if shape == "2x3":
+        if n_devices < 6:
+            pytest.skip("needs 6 devices")
+        workers, cores = 2, 3
+    else:
+        if n_devices % 2 or n_devices < 4:
+            pytest.skip("needs an even number of devices >= 4")
+        workers, cores = 2, n_devices // 2
+    repl = _replicator(workers, cores, algorithm=algorithm)
+    make_batch = _wrapping_batch(cores)
+    rewritten = repl.lower(_wrapping_sums, make_batch(np.random.default_rng(0))).after("hierarchical-allreduce")
+    assert len(_eqns(rewritten, REDUCE_SCATTER)) == 4  # one per dtype, all four rewritten
+    got = repl.run(_wrapping_sums, input_fn_from(make_batch, seed=4))
+    batches = [make_batch(np.random.default_rng((4, w))) for w in range(workers)]
+    x = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}  # (replicas, 6): one row each
+    with np.errstate(over="ignore"):
+        want = {k: np.broadcast_to(x[k].sum(0, dtype=x[k].dtype), x[k].shape) for k in ("i8", "u8", "i32")}
+    for k, w in want.items():
+        assert np.asarray(got[k]).dtype == w.dtype
+        np.testing.assert_array_equal(np.asarray(got[k]).reshape(w.shape), w, err_msg=k)
+    mean = np.broadcast_to(x["f"].astype(np.float64).mean(0), x["f"].shape)
+    np.testing.assert_allclose(np.asarray(got["mean"]).reshape(mean.shape), mean, rtol=1e-5, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------
 # Configuration
 # ----------------------------------------------------------------------------

@@ -134,3 +134,31 @@ def test_unlowered_placeholder_names_the_pass(repl):
 def test_lower_collectives_cannot_be_disabled():
     with pytest.raises(ValueError, match="required"):
         Pipeline(disable=["lower-collectives"])
+
+
+def _solve(b):
+    """A collective inside ``custom_linear_solve``, whose sub-jaxprs sit in a named tuple."""
+    x = b["x"][0]
+    return lax.custom_linear_solve(lambda v: rp.all_sum(v) + v, x, lambda mv, r: mv(r))  # sum(x) + x
+
+
+@pytest.mark.parametrize("algorithm", ["native", "ring", "reduce_broadcast"])
+def test_a_named_tuple_of_sub_jaxprs_keeps_its_type(n_devices, algorithm):
+    """Regression: rewriting ``custom_linear_solve``'s ``jaxprs`` rebuilt it as a plain tuple,
+    and the step failed when run (``'tuple' object has no attribute 'solve'``)."""
+    pipeline = Pipeline.default(
+        shard_optimizer=False, all_reduce_algorithm=algorithm, disable=["check-replica-invariance"], verify=True
+    )
+    repl = rp.Replicator(1, n_devices, passes=pipeline)
+    batch = {"x": np.random.default_rng(0).normal(size=(2 * n_devices, 4)).astype(np.float32)}
+    lowered = repl.lower(_solve, batch)
+    (eqn,) = _eqns(lowered.final, "custom_linear_solve")
+    assert type(eqn.params["jaxprs"]) is type(_eqns(lowered.traced, "custom_linear_solve")[0].params["jaxprs"])
+    assert count_primitives(lowered.final.jaxpr, PLACEHOLDER_NAMES) == {}
+
+    def input_fn(ctx):
+        while True:
+            yield batch
+
+    rows = batch["x"][::2].astype(np.float64)  # replica r's first row
+    np.testing.assert_allclose(np.asarray(repl.run(_solve, input_fn)), rows.sum(0) + rows, rtol=1e-5, atol=1e-6)

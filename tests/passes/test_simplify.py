@@ -506,3 +506,94 @@ class TestPass:
             step, _batch(n_devices)
         )
         assert count_primitives(off.final.jaxpr, ["psum"]) == {"psum": 2}
+
+
+# ----------------------------------------------------------------------------
+# Just outside the preconditions: left alone
+# ----------------------------------------------------------------------------
+
+
+def _unchecked(n_devices):
+    """A replicator whose pipeline skips check-replica-invariance (as its errors suggest)."""
+    pipeline = Pipeline.default(shard_optimizer=False, disable=["check-replica-invariance"], verify=True)
+    return rp.Replicator(1, n_devices, passes=pipeline)
+
+
+def _solve_step(s, b):
+    """A collective inside ``custom_linear_solve``, a primitive the variance analysis has no rule for."""
+    x = b["x"][0]  # this replica's first row
+
+    def matvec(v):
+        return rp.all_mean(v) * 2.0 + v
+
+    y = lax.custom_linear_solve(matvec, x, lambda mv, r: mv(r))  # "solves" by applying matvec: 2 mean(x) + x
+    return s, (y, rp.all_sum(s["w"]))
+
+
+class TestOutsideThePreconditions:
+    def test_an_unanalyzable_step_gets_no_invariant_rewrite(self, n_devices):
+        """Regression: simplify raised UnanalyzableStepError when the check was disabled.
+
+        ``all_sum(s['w'])`` is of state, but the analysis cannot run on this step, so
+        nothing proves it: it stays a collective; dedup and dead code still apply.
+        """
+        repl = _unchecked(n_devices)
+        before, result = _simplify(repl, _solve_step, _batch(n_devices), _state())
+        # all_mean in the matvec and in the solve (which applies it), all_sum outside.
+        assert count_primitives(before.jaxpr, [ALL_REDUCE, "custom_linear_solve"]) == {
+            ALL_REDUCE: 3,
+            "custom_linear_solve": 1,
+        }
+        assert count_primitives(result.graph.jaxpr) == count_primitives(before.jaxpr)
+        assert not result.changed
+
+    def test_an_unanalyzable_step_runs_and_matches_numpy(self, n_devices):
+        """Regression: the whole pipeline on that step (lowering rebuilt custom_linear_solve's
+        named tuple of jaxprs as a plain tuple: AttributeError 'tuple' object has no attribute 'solve')."""
+        batch, state = _batch(n_devices), _state()
+
+        def input_fn(ctx):
+            while True:
+                yield batch
+
+        _, (y, total) = _unchecked(n_devices).run(_solve_step, input_fn, state)
+        rows = batch["x"][::2].astype(np.float64)  # replica r's first row
+        np.testing.assert_allclose(np.asarray(y), 2 * rows.mean(0) + rows, rtol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(total), np.broadcast_to(n_devices * np.asarray(state["w"]), (n_devices, 2, 3)), rtol=1e-6
+        )
+
+    def test_dedup_stays_out_of_a_while_body(self, repl):
+        """The same collective of the same value inside and outside a loop body: two regions, both kept."""
+
+        def step(b):
+            x = b["x"]
+            outside = rp.all_mean(x)
+            _, inside = lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, c[1] + rp.all_mean(x)), (0, x))
+            return outside, inside
+
+        before, result = _simplify(repl, step, _batch(repl.num_replicas))
+        assert count_primitives(before.jaxpr, [ALL_REDUCE]) == {ALL_REDUCE: 2}
+        assert not result.changed and result.graph is before
+
+    def test_a_value_identical_within_workers_is_not_made_local_over_every_replica(self, repl2d):
+        """Invariant along 'cores' only: all_gather/reduce_scatter/broadcast over everyone stay collectives."""
+        if repl2d.num_workers < 2:
+            pytest.skip("needs two workers")
+        n = repl2d.num_replicas
+
+        def step(b):
+            y = rp.all_sum(b["x"], group="cores")  # (2, 3): same within a worker only
+            return rp.all_gather(y), rp.reduce_scatter(jnp.tile(y, (n, 1))), rp.broadcast(y, source=n - 1)
+
+        before, result = _simplify(repl2d, step, _batch(n))
+        assert not result.changed and result.graph is before
+        _assert_same_results(repl2d, step, _batch(n))
+
+    def test_per_device_random_numbers_are_not_assumed_identical(self, repl):
+        def step(b):
+            u = lax.rng_uniform(0.0, 1.0, (2,))  # differs between devices
+            return u, rp.all_mean(u)
+
+        before, result = _simplify(repl, step, _batch(repl.num_replicas))
+        assert count_primitives(result.graph.jaxpr, [ALL_REDUCE]) == count_primitives(before.jaxpr, [ALL_REDUCE])
