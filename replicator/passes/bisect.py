@@ -2,30 +2,51 @@
 
 Given a step that computes something different with a pipeline than without
 its optimizations, :func:`bisect_passes` traces it once, runs it with no
-optional pass as the reference (only ``lower-collectives``), then with the
-first 1, 2, ... optional passes of the pipeline switched on, on the same
-random inputs, and reports the first pass whose addition changes a new-state
-or output leaf, with the leaf and the size of the difference.
+optional pass as the reference (only the required ``lower-collectives``),
+then with the first 1, 2, ... optional passes of the pipeline switched on
+(``check-replica-invariance`` never: it changes nothing), all on the same
+inputs, and reports the first pass whose addition changes a new-state or
+output leaf, with the leaf and the size of the difference. Each try compiles
+the step once.
+
+The inputs are the ``state`` and batch you give (the first batch of every
+worker if you give an ``input_fn``; a single batch is used for every worker),
+or random ones of the same shapes where you give ``jax.ShapeDtypeStruct``
+specs or ask for ``random_inputs=True``. One process only.
 
 Example::
 
-    report = rp.passes.bisect_passes(repl, step_fn, batch, state)
+    report = rp.passes.bisect_passes(repl, step_fn, input_fn, state)
     print(report)          # "first pass that changes the result: 'shard-optimizer-update' (...)"
     report.culprit         # the pass name, or None if every prefix agrees
+
+From a shell (exit status 1 when a pass changes the result), with
+``my_train.py`` defining ``step_fn``, ``input_fn`` and ``init_state``::
+
+    python -m replicator.bisect my_train.py:step_fn --batch my_train.py:input_fn \\
+        --state my_train.py:init_state --workers 1 --cores 8 --cpu-devices 8 --shard-optimizer
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from replicator.errors import MiscompileError
 from replicator.passes.invariance import CheckReplicaInvariance
 from replicator.passes.validate import GraphRunner, compare_results
 
-__all__ = ["BisectReport", "bisect_passes"]
+__all__ = ["BisectReport", "bisect_passes", "main"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,19 +62,32 @@ class BisectReport:
         if self.culprit is None:
             return f"every prefix of the optional passes ({tried}) gives the reference result"
         return (
-            f"first pass that changes the result: '{self.culprit}' (optional passes in order: {tried})\n{self.detail}"
+            f"first pass that changes the result: '{self.culprit}' (optional passes in order: {tried})\n"
+            f"{self.detail}\n"
+            f"Work around it with Pipeline(disable=['{self.culprit}']); please report the step with this "
+            f"report and the graphs around the pass (REPLICATOR_DUMP_DIR=dir)."
         )
 
 
-def bisect_passes(repl: Any, step_fn: Any, batch: Any, state: Any = None, *, seed: int = 0) -> BisectReport:
+def bisect_passes(
+    repl: Any,
+    step_fn: Callable,
+    batch: Any,
+    state: Any = None,
+    *,
+    seed: int = 0,
+    random_inputs: bool = False,
+) -> BisectReport:
     """Find the first optional pass of ``repl``'s pipeline that changes ``step_fn``'s result.
 
     Args:
       repl: the :class:`~replicator.Replicator` whose pipeline to bisect.
       step_fn: the step, as for ``Replicator.run``.
-      batch: one worker's batch (arrays or ``jax.ShapeDtypeStruct``).
+      batch: an ``input_fn`` (the first batch of each worker is used) or one
+        worker's batch (arrays, used for every worker, or ``jax.ShapeDtypeStruct``).
       state: the state (arrays or specs), or None.
-      seed: the seed of the random inputs the graphs run on.
+      seed: the seed of the random inputs (for leaves given as specs).
+      random_inputs: run on random inputs even where arrays are given.
 
     Returns:
       A :class:`BisectReport`; ``print()`` it.
@@ -61,11 +95,22 @@ def bisect_passes(repl: Any, step_fn: Any, batch: Any, state: Any = None, *, see
     from replicator.passes.pipeline import Pipeline
 
     pipeline = repl.pipeline
-    traced = _trace(repl, step_fn, batch, state)
+    worker_batches = _worker_batches(repl, batch)
+    traced = _trace(repl, step_fn, worker_batches[0], state)
     active = [p for p in pipeline.passes if p.name not in pipeline.disabled]
     required = [p for p in active if p.required]
     optional = [p for p in active if not p.required and not isinstance(p, CheckReplicaInvariance)]
-    runner = GraphRunner(traced, seed=seed)
+    state_leaves = [] if state is None else jax.tree.leaves(state)
+    worker_leaves = [jax.tree.leaves(b) for b in worker_batches]
+    runner = GraphRunner(
+        traced,
+        seed=seed,
+        state=None if random_inputs or not _concrete(state_leaves) else state_leaves,
+        batch=None
+        if random_inputs or not all(map(_concrete, worker_leaves))
+        else [np.concatenate([np.asarray(x) for x in rows], axis=0) for rows in zip(*worker_leaves, strict=True)],
+        mesh=repl.mesh,
+    )
     reference = runner.run(Pipeline(required, validate=False).run(traced).final)
     for k in range(1, len(optional) + 1):
         chosen = {id(p) for p in optional[:k]} | {id(p) for p in required}
@@ -78,11 +123,120 @@ def bisect_passes(repl: Any, step_fn: Any, batch: Any, state: Any = None, *, see
     return BisectReport(tuple(p.name for p in optional), None)
 
 
-def _trace(repl: Any, step_fn: Any, batch: Any, state: Any) -> Any:
+def _concrete(leaves: Sequence[Any]) -> bool:
+    return not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+
+
+def _worker_batches(repl: Any, batch: Any) -> list[Any]:
+    """One batch per worker: the first of each worker's ``input_fn`` stream, or ``batch`` for all."""
+    if not callable(batch):
+        return [batch] * repl.num_workers
+    if len(repl.local_workers) != repl.num_workers:
+        raise ValueError("bisect_passes runs in one process: use a Replicator whose workers are all local.")
+    batches = []
+    for worker in range(repl.num_workers):
+        try:
+            batches.append(next(iter(batch(repl.input_context(worker)))))
+        except StopIteration:
+            raise ValueError(f"bisect_passes: input_fn yielded no batch for worker {worker}.") from None
+    return batches
+
+
+def _trace(repl: Any, step_fn: Callable, batch: Any, state: Any) -> Any:
     """The traced per-replica graph, before any pass (no pass runs)."""
+    from replicator.api import _signature, _spec
+    from replicator.inputs import check_worker_batch
     from replicator.tracing import trace_step
 
     c = repl.cores_per_worker
-    batch_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // c, *a.shape[1:]), a.dtype), batch)
-    state_specs = None if state is None else jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+    check_worker_batch(batch, c, 0)
+
+    def per_replica(a: Any) -> jax.ShapeDtypeStruct:
+        shape, dtype = _signature(a)
+        return _spec(((shape[0] // c, *shape[1:]), dtype))
+
+    batch_specs = jax.tree.map(per_replica, batch)
+    state_specs = None if state is None else jax.tree.map(lambda a: _spec(_signature(a)), state)
     return trace_step(step_fn, state_specs, batch_specs, repl.context).graph
+
+
+# ----------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------
+
+
+def _load(ref: str) -> Any:
+    """``module:attr`` or ``path/to/file.py:attr``."""
+    where, sep, attr = ref.rpartition(":")
+    if not sep or not where or not attr:
+        raise SystemExit(f"bisect: expected MODULE:NAME or FILE.py:NAME, got {ref!r}")
+    if where.endswith(".py"):
+        name = "_bisect_" + os.path.splitext(os.path.basename(where))[0]
+        module = sys.modules.get(name)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(name, where)
+            if spec is None or spec.loader is None:
+                raise SystemExit(f"bisect: cannot load {where!r}")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise SystemExit(f"bisect: {where!r} has no attribute {attr!r}") from None
+
+
+def _value(obj: Any) -> Any:
+    """A value, or what a function of no arguments returns (an ``input_fn(ctx)`` is kept)."""
+    if callable(obj) and not any(
+        p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        for p in inspect.signature(obj).parameters.values()
+    ):
+        return obj()
+    return obj
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m replicator.bisect``: print the report; exit 1 if some pass changes the result."""
+    parser = argparse.ArgumentParser(
+        prog="python -m replicator.bisect",
+        description="Name the first optional pass that changes a step's result.",
+    )
+    parser.add_argument("step", help="the step function, MODULE:NAME or FILE.py:NAME")
+    parser.add_argument("--batch", required=True, help="an input_fn(ctx), a worker batch, or a function returning one")
+    parser.add_argument("--state", help="the state, or a function of no arguments returning it")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--cores", type=int, default=None, help="cores per worker (default: all local devices)")
+    parser.add_argument("--cpu-devices", type=int, help="emulate this many CPU devices (rp.force_cpu_devices)")
+    parser.add_argument("--pipeline", help="a Pipeline (or list of passes), MODULE:NAME; default: Pipeline.default")
+    parser.add_argument("--shard-optimizer", action="store_true")
+    parser.add_argument("--hierarchical", action="store_true")
+    parser.add_argument("--compress", action="store_true")
+    parser.add_argument("--algorithm", default="native", choices=["native", "ring", "reduce_broadcast"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--random-inputs", action="store_true", help="random inputs even where arrays are given")
+    args = parser.parse_args(argv)
+
+    import replicator as rp
+
+    if args.cpu_devices:
+        rp.force_cpu_devices(args.cpu_devices)  # before the user's modules touch JAX
+    step_fn = _load(args.step)
+    batch = _value(_load(args.batch))
+    state = _value(_load(args.state)) if args.state else None
+    if args.pipeline:
+        pipeline = _value(_load(args.pipeline))
+        pipeline = pipeline if isinstance(pipeline, rp.Pipeline) else rp.Pipeline(pipeline)
+    else:
+        pipeline = rp.Pipeline.default(
+            shard_optimizer=args.shard_optimizer,
+            hierarchical=args.hierarchical,
+            compress=args.compress,
+            all_reduce_algorithm=args.algorithm,
+        )
+    repl = rp.Replicator(args.workers, args.cores, passes=pipeline)
+    report = bisect_passes(repl, step_fn, batch, state, seed=args.seed, random_inputs=args.random_inputs)
+    print(report)
+    return 0 if report.culprit is None else 1

@@ -33,7 +33,7 @@ from replicator.passes.lower_collectives import LowerCollectives
 from replicator.passes.shard_optimizer import DEFAULT_MIN_TENSOR_BYTES, ShardOptimizerUpdate
 from replicator.passes.simplify import Simplify
 from replicator.passes.validate import GraphRunner, compare_results, validate_from_env
-from replicator.passes.verify import check_defined, verify_graph
+from replicator.passes.verify import GraphInvariantError, check_defined, verify_graph
 
 __all__ = ["DUMP_ENV", "VERIFY_ENV", "Lowered", "Pipeline", "Stage", "default_passes"]
 
@@ -142,7 +142,11 @@ class Pipeline:
       disable: names of passes to skip; required passes cannot be skipped.
       verify: run the invariant checks before the first and after every pass
         (default: the ``REPLICATOR_VERIFY`` environment variable; the test
-        suite sets it).
+        suite sets it). Off otherwise: the type-check costs about as much as
+        tracing and all passes together (:mod:`replicator.passes.verify`).
+        Without it, every pass is still checked not to read an undefined
+        variable. A broken graph raises
+        :class:`~replicator.passes.verify.GraphInvariantError` naming the pass.
       validate: translation validation (:mod:`replicator.passes.validate`):
         execute the graph before and after every pass on random inputs and
         raise :class:`~replicator.errors.MiscompileError` if a result changed
@@ -208,16 +212,26 @@ class Pipeline:
         runner = GraphRunner(graph) if self.validate else None
         results = runner.run(graph) if runner else None
         if self.verify:
-            verify_graph(graph, lowered=False)
+            try:
+                verify_graph(graph, lowered=False)
+            except GraphInvariantError as e:
+                raise GraphInvariantError(f"the traced step graph (before any pass) is broken: {e}") from e
         for index, p in enumerate(self.passes):
             if p.name in self.disabled:
                 continue
             self._dump(index, p.name, "before", graph)
             try:
                 result = p.run(graph)
-                check_defined(result.graph)
-                if self.verify:
-                    verify_graph(result.graph, lowered=isinstance(p, LowerCollectives) or _lowered(ran))
+                if result.graph is not graph:  # an unchanged graph was checked already
+                    check_defined(result.graph)
+                    if self.verify:
+                        verify_graph(result.graph, lowered=isinstance(p, LowerCollectives) or _lowered(ran))
+            except GraphInvariantError as e:
+                raise GraphInvariantError(
+                    f"pass '{p.name}' (after {ran or 'no other pass'}) produced a broken graph: {e}\n"
+                    f"This is a bug in the pass. Disable it with Pipeline(disable=['{p.name}']) and please "
+                    f"report the step with the graphs around the pass (REPLICATOR_DUMP_DIR=dir)."
+                ) from e
             except ReplicationError as e:
                 e.add_note(f"(raised by pass '{p.name}' after {ran or 'no other pass'})")
                 raise
@@ -227,7 +241,7 @@ class Pipeline:
                     f"Disable it with Replicator(..., passes=Pipeline(disable=['{p.name}'])) and "
                     f"please report the failing step."
                 ) from e
-            if runner is not None and result.changed:
+            if runner is not None and result.graph is not graph:  # even if it says unchanged
                 new_results = runner.run(result.graph)
                 compare_results(results, new_results, graph, p.name, exact=p.exact)
                 results = new_results

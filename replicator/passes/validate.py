@@ -8,7 +8,13 @@ is compared. A difference beyond a dtype-aware tolerance raises
 differing leaf and the size of the difference.
 
 Inputs are random and fixed by a seed: state identical on every replica (as
-``Replicator.run`` guarantees), batch rows different on every replica. A
+``Replicator.run`` guarantees), batch rows different on every replica;
+floats normal, ints in ``[0, 4)`` (safe as small indices), random bools and
+PRNG keys. Tolerance: ints, bools and keys must match exactly, NaN and
+infinities where they were; a float leaf may move by ``max(2e-4, 64 eps) *
+max(1, max |before|)``, or, after a pass that declares ``exact = False`` (it
+changes precision on purpose: ``compress-communication`` sends bf16), by
+``8 * 2**-8 * max(1, max |before|)``. A
 graph that still holds placeholders runs after the plain native lowering
 (``LowerCollectives()``); state leaves that a pass stores sharded
 (``StepGraph.sharded_state``) are fed as this replica's chunk and compared
@@ -24,10 +30,13 @@ Example::
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from replicator.errors import MiscompileError
 from replicator.passes.base import StepGraph, iter_eqns
@@ -42,57 +51,109 @@ def validate_from_env() -> bool:
     return os.environ.get(VALIDATE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _random_leaf(rng: np.random.Generator, aval: Any, shape: tuple[int, ...]) -> np.ndarray:
-    dtype = np.dtype(aval.dtype)
+def _random_leaf(rng: np.random.Generator, dtype: Any, shape: tuple[int, ...]) -> Any:
+    """Normal floats, small ints (safe as indices), bools, or PRNG keys of ``shape``."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
+        bits = rng.integers(0, 2**32, size=data.shape, dtype=np.uint64).astype(np.uint32)
+        return jax.random.wrap_key_data(bits, impl=dtype._impl)
+    dtype = np.dtype(dtype)
     if dtype == np.bool_:
         return rng.integers(0, 2, size=shape).astype(bool)
     if np.issubdtype(dtype, np.integer):
         return rng.integers(0, 4, size=shape).astype(dtype)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return (rng.normal(size=shape) + 1j * rng.normal(size=shape)).astype(dtype)
     return rng.normal(size=shape).astype(dtype)
 
 
-class GraphRunner:
-    """Runs step graphs of one traced step on the mesh with one fixed set of inputs."""
+def _to_host(x: Any) -> np.ndarray:
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)  # keys are compared bit for bit
+    return np.asarray(jax.device_get(x))
 
-    def __init__(self, graph: StepGraph, seed: int = 0):
+
+class GraphRunner:
+    """Runs step graphs of one traced step on the mesh, always on the same inputs.
+
+    Args:
+      graph: the traced step (its avals give the input shapes).
+      seed: seed of the random inputs.
+      state: the state leaves to use instead of random ones (whole values,
+        as ``Replicator.run`` takes them).
+      batch: the batch leaves to use instead of random ones: every replica's
+        rows stacked in replica order (the batches of all workers,
+        concatenated), leading axis ``num_replicas *`` the traced rows.
+      mesh: the ``('workers', 'cores')`` mesh to run on (default: the first
+        devices, shaped like ``graph.context``).
+    """
+
+    def __init__(
+        self,
+        graph: StepGraph,
+        seed: int = 0,
+        *,
+        state: Sequence[Any] | None = None,
+        batch: Sequence[Any] | None = None,
+        mesh: Mesh | None = None,
+    ):
         from replicator.mesh import build_mesh
 
         ctx = graph.context
-        self.mesh = build_mesh(ctx.num_workers, ctx.cores_per_worker)
+        self.mesh = mesh if mesh is not None else build_mesh(ctx.num_workers, ctx.cores_per_worker)
         self.replicas = ctx.num_replicas
         rng = np.random.default_rng(seed)
         invars = graph.jaxpr.jaxpr.invars
-        self.state = [_random_leaf(rng, v.aval, v.aval.shape) for v in invars[: graph.num_state]]
-        # Every replica's own rows, stacked along the leading axis (as execution shards them).
-        self.batch = [
-            _random_leaf(rng, v.aval, (self.replicas * v.aval.shape[0], *v.aval.shape[1:]))
-            for v in invars[graph.num_state :]
+        state_avals = [v.aval for v in invars[: graph.num_state]]
+        batch_avals = [v.aval for v in invars[graph.num_state :]]
+        # Replica-identical state (as Replicator.run guarantees); every replica's own batch rows.
+        state_shapes = [a.shape for a in state_avals]
+        batch_shapes = [(self.replicas * a.shape[0], *a.shape[1:]) for a in batch_avals]
+        self.state = _given("state", state, state_avals, state_shapes) or [
+            _random_leaf(rng, a.dtype, sh) for a, sh in zip(state_avals, state_shapes, strict=True)
+        ]
+        self.batch = _given("batch", batch, batch_avals, batch_shapes) or [
+            _random_leaf(rng, a.dtype, sh) for a, sh in zip(batch_avals, batch_shapes, strict=True)
         ]
 
     def run(self, graph: StepGraph) -> list[np.ndarray]:
-        """New state (whole) and outputs (stacked per replica) of ``graph``."""
-        from replicator.execution import build_executable, place_batch, place_state
+        """New state (whole) and outputs (stacked per replica) of ``graph``, on the host."""
+        from replicator.execution import build_executable, place_state, sharded
         from replicator.passes.lower_collectives import LowerCollectives
 
         if any(e.primitive in PLACEHOLDERS for e in iter_eqns(graph.jaxpr.jaxpr)):
-            graph = LowerCollectives().run(graph).graph
+            graph = LowerCollectives().run(graph).graph  # the plain native lowering
         executable = build_executable(graph, self.mesh)
         state = place_state(self.state, self.mesh, graph.sharded_state)
-        c = self.mesh.shape["cores"]
-        workers = [
-            [b[w * c * len(b) // self.replicas : (w + 1) * c * len(b) // self.replicas] for b in self.batch]
-            for w in range(self.replicas // c)
-        ]
-        new_state, outputs = executable(state, place_batch(workers, self.mesh))
-        return [np.asarray(x) for x in jax.device_get([*new_state, *outputs])]
+        batch = [jax.device_put(b, sharded(self.mesh)) for b in self.batch]
+        new_state, outputs = executable(state, batch)
+        return [_to_host(x) for x in [*new_state, *outputs]]
 
 
-def _tolerance(reference: np.ndarray, exact: bool) -> float:
-    scale = max(1.0, float(np.max(np.abs(reference)))) if reference.size else 1.0
-    eps = float(np.finfo(reference.dtype).eps) if np.issubdtype(reference.dtype, np.floating) else 0.0
+def _given(what: str, leaves: Sequence[Any] | None, avals: list, shapes: list) -> list | None:
+    if leaves is None:
+        return None
+    leaves = list(leaves)
+    want = [f"{a.dtype}{list(sh)}" for a, sh in zip(avals, shapes, strict=True)]
+    got = [f"{jnp.result_type(x)}{list(np.shape(x))}" for x in leaves]
+    if want != got:
+        raise ValueError(
+            f"GraphRunner: the given {what} leaves are {got}, but the traced step takes {want} "
+            f"(the batch: every replica's rows, stacked)."
+        )
+    return leaves
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.inexact))  # np.issubdtype misses bfloat16
+
+
+def _tolerance(reference: np.ndarray, dtype: np.dtype, exact: bool) -> float:
+    """Absolute tolerance for a float leaf: relative to its largest finite magnitude (at least 1)."""
+    scale = max(1.0, float(np.max(np.abs(reference[np.isfinite(reference)]), initial=0.0)))
     if not exact:  # the pass changes precision (bf16 on the wire): 8 mantissa bits, summed over replicas
         return 8 * 2.0**-8 * scale
-    return max(2e-4 * scale, 64 * eps * scale)
+    return max(2e-4 * scale, 64 * float(jnp.finfo(dtype).eps) * scale)
 
 
 def compare_results(
@@ -106,23 +167,28 @@ def compare_results(
                 f"pass '{pass_name}' changed {path} from {b.dtype}{list(b.shape)} to {a.dtype}{list(a.shape)}."
                 + _how_to_report(pass_name)
             )
-        if not np.issubdtype(b.dtype, np.inexact):
+        if not _is_float(b.dtype):
             if not np.array_equal(a, b):
                 bad = int(np.sum(a != b))
+                first = int(np.argmax(a.ravel() != b.ravel()))
                 raise MiscompileError(
                     f"pass '{pass_name}' changed {path}: {bad} of {b.size} elements differ "
-                    f"(e.g. {a.ravel()[np.argmax(a.ravel() != b.ravel())]} instead of "
-                    f"{b.ravel()[np.argmax(a.ravel() != b.ravel())]})." + _how_to_report(pass_name)
+                    f"(e.g. element {first}: {a.ravel()[first]} instead of {b.ravel()[first]})."
+                    + _how_to_report(pass_name)
                 )
             continue
-        diff = np.abs(a.astype(np.float64) - b.astype(np.float64))
-        both_nan = np.isnan(a) & np.isnan(b)
-        worst = float(np.max(np.where(both_nan, 0.0, diff), initial=0.0))
-        if not worst <= _tolerance(b, exact):
-            rel = worst / max(float(np.max(np.abs(b), initial=0.0)), 1e-30)
+        wide = np.complex128 if np.iscomplexobj(b) else np.float64
+        a64, b64 = a.astype(wide), b.astype(wide)
+        same = (a64 == b64) | (np.isnan(a64) & np.isnan(b64))  # equal infinities and NaN in both agree
+        with np.errstate(invalid="ignore"):  # inf - inf where both agree, masked by `same`
+            diff = np.where(same, 0.0, np.abs(a64 - b64))  # NaN where only one side is NaN: always reported
+        worst = float(np.max(diff, initial=0.0))
+        tolerance = _tolerance(b64, b.dtype, exact)
+        if not worst <= tolerance:
+            rel = worst / max(float(np.max(np.abs(b64[np.isfinite(b64)]), initial=0.0)), 1e-30)
             raise MiscompileError(
                 f"pass '{pass_name}' changed {path}: max |difference| {worst:.3g} (relative {rel:.3g}, "
-                f"tolerance {_tolerance(b, exact):.3g})." + _how_to_report(pass_name)
+                f"tolerance {tolerance:.3g})." + _how_to_report(pass_name)
             )
 
 
@@ -130,5 +196,6 @@ def _how_to_report(pass_name: str) -> str:
     return (
         f"\nThe pass miscompiled this step. Work around it with Pipeline(disable=['{pass_name}']) "
         f"(or its Pipeline.default option); please report the step with the graphs around the pass "
-        f"(REPLICATOR_DUMP_DIR=dir) and the output of rp.passes.bisect_passes."
+        f"(REPLICATOR_DUMP_DIR=dir) and the report of rp.passes.bisect_passes(repl, step_fn, input_fn, state) "
+        f"(or python -m replicator.bisect)."
     )

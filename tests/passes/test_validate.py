@@ -1,4 +1,7 @@
-"""Translation validation (Pipeline(validate=True)) and bisect_passes, on a deliberately wrong pass."""
+"""Translation validation (Pipeline(validate=True)) and the graph invariant checks, on deliberately wrong passes.
+
+The wrong pass and step here are shared with test_bisect.py (and its command-line test loads this file).
+"""
 
 import jax
 import jax.numpy as jnp
@@ -7,8 +10,10 @@ import pytest
 from jax import lax
 
 import replicator as rp
-from replicator.passes import Pass, Pipeline, bisect_passes, default_passes
-from replicator.passes.base import inline_function, rewrite_graph
+from replicator.passes import Pass, PassResult, Pipeline, default_passes
+from replicator.passes.base import StepGraph, inline_function, rewrite_graph
+from replicator.passes.validate import GraphRunner, compare_results
+from replicator.passes.verify import GraphInvariantError, verify_graph
 from replicator.primitives import all_reduce_p
 
 
@@ -41,6 +46,14 @@ def _inputs(n):
     return {"x": np.ones((2 * n, 3), np.float32)}, {"w": np.ones((3, 2), np.float32)}
 
 
+def _cli_batch():  # for test_bisect's command-line test: a batch for all local devices
+    return _inputs(jax.device_count())[0]
+
+
+def _cli_state():
+    return _inputs(jax.device_count())[1]
+
+
 def _wrong_pipeline(**kwargs):
     passes = default_passes()
     passes.insert(2, DoubleFirstAllSum())
@@ -68,16 +81,6 @@ def test_validation_is_quiet_on_sound_pipelines(n_devices, monkeypatch):
         batch, state = _inputs(repl.num_replicas)
         batch = {"x": np.ones((2 * repl.cores_per_worker, 3), np.float32)}
         repl.lower(_step, batch, state)
-
-
-def test_bisect_names_the_first_pass_that_changes_the_result(n_devices):
-    repl = rp.Replicator(1, n_devices, passes=_wrong_pipeline())
-    batch, state = _inputs(n_devices)
-    report = bisect_passes(repl, _step, batch, state)
-    assert report.culprit == "double-first-all-sum"
-    assert report.passes == ("simplify", "double-first-all-sum", "fuse-allreduce")
-    assert "double-first-all-sum" in str(report) and "total" in str(report)
-    assert bisect_passes(rp.Replicator(1, n_devices), _step, batch, state).culprit is None
 
 
 def test_validation_sees_a_wrong_sharded_state_update(n_devices):
@@ -140,3 +143,132 @@ def test_a_pass_that_reads_an_undefined_variable_is_named_even_without_verify(n_
     batch, state = _inputs(n_devices)
     with pytest.raises(rp.PassError, match="drop-first-equation.*never defined"):
         repl.lower(_step, batch, state)
+
+
+# --- graph invariants: a graph that reads a variable nothing defines ----------------------------
+
+
+class ReadUndefined(Pass):
+    """A wrong pass: the first equation (at the top, or inside the first sub-graph) reads a fresh Var."""
+
+    name = "read-undefined"
+
+    def __init__(self, nested: bool = False):
+        self.nested = nested
+
+    def run(self, graph: StepGraph) -> PassResult:
+        return PassResult(graph.with_jaxpr(_break(graph.jaxpr, self.nested)), True)
+
+
+def _break(closed: jax.extend.core.ClosedJaxpr, nested: bool) -> jax.extend.core.ClosedJaxpr:
+    jaxpr = closed.jaxpr
+    eqns = list(jaxpr.eqns)
+    if nested:
+        i = next(i for i, e in enumerate(eqns) if "jaxpr" in e.params)
+        inner = eqns[i].params["jaxpr"]
+        eqns[i] = eqns[i].replace(params={**eqns[i].params, "jaxpr": _break(inner, nested=False)})
+    else:
+        i = next(i for i, e in enumerate(eqns) if any(isinstance(v, jax.extend.core.Var) for v in e.invars))
+        invars = [jax.extend.core.Var(v.aval) if isinstance(v, jax.extend.core.Var) else v for v in eqns[i].invars]
+        eqns[i] = eqns[i].replace(invars=invars)
+    return jax.extend.core.ClosedJaxpr(jaxpr.replace(eqns=eqns), closed.consts)
+
+
+def _jit_step(state, batch):
+    h = jax.jit(lambda w, x: jnp.tanh(x @ w))(state["w"], batch["x"])
+    return {"w": state["w"] - rp.all_mean(jnp.mean(h))}, {}
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["top-level", "inside-jit"])
+@pytest.mark.parametrize("verify", [False, True], ids=["always", "verify"])
+def test_a_graph_that_reads_an_undefined_variable_raises_naming_the_pass(n_devices, nested, verify):
+    passes = default_passes()
+    passes.insert(1, ReadUndefined(nested))
+    repl = rp.Replicator(1, n_devices, passes=Pipeline(passes, verify=verify))
+    batch, state = _inputs(n_devices)
+    with pytest.raises(
+        GraphInvariantError, match=r"pass 'read-undefined' \(after \['check-replica-invariance'\]\).*never"
+    ):
+        repl.lower(_jit_step, batch, state)
+    # A GraphInvariantError is a PassError (and an AssertionError).
+    assert issubclass(GraphInvariantError, rp.PassError) and issubclass(GraphInvariantError, AssertionError)
+
+
+def test_verify_graph_and_jax_check_jaxpr_both_reject_an_undefined_read(n_devices):
+    graph = rp.Replicator(1, n_devices).lower(_jit_step, *_inputs(n_devices)).traced
+    verify_graph(graph, lowered=False)
+    broken = graph.with_jaxpr(_break(graph.jaxpr, nested=False))
+    with pytest.raises(GraphInvariantError, match="never defined before it"):
+        verify_graph(broken, lowered=False)
+    with pytest.raises(Exception, match="not defined|undefined"):  # the type-check alone sees it too
+        jax.extend.core.check_jaxpr(broken.jaxpr.jaxpr)
+
+
+# --- the comparison itself ----------------------------------------------------------------------
+
+
+def _graph_with(n_outputs: int, graph: StepGraph) -> StepGraph:
+    import dataclasses
+
+    return dataclasses.replace(graph, state_paths=(), output_paths=tuple(f"outputs[{i}]" for i in range(n_outputs)))
+
+
+def test_compare_is_dtype_aware(n_devices):
+    import ml_dtypes
+
+    graph = _graph_with(1, rp.Replicator(1, n_devices).lower(_jit_step, *_inputs(n_devices)).traced)
+
+    def compare(before, after, exact=True):
+        compare_results([np.asarray(before)], [np.asarray(after)], graph, "p", exact=exact)
+
+    x = np.linspace(-3, 3, 10, dtype=np.float32)
+    compare(x, x * (1 + 1e-6))  # float rounding
+    bf = x.astype(ml_dtypes.bfloat16)
+    compare(bf, (x * (1 + 2**-8)).astype(ml_dtypes.bfloat16))  # one bf16 ulp: not an exact int compare
+    compare([np.inf, -np.inf, np.nan, 1.0], [np.inf, -np.inf, np.nan, 1.0])  # same infinities and NaN
+    compare(x * 1000, x * 1000 + 1.0, exact=False)  # bf16-sized difference, allowed for an inexact pass
+    with pytest.raises(rp.MiscompileError, match=r"max \|difference\| 1 \(relative 0.000333, tolerance 0.6\)"):
+        compare(x * 1000, x * 1000 + 1.0)  # the same, for an exact pass
+    with pytest.raises(rp.MiscompileError, match=r"pass 'p' changed outputs\[0\]: max \|difference\| nan"):
+        compare([1.0, 2.0], [1.0, np.nan])
+    with pytest.raises(rp.MiscompileError, match=r"1 of 3 elements differ \(e.g. element 2: 4 instead of 3\)"):
+        compare(np.int32([1, 2, 3]), np.int32([1, 2, 4]))
+    with pytest.raises(rp.MiscompileError, match=r"from float32\[10\] to float16\[10\]"):
+        compare(x, x.astype(np.float16))
+
+
+def test_runner_checks_given_inputs(n_devices):
+    graph = rp.Replicator(1, n_devices).lower(_jit_step, *_inputs(n_devices)).traced
+    with pytest.raises(ValueError, match=r"given batch leaves are \['float32\[2, 3\]'\].*takes \['float32\["):
+        GraphRunner(graph, batch=[np.ones((2, 3), np.float32)])
+
+
+# --- sound pipelines validate quietly on realistic steps -----------------------------------------
+
+
+def test_validation_is_quiet_on_the_mlp_and_adam_steps(n_devices):
+    import optax
+
+    from .workloads import mlp_params, mlp_step
+
+    state = mlp_params(np.random.default_rng(0))
+    batch = {"x": np.ones((2 * n_devices, 3), np.float32), "y": np.ones((2 * n_devices, 7), np.float32)}
+    rp.Replicator(1, n_devices, passes=Pipeline.default(validate=True)).lower(mlp_step, batch, state)
+
+    tx = optax.adam(1e-2)
+    params = {"w": np.ones((8 * n_devices, 3), np.float32), "b": np.zeros(3, np.float32)}
+
+    def adam_step(state, batch):
+        p, opt, key = state
+        key, sub = jax.random.split(key)
+        noise = jax.random.normal(sub, batch["x"].shape)
+        g = rp.all_mean(jax.grad(lambda q: jnp.mean(((batch["x"] + noise) @ q["w"] + q["b"]) ** 2))(p))
+        upd, opt = tx.update(g, opt, p)
+        return (optax.apply_updates(p, upd), opt, key), {"gnorm": optax.tree.norm(g)}
+
+    pipe = Pipeline.default(shard_optimizer=True, shard_optimizer_min_bytes=0, validate=True)
+    state = (params, tx.init(params), jax.random.key(0))  # a typed PRNG key in the state too
+    lowered = rp.Replicator(1, n_devices, passes=pipe).lower(
+        adam_step, {"x": np.ones((2 * n_devices, 8 * n_devices), np.float32)}, state
+    )
+    assert lowered.final.sharded_state  # the ZeRO rewrite ran and was checked

@@ -1,0 +1,56 @@
+"""bisect_passes and ``python -m replicator.passes.bisect`` name the first optional pass that changes a result."""
+
+import os
+
+import jax
+import numpy as np
+
+import replicator as rp
+from replicator.passes import Pipeline, bisect_passes
+from replicator.passes.bisect import main
+
+from .test_validate import _inputs, _step, _wrong_pipeline
+from .workloads import input_fn_from, mlp_batch, mlp_params, mlp_step
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_bisect_names_the_first_pass_that_changes_the_result(n_devices):
+    repl = rp.Replicator(1, n_devices, passes=_wrong_pipeline())
+    batch, state = _inputs(n_devices)
+    report = bisect_passes(repl, _step, batch, state)
+    assert report.culprit == "double-first-all-sum"
+    assert report.passes == ("simplify", "double-first-all-sum", "fuse-allreduce")
+    assert "double-first-all-sum" in str(report) and "outputs['total']" in str(report)
+    assert "disable=['double-first-all-sum']" in str(report)
+    assert bisect_passes(rp.Replicator(1, n_devices), _step, batch, state).culprit is None
+
+
+def test_bisect_takes_an_input_fn_specs_and_every_optional_pass(repl2d):
+    """The first batch of each worker (or random data for specs); all optional passes on: none changes the MLP."""
+    pipe = Pipeline.default(shard_optimizer=True, shard_optimizer_min_bytes=0, hierarchical=True, compress=True)
+    repl = rp.Replicator(repl2d.num_workers, repl2d.cores_per_worker, passes=pipe)
+    state = mlp_params(np.random.default_rng(0))
+    report = bisect_passes(repl, mlp_step, input_fn_from(mlp_batch(repl.cores_per_worker)), state)
+    assert report.culprit is None, str(report)
+    assert report.passes == (
+        "simplify",
+        "shard-optimizer-update",
+        "fuse-allreduce",
+        "compress-communication",
+        "hierarchical-allreduce",
+    )
+    specs = {"x": jax.ShapeDtypeStruct((2 * repl.cores_per_worker, 3), np.float32)}  # random rows
+    wrong = rp.Replicator(repl2d.num_workers, repl2d.cores_per_worker, passes=_wrong_pipeline())
+    report = bisect_passes(wrong, _step, specs, {"w": np.ones((3, 2), np.float32)})
+    assert report.culprit == "double-first-all-sum"
+
+
+def test_command_line(n_devices, capsys):
+    module = os.path.join(HERE, "test_validate.py")
+    common = [f"--batch={module}:_cli_batch", f"--state={module}:_cli_state", f"--cores={n_devices}"]
+    assert main([f"{module}:_step", *common, f"--pipeline={module}:_wrong_pipeline"]) == 1
+    out = capsys.readouterr().out
+    assert "first pass that changes the result: 'double-first-all-sum'" in out and "outputs['total']" in out
+    assert main([f"{module}:_step", *common, "--hierarchical"]) == 0
+    assert "gives the reference result" in capsys.readouterr().out
