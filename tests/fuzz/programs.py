@@ -43,8 +43,11 @@ OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "clip_adam", "wrapped_adam")
 class PerReplica:
     """Ops for the per-replica step run by ``Replicator.run``."""
 
-    def __init__(self, workers: int, cores: int):
+    def __init__(self, workers: int, cores: int, wire_dtype: Any = None):
         self.W, self.C, self.R = workers, cores, workers * cores
+        # With a wire dtype, f32 sums and means over 2 or more replicas round every
+        # replica's operand and the sum to it, as ``compress-communication`` does.
+        self.wire_dtype = wire_dtype
 
     def local(self, fn: Callable, *args: Any) -> Any:
         return fn(*args)
@@ -95,8 +98,11 @@ class PerReplica:
 class Stacked:
     """Ops for all replicas at once: a leading replica axis on every value."""
 
-    def __init__(self, workers: int, cores: int):
+    def __init__(self, workers: int, cores: int, wire_dtype: Any = None):
         self.W, self.C, self.R = workers, cores, workers * cores
+        # With a wire dtype, f32 sums and means over 2 or more replicas round every
+        # replica's operand and the sum to it, as ``compress-communication`` does.
+        self.wire_dtype = wire_dtype
 
     def local(self, fn: Callable, *args: Any) -> Any:
         return jax.vmap(fn)(*args)
@@ -122,11 +128,19 @@ class Stacked:
         r = op(g, axis=1, keepdims=True)
         return self._ungrouped(jnp.broadcast_to(r, g.shape), group)
 
+    def _sum(self, x, group, mean: bool):
+        g = self._grouped(x, group)
+        rounded = self.wire_dtype is not None and x.dtype == jnp.float32 and g.shape[1] >= 2
+        wire = (lambda a: a.astype(self.wire_dtype).astype(x.dtype)) if rounded else (lambda a: a)
+        r = wire(jnp.sum(wire(g), axis=1, keepdims=True))
+        r = r / g.shape[1] if mean else r
+        return self._ungrouped(jnp.broadcast_to(r, g.shape), group)
+
     def all_sum(self, x, group=None):
-        return jax.tree.map(lambda a: self._reduce(a, group, jnp.sum), x)
+        return jax.tree.map(lambda a: self._sum(a, group, mean=False), x)
 
     def all_mean(self, x, group=None):
-        return jax.tree.map(lambda a: self._reduce(a, group, jnp.mean), x)
+        return jax.tree.map(lambda a: self._sum(a, group, mean=True), x)
 
     def all_max(self, x, group=None):
         return jax.tree.map(lambda a: self._reduce(a, group, jnp.max), x)
