@@ -49,7 +49,7 @@ WORKLOADS = {"small": ((4, 16, 16, 1), 64), "wide": ((256, 512, 512, 512, 1), 51
 
 def worker(args: argparse.Namespace) -> None:
     """One process of a benchmark job: time the step, print a JSON line (worker 0)."""
-    from replicator import distributed
+    from replicator.runtime import distributed
 
     info = distributed.initialize()
     import replicator as rp
@@ -192,7 +192,7 @@ def _died(stdout: str) -> float:
 
 
 def failure_times() -> None:
-    from replicator.launch import free_port
+    from replicator.runtime.launch import free_port
 
     print("\nfailure detection (launcher defaults: --kill-grace 5, --heartbeat-timeout 10), seconds")
     with tempfile.TemporaryDirectory() as out:

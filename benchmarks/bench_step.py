@@ -66,7 +66,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from timing import time_interleaved  # noqa: E402
 
-from replicator.execution import place_batch, place_state, sharded  # noqa: E402
+from replicator.runtime.execution import place_batch, place_state, sharded  # noqa: E402
 
 Runner = Callable[[], object]  # one step, returns something to block on
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from replicator.tracing import trace_step  # noqa: E402
+from replicator.core.tracing import trace_step  # noqa: E402
 
 TX = optax.adam(1e-3)
 

@@ -11,18 +11,19 @@ Write a step for one device, call cross-replica placeholders (``all_mean``,
 """
 
 from replicator import _jax_compat
-from replicator import distributed as distributed
 from replicator.api import CompiledStep as CompiledStep
 from replicator.api import Replicator as Replicator
-from replicator.checkpoint import CheckpointError as CheckpointError
-from replicator.checkpoint import CheckpointManager as CheckpointManager
-from replicator.checkpoint import latest_step as latest_step
-from replicator.checkpoint import restore_checkpoint as restore_checkpoint
-from replicator.checkpoint import save_checkpoint as save_checkpoint
-from replicator.context import ReplicaContext as ReplicaContext
-from replicator.distributed import gather_outputs as gather_outputs
-from replicator.distributed import local_outputs as local_outputs
-from replicator.distributed import replica_invariant as replica_invariant
+from replicator.core import primitives as primitives  # rp.primitives.PLACEHOLDERS, the placeholder primitives
+from replicator.core.context import ReplicaContext as ReplicaContext
+from replicator.core.primitives import all_gather as all_gather
+from replicator.core.primitives import all_max as all_max
+from replicator.core.primitives import all_mean as all_mean
+from replicator.core.primitives import all_min as all_min
+from replicator.core.primitives import all_sum as all_sum
+from replicator.core.primitives import broadcast as broadcast
+from replicator.core.primitives import num_replicas as num_replicas
+from replicator.core.primitives import reduce_scatter as reduce_scatter
+from replicator.core.primitives import replica_id as replica_id
 from replicator.errors import DivergentControlFlowError as DivergentControlFlowError
 from replicator.errors import DivergentStateError as DivergentStateError
 from replicator.errors import InputExhausted as InputExhausted
@@ -30,32 +31,32 @@ from replicator.errors import MiscompileError as MiscompileError
 from replicator.errors import PassError as PassError
 from replicator.errors import ReplicationError as ReplicationError
 from replicator.errors import UnanalyzableStepError as UnanalyzableStepError
-from replicator.inputs import InputContext as InputContext
-from replicator.loop import CheckpointHook as CheckpointHook
-from replicator.loop import EvalHook as EvalHook
-from replicator.loop import Hook as Hook
-from replicator.loop import LoggingHook as LoggingHook
-from replicator.loop import Trainer as Trainer
-from replicator.mesh import build_mesh as build_mesh
-from replicator.mesh import force_cpu_devices as force_cpu_devices
-from replicator.nn import cross_replica_batch_norm as cross_replica_batch_norm
-from replicator.optim import accumulate_gradients as accumulate_gradients
-from replicator.optim import wrap_optimizer as wrap_optimizer
 from replicator.passes import Pipeline as Pipeline
-from replicator.precision import DynamicLossScale as DynamicLossScale
-from replicator.precision import MixedPrecision as MixedPrecision
-from replicator.precision import all_finite as all_finite
-from replicator.precision import select_tree as select_tree
-from replicator.primitives import all_gather as all_gather
-from replicator.primitives import all_max as all_max
-from replicator.primitives import all_mean as all_mean
-from replicator.primitives import all_min as all_min
-from replicator.primitives import all_sum as all_sum
-from replicator.primitives import broadcast as broadcast
-from replicator.primitives import num_replicas as num_replicas
-from replicator.primitives import reduce_scatter as reduce_scatter
-from replicator.primitives import replica_id as replica_id
-from replicator.state import broadcast_state as broadcast_state
+from replicator.runtime import distributed as distributed
+from replicator.runtime.distributed import gather_outputs as gather_outputs
+from replicator.runtime.distributed import local_outputs as local_outputs
+from replicator.runtime.distributed import replica_invariant as replica_invariant
+from replicator.runtime.inputs import InputContext as InputContext
+from replicator.runtime.mesh import build_mesh as build_mesh
+from replicator.runtime.mesh import force_cpu_devices as force_cpu_devices
+from replicator.runtime.state import broadcast_state as broadcast_state
+from replicator.training.checkpoint import CheckpointError as CheckpointError
+from replicator.training.checkpoint import CheckpointManager as CheckpointManager
+from replicator.training.checkpoint import latest_step as latest_step
+from replicator.training.checkpoint import restore_checkpoint as restore_checkpoint
+from replicator.training.checkpoint import save_checkpoint as save_checkpoint
+from replicator.training.loop import CheckpointHook as CheckpointHook
+from replicator.training.loop import EvalHook as EvalHook
+from replicator.training.loop import Hook as Hook
+from replicator.training.loop import LoggingHook as LoggingHook
+from replicator.training.loop import Trainer as Trainer
+from replicator.training.nn import cross_replica_batch_norm as cross_replica_batch_norm
+from replicator.training.optim import accumulate_gradients as accumulate_gradients
+from replicator.training.optim import wrap_optimizer as wrap_optimizer
+from replicator.training.precision import DynamicLossScale as DynamicLossScale
+from replicator.training.precision import MixedPrecision as MixedPrecision
+from replicator.training.precision import all_finite as all_finite
+from replicator.training.precision import select_tree as select_tree
 
 __version__ = "0.1.0"
 

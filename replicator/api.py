@@ -28,15 +28,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from replicator.context import ReplicaContext
-from replicator.execution import build_executable, place_batch, place_state
-from replicator.inputs import InputContext, WorkerInputs, check_input_fn, check_worker_batch
-from replicator.mesh import build_mesh
-from replicator.optim import wrap_optimizer
+from replicator.core.context import ReplicaContext
+from replicator.core.tracing import TracedStep, trace_step
 from replicator.passes.pipeline import Lowered, Pipeline
-from replicator.report import CommunicationReport, communication_report
-from replicator.state import broadcast_state
-from replicator.tracing import TracedStep, trace_step
+from replicator.passes.report import CommunicationReport, communication_report
+from replicator.runtime.execution import build_executable, place_batch, place_state
+from replicator.runtime.inputs import InputContext, WorkerInputs, check_input_fn, check_worker_batch
+from replicator.runtime.mesh import build_mesh
+from replicator.runtime.state import broadcast_state
 
 __all__ = ["CompiledStep", "Replicator"]
 
@@ -193,7 +192,7 @@ class Replicator:
           state: as for :meth:`run`.
 
         Returns:
-          A :class:`~replicator.report.CommunicationReport`; ``print()`` it.
+          A :class:`~replicator.passes.report.CommunicationReport`; ``print()`` it.
         """
         batch = input_fn_or_batch
         if callable(input_fn_or_batch):
@@ -206,15 +205,17 @@ class Replicator:
     def broadcast_state(self, state: PyTree) -> PyTree:
         """Replica 0's (process 0's) ``state`` on every replica, placed on the mesh.
 
-        See :func:`replicator.state.broadcast_state`.
+        See :func:`replicator.runtime.state.broadcast_state`.
         """
         return broadcast_state(state, self)
 
     def wrap_optimizer(self, tx: Any, reduce: str = "mean", group: str | None = None) -> Any:
         """``tx`` whose ``update`` first all-reduces the gradients.
 
-        See :func:`replicator.optim.wrap_optimizer`.
+        See :func:`replicator.training.optim.wrap_optimizer`.
         """
+        from replicator.training.optim import wrap_optimizer  # the training layer builds on this one
+
         return wrap_optimizer(tx, reduce=reduce, group=group)
 
     # -- running ---------------------------------------------------------------

@@ -21,8 +21,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import replicator as rp
-from replicator import checkpoint as ckpt
-from replicator.checkpoint import (
+from replicator.training import checkpoint as ckpt
+from replicator.training.checkpoint import (
     CheckpointError,
     CheckpointManager,
     latest_step,
@@ -374,7 +374,7 @@ class TestAtomicity:
         code = textwrap.dedent(
             f"""
             import itertools, numpy as np
-            from replicator.checkpoint import save_checkpoint
+            from replicator.training.checkpoint import save_checkpoint
             for step in itertools.count(1):
                 state = {{"w": np.full(4_000_000, step, np.float32), "step": np.int32(step)}}
                 save_checkpoint({str(directory)!r}, step, state, extra={{"input_position": step}}, keep=2)

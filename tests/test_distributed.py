@@ -1,4 +1,4 @@
-"""Multi-worker jobs: ``replicator.distributed`` in one process, then real jobs.
+"""Multi-worker jobs: ``replicator.runtime.distributed`` in one process, then real jobs.
 
 The tests marked ``multiprocess`` start real worker processes on localhost
 (``python -m replicator.launch ... tests/multiproc/train.py``), each bounded by
@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 
 import replicator as rp
-from replicator import distributed
-from replicator.launch import free_port
-from replicator.mesh import _rows_by_process
+from replicator.runtime import distributed
+from replicator.runtime.launch import free_port
+from replicator.runtime.mesh import _rows_by_process
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = Path(__file__).resolve().parent / "multiproc" / "train.py"
@@ -333,9 +333,9 @@ class TestTwoProcesses:
         )
         assert [p.returncode for p in procs] == [1, 1], [err[-3000:] for _, err in outs]
         later = r"CheckpointError: '.*ckpt' already has checkpoints of later steps \[30\]"
-        assert re.search(r"\[worker 0\] replicator\.checkpoint\." + later, outs[0][1]), outs[0][1][-3000:]
+        assert re.search(r"\[worker 0\] replicator(\.\w+)*\." + later, outs[0][1]), outs[0][1][-3000:]
         assert re.search(
-            r"\[worker 1\] replicator\.checkpoint\.CheckpointError: process 0 failed to save the checkpoint "
+            r"\[worker 1\] replicator(\.\w+)*\.CheckpointError: process 0 failed to save the checkpoint "
             r".*step_00000002: " + later,
             outs[1][1],
         ), outs[1][1][-3000:]

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from replicator import distributed, launch
-from replicator.launch import LaunchError
+from replicator.runtime import distributed, launch
+from replicator.runtime.launch import LaunchError
 
 ROOT = Path(__file__).resolve().parent.parent
 TOY = str(Path(__file__).resolve().parent / "multiproc" / "toy_worker.py")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import replicator as rp
-from replicator.nn import cross_replica_batch_norm
+from replicator.training.nn import cross_replica_batch_norm
 
 ROWS, C = 3, 4  # per replica; x is (ROWS, 2, C): statistics over two axes
 

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import replicator as rp
-from replicator.optim import accumulate_gradients, reduce_gradients, wrap_optimizer
+from replicator.training.optim import accumulate_gradients, reduce_gradients, wrap_optimizer
 
 ROWS_PER_REPLICA = 4
 SIZES = (3, 8, 2)
@@ -309,7 +309,8 @@ class TestAccumulateGradients:
 
 def test_public_names(repl):
     """``rp.wrap_optimizer`` etc. and ``Replicator.wrap_optimizer`` (skipped until exported)."""
-    from replicator import nn, precision, state
+    from replicator.runtime import state
+    from replicator.training import nn, precision
 
     names = {
         "wrap_optimizer": wrap_optimizer,

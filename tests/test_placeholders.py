@@ -576,7 +576,7 @@ def test_placeholder_outside_a_step_under_jit_raises():
 
 
 def test_placeholder_primitive_evaluated_eagerly_raises():
-    from replicator.primitives import all_reduce_p
+    from replicator.core.primitives import all_reduce_p
 
     with pytest.raises(RuntimeError, match=r"placeholder '(rp\.)?all_reduce' was evaluated eagerly.*Replicator\.run"):
         all_reduce_p.bind(jnp.ones(3), op="sum", group=None, group_size=2)

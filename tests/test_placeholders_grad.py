@@ -365,7 +365,7 @@ def test_grad_wrt_replica_id_dependent_weights(repl):
 
 def test_replica_id_jvp_rule_gives_a_symbolic_zero(repl):
     """JAX skips the rule when no input has a tangent; the rule must still be well-formed."""
-    from replicator.primitives import _replica_id_jvp_rule
+    from replicator.core.primitives import _replica_id_jvp_rule
 
     seen = []
 

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import replicator as rp
-from replicator.precision import DynamicLossScale, MixedPrecision, all_finite, cast_floating, select_tree
+from replicator.training.precision import DynamicLossScale, MixedPrecision, all_finite, cast_floating, select_tree
 
 
 def _input_fn(batches):
@@ -45,7 +45,7 @@ def regression_batch(step: int, rows: int) -> dict:
 
 
 def test_bf16_compute_tracks_float32(repl):
-    """The tolerance stated in replicator.precision's docstring: 20 SGD steps."""
+    """The tolerance stated in replicator.training.precision's docstring: 20 SGD steps."""
     steps, lr, rows = 20, 0.1, 8 * repl.num_replicas
     policy = MixedPrecision(compute_dtype=jnp.bfloat16, param_dtype=jnp.float32)
     tx = optax.sgd(lr)

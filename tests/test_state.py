@@ -10,8 +10,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import replicator as rp
-from replicator import state as state_module
-from replicator.state import broadcast_state
+from replicator.runtime import state as state_module
+from replicator.runtime.state import broadcast_state
 
 
 def _forever(batch):

@@ -23,7 +23,8 @@ from typing import Any, ClassVar
 import jax
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 
-from replicator.context import ReplicaContext
+from replicator.core.context import ReplicaContext
+from replicator.core.graph import StepGraph
 
 __all__ = [
     "CALL_PARAMS",
@@ -54,43 +55,6 @@ CALL_PARAMS: dict[str, str] = {
     "custom_vmap_call": "call",
 }
 EqnRule = Callable[[JaxprEqn], "tuple[list[JaxprEqn], list[Atom]] | None"]
-
-
-@dataclasses.dataclass(frozen=True)
-class StepGraph:
-    """The per-replica program of one step and the meaning of its slots.
-
-    Attributes:
-      jaxpr: ``(*state_leaves, *batch_leaves) -> (*new_state_leaves, *output_leaves)``
-        for one replica, traced with per-replica shapes.
-      context: the mesh shape the step was traced for.
-      state_paths: a readable path per state leaf, e.g. ``state['w']``.
-      output_paths: a readable path per output leaf.
-      sharded_state: indices of state leaves stored sharded (see the field).
-    """
-
-    jaxpr: ClosedJaxpr
-    context: ReplicaContext
-    state_paths: tuple[str, ...]
-    output_paths: tuple[str, ...]
-    #: State leaves stored sharded along axis 0 over all replicas (ZeRO-1):
-    #: their jaxpr input and output are this replica's 1/N chunk. The others
-    #: are replicated.
-    sharded_state: frozenset[int] = frozenset()
-
-    @property
-    def num_state(self) -> int:
-        return len(self.state_paths)
-
-    @property
-    def num_batch(self) -> int:
-        return len(self.jaxpr.jaxpr.invars) - self.num_state
-
-    def with_jaxpr(self, jaxpr: ClosedJaxpr) -> StepGraph:
-        return dataclasses.replace(self, jaxpr=jaxpr)
-
-    def __str__(self) -> str:
-        return str(self.jaxpr)
 
 
 @dataclasses.dataclass(frozen=True)

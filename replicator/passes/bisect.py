@@ -145,8 +145,8 @@ def _worker_batches(repl: Any, batch: Any) -> list[Any]:
 def _trace(repl: Any, step_fn: Callable, batch: Any, state: Any) -> Any:
     """The traced per-replica graph, before any pass (no pass runs)."""
     from replicator.api import _signature, _spec
-    from replicator.inputs import check_worker_batch
-    from replicator.tracing import trace_step
+    from replicator.core.tracing import trace_step
+    from replicator.runtime.inputs import check_worker_batch
 
     c = repl.cores_per_worker
     check_worker_batch(batch, c, 0)

@@ -99,9 +99,9 @@ import numpy as np
 from jax import lax
 from jax.extend.core import JaxprEqn
 
-from replicator.context import GROUPS
+from replicator.core.context import GROUPS
+from replicator.core.primitives import all_reduce_p
 from replicator.passes.base import Pass, PassResult, StepGraph, inline_function, rewrite_graph
-from replicator.primitives import all_reduce_p
 
 __all__ = ["CompressCommunication", "error_bound", "has_bound"]
 

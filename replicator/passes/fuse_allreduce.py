@@ -90,9 +90,9 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Var
 
 from replicator._jax_compat import user_source_line
-from replicator.context import ReplicaContext
+from replicator.core.context import ReplicaContext
+from replicator.core.primitives import REDUCE_OPS, all_gather_p, all_reduce_p, reduce_scatter_p
 from replicator.passes.base import Pass, PassResult, StepGraph, inline_function, map_subjaxprs
-from replicator.primitives import REDUCE_OPS, all_gather_p, all_reduce_p, reduce_scatter_p
 
 __all__ = ["DEFAULT_MAX_TENSOR_BYTES", "DEFAULT_THRESHOLD_BYTES", "Bucket", "FuseAllReduce", "fusion_report"]
 

@@ -80,9 +80,9 @@ import numpy as np
 from jax import lax
 from jax.extend.core import JaxprEqn
 
-from replicator.context import CORES, WORKERS, ReplicaContext
+from replicator.core.context import CORES, WORKERS, ReplicaContext
+from replicator.core.primitives import all_gather_p, all_reduce_p, reduce_scatter_p
 from replicator.passes.base import Pass, PassResult, StepGraph, inline_function, rewrite_graph
-from replicator.primitives import all_gather_p, all_reduce_p, reduce_scatter_p
 
 __all__ = ["HierarchicalAllReduce", "hierarchical_all_reduce"]
 

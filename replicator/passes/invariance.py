@@ -40,10 +40,8 @@ from jax.extend.core import Jaxpr, JaxprEqn, Literal, Primitive, Var
 from jax.extend.core import primitives as jax_primitives
 
 from replicator._jax_compat import UNKNOWN_LOCATION, custom_vmap_call_primitive, user_source_line
-from replicator.context import group_axes
-from replicator.errors import DivergentControlFlowError, DivergentStateError, UnanalyzableStepError
-from replicator.passes.base import Pass, PassResult, StepGraph, iter_eqns, open_jaxpr, sub_jaxprs
-from replicator.primitives import (
+from replicator.core.context import group_axes
+from replicator.core.primitives import (
     PLACEHOLDERS,
     all_gather_p,
     all_reduce_p,
@@ -52,6 +50,8 @@ from replicator.primitives import (
     reduce_scatter_p,
     replica_id_p,
 )
+from replicator.errors import DivergentControlFlowError, DivergentStateError, UnanalyzableStepError
+from replicator.passes.base import Pass, PassResult, StepGraph, iter_eqns, open_jaxpr, sub_jaxprs
 
 __all__ = [
     "INVARIANT",

@@ -87,9 +87,9 @@ import numpy as np
 from jax import lax
 from jax.extend.core import JaxprEqn, Primitive
 
-from replicator.context import group_axes
+from replicator.core.context import group_axes
+from replicator.core.primitives import all_gather_p, all_reduce_p, broadcast_p, reduce_scatter_p, replica_id_p
 from replicator.passes.base import Pass, PassResult, StepGraph, inline_function, rewrite_graph
-from replicator.primitives import all_gather_p, all_reduce_p, broadcast_p, reduce_scatter_p, replica_id_p
 
 __all__ = [
     "ALGORITHMS",

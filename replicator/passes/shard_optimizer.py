@@ -61,10 +61,10 @@ import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 
+from replicator.core.primitives import all_gather_p, all_reduce_p, reduce_scatter_p, replica_id_p
 from replicator.errors import ReplicationError
 from replicator.passes.base import Pass, PassResult, StepGraph, inline_function
 from replicator.passes.invariance import InvarianceInfo, analyze
-from replicator.primitives import all_gather_p, all_reduce_p, reduce_scatter_p, replica_id_p
 
 __all__ = ["DEFAULT_MIN_TENSOR_BYTES", "ELEMENTWISE", "ShardOptimizerUpdate"]
 

@@ -76,11 +76,8 @@ from typing import Any
 from jax import lax
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Var
 
-from replicator.context import ReplicaContext
-from replicator.errors import DivergentControlFlowError, UnanalyzableStepError
-from replicator.passes.base import CALL_PARAMS, Pass, PassResult, StepGraph, inline_function, map_subjaxprs, open_jaxpr
-from replicator.passes.invariance import INVARIANT, Variance, VarianceAnalysis, variance_of
-from replicator.primitives import (
+from replicator.core.context import ReplicaContext
+from replicator.core.primitives import (
     PLACEHOLDERS,
     all_gather_p,
     all_reduce_p,
@@ -88,6 +85,9 @@ from replicator.primitives import (
     reduce_scatter_p,
     replica_id_p,
 )
+from replicator.errors import DivergentControlFlowError, UnanalyzableStepError
+from replicator.passes.base import CALL_PARAMS, Pass, PassResult, StepGraph, inline_function, map_subjaxprs, open_jaxpr
+from replicator.passes.invariance import INVARIANT, Variance, VarianceAnalysis, variance_of
 
 __all__ = ["Simplify"]
 

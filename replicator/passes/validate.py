@@ -38,9 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from replicator.core.primitives import PLACEHOLDERS
 from replicator.errors import MiscompileError
 from replicator.passes.base import StepGraph, iter_eqns
-from replicator.primitives import PLACEHOLDERS
 
 __all__ = ["VALIDATE_ENV", "GraphRunner", "compare_results", "validate_from_env"]
 
@@ -97,7 +97,7 @@ class GraphRunner:
         batch: Sequence[Any] | None = None,
         mesh: Mesh | None = None,
     ):
-        from replicator.mesh import build_mesh
+        from replicator.runtime.mesh import build_mesh
 
         ctx = graph.context
         self.mesh = mesh if mesh is not None else build_mesh(ctx.num_workers, ctx.cores_per_worker)
@@ -118,8 +118,8 @@ class GraphRunner:
 
     def run(self, graph: StepGraph) -> list[np.ndarray]:
         """New state (whole) and outputs (stacked per replica) of ``graph``, on the host."""
-        from replicator.execution import build_executable, place_state, sharded
         from replicator.passes.lower_collectives import LowerCollectives
+        from replicator.runtime.execution import build_executable, place_state, sharded
 
         if any(e.primitive in PLACEHOLDERS for e in iter_eqns(graph.jaxpr.jaxpr)):
             graph = LowerCollectives().run(graph).graph  # the plain native lowering

@@ -28,10 +28,10 @@ from __future__ import annotations
 from jax.extend.core import Jaxpr, Var, check_jaxpr
 
 from replicator._jax_compat import extend_axis_env
-from replicator.context import REPLICA_AXES
+from replicator.core.context import REPLICA_AXES
+from replicator.core.primitives import PLACEHOLDERS
 from replicator.errors import PassError
 from replicator.passes.base import StepGraph, iter_eqns, sub_jaxprs
-from replicator.primitives import PLACEHOLDERS
 
 __all__ = ["GraphInvariantError", "check_defined", "verify_graph"]
 

@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import replicator as rp  # noqa: E402
-from replicator import distributed  # noqa: E402
+from replicator.runtime import distributed  # noqa: E402
 
 GLOBAL_BATCH = 64
 PROBE_STEP = 10_000  # the probe step reads global_batch(PROBE_STEP)

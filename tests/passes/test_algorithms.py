@@ -17,10 +17,10 @@ import pytest
 from jax import lax
 
 import replicator as rp
+from replicator.core.primitives import all_reduce_p
 from replicator.passes import LowerCollectives, Pipeline, count_primitives, default_passes, verify_graph
 from replicator.passes.base import iter_eqns
 from replicator.passes.lower_collectives import ALGORITHMS, LOWERINGS, lower_all_reduce
-from replicator.primitives import all_reduce_p
 
 from .workloads import input_fn_from, mlp_params, train_mlp
 

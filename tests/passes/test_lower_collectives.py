@@ -7,9 +7,9 @@ import pytest
 from jax import lax
 
 import replicator as rp
+from replicator.core.primitives import PLACEHOLDERS
 from replicator.passes import LowerCollectives, Pipeline, count_primitives, verify_graph
 from replicator.passes.base import iter_eqns
-from replicator.primitives import PLACEHOLDERS
 
 PLACEHOLDER_NAMES = sorted(p.name for p in PLACEHOLDERS)
 

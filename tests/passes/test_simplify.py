@@ -9,9 +9,9 @@ from jax.experimental import io_callback
 from jax.extend.core import DropVar, Var
 
 import replicator as rp
+from replicator.core.primitives import PLACEHOLDERS
 from replicator.passes import Pipeline, Simplify, count_primitives, default_passes, verify_graph
 from replicator.passes.base import iter_eqns
-from replicator.primitives import PLACEHOLDERS
 
 # With a single replica every value is replica-invariant: nothing here would be kept.
 pytestmark = pytest.mark.skipif(jax.device_count() < 2, reason="needs at least two replicas")

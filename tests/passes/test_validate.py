@@ -10,11 +10,11 @@ import pytest
 from jax import lax
 
 import replicator as rp
+from replicator.core.primitives import all_reduce_p
 from replicator.passes import Pass, PassResult, Pipeline, default_passes
 from replicator.passes.base import StepGraph, inline_function, rewrite_graph
 from replicator.passes.validate import GraphRunner, compare_results
 from replicator.passes.verify import GraphInvariantError, verify_graph
-from replicator.primitives import all_reduce_p
 
 
 class DoubleFirstAllSum(Pass):

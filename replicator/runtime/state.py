@@ -23,7 +23,7 @@ every replica gets the copy of replica 0 (process 0 in multi-process runs).
 Example::
 
     import replicator as rp
-    from replicator.state import broadcast_state
+    from replicator.runtime.state import broadcast_state
 
     repl = rp.Replicator(num_workers=1, cores_per_worker=8)
     params = init_params(jax.random.key(jax.process_index()))   # differs per process
@@ -44,8 +44,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from replicator import primitives
-from replicator.context import current_context
+from replicator.core import primitives
+from replicator.core.context import current_context
 
 __all__ = ["broadcast_state"]
 

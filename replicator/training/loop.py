@@ -96,9 +96,9 @@ import jax
 import numpy as np
 
 from replicator.api import Replicator
-from replicator.checkpoint import CheckpointError, CheckpointManager
 from replicator.errors import InputExhausted
-from replicator.inputs import InputContext, check_input_fn
+from replicator.runtime.inputs import InputContext, check_input_fn
+from replicator.training.checkpoint import CheckpointError, CheckpointManager
 
 __all__ = ["CheckpointHook", "EvalHook", "Hook", "LoggingHook", "Trainer", "replica_means"]
 
@@ -657,7 +657,7 @@ class CheckpointHook(_Periodic):
     The checkpoint holds the state, the step and, in ``extra``,
     :meth:`Trainer.checkpoint_extra` (the input position), which is what
     ``Trainer(..., resume_from=directory)`` restores. Saves are atomic (see
-    :mod:`replicator.checkpoint`); only the ``keep`` newest are kept.
+    :mod:`replicator.training.checkpoint`); only the ``keep`` newest are kept.
 
     Args:
       directory: the checkpoint directory.

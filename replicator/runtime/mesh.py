@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from replicator._jax_compat import backends_initialized
-from replicator.context import REPLICA_AXES
+from replicator.core.context import REPLICA_AXES
 
 __all__ = ["build_mesh", "force_cpu_devices"]
 

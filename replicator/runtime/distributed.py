@@ -13,7 +13,7 @@ Write the script once; it runs as a plain single process too, where
     import numpy as np
     import jax, jax.numpy as jnp
     import replicator as rp
-    from replicator import distributed
+    from replicator.runtime import distributed
 
     info = distributed.initialize()  # reads what `python -m replicator.launch` set
     repl = rp.Replicator(num_workers=info.num_workers, cores_per_worker=info.cores_per_worker)
@@ -67,7 +67,7 @@ import jax
 import numpy as np
 
 from replicator._jax_compat import backends_initialized
-from replicator.mesh import force_cpu_devices
+from replicator.runtime.mesh import force_cpu_devices
 
 __all__ = [
     "DEFAULT_HEARTBEAT_TIMEOUT_S",
@@ -336,7 +336,7 @@ def initialize(
 
         if backends_initialized():
             raise RuntimeError(
-                "replicator.distributed.initialize() must run before JAX starts its backend, but "
+                "replicator.runtime.distributed.initialize() must run before JAX starts its backend, but "
                 "jax.devices() was already called or an array was already created. Call it at the "
                 "top of your script, right after the imports."
             )
@@ -397,7 +397,7 @@ def _check_same(
     for name, value in asked.items():
         if value is not None and value != getattr(info, name):
             raise RuntimeError(
-                f"replicator.distributed.initialize() already ran in this process with {name}="
+                f"replicator.runtime.distributed.initialize() already ran in this process with {name}="
                 f"{getattr(info, name)!r}; it cannot be re-initialized with {name}={value!r}. "
                 f"Initialize once per process, at the top of the script."
             )

@@ -15,8 +15,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from replicator.context import ReplicaContext, replica_context
-from replicator.passes.base import StepGraph
+from replicator.core.context import ReplicaContext, replica_context
+from replicator.core.graph import StepGraph
 
 __all__ = ["TracedStep", "leaf_paths", "trace_step"]
 

@@ -8,7 +8,7 @@ leaves are sharded along their leading axis over ``('workers', 'cores')``;
 each replica's outputs get a new leading axis and come back stacked in
 replica-id order.
 
-With several processes (see :mod:`replicator.distributed`) the same code runs
+With several processes (see :mod:`replicator.runtime.distributed`) the same code runs
 in every process on the global mesh: a batch is assembled from each process's
 local workers (``jax.make_array_from_process_local_data``), state from a host
 value is checked to be identical in every process before it is placed, and
@@ -29,8 +29,8 @@ from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from replicator.context import REPLICA_AXES
-from replicator.passes.base import StepGraph
+from replicator.core.context import REPLICA_AXES
+from replicator.core.graph import StepGraph
 
 __all__ = ["build_executable", "place_batch", "place_state", "sharded", "spans_processes"]
 
@@ -72,7 +72,7 @@ class _CheckedAcrossProcesses:
 
     def __call__(self, state: list, batch: list) -> Any:
         if not self._checked:
-            from replicator.distributed import check_same_across_workers
+            from replicator.runtime.distributed import check_same_across_workers
 
             check_same_across_workers(
                 [self._signature],

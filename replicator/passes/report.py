@@ -39,10 +39,8 @@ import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn
 
 from replicator._jax_compat import user_source_line
-from replicator.context import ReplicaContext
-from replicator.passes.base import StepGraph, sub_jaxprs
-from replicator.passes.pipeline import Lowered, Pipeline
-from replicator.primitives import (
+from replicator.core.context import ReplicaContext
+from replicator.core.primitives import (
     PLACEHOLDERS,
     all_gather_p,
     all_reduce_p,
@@ -51,6 +49,8 @@ from replicator.primitives import (
     reduce_scatter_p,
     replica_id_p,
 )
+from replicator.passes.base import StepGraph, sub_jaxprs
+from replicator.passes.pipeline import Lowered, Pipeline
 
 __all__ = ["CollectiveRow", "CommunicationReport", "communication_report"]
 

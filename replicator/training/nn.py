@@ -11,7 +11,7 @@ and the passes see its collectives.
 
 Example (inside a step run by ``Replicator.run``)::
 
-    from replicator.nn import cross_replica_batch_norm
+    from replicator.training.nn import cross_replica_batch_norm
 
     def loss_fn(params, batch):
         h = batch["x"] @ params["w"]
@@ -48,8 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from replicator import primitives
-from replicator.context import check_group
+from replicator.core import primitives
+from replicator.core.context import check_group
 
 __all__ = ["cross_replica_batch_norm"]
 

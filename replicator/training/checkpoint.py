@@ -681,7 +681,7 @@ def _place_like(leaf: Any, sharding: Any) -> Any:
 
 def _check_same_checkpoint(what_was_read: str) -> None:
     """Check that every process read the same checkpoint (or failed the same way); one collective."""
-    from replicator.distributed import check_same_across_workers
+    from replicator.runtime.distributed import check_same_across_workers
 
     try:
         check_same_across_workers(

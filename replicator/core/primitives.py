@@ -35,7 +35,7 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from replicator.context import check_group, require_context
+from replicator.core.context import check_group, require_context
 
 __all__ = [
     "PLACEHOLDERS",

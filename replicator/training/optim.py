@@ -19,7 +19,7 @@ the batch's rows, ``state = (params, adam.init(params))`` is built on the host):
 
     import optax
     import replicator as rp
-    from replicator.optim import accumulate_gradients, wrap_optimizer
+    from replicator.training.optim import accumulate_gradients, wrap_optimizer
 
     adam = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
     tx = wrap_optimizer(adam)  # tx.init is adam.init
@@ -61,8 +61,8 @@ import numpy as np
 import optax
 from jax import lax
 
-from replicator import primitives
-from replicator.context import check_group
+from replicator.core import primitives
+from replicator.core.context import check_group
 
 __all__ = ["REDUCTIONS", "accumulate_gradients", "reduce_gradients", "wrap_optimizer"]
 

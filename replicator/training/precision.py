@@ -16,7 +16,7 @@ Example (inside a step run by ``Replicator.run``; ``state`` is
 ``(params, opt_state, loss_scale)`` with ``loss_scale = DynamicLossScale.create()``)::
 
     import replicator as rp
-    from replicator.precision import DynamicLossScale, MixedPrecision, all_finite, select_tree
+    from replicator.training.precision import DynamicLossScale, MixedPrecision, all_finite, select_tree
 
     policy = MixedPrecision(compute_dtype=jnp.bfloat16, param_dtype=jnp.float32)
 
@@ -71,8 +71,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from replicator import primitives
-from replicator.context import check_group
+from replicator.core import primitives
+from replicator.core.context import check_group
 
 __all__ = [
     "DEFAULT_FACTOR",
@@ -287,7 +287,7 @@ class DynamicLossScale(NamedTuple):
         if finite.shape != () or finite.dtype != jnp.bool_:
             raise TypeError(
                 f"DynamicLossScale.update: grads_finite must be a bool scalar, got {finite.dtype}"
-                f"{list(finite.shape)}; use replicator.precision.all_finite(grads)."
+                f"{list(finite.shape)}; use replicator.training.precision.all_finite(grads)."
             )
         good = self.good_steps + 1
         grow = good >= period
