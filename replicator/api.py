@@ -1,20 +1,21 @@
 """``Replicator``: run a one-device step on every replica of a device mesh.
 
-Example::
+Example (``rp.force_cpu_devices(8)`` emulates 8 CPU devices; call it before JAX starts):
 
-    import replicator as rp
-    rp.force_cpu_devices(8)
-    repl = rp.Replicator(num_workers=1, cores_per_worker=8)
-
-    def input_fn(ctx):                       # one worker's batches
-        while True:
-            yield {"x": np.ones((64, 3), np.float32)}
-
-    def step_fn(state, batch):               # one replica: 64 / 8 rows
-        grads = rp.all_mean(jax.grad(loss)(state, batch))
-        return jax.tree.map(lambda p, g: p - 0.1 * g, state, grads), {}
-
-    state, outputs = repl.run(step_fn, input_fn, state)
+>>> repl = rp.Replicator(num_workers=1, cores_per_worker=8)
+>>> def input_fn(ctx):  # one worker's batches
+...     while True:
+...         yield {"x": np.ones((64, 3), np.float32)}
+>>> def loss(w, batch):
+...     return jnp.mean((batch["x"] @ w - 1.0) ** 2)
+>>> def step_fn(w, batch):  # one replica: 64 / 8 rows
+...     grads = rp.all_mean(jax.grad(loss)(w, batch))
+...     return w - 0.1 * grads, {"replica": rp.replica_id()}
+>>> w, outputs = repl.run(step_fn, input_fn, jnp.zeros(3))
+>>> np.asarray(outputs["replica"]).tolist()  # outputs: one row per replica
+[0, 1, 2, 3, 4, 5, 6, 7]
+>>> print(np.asarray(w).round(3))  # one step of gradient descent from zeros
+[0.2 0.2 0.2]
 """
 
 from __future__ import annotations

@@ -14,11 +14,23 @@ which values vary between replicas, the transpose of a cross-replica sum is a
 cross-replica sum (the gradient of a loss that is all-summed on every replica
 flows back to every replica).
 
-Example (inside a step run by ``Replicator.run``)::
+Example: 2 workers x 4 cores, one row per replica (row ``r`` on replica ``r``):
 
-    grads = rp.all_mean(grads)                 # average a pytree of gradients
-    logits = rp.all_gather(emb, tiled=True)    # the global batch, in replica order
-    chunk = rp.reduce_scatter(grads_flat)      # sum, and keep my 1/N chunk
+>>> repl = rp.Replicator(num_workers=2, cores_per_worker=4)
+>>> def step_fn(batch):
+...     x = batch["x"][0]  # this replica's row, shape (2,)
+...     return {
+...         "mean": rp.all_mean(x),  # over all 8 replicas
+...         "worker_sum": rp.all_sum(x, group="cores"),  # over my worker's 4 replicas
+...         "rows": rp.all_gather(x),  # (8, 2): every replica's row, in replica order
+...         "chunk": rp.reduce_scatter(jnp.tile(x, 4)),  # the sum, cut in 8: my chunk
+...     }
+>>> x = np.arange(16, dtype=np.float32).reshape(8, 2)
+>>> out = repl.run(step_fn, lambda ctx: iter([{"x": x[4 * ctx.worker_id : 4 * ctx.worker_id + 4]}]))
+>>> out["mean"][0].tolist(), out["worker_sum"][5].tolist(), out["rows"][3].shape
+([7.0, 8.0], [44.0, 48.0], (8, 2))
+>>> np.asarray(out["chunk"]).ravel().tolist() == np.tile(x.sum(0), 4).tolist()
+True
 
 Each primitive's rules are registered right below it.
 """

@@ -6,11 +6,11 @@ single process all workers are local; with several processes (one per worker,
 on JAX's distributed runtime) each process owns the row of its worker, so the
 same mesh and the same compiled step span hosts.
 
-Example::
+Example (after ``rp.force_cpu_devices(8)``, which must run before JAX starts):
 
-    import replicator as rp
-    rp.force_cpu_devices(8)   # before JAX starts
-    mesh = rp.build_mesh(num_workers=2, cores_per_worker=4)
+>>> mesh = rp.build_mesh(num_workers=2, cores_per_worker=4)
+>>> dict(mesh.shape)
+{'workers': 2, 'cores': 4}
 """
 
 from __future__ import annotations
