@@ -65,3 +65,10 @@ def custom_vmap_call_primitive() -> Any:
     except ImportError:  # pragma: no cover - depends on the JAX version
         return None
     return custom_vmap_p
+
+
+def reduce_scatter_primitive() -> Any:
+    """``lax.psum_scatter``'s primitive (not exported by ``jax.extend.core.primitives``)."""
+    from jax._src.lax import parallel
+
+    return parallel.reduce_scatter_p

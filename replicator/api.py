@@ -23,13 +23,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
-from replicator.core.context import ReplicaContext
+from replicator.core.context import ReplicaContext, normalize_axis_names
 from replicator.core.tracing import TracedStep, trace_step
 from replicator.passes.pipeline import Lowered, Pipeline
 from replicator.passes.report import CommunicationReport, communication_report
@@ -80,6 +80,13 @@ class Replicator:
       passes: the rewrite pipeline (default: ``Pipeline.default()``).
       donate_state: let XLA reuse the state's buffers for the new state. The
         state passed to ``run`` is then invalid after the call.
+      axis_name: the axis names of code written for ``jax.pmap``/``shard_map``
+        and what they mean here: ``'batch'`` (all replicas) or a mapping such
+        as ``{'batch': None, 'local': 'cores'}`` (groups ``None``, ``'cores'``,
+        ``'workers'``). ``lax.pmean(x, 'batch')`` and Flax's
+        ``BatchNorm(axis_name='batch')`` then trace unchanged and become the
+        same placeholders as ``rp.all_mean``. The mesh names ``'workers'`` and
+        ``'cores'`` are always bound.
       max_in_flight: how many dispatched steps may run ahead of the host
         before ``run`` waits for the oldest. ``None``: 2 on CPU, unbounded
         elsewhere. XLA's CPU backend deadlocks (and aborts after 40 s) when
@@ -97,10 +104,12 @@ class Replicator:
         passes: Pipeline | None = None,
         donate_state: bool = False,
         max_in_flight: int | None = None,
+        axis_name: str | Mapping[str, str | None] | None = None,
     ):
+        axis_names = normalize_axis_names(axis_name)
         self.mesh = build_mesh(num_workers, cores_per_worker, devices=devices)
         self.num_workers, self.cores_per_worker = self.mesh.devices.shape
-        self.context = ReplicaContext(self.num_workers, self.cores_per_worker)
+        self.context = ReplicaContext(self.num_workers, self.cores_per_worker, axis_names)
         self.pipeline = passes if passes is not None else Pipeline.default()
         if not isinstance(self.pipeline, Pipeline):
             raise TypeError(f"passes= must be a replicator.passes.Pipeline, got {type(self.pipeline).__name__}.")

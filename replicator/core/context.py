@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 __all__ = [
     "GROUPS",
@@ -18,6 +18,7 @@ __all__ = [
     "check_group",
     "current_context",
     "group_axes",
+    "normalize_axis_names",
     "replica_context",
     "require_context",
 ]
@@ -46,10 +47,16 @@ def group_axes(group: str | None) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class ReplicaContext:
-    """Shape of the replica mesh a step is traced for."""
+    """Shape of the replica mesh a step is traced for.
+
+    ``axis_names`` binds the user's own axis names (code written for
+    ``jax.pmap``/``shard_map``: ``lax.pmean(x, 'batch')``) to replica groups,
+    as ``((name, group), ...)`` with ``group`` one of :data:`GROUPS`.
+    """
 
     num_workers: int
     cores_per_worker: int
+    axis_names: tuple[tuple[str, str | None], ...] = ()
 
     @property
     def num_replicas(self) -> int:
@@ -61,8 +68,38 @@ class ReplicaContext:
 
     @property
     def axis_env(self) -> list[tuple[str, int]]:
-        """``axis_env`` for ``jax.make_jaxpr`` to trace real collectives."""
-        return [(WORKERS, self.num_workers), (CORES, self.cores_per_worker)]
+        """``axis_env`` for ``jax.make_jaxpr`` to trace real collectives (mesh and user names)."""
+        user = [(name, self.group_size(group)) for name, group in self.axis_names]
+        return [(WORKERS, self.num_workers), (CORES, self.cores_per_worker), *user]
+
+    def group_of_axes(self, axes: tuple[str, ...]) -> str | None:
+        """The replica group that named axes span, e.g. ``('batch',)`` -> ``None`` (all replicas).
+
+        Raises:
+          ValueError: the axes overlap, are out of replica order, or one is unbound.
+        """
+        mapping = dict(self.axis_names)
+        mesh_axes: list[str] = []
+        for name in axes:
+            if name in REPLICA_AXES:
+                mesh_axes.append(name)
+            elif name in mapping:
+                mesh_axes.extend(group_axes(mapping[name]))
+            else:
+                raise ValueError(f"axis name {name!r} is not bound; {self.describe_names()}")
+        if tuple(mesh_axes) == REPLICA_AXES:
+            return None
+        if len(mesh_axes) == 1:
+            return mesh_axes[0]
+        raise ValueError(
+            f"axes {axes!r} span the mesh axes {tuple(mesh_axes)}, which is not one replica group "
+            f"(all replicas ('workers', 'cores') in that order, 'cores' or 'workers')"
+        )
+
+    def describe_names(self) -> str:
+        """The bound axis names, for error messages."""
+        user = ", ".join(f"{n!r} -> {'all replicas' if g is None else repr(g)}" for n, g in self.axis_names)
+        return "bound are the mesh axes 'workers' and 'cores'" + (f" and {user}" if user else "")
 
     def group_size(self, group: str | None) -> int:
         sizes = self.axis_sizes
@@ -70,6 +107,37 @@ class ReplicaContext:
         for axis in group_axes(group):
             n *= sizes[axis]
         return n
+
+
+def normalize_axis_names(axis_name: object) -> tuple[tuple[str, str | None], ...]:
+    """``Replicator(axis_name=...)`` as ``((name, group), ...)``.
+
+    ``'batch'`` means ``{'batch': None}``: the name spans all replicas (what
+    ``jax.pmap(..., axis_name='batch')`` over every device means).
+    """
+    if axis_name is None:
+        return ()
+    if isinstance(axis_name, str):
+        axis_name = {axis_name: None}
+    if not isinstance(axis_name, Mapping):
+        raise TypeError(
+            f"axis_name must be a name (str) or a mapping {{name: group}}, got {type(axis_name).__name__}; "
+            "e.g. axis_name='batch' or axis_name={'batch': None, 'local': 'cores'}."
+        )
+    out = []
+    for name, group in axis_name.items():
+        if not isinstance(name, str) or name in REPLICA_AXES:
+            raise ValueError(
+                f"axis_name: {name!r} cannot be mapped: names must be strings other than the mesh axes "
+                f"{REPLICA_AXES}, which are always bound."
+            )
+        if group not in GROUPS:
+            raise ValueError(
+                f"axis_name: {name!r} maps to {group!r}; map it to None (all replicas), 'cores' (the replicas "
+                "of one worker) or 'workers' (one replica per worker)."
+            )
+        out.append((name, group))
+    return tuple(out)
 
 
 _local = threading.local()

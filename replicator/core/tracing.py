@@ -9,6 +9,7 @@ placeholder equation in the graph.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -18,9 +19,23 @@ import numpy as np
 from replicator.core.context import ReplicaContext, replica_context
 from replicator.core.graph import StepGraph
 
-__all__ = ["TracedStep", "leaf_paths", "trace_step"]
+__all__ = ["TracedStep", "UnboundAxisNameError", "leaf_paths", "trace_step"]
 
 PyTree = Any
+_UNBOUND_AXIS = re.compile(r"unbound axis name: (?P<name>[^\s.]+)")
+
+
+class UnboundAxisNameError(NameError):
+    """``step_fn`` uses a named axis (``lax.psum(x, 'batch')``) that means nothing here."""
+
+    def __init__(self, name: str, context: ReplicaContext):
+        self.axis_name = name
+        super().__init__(
+            f"step_fn uses the axis name {name!r}, which is not bound in this Replicator; "
+            f"{context.describe_names()}. Code written for jax.pmap or shard_map runs unchanged once its names "
+            f"are mapped to replica groups: Replicator(..., axis_name={name!r}) makes {name!r} span all "
+            f"replicas; axis_name={{{name!r}: 'cores'}} the replicas of one worker."
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +140,15 @@ def trace_step(
         return list(jax.tree.leaves(new_state)) + list(out_leaves)
 
     with replica_context(context):
-        closed = jax.make_jaxpr(flat_step)(*state_leaves, *batch_leaves)
+        try:
+            # The mesh axes and the user's names are bound, so lax.psum(x, 'batch')
+            # traces to a raw collective that capture-collectives turns into a placeholder.
+            closed = jax.make_jaxpr(flat_step, axis_env=context.axis_env)(*state_leaves, *batch_leaves)
+        except NameError as e:
+            match = _UNBOUND_AXIS.search(str(e))
+            if match is None:
+                raise
+            raise UnboundAxisNameError(match["name"], context) from None
     graph = StepGraph(
         jaxpr=closed,
         context=context,

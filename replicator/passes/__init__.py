@@ -7,6 +7,8 @@ from replicator.passes.base import count_primitives as count_primitives
 from replicator.passes.base import rewrite_graph as rewrite_graph
 from replicator.passes.bisect import BisectReport as BisectReport
 from replicator.passes.bisect import bisect_passes as bisect_passes
+from replicator.passes.capture import CaptureCollectives as CaptureCollectives
+from replicator.passes.capture import CaptureError as CaptureError
 from replicator.passes.compress import CompressCommunication as CompressCommunication
 from replicator.passes.fuse_allreduce import FuseAllReduce as FuseAllReduce
 from replicator.passes.hierarchical import HierarchicalAllReduce as HierarchicalAllReduce
@@ -24,6 +26,8 @@ from replicator.passes.verify import verify_graph as verify_graph
 
 __all__ = [
     "BisectReport",
+    "CaptureCollectives",
+    "CaptureError",
     "CheckReplicaInvariance",
     "CompressCommunication",
     "FuseAllReduce",

@@ -80,6 +80,8 @@ class Pass:
     needs_placeholders: ClassVar[bool] = True
     #: The pass replaces the placeholders by mesh collectives.
     lowers: ClassVar[bool] = False
+    #: The pass must come before the library's passes (``capture-collectives``).
+    first: ClassVar[bool] = False
     #: Names of passes that, when in the same pipeline, must run before this one.
     run_after: ClassVar[tuple[str, ...]] = ()
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from replicator.errors import PassError, ReplicationError
 from replicator.passes.base import Pass, StepGraph
+from replicator.passes.capture import CaptureCollectives
 from replicator.passes.compress import CompressCommunication
 from replicator.passes.fuse_allreduce import DEFAULT_MAX_TENSOR_BYTES, DEFAULT_THRESHOLD_BYTES, FuseAllReduce
 from replicator.passes.hierarchical import HierarchicalAllReduce
@@ -57,7 +58,8 @@ def default_passes(
 ) -> list[Pass]:
     """The default pipeline, in order, with its optional passes switched.
 
-    Checks run first so their errors point at the collectives the user wrote;
+    Raw ``lax`` collectives become placeholders first (``capture-collectives``);
+    checks run next so their errors point at the collectives the user wrote;
     optimizations work on placeholders; lowering comes last. The defaults
     were chosen by ``benchmarks/bench_step.py`` (see BENCHMARKS.md).
 
@@ -78,7 +80,7 @@ def default_passes(
 
         repl = rp.Replicator(2, 4, passes=rp.Pipeline(default_passes(hierarchical=True)))
     """
-    passes: list[Pass] = [CheckReplicaInvariance(), Simplify()]
+    passes: list[Pass] = [CaptureCollectives(), CheckReplicaInvariance(), Simplify()]
     if shard_optimizer:
         passes.append(ShardOptimizerUpdate(min_tensor_bytes=shard_optimizer_min_bytes))
     passes.append(FuseAllReduce(threshold_bytes=fuse_threshold_bytes, max_tensor_bytes=fuse_max_tensor_bytes))
@@ -264,6 +266,12 @@ def _check_order(passes: Sequence[Pass]) -> None:
     """Raise ``ValueError`` naming both passes if the order breaks a declared constraint."""
     lowering: Pass | None = None
     for index, p in enumerate(passes):
+        library = [q.name for q in passes[:index] if type(q).__module__.startswith("replicator.passes")]
+        if p.first and library:
+            raise ValueError(
+                f"Pipeline: pass '{p.name}' must come before the library's passes (they expect what it produces), "
+                f"but comes after '{library[0]}'. Move '{p.name}' to the front."
+            )
         if p.needs_placeholders and lowering is not None:
             raise ValueError(
                 f"Pipeline: pass '{p.name}' works on placeholders but comes after '{lowering.name}', which "

@@ -87,11 +87,13 @@ def verify_graph(graph: StepGraph, *, lowered: bool) -> None:
             check_jaxpr(jaxpr)
     except Exception as e:  # noqa: BLE001 - re-raised with context
         raise GraphInvariantError(f"the jaxpr does not type-check: {e}") from e
+    # Before capture-collectives, raw collectives may use the user's axis names.
+    allowed = set(REPLICA_AXES) | ({name for name, _ in graph.context.axis_names} if not lowered else set())
     for eqn in iter_eqns(jaxpr):
         if lowered and eqn.primitive in PLACEHOLDERS:
             raise GraphInvariantError(f"placeholder '{eqn.primitive.name}' left after lowering")
         if eqn.primitive.name not in MESH_COLLECTIVES:
             continue
-        bad = [a for a in _axes_of(eqn) if a not in REPLICA_AXES]
+        bad = [a for a in _axes_of(eqn) if a not in allowed]
         if bad:
             raise GraphInvariantError(f"'{eqn.primitive.name}' uses axes {bad}, not mesh axes {REPLICA_AXES}")

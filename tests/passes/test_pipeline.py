@@ -34,6 +34,7 @@ class Identity(Pass):
 def test_default_pipeline_order():
     assert Pipeline().names == [p.name for p in default_passes()]
     assert Pipeline().names == [
+        "capture-collectives",
         "check-replica-invariance",
         "simplify",
         "fuse-allreduce",
@@ -41,6 +42,7 @@ def test_default_pipeline_order():
     ]
     everything = Pipeline.default(hierarchical=True, compress=True, all_reduce_algorithm="ring", shard_optimizer=True)
     assert everything.names == [
+        "capture-collectives",
         "check-replica-invariance",
         "simplify",
         "shard-optimizer-update",
@@ -94,10 +96,11 @@ def test_disable_by_name_and_unknown_names(n_devices):
 
 
 def test_failure_names_the_pass_and_those_before(n_devices):
-    passes = [*default_passes()[:1], Identity(), Boom(), *default_passes()[1:]]
+    passes = [*default_passes()[:2], Identity(), Boom(), *default_passes()[2:]]
     repl = rp.Replicator(1, n_devices, passes=Pipeline(passes))
     with pytest.raises(
-        rp.PassError, match=r"pass 'boom' failed after passes \['check-replica-invariance', 'identity'\]"
+        rp.PassError,
+        match=r"pass 'boom' failed after passes \['capture-collectives', 'check-replica-invariance', 'identity'\]",
     ):
         repl.lower(_step, _batch(n_devices))
 
