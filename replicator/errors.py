@@ -29,11 +29,14 @@ class PassError(RuntimeError):
     """A rewrite pass failed; the message names it and the passes before it."""
 
 
-class InputExhausted(StopIteration):
-    """The ``input_fn`` of a worker has no more batches.
+class InputExhausted(Exception):
+    """The ``input_fn`` of a worker has no more batches; catch it to end a loop.
 
-    A subclass of ``StopIteration``, so ``except StopIteration`` around a
-    training loop ends it cleanly.
+    An ordinary exception, not a ``StopIteration``: Python turns a
+    ``StopIteration`` raised inside a generator into a ``RuntimeError``
+    (PEP 479), so a generator that calls ``Replicator.run`` (or an
+    ``input_fn`` that draws from one) would lose it. Catch it with
+    ``except rp.InputExhausted``.
     """
 
 

@@ -21,7 +21,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import replicator as rp
-from replicator.training import checkpoint as ckpt
 from replicator.training.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -29,6 +28,7 @@ from replicator.training.checkpoint import (
     restore_checkpoint,
     save_checkpoint,
 )
+from replicator.training.checkpoint import files as ckpt_files
 
 
 class Pair(NamedTuple):
@@ -329,7 +329,7 @@ class TestAtomicity:
                 f.write(b"PK\x03\x04" + b"\0" * 100)  # the start of a zip file
             raise OSError("disk full")
 
-        monkeypatch.setattr(ckpt, "_write_arrays", half_then_fail)
+        monkeypatch.setattr(ckpt_files, "write_arrays", half_then_fail)
         with pytest.raises(OSError, match="disk full"):
             manager.save(2, {"x": jnp.full(4, 2.0)})
         assert manager.all_steps() == [1] and os.listdir(tmp_path) == ["step_00000001"]
@@ -342,7 +342,7 @@ class TestAtomicity:
         def fail(path):
             raise OSError("I/O error")
 
-        monkeypatch.setattr(ckpt, "_fsync_dir", fail)
+        monkeypatch.setattr(ckpt_files, "fsync_dir", fail)
         with pytest.raises(OSError, match="I/O error"):
             manager.save(2, {"x": jnp.full(4, 2.0)})
         assert manager.all_steps() == [1]

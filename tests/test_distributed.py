@@ -26,6 +26,7 @@ import pytest
 
 import replicator as rp
 from replicator.runtime import distributed
+from replicator.runtime.distributed import startup, status
 from replicator.runtime.launch import free_port
 from replicator.runtime.mesh import _rows_by_process
 
@@ -41,7 +42,7 @@ def fresh(monkeypatch):
     for name in list(os.environ):
         if name.startswith(("REPLICATOR_", "SLURM_", "OMPI_")):
             monkeypatch.delenv(name)
-    monkeypatch.setattr(distributed, "_INFO", None)
+    monkeypatch.setattr(startup, "_INFO", None)
 
 
 class TestInitialize:
@@ -83,6 +84,30 @@ class TestInitialize:
         with pytest.raises(RuntimeError, match="must run before JAX starts its backend.*top of your script"):
             distributed.initialize("127.0.0.1:1234", 2, 0)
 
+    def test_uncaught_exceptions_are_reported_to_the_launcher(self, fresh, monkeypatch, tmp_path):
+        # A one-worker job under the launcher: the hook reports, then hands over to the previous one.
+        seen = []
+        monkeypatch.setattr(sys, "excepthook", lambda *exc: seen.append(exc[0]))
+        monkeypatch.setenv(distributed.ENV_STATUS_DIR, str(tmp_path))
+        monkeypatch.setenv(distributed.ENV_NUM_WORKERS, "1")
+        monkeypatch.setenv(distributed.ENV_WORKER_ID, "0")
+        assert distributed.initialize().source == "launcher"
+        sys.excepthook(ValueError, ValueError("bad batch"), None)
+        report = status.read_status(str(tmp_path), 0)
+        assert (report["kind"], report["exception_type"], report["message"]) == ("exception", "ValueError", "bad batch")
+        assert report["first_failure"] and not report["runtime_error"]
+        error = jax.errors.JaxRuntimeError("INTERNAL: a peer is gone")
+        sys.excepthook(type(error), error, None)  # a second failure: not the first, and from JAX's runtime
+        report = status.read_status(str(tmp_path), 0)
+        assert report["exception_type"] == "jax.errors.JaxRuntimeError" and report["runtime_error"]
+        assert not report["first_failure"]
+        assert seen == [ValueError, jax.errors.JaxRuntimeError]
+
+    def test_no_report_without_the_launcher(self, fresh, monkeypatch):
+        hook = sys.excepthook
+        distributed.initialize()
+        assert sys.excepthook is hook
+
     def test_cluster_detection(self):
         assert distributed.cluster_environment({}) is None
         assert distributed.cluster_environment({"OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1"}) == "ompi"
@@ -103,11 +128,55 @@ class TestOutputsInOneProcess:
         assert isinstance(local["rid"], np.ndarray)
         np.testing.assert_array_equal(local["rid"], np.arange(n))  # one process holds every replica
         np.testing.assert_array_equal(distributed.gather_outputs(out)["rid"], np.arange(n))
-        first = distributed.replica_invariant(out)
-        assert first["rid"] == 0 and first["m"] == pytest.approx(float(np.mean(local["m"])))
+        invariant = distributed.replica_invariant({"m": out["m"]})
+        want = np.mean(np.arange(repl2d.cores_per_worker)) + 100 * np.mean(np.arange(repl2d.num_workers))
+        assert invariant["m"].shape == () and invariant["m"] == pytest.approx(want)
+        if n > 1:  # the replica ids differ: reading one of them as "the" value is an error
+            want = (
+                f"output 'rid' is not the same on every replica: replica(s) {list(range(1, n))} differ from replica 0"
+            )
+            with pytest.raises(ValueError, match=re.escape(want) + ".*rp.local_outputs"):
+                distributed.replica_invariant(out)
 
-    def test_nothing_to_compare_in_one_process(self):
-        distributed.check_same_across_workers([np.ones(2), "a"], ["x", "y"], what="x", fix="")
+    def test_replica_invariant_compares_bits(self):
+        nan_rows = np.tile(np.array([1.0, np.nan], np.float32), (3, 1))
+        np.testing.assert_array_equal(distributed.replica_invariant({"a": nan_rows})["a"], nan_rows[0])
+        with pytest.raises(ValueError, match=r"output 'z.1' .* replica\(s\) \[1, 3\] differ from replica 0"):
+            distributed.replica_invariant({"z": (np.zeros(4), np.array([0.0, -0.0, 0.0, -0.0]))})
+        with pytest.raises(ValueError, match="has no leading replica axis"):
+            distributed.replica_invariant(np.float32(1.0))
+
+
+class TestSameAcrossWorkers:
+    def test_one_process_compares_nothing(self, monkeypatch):
+        from jax.experimental import multihost_utils
+
+        monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: pytest.fail("no collective in one process"))
+        assert distributed.check_same_across_workers([np.ones(2), "a"], ["x", "y"], what="x", fix="") is None
+
+    @pytest.mark.parametrize("theirs", ["step A", "step B"])
+    def test_workers_are_compared_with_worker_0(self, monkeypatch, theirs):
+        # Two processes, faked: the allgather returns this process's digests and worker 1's.
+        from jax.experimental import multihost_utils
+
+        monkeypatch.setattr(jax, "process_count", lambda: 2)
+        sent = []
+
+        def allgather(local, other=None):
+            sent.append(local)
+            return np.stack([local, local if other is None else other])
+
+        def check(values, other=None):
+            monkeypatch.setattr(multihost_utils, "process_allgather", lambda local: allgather(local, other))
+            distributed.check_same_across_workers(values, ["x", "y"], what="the compiled step", fix="Run the same.")
+
+        check([np.ones(2), theirs])  # worker 1's digests, as it would send them
+        if theirs == "step A":
+            check([np.ones(2), "step A"], other=sent[0])
+        else:
+            with pytest.raises(ValueError, match=r"the compiled step differs between workers: y on worker\(s\) \[1\]"):
+                check([np.ones(2), "step A"], other=sent[0])
+        assert len(sent) == 2
 
 
 def fake_devices(per_process: list[int]) -> list:
@@ -271,9 +340,12 @@ class TestTwoProcesses:
                     np.testing.assert_allclose(got[f"probe_{k}"], want, rtol=0, atol=1e-5, err_msg=k)
                 else:
                     np.testing.assert_array_equal(got[f"probe_{k}"], want, err_msg=k)
-            # The helpers: this worker's rows, and the first local replica's value.
-            np.testing.assert_array_equal(got["local_rid"], np.arange(w * cores, (w + 1) * cores))
-            assert got["first_rid"] == w * cores
+            # The helpers: this worker's rows; a value equal on every replica, and one that is not.
+            mine = list(range(w * cores, (w + 1) * cores))
+            np.testing.assert_array_equal(got["local_rid"], mine)
+            assert got["invariant_sum_all"] == sum(range(2 * cores))
+            if cores > 1:
+                assert f"replica(s) {mine[1:]} differ from replica {mine[0]}" in str(got["varying_error"])
 
     def test_checkpoints_move_between_one_and_two_processes(self, tmp_path, n_devices):
         # One chain covers both directions with a single job: one process trains and saves

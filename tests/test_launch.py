@@ -8,6 +8,7 @@ jobs with real JAX workers are in tests/test_distributed.py.
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import signal
@@ -15,10 +16,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from replicator.runtime import distributed, launch
+from replicator.runtime.distributed import status
 from replicator.runtime.launch import LaunchError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,6 +92,21 @@ class TestCommandLine:
         assert env[distributed.ENV_CORES_PER_WORKER] == "4"
         assert (env[distributed.ENV_START_TIMEOUT], env[distributed.ENV_HEARTBEAT_TIMEOUT]) == ("7", "3")
         assert env[distributed.ENV_SHUTDOWN_TIMEOUT] == "5"
+        assert distributed.ENV_STATUS_DIR not in env
+
+    def test_worker_env_status_dir(self):
+        kwargs = dict(
+            coordinator=None,
+            num_workers=None,
+            worker_id=None,
+            cores_per_worker=None,
+            start_timeout_s=1,
+            heartbeat_timeout_s=1,
+            shutdown_timeout_s=1,
+        )
+        env = launch.worker_env({distributed.ENV_STATUS_DIR: "/stale"}, status_dir="/tmp/s", **kwargs)
+        assert env[distributed.ENV_STATUS_DIR] == "/tmp/s"
+        assert distributed.ENV_STATUS_DIR not in launch.worker_env({distributed.ENV_STATUS_DIR: "/stale"}, **kwargs)
 
     @pytest.mark.parametrize(
         "kwargs, message",
@@ -138,10 +156,29 @@ class TestLocalJobs:
             "--fail-worker", "1", "--code", "3", "--after", "0.5", "--sleep", "60", num_workers=3, kill_grace_s=2
         )
         assert code == 3
-        # The launcher's line names the worker, the exit code and the error it printed.
+        # The launcher's line names the worker, the exit code and the error it reported.
         assert re.search(r"\[launcher\] worker 1 failed with exit code 3 after [\d.]+ s: ValueError: toy failure", err)
         assert "stopping worker(s) [0, 2]" in err
         assert took < 10, took  # the sleepers end on SIGTERM at once
+
+    def test_a_failure_without_a_report_is_not_read_from_the_log(self):
+        # The worker prints an exception-like line but writes no status file: the launcher
+        # does not guess from the log, it says that there was no report.
+        code, _, err, _ = run("--fail-worker", "0", "--code", "5", "--no-report", num_workers=2, kill_grace_s=1)
+        assert code == 5
+        launcher_line = next(line for line in err.splitlines() if line.startswith("[launcher] worker 0 failed"))
+        assert re.fullmatch(
+            r"\[launcher\] worker 0 failed with exit code 5 after [\d.]+ s \(no error report: .*initialize\(\).*\)",
+            launcher_line,
+        ), launcher_line
+
+    def test_the_status_directory_is_private_to_the_job_and_removed(self):
+        code, out, err, _ = run("--env", distributed.ENV_STATUS_DIR, num_workers=2)
+        assert code == 0, err
+        dirs = {line.split("=", 1)[1] for line in out.splitlines() if distributed.ENV_STATUS_DIR in line}
+        assert len(dirs) == 1  # shared by the job's workers
+        directory = dirs.pop()
+        assert os.path.isabs(directory) and not os.path.exists(directory)
 
     def test_sigterm_is_escalated_to_sigkill(self):
         # JAX's runtime catches SIGTERM: the launcher must not rely on it.
@@ -169,6 +206,64 @@ class TestLocalJobs:
         )
         assert code == 1 and "worker(s) [1] still running" in err
         assert took < 10, took
+
+
+class TestStatusFiles:
+    def test_write_and_read(self, tmp_path):
+        d = str(tmp_path)
+        assert status.read_status(d, 0) is None
+        assert status.claim_first_failure(d) and not status.claim_first_failure(d)
+        path = status.write_status(
+            d, 3, kind="exception", exception_type="pkg.MyError", message="bad\nthing", first_failure=True
+        )
+        assert path == status.status_path(d, 3) and path.endswith("worker-3.json")
+        got = status.read_status(d, 3)
+        assert got["exception_type"] == "pkg.MyError" and got["message"] == "bad\nthing"
+        assert got["first_failure"] and not got["runtime_error"] and got["pid"] == os.getpid()
+        assert sorted(os.listdir(d)) == ["first-failure", "worker-3.json"]  # no temporary file left
+
+    def test_unreadable_files_are_no_report(self, tmp_path):
+        d = str(tmp_path)
+        Path(status.status_path(d, 0)).write_text("{not json")
+        Path(status.status_path(d, 1)).write_text(json.dumps({"worker_id": 1, "kind": "exception"}))
+        assert status.read_status(d, 0) is None and status.read_status(d, 1) is None
+        assert status.write_status(str(tmp_path / "missing"), 0, kind="exception", message="x") is None
+
+    @staticmethod
+    def worker(tmp_path, worker_id: int, rc: int, ended: float, **report) -> launch._Worker:
+        if report:
+            status.write_status(str(tmp_path), worker_id, kind="exception", **report)
+        proc = SimpleNamespace(returncode=rc, pid=0)
+        return launch._Worker(worker_id, proc, 0.0, [], str(tmp_path), ended=ended)
+
+    def test_blame_the_first_real_failure_not_its_echoes(self, tmp_path):
+        # Worker 2 raised first; worker 0's collective broke because of it (a runtime error,
+        # reported earlier), worker 1 was aborted by JAX: worker 2 is blamed.
+        workers = [
+            self.worker(tmp_path, 0, 1, 1.0, exception_type="jax.errors.JaxRuntimeError", message="peer gone",
+                        runtime_error=True, first_failure=True),
+            self.worker(tmp_path, 1, -signal.SIGABRT, 1.5),
+            self.worker(tmp_path, 2, 1, 2.0, exception_type="ValueError", message="bad batch\nmore"),
+        ]  # fmt: skip
+        first = min(workers, key=launch._blame_order)
+        assert first.worker_id == 2
+        assert launch._error_summary(first) == "ValueError: bad batch"
+        assert launch._error_summary(workers[1]) is None
+
+    def test_a_killed_worker_is_blamed_before_its_peers_errors(self, tmp_path):
+        workers = [
+            self.worker(tmp_path, 0, 1, 1.0, exception_type="jax.errors.JaxRuntimeError", message="gloo failed",
+                        runtime_error=True, first_failure=True),
+            self.worker(tmp_path, 1, -signal.SIGKILL, 1.2),
+        ]  # fmt: skip
+        assert min(workers, key=launch._blame_order).worker_id == 1
+
+    def test_the_first_reported_failure_wins(self, tmp_path):
+        workers = [
+            self.worker(tmp_path, 0, 1, 1.0, exception_type="ValueError", message="a", first_failure=False),
+            self.worker(tmp_path, 1, 1, 1.1, exception_type="ValueError", message="b", first_failure=True),
+        ]
+        assert min(workers, key=launch._blame_order).worker_id == 1
 
 
 class TestOtherModes:

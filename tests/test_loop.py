@@ -126,6 +126,33 @@ class TestHooks:
         assert trainer.step == 4 and recorder.calls[-1] == ("after_run", 4)
         assert capsys.readouterr().out == "input_fn exhausted after 4 batches: stopping at step 4\n"
 
+    def test_input_fn_fed_by_steps_stops_the_run(self, repl, capsys):
+        """A generator input_fn that runs steps itself: their InputExhausted is not turned into RuntimeError."""
+        raw = make_input(num_batches=3)
+
+        def preprocessed(ctx):  # batches made by a step over another input_fn
+            while True:
+                out = repl.run(lambda b: {"x": 2 * b["x"], "y": 2 * b["y"]}, raw)
+                yield {k: np.asarray(v).reshape(ROWS, *np.shape(v)[2:]) for k, v in out.items()}
+
+        trainer = Trainer(repl, step_fn, preprocessed, init_state())
+        trainer.run(10)
+        assert trainer.step == 3
+        assert capsys.readouterr().out == "input_fn exhausted after 3 batches: stopping at step 3\n"
+
+    def test_input_context_names_one_pipeline_per_worker(self, repl2d):
+        contexts = []
+
+        def input_fn(ctx):
+            contexts.append(ctx)
+            return make_input()(ctx)
+
+        Trainer(repl2d, step_fn, input_fn, init_state()).run(1)
+        assert sorted(c.worker_id for c in contexts) == list(range(repl2d.num_workers))
+        for ctx in contexts:
+            assert ctx.num_input_pipelines == ctx.num_workers == repl2d.num_workers
+            assert ctx.input_pipeline_id == ctx.worker_id
+
     def test_eval_averages_over_replicas_and_batches_and_compiles_once(self, repl):
         ev = EvalHook(eval_fn, eval_input(3), every=2)
         ev2 = EvalHook(eval_fn, eval_input(3), every=2, num_batches=2, name="val")

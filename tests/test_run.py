@@ -64,10 +64,37 @@ class TestSemantics:
 
         firsts = [float(repl.run(lambda b: b["x"], input_fn)[0, 0]) for _ in range(3)]
         assert firsts == [0.0, 1.0, 2.0] and len(calls) == 1
-        with pytest.raises(rp.InputExhausted, match="exhausted after 3 batches"):
+        with pytest.raises(rp.InputExhausted, match="exhausted after 3 batches") as info:
             repl.run(lambda b: b["x"], input_fn)
-        with pytest.raises(StopIteration):  # a plain `except StopIteration` ends loops
+        assert not isinstance(info.value, StopIteration)  # PEP 479 would turn one into RuntimeError
+        with pytest.raises(rp.InputExhausted, match=r"catch replicator\.InputExhausted"):  # and stays exhausted
             repl.run(lambda b: b["x"], input_fn)
+
+    def test_input_exhausted_propagates_out_of_generators(self, repl):
+        """A generator that runs steps, or an input_fn fed by one, sees InputExhausted, not RuntimeError."""
+        n = repl.num_replicas
+
+        def raw(ctx):
+            for i in range(2):
+                yield {"x": np.full((n,), i, np.float32)}
+
+        def step_outputs():  # a generator consumer of steps
+            while True:
+                yield float(repl.run(lambda b: b["x"], raw)[0, 0])
+
+        outputs = step_outputs()
+        assert [next(outputs), next(outputs)] == [0.0, 1.0]
+        with pytest.raises(rp.InputExhausted, match="exhausted after 2 batches"):
+            next(outputs)
+
+        def doubled(ctx):  # a generator input_fn whose batches come from steps over another input_fn
+            while True:
+                yield {"x": np.asarray(repl.run(lambda b: 2 * b["x"], raw)).ravel()}
+
+        repl.forget_input(raw)
+        assert [float(repl.run(lambda b: b["x"], doubled)[0, 0]) for _ in range(2)] == [0.0, 2.0]
+        with pytest.raises(rp.InputExhausted, match="exhausted after 2 batches"):
+            repl.run(lambda b: b["x"], doubled)
 
     def test_forget_input_starts_over(self, repl):
         n = repl.num_replicas

@@ -27,12 +27,25 @@ PyTree = Any
 class InputContext:
     """What an ``input_fn`` needs to know to read its worker's share of data.
 
+    There is one input pipeline per worker (as in TF-Replicator): ``input_fn``
+    is called once per worker and reads shard ``worker_id`` of
+    ``num_workers``. The ``tf.distribute.InputContext`` names
+    ``input_pipeline_id`` and ``num_input_pipelines`` equal them.
+
+    >>> ctx = rp.InputContext(num_workers=2, worker_id=1, cores_per_worker=4)
+    >>> ctx.num_input_pipelines, ctx.input_pipeline_id, list(ctx.replica_ids)
+    (2, 1, [4, 5, 6, 7])
+    >>> ctx.worker_batch_size(64), ctx.get_per_replica_batch_size(64)
+    (32, 8)
+
     Attributes:
       num_workers: workers in the job (input pipelines).
       worker_id: this worker, ``0 <= worker_id < num_workers``.
       cores_per_worker: replicas per worker; this worker's batch is split
         over them along the leading axis.
       num_replicas: ``num_workers * cores_per_worker``.
+      num_input_pipelines: ``num_workers`` (``tf.distribute`` name).
+      input_pipeline_id: ``worker_id`` (``tf.distribute`` name).
     """
 
     num_workers: int
@@ -49,13 +62,15 @@ class InputContext:
         start = self.worker_id * self.cores_per_worker
         return range(start, start + self.cores_per_worker)
 
-    # tf.distribute.InputContext names, for users coming from TF-Replicator.
+    # tf.distribute.InputContext names, for users coming from TF-Replicator: one pipeline per worker.
     @property
     def num_input_pipelines(self) -> int:
+        """The number of input pipelines: one per worker, so ``num_workers``."""
         return self.num_workers
 
     @property
     def input_pipeline_id(self) -> int:
+        """This input pipeline, ``0 <= input_pipeline_id < num_input_pipelines``: ``worker_id``."""
         return self.worker_id
 
     def worker_batch_size(self, global_batch_size: int) -> int:
@@ -144,7 +159,12 @@ class WorkerInputs:
         self.steps = 0
 
     def next_batches(self) -> list[PyTree]:
-        """One batch from every local worker, in worker order."""
+        """One batch from every local worker, in worker order.
+
+        Raises:
+          InputExhausted: a worker's iterator ended (an ``InputExhausted``
+            raised by the iterator itself passes through unchanged).
+        """
         batches = []
         for ctx, it in zip(self.contexts, self.iterators, strict=True):
             try:
@@ -152,7 +172,7 @@ class WorkerInputs:
             except StopIteration:
                 raise InputExhausted(
                     f"input_fn of worker {ctx.worker_id} is exhausted after {self.steps} batches. "
-                    f"Stop the loop there (catch StopIteration), make input_fn yield more "
+                    f"Stop the loop there (catch replicator.InputExhausted), make input_fn yield more "
                     f"(e.g. loop over epochs), or pass a fresh input_fn to start over."
                 ) from None
         self.steps += 1

@@ -37,24 +37,34 @@ others exit (code 75); a worker that dies is noticed by the others after
 ``--heartbeat-timeout`` seconds (default 10; JAX's own default is 100).
 ``--max-time`` bounds the whole job.
 
+Why a worker failed comes from a structured signal, not from its log: the
+launcher passes each worker a private directory in ``REPLICATOR_STATUS_DIR``,
+where :func:`~replicator.runtime.distributed.initialize`'s exception hook
+writes ``worker-<id>.json`` (the exception's type and message, and whether it
+was the job's first failure; see :mod:`replicator.runtime.distributed.status`).
+The launcher blames the first worker that failed on its own (not one aborted
+by JAX, timed out at start-up, or hit by a runtime error after a peer failed),
+using those files and the exit codes.
+
 Library use: :func:`launch` runs a job and returns its exit code.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from typing import IO
+from typing import IO, Any
 
 from replicator.runtime.distributed import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
@@ -66,25 +76,20 @@ from replicator.runtime.distributed import (
     ENV_NUM_WORKERS,
     ENV_SHUTDOWN_TIMEOUT,
     ENV_START_TIMEOUT,
+    ENV_STATUS_DIR,
     ENV_WORKER_ID,
     START_TIMEOUT_EXIT_CODE,
     cluster_environment,
     cluster_rank,
 )
+from replicator.runtime.distributed.status import read_status
 
 __all__ = ["DEFAULT_KILL_GRACE_S", "LaunchError", "free_port", "launch", "main", "worker_env"]
 
 DEFAULT_KILL_GRACE_S = 5.0
 _POLL_S = 0.05
 _FLAG = "--xla_force_host_platform_device_count"
-_EXCEPTION_LINE = re.compile(
-    r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Failure)\b(: .*)?|[\w.-]+: error: .*)$"  # or argparse's
-)
-_OWN_LINE = re.compile(r"^replicator: .*$")
-_PEER_FAILURE = re.compile(
-    r"Gloo .* failed|Connection (reset|closed) by peer|coordination service|stopped sending heartbeats"
-)
-_FATAL_LINE = re.compile(r"^F\d{4} [^\]]*\] (?P<message>.*)$")  # absl's FATAL log line, as JAX aborts
+_SUMMARY_CHARS = 500  # of a worker's error message, in the launcher's line
 
 
 class LaunchError(ValueError):
@@ -113,14 +118,27 @@ def worker_env(
     start_timeout_s: float,
     heartbeat_timeout_s: float,
     shutdown_timeout_s: float,
+    status_dir: str | None = None,
 ) -> dict[str, str]:
-    """The environment of one worker: ``base`` plus the job's settings."""
+    """The environment of one worker: ``base`` plus the job's settings.
+
+    Args:
+      base: the environment to start from.
+      coordinator, num_workers, worker_id, cores_per_worker: the job's
+        settings (None: unset, e.g. under SLURM).
+      start_timeout_s, heartbeat_timeout_s, shutdown_timeout_s: the timeouts.
+      status_dir: where the worker writes its status file (None: nowhere).
+
+    Returns:
+      A new environment dict.
+    """
     env = dict(base)
     for name, value in (
         (ENV_COORDINATOR, coordinator),
         (ENV_NUM_WORKERS, num_workers),
         (ENV_WORKER_ID, worker_id),
         (ENV_CORES_PER_WORKER, cores_per_worker),
+        (ENV_STATUS_DIR, status_dir),
     ):
         if value is None:
             env.pop(name, None)
@@ -144,12 +162,20 @@ class _Worker:
     proc: subprocess.Popen
     started: float
     threads: list[threading.Thread]  # output pumps
-    tail: collections.deque  # last stderr lines, to say why it failed
+    status_dir: str
     ended: float | None = None  # when it exited (set by its waiter thread: exact, for ordering)
+    _status: dict[str, Any] | None = None
 
     @property
     def returncode(self) -> int | None:
         return self.proc.returncode if self.ended is not None else None
+
+    @property
+    def status(self) -> dict[str, Any] | None:
+        """The status file it wrote (read once it has exited), or None."""
+        if self._status is None and self.ended is not None:
+            self._status = read_status(self.status_dir, self.worker_id)
+        return self._status
 
 
 def _describe(rc: int) -> str:
@@ -191,16 +217,14 @@ class _Output:
         self.write(self.stderr, f"[launcher] {message}\n")
 
 
-def _pump(pipe: IO[bytes], prefix: str, output: _Output, stream: IO[str], tail: collections.deque | None) -> None:
+def _pump(pipe: IO[bytes], prefix: str, output: _Output, stream: IO[str]) -> None:
     for raw in iter(pipe.readline, b""):
         line = raw.decode(errors="replace").rstrip("\r\n")
-        if tail is not None:
-            tail.append(line)
         output.write(stream, f"{prefix}{line}\n")
     pipe.close()
 
 
-def _start(worker_id: int, command: Sequence[str], env: dict[str, str], output: _Output) -> _Worker:
+def _start(worker_id: int, command: Sequence[str], env: dict[str, str], output: _Output, status_dir: str) -> _Worker:
     proc = subprocess.Popen(
         list(command),
         env=env,
@@ -209,15 +233,14 @@ def _start(worker_id: int, command: Sequence[str], env: dict[str, str], output: 
         stderr=subprocess.PIPE,
         start_new_session=True,  # its own process group: stopping it stops what it started
     )
-    tail: collections.deque = collections.deque(maxlen=50)
     prefix = f"[worker {worker_id}] "
     threads = [
-        threading.Thread(target=_pump, args=(proc.stdout, prefix, output, output.stdout, None), daemon=True),
-        threading.Thread(target=_pump, args=(proc.stderr, prefix, output, output.stderr, tail), daemon=True),
+        threading.Thread(target=_pump, args=(proc.stdout, prefix, output, output.stdout), daemon=True),
+        threading.Thread(target=_pump, args=(proc.stderr, prefix, output, output.stderr), daemon=True),
     ]
     for t in threads:
         t.start()
-    worker = _Worker(worker_id, proc, time.monotonic(), threads, tail)
+    worker = _Worker(worker_id, proc, time.monotonic(), threads, status_dir)
 
     def wait() -> None:
         proc.wait()
@@ -235,24 +258,33 @@ def _signal_group(worker: _Worker, sig: int) -> None:
 
 
 def _error_summary(worker: _Worker) -> str | None:
-    """The worker's last exception line (``ValueError: ...``), else its last own or fatal message."""
-    lines = [line.strip() for line in worker.tail]
-    for pattern in (_EXCEPTION_LINE, _OWN_LINE, _FATAL_LINE):
-        for line in reversed(lines):
-            if match := pattern.match(line):
-                return match.groupdict().get("message") or line
-    return None
+    """Why the worker failed, from its status file: ``ValueError: ...`` (first line), or its own message."""
+    status = worker.status
+    if status is None:
+        return None
+    lines = status["message"].strip().splitlines()
+    message = lines[0] if lines else ""
+    if len(message) > _SUMMARY_CHARS:
+        message = message[:_SUMMARY_CHARS] + " ..."
+    if status["kind"] == "exception" and status["exception_type"]:
+        return f"{status['exception_type']}: {message}" if message else status["exception_type"]
+    return message or None
 
 
-def _is_echo(worker: _Worker) -> bool:
-    """Did this worker fail only because a peer did (a broken collective, JAX's abort)?
+def _blame_order(worker: _Worker) -> tuple:
+    """Sort key: the worker to blame first.
 
-    Exit times alone cannot tell: a killed worker's sockets close before its
-    parent hears of its death, and the peer's error can be reported first.
+    A failure that may only echo a peer's comes last: JAX's abort (SIGABRT,
+    a peer died or stopped sending heartbeats), giving up at start-up, or an
+    error raised by JAX's runtime (a collective broken by a peer). Among the
+    rest, the worker whose status says it failed first, then the first to
+    exit (exit times alone cannot tell: a killed worker's sockets close
+    before its parent hears of its death, and a peer's error can land first).
     """
-    if worker.returncode in (-signal.SIGABRT, START_TIMEOUT_EXIT_CODE):
-        return True
-    return any(_PEER_FAILURE.search(line) for line in list(worker.tail)[-5:])
+    status = worker.status
+    echo = worker.returncode in (-signal.SIGABRT, START_TIMEOUT_EXIT_CODE) or bool(status and status["runtime_error"])
+    first = bool(status and status["first_failure"])
+    return (echo, not first, worker.ended, worker.worker_id)
 
 
 def _stop(workers: list[_Worker], grace_s: float, output: _Output) -> None:
@@ -298,12 +330,14 @@ def _supervise(
             # failure, the first to end among them.
             time.sleep(0.25)
             failed = [w for w in workers if w.ended is not None and w.returncode != 0]
-            first = min(failed, key=lambda w: (_is_echo(w), w.ended, w.worker_id))
+            first = min(failed, key=_blame_order)
             summary = _error_summary(first)
             running = [w.worker_id for w in workers if w.ended is None]
             hint = ""
             if first.returncode == -signal.SIGABRT and running:
                 hint = f" (still running, maybe hung: worker(s) {running})"
+            elif 0 < first.returncode != START_TIMEOUT_EXIT_CODE and first.status is None:
+                hint = " (no error report: it failed before initialize() or exited through sys.exit; see its output)"
             output.launcher(
                 f"worker {first.worker_id} {_describe(first.returncode)} after {first.ended - first.started:.1f} s"
                 + hint
@@ -442,34 +476,39 @@ def launch(
     output = _Output(stdout or sys.stdout, stderr or sys.stderr)
     interrupted = interrupted or threading.Event()
     workers: list[_Worker] = []
+    status_dir = tempfile.mkdtemp(prefix="replicator-launch-")  # private (mode 0700): the workers' status files
     try:
-        for label, address, count in plan:
-            wenv = worker_env(
-                base,
-                coordinator=address,
-                num_workers=count,
-                worker_id=label if count is not None else None,
-                cores_per_worker=cores_per_worker,
-                **timeouts,
+        try:
+            for label, address, count in plan:
+                wenv = worker_env(
+                    base,
+                    coordinator=address,
+                    num_workers=count,
+                    worker_id=label if count is not None else None,
+                    cores_per_worker=cores_per_worker,
+                    status_dir=status_dir,
+                    **timeouts,
+                )
+                workers.append(_start(label, command, wenv, output, status_dir))
+            if len(plan) > 1:
+                output.launcher(
+                    f"started {len(plan)} workers (coordinator {plan[0][1]}): pids {[w.proc.pid for w in workers]}"
+                )
+            code = _supervise(
+                workers,
+                output,
+                kill_grace_s=kill_grace_s,
+                # JAX's shutdown barrier makes finishing workers wait for each other at most
+                # shutdown_timeout_s (then it aborts them): a worker running much longer is stuck.
+                finish_timeout_s=2 * shutdown_timeout_s + kill_grace_s,
+                max_time_s=max_time_s,
+                interrupted=interrupted,
             )
-            workers.append(_start(label, command, wenv, output))
-        if len(plan) > 1:
-            output.launcher(
-                f"started {len(plan)} workers (coordinator {plan[0][1]}): pids {[w.proc.pid for w in workers]}"
-            )
-        code = _supervise(
-            workers,
-            output,
-            kill_grace_s=kill_grace_s,
-            # JAX's shutdown barrier makes finishing workers wait for each other at most
-            # shutdown_timeout_s (then it aborts them): a worker running much longer is stuck.
-            finish_timeout_s=2 * shutdown_timeout_s + kill_grace_s,
-            max_time_s=max_time_s,
-            interrupted=interrupted,
-        )
-    except BaseException:
-        _stop(workers, kill_grace_s, output)
-        raise
+        except BaseException:
+            _stop(workers, kill_grace_s, output)
+            raise
+    finally:
+        shutil.rmtree(status_dir, ignore_errors=True)
     for w in workers:
         for t in w.threads:
             t.join(timeout=2.0)  # a grandchild may hold a pipe open: do not wait for it

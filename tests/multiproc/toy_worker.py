@@ -5,8 +5,10 @@ stderr (``I`` from ``REPLICATOR_WORKER_ID``, else ``?``), then the requested
 environment variables as ``NAME=value``, then:
 
 * ``--fail-worker I --code C --after S``: worker ``I`` waits ``S`` seconds,
-  prints ``ValueError: toy failure in worker I`` on stderr and exits with
-  ``C`` (or kills itself with ``--signal NAME``); the others sleep ``--sleep``;
+  prints ``ValueError: toy failure in worker I`` on stderr, reports it in the
+  launcher's status directory as an uncaught exception would be (unless
+  ``--no-report``) and exits with ``C`` (or kills itself with ``--signal
+  NAME``, reporting nothing); the others sleep ``--sleep``;
 * otherwise every worker sleeps ``--sleep`` seconds and exits 0.
 
 ``--ignore-sigterm`` makes it ignore SIGTERM, as JAX's runtime does;
@@ -16,16 +18,36 @@ environment variables as ``NAME=value``, then:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import signal
 import sys
 import time
+from pathlib import Path
+
+STATUS = Path(__file__).resolve().parents[2] / "replicator" / "runtime" / "distributed" / "status.py"
+
+
+def report(worker_id: int, message: str) -> None:
+    """Write the status file with the real protocol code (stdlib only: loaded without importing JAX)."""
+    directory = os.environ.get("REPLICATOR_STATUS_DIR")
+    if not directory:
+        return
+    spec = importlib.util.spec_from_file_location("toy_status", STATUS)
+    status = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(status)
+    first = status.claim_first_failure(directory)
+    status.write_status(
+        directory, worker_id, kind="exception", exception_type="ValueError", message=message, first_failure=first
+    )
+
 
 p = argparse.ArgumentParser()
 p.add_argument("--env", nargs="*", default=[])
 p.add_argument("--fail-worker", type=int)
 p.add_argument("--code", type=int, default=3)
 p.add_argument("--signal")
+p.add_argument("--no-report", action="store_true")
 p.add_argument("--after", type=float, default=0.0)
 p.add_argument("--sleep", type=float, default=0.0)
 p.add_argument("--ignore-sigterm", action="store_true")
@@ -46,5 +68,7 @@ if args.fail_worker is not None and me == str(args.fail_worker):
     print(f"ValueError: toy failure in worker {me}", file=sys.stderr, flush=True)
     if args.signal:
         os.kill(os.getpid(), signal.Signals[f"SIG{args.signal}"])
+    if not args.no_report:
+        report(int(me), f"toy failure in worker {me}")
     sys.exit(args.code)
 time.sleep(args.sleep)

@@ -183,7 +183,12 @@ def run(
     for k, v in distributed.gather_outputs(probe).items():
         results[f"probe_{k}"] = v
     results["local_rid"] = distributed.local_outputs(probe)["rid"]
-    results["first_rid"] = np.asarray(distributed.replica_invariant(probe)["rid"])
+    results["invariant_sum_all"] = np.asarray(distributed.replica_invariant({"sum_all": probe["sum_all"]})["sum_all"])
+    try:  # the replica ids differ between this worker's replicas: an error that names them
+        distributed.replica_invariant({"rid": probe["rid"]})
+        results["varying_error"] = np.array("")
+    except ValueError as e:
+        results["varying_error"] = np.array(str(e))
     return results
 
 

@@ -1,72 +1,30 @@
-"""Multi-worker jobs: one process per worker, across processes and hosts.
+"""Process start-up of a multi-worker job: settings, ``initialize``, ``shutdown``, failing fast.
 
-A :class:`~replicator.Replicator` spans several processes when JAX's
-distributed runtime is up: worker ``w`` of the ``('workers', 'cores')`` mesh is
-then process ``w``'s local devices, every process runs the same script, calls
-``input_fn`` for its own worker only, and the compiled step runs on the global
-mesh, with collectives crossing the process boundary (over gloo on CPU).
-
-Write the script once; it runs as a plain single process too, where
-:func:`initialize` does nothing::
-
-    # train.py
-    import numpy as np
-    import jax, jax.numpy as jnp
-    import replicator as rp
-    from replicator.runtime import distributed
-
-    info = distributed.initialize()  # reads what `python -m replicator.launch` set
-    repl = rp.Replicator(num_workers=info.num_workers, cores_per_worker=info.cores_per_worker)
-
-    def input_fn(ctx):  # runs in worker ctx.worker_id's process only
-        rng = np.random.default_rng(ctx.worker_id)
-        while True:
-            yield {"x": rng.normal(size=(8 * ctx.cores_per_worker, 3)).astype(np.float32)}
-
-    def step_fn(w, batch):
-        g = rp.all_mean(jnp.mean(batch["x"], axis=0))
-        return w - 0.1 * g, {"g": g, "rid": rp.replica_id()}
-
-    w = jnp.zeros(3)  # from the host: every worker starts from worker 0's copy
-    for _ in range(10):
-        w, out = repl.run(step_fn, input_fn, w)
-    print(np.asarray(w))  # state is replicated: every worker can read it
-    print(distributed.local_outputs(out)["rid"])  # this worker's replicas, e.g. [4 5 6 7]
-    print(distributed.replica_invariant(out)["g"])  # one copy of a value equal on all replicas
-    print(distributed.gather_outputs(out)["rid"])  # every replica's row, on every worker
-
-and start it with two workers of four emulated CPU devices each::
-
-    python -m replicator.launch --num-workers 2 --cores-per-worker 4 train.py
-
-On several hosts, start one worker per host with ``--coordinator HOST:PORT
---worker-id I --num-workers W``; under SLURM or Open MPI (``srun``,
-``mpirun``) :func:`initialize` with no arguments lets JAX read the cluster's
-environment.
-
-Failures end the job instead of hanging it: a worker that does not join within
-the start-up timeout makes the others exit with a message
-(exit code :data:`START_TIMEOUT_EXIT_CODE`); a worker that dies is noticed by
-the others within the heartbeat timeout (JAX then aborts them); an uncaught
-exception ends its worker at once (exit code 1) rather than after JAX's
-shutdown barrier; and the launcher stops every worker as soon as one fails.
+:func:`initialize` reads the job's settings (arguments, the launcher's
+``REPLICATOR_*`` variables, or a SLURM / Open MPI environment), starts JAX's
+distributed runtime with bounded timeouts, and makes failures end the job
+instead of hanging it: a worker that does not join within the start-up
+timeout makes the others exit (code :data:`START_TIMEOUT_EXIT_CODE`); a worker
+that dies is noticed by the others within the heartbeat timeout (JAX then
+aborts them); an uncaught exception ends its worker at once (exit code 1)
+rather than after JAX's shutdown barrier, and is reported to the launcher
+(see :mod:`replicator.runtime.distributed.status`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import os
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import jax
-import numpy as np
 
 from replicator._jax_compat import backends_initialized
+from replicator.runtime.distributed.status import ENV_STATUS_DIR, claim_first_failure, write_status
 from replicator.runtime.mesh import force_cpu_devices
 
 __all__ = [
@@ -82,18 +40,12 @@ __all__ = [
     "ENV_WORKER_ID",
     "START_TIMEOUT_EXIT_CODE",
     "WorkerInfo",
-    "check_same_across_workers",
     "cluster_environment",
     "cluster_rank",
-    "gather_outputs",
     "initialize",
     "is_initialized",
-    "local_outputs",
-    "replica_invariant",
     "shutdown",
 ]
-
-PyTree = Any
 
 # Set by `python -m replicator.launch` for each worker it starts.
 ENV_COORDINATOR = "REPLICATOR_COORDINATOR"
@@ -245,7 +197,10 @@ def initialize(
     On CPU the cross-process collectives go through gloo. Start-up is over
     when every worker has joined and exchanged its devices; a worker missing
     after ``init_timeout_s`` makes this one print which and exit with code
-    :data:`START_TIMEOUT_EXIT_CODE`.
+    :data:`START_TIMEOUT_EXIT_CODE`. Under the launcher
+    (``REPLICATOR_STATUS_DIR`` set) an uncaught exception or a start-up
+    timeout is also written to the launcher's status directory, which is how
+    the launcher says why a worker failed.
 
     Args:
       coordinator_address: ``HOST:PORT`` of worker 0, which runs the
@@ -285,6 +240,7 @@ def initialize(
             _INFO = WorkerInfo(jax.process_index(), jax.process_count(), cores_per_worker, None, "jax")
             return _INFO
 
+        status_dir = os.environ.get(ENV_STATUS_DIR) or None
         source = "arguments"
         if coordinator_address is None and num_workers is None and worker_id is None:
             env_values = (os.environ.get(ENV_COORDINATOR), _env_int(ENV_NUM_WORKERS), _env_int(ENV_WORKER_ID))
@@ -311,6 +267,8 @@ def initialize(
             if cores_per_worker is not None:
                 force_cpu_devices(cores_per_worker)
             _INFO = WorkerInfo(0, 1, cores_per_worker, None, source)
+            if status_dir:
+                _install_excepthook(0, status_dir, exit_now=False)
             return _INFO
 
         if source in ("arguments", "launcher"):
@@ -351,12 +309,13 @@ def initialize(
             kwargs = {"coordinator_address": coordinator_address, "num_processes": num_workers, "process_id": worker_id}
             if host in _LOOPBACK_HOSTS:
                 kwargs["coordinator_bind_address"] = coordinator_address
-            who = f"worker {worker_id} of {num_workers}"
+            who, me = f"worker {worker_id} of {num_workers}", worker_id
         else:
-            who = f"process {cluster_rank()} of a {source} job"
+            me = cluster_rank()
+            who = f"process {me} of a {source} job"
         where = f" at {coordinator_address}" if coordinator_address else ""
 
-        timer = threading.Timer(init_s, _start_timed_out, args=(who, where, init_s))
+        timer = threading.Timer(init_s, _start_timed_out, args=(who, where, init_s, status_dir, me))
         timer.daemon = True
         timer.start()
         try:
@@ -376,8 +335,9 @@ def initialize(
             coordinator_address,  # None when JAX read it from the cluster's environment
             source,
         )
-        if fail_fast and _INFO.is_multiprocess:
-            _install_fail_fast(_INFO.worker_id)
+        exit_now = fail_fast and _INFO.is_multiprocess
+        if exit_now or status_dir:
+            _install_excepthook(_INFO.worker_id, status_dir, exit_now=exit_now)
         return _INFO
 
 
@@ -403,42 +363,74 @@ def _check_same(
             )
 
 
-def _start_timed_out(who: str, where: str, timeout_s: float) -> None:
+def _start_timed_out(who: str, where: str, timeout_s: float, status_dir: str | None, me: int | None) -> None:
     """Watchdog: not every worker joined in time. Say so, and exit (no core dump)."""
-    sys.stderr.write(
-        f"replicator: {who} gave up after {timeout_s:g} s waiting for every worker to join the job"
+    message = (
+        f"{who} gave up after {timeout_s:g} s waiting for every worker to join the job"
         f"{where}. A worker was not started, crashed before initialize(), or uses another "
         f"coordinator address, port or worker count. Fix: start every worker with the same "
         f"--coordinator and --num-workers and a distinct --worker-id (0 on the coordinator's host), "
-        f"check that the port is reachable, or allow more time with --start-timeout / init_timeout_s.\n"
+        f"check that the port is reachable, or allow more time with --start-timeout / init_timeout_s."
     )
+    if status_dir and me is not None:
+        write_status(status_dir, me, kind="start-timeout", message=message)
+    sys.stderr.write(f"replicator: {message}\n")
     sys.stderr.flush()
     os._exit(START_TIMEOUT_EXIT_CODE)
 
 
-def _install_fail_fast(worker_id: int) -> None:
-    """Make an uncaught exception end the process now, not after the shutdown barrier.
+def _type_name(exc_type: type[BaseException]) -> str:
+    """The exception type's name as a traceback prints it (``ValueError``, ``pkg.mod.MyError``)."""
+    module = getattr(exc_type, "__module__", None)
+    name = getattr(exc_type, "__qualname__", exc_type.__name__)
+    return name if module in (None, "builtins", "__main__") else f"{module}.{name}"
+
+
+def _report(status_dir: str, worker_id: int, exc_type: type[BaseException], exc: BaseException) -> None:
+    """Write this worker's uncaught exception to the launcher's status directory."""
+    try:
+        message = str(exc)
+    except Exception:  # noqa: BLE001 - a broken __str__ must not hide the failure
+        message = f"<{exc_type.__name__} with an unprintable message>"
+    write_status(
+        status_dir,
+        worker_id,
+        kind="exception",
+        exception_type=_type_name(exc_type),
+        message=message,
+        first_failure=claim_first_failure(status_dir),
+        runtime_error=isinstance(exc, jax.errors.JaxRuntimeError),
+    )
+
+
+def _install_excepthook(worker_id: int, status_dir: str | None, *, exit_now: bool) -> None:
+    """Report an uncaught exception to the launcher and, with ``exit_now``, end the process at once.
 
     At exit JAX waits (up to the shutdown timeout) for every worker to reach a
     shutdown barrier; peers blocked in a collective with this worker never do,
-    so the job would hang for that long and then abort everywhere.
+    so without ``exit_now`` the job would hang for that long and then abort
+    everywhere.
     """
     previous = sys.excepthook
 
     def excepthook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
         try:
+            if status_dir:
+                _report(status_dir, worker_id, exc_type, exc)
             previous(exc_type, exc, tb)
-            sys.stderr.write(
-                f"replicator: worker {worker_id} stopped by the uncaught {exc_type.__name__} above; "
-                f"exiting now so that the other workers are not kept waiting for it.\n"
-            )
+            if exit_now:
+                sys.stderr.write(
+                    f"replicator: worker {worker_id} stopped by the uncaught {exc_type.__name__} above; "
+                    f"exiting now so that the other workers are not kept waiting for it.\n"
+                )
         finally:
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except Exception:  # noqa: BLE001 - a closed stream must not stop the exit
-                    pass
-            os._exit(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
+            if exit_now:
+                for stream in (sys.stdout, sys.stderr):
+                    try:
+                        stream.flush()
+                    except Exception:  # noqa: BLE001 - a closed stream must not stop the exit
+                        pass
+                os._exit(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
 
     sys.excepthook = excepthook
 
@@ -449,106 +441,3 @@ def shutdown() -> None:
     with _LOCK:
         jax.distributed.shutdown()
         _INFO = None
-
-
-# -- values across workers ------------------------------------------------------
-
-
-def _digest(x: np.ndarray) -> np.ndarray:
-    """A 64-bit fingerprint of an array's dtype, shape and bytes, as two int32s."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(f"{x.dtype.str}{x.shape}".encode())
-    h.update(np.ascontiguousarray(x).tobytes())
-    return np.frombuffer(h.digest(), dtype=np.int32)
-
-
-def check_same_across_workers(values: Sequence[Any], names: Sequence[str], *, what: str, fix: str) -> None:
-    """Check that each host value is identical in every process (one collective).
-
-    Every process must call it with the same number of values. In a single
-    process it does nothing.
-
-    Args:
-      values: host arrays (or anything ``np.asarray`` takes), or strings.
-      names: a name for each value, for the error message.
-      what: what the values are, e.g. ``"the state"``.
-      fix: the sentence that tells the user how to make them agree.
-
-    Raises:
-      ValueError: naming the values that differ and the workers that disagree
-        with worker 0.
-    """
-    if jax.process_count() == 1 or not values:
-        return
-    from jax.experimental import multihost_utils
-
-    local = np.concatenate(
-        [_digest(np.frombuffer(v.encode(), np.uint8) if isinstance(v, str) else np.asarray(v)) for v in values]
-    )
-    everyone = np.asarray(multihost_utils.process_allgather(local)).reshape(jax.process_count(), len(values), 2)
-    differ = (everyone != everyone[0]).any(axis=2)  # (process, value)
-    if differ.any():
-        bad = [names[i] for i in np.flatnonzero(differ.any(axis=0))]
-        procs = [int(p) for p in np.flatnonzero(differ.any(axis=1))]
-        raise ValueError(
-            f"{what} differs between workers: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''} "
-            f"on worker(s) {procs} is not what worker 0 has. {fix}"
-        )
-
-
-def _local_rows(x: Any) -> np.ndarray:
-    """This process's rows of an array stacked by replica, in replica order."""
-    if not isinstance(x, jax.Array):
-        return np.asarray(x)
-    if x.is_fully_addressable or x.sharding.is_fully_replicated:
-        return np.asarray(x) if x.is_fully_addressable else np.asarray(x.addressable_data(0))
-    rows: dict[int, np.ndarray] = {}
-    for shard in x.addressable_shards:
-        start = (shard.index[0].start or 0) if shard.index else 0
-        rows.setdefault(start, np.asarray(shard.data))
-    return np.concatenate([rows[k] for k in sorted(rows)], axis=0)
-
-
-def local_outputs(outputs: PyTree) -> PyTree:
-    """This worker's replicas' rows of ``Replicator.run`` outputs, as numpy.
-
-    Outputs come back with a leading axis over all replicas; in a
-    multi-process job each process holds only its own replicas' rows. This
-    returns those, stacked in replica order (leading size
-    ``len(repl.local_workers) * cores_per_worker``). In a single process it
-    is ``np.asarray`` of every leaf. No communication.
-    """
-    return jax.tree.map(_local_rows, outputs)
-
-
-def replica_invariant(outputs: PyTree) -> PyTree:
-    """One replica's row of each output leaf: the first local replica's.
-
-    For outputs that are equal on every replica (e.g. ``rp.all_mean(loss)``)
-    this is *the* value, read without communication on every worker.
-    """
-
-    def first(x: Any) -> np.ndarray:
-        if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.sharding.is_fully_replicated:
-            shard = min(x.addressable_shards, key=lambda s: (s.index[0].start or 0) if s.index else 0)
-            return np.asarray(shard.data)[0]
-        return np.asarray(x)[0]
-
-    return jax.tree.map(first, outputs)
-
-
-def gather_outputs(outputs: PyTree) -> PyTree:
-    """Every replica's rows of ``Replicator.run`` outputs, on every worker, as numpy.
-
-    A collective in a multi-process job: every worker must call it, with the
-    same outputs. In a single process it is ``np.asarray`` of every leaf.
-    """
-
-    def gather(x: Any) -> np.ndarray:
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            from jax.experimental import multihost_utils
-
-            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-        return np.asarray(x)
-
-    return jax.tree.map(gather, outputs)

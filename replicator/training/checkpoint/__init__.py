@@ -1,0 +1,43 @@
+"""Checkpoints of a training state: atomic, checked, and never executed.
+
+One directory per step holds the arrays (``arrays.npz``, read with
+``allow_pickle=False``) and a JSON manifest. Saves are atomic, restores check
+the tree paths, shapes, dtypes and sha256 against the target state. The
+format and the multi-process rules are in ``docs/CHECKPOINTS.md``.
+
+>>> import tempfile
+>>> directory = tempfile.mkdtemp()
+>>> params = {"w": jnp.arange(3.0), "b": jnp.zeros(())}
+>>> rp.save_checkpoint(directory, 10, params, extra={"input_position": 10})
+'.../step_00000010'
+>>> step, restored, extra = rp.restore_checkpoint(directory, params)  # the newest
+>>> step, restored["w"].tolist(), extra
+(10, [0.0, 1.0, 2.0], {'input_position': 10})
+>>> manager = rp.CheckpointManager(directory, keep=2)  # keeps the 2 newest
+>>> for step in (20, 30):
+...     _ = manager.save(step, params)
+>>> manager.all_steps()
+[20, 30]
+
+Modules: :mod:`~.encoding` (leaves <-> stored arrays), :mod:`~.files`
+(durable file I/O), :mod:`~.manager` (:class:`CheckpointManager` and the
+functions), :mod:`~.agreement` (multi-process save and restore).
+"""
+
+from __future__ import annotations
+
+from replicator.training.checkpoint.encoding import CheckpointError
+from replicator.training.checkpoint.manager import (
+    CheckpointManager,
+    latest_step,
+    restore_checkpoint,
+    save_checkpoint,
+)
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointManager",
+    "latest_step",
+    "restore_checkpoint",
+    "save_checkpoint",
+]
