@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from replicator.core.context import ReplicaContext, normalize_axis_names
-from replicator.core.tracing import TracedStep, trace_step
+from replicator.core.tracing import TracedStep, is_array_leaf, leaf_paths, trace_step
 from replicator.passes.pipeline import Lowered, Pipeline
 from replicator.passes.report import CommunicationReport, communication_report
 from replicator.runtime.execution import build_executable, place_batch, place_state
@@ -68,6 +68,30 @@ def _signature(x: Any) -> tuple[tuple[int, ...], np.dtype]:
 
 def _spec(signature: tuple[tuple[int, ...], np.dtype]) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(*signature)
+
+
+class _Static(tuple):
+    """The cache-key entry of a non-array state leaf: the object itself."""
+
+
+def _state_signature(leaf: Any, treedef: Any, index: int) -> Any:
+    """Shape and dtype of an array leaf; a non-array leaf (an Equinox module's function) is static."""
+    if is_array_leaf(leaf):
+        return _signature(leaf)
+    try:
+        hash(leaf)
+    except TypeError:
+        path = leaf_paths(treedef.unflatten(range(treedef.num_leaves)), "state")[index]
+        raise TypeError(
+            f"{path} is a {type(leaf).__name__}, neither an array nor a hashable static value. State leaves are "
+            "arrays (sent to every replica) or hashable Python objects compiled into the step (functions, "
+            "strings); convert it to an array, or keep it out of the state (eqx.partition(model, eqx.is_array))."
+        ) from None
+    return _Static((leaf,))
+
+
+def _state_spec(signature: Any) -> Any:
+    return signature[0] if isinstance(signature, _Static) else _spec(signature)
 
 
 class Replicator:
@@ -161,12 +185,12 @@ class Replicator:
         for leaf in batch_leaves:
             shape, dtype = _signature(leaf)
             batch_sigs.append(((shape[0] // c, *shape[1:]), dtype))
-        state_sigs = tuple(_signature(leaf) for leaf in state_leaves)
+        state_sigs = tuple(_state_signature(leaf, state_def, i) for i, leaf in enumerate(state_leaves))
         key = (step_fn, has_state, state_def, state_sigs, batch_def, tuple(batch_sigs), self.pipeline.key())
         compiled = self._compiled.get(key)
         if compiled is None:
             check_worker_batch(batch, c, 0)
-            state_specs = state_def.unflatten([_spec(s) for s in state_sigs]) if has_state else None
+            state_specs = state_def.unflatten([_state_spec(s) for s in state_sigs]) if has_state else None
             batch_specs = batch_def.unflatten([_spec(s) for s in batch_sigs])
             traced = trace_step(step_fn, state_specs, batch_specs, self.context)
             self.trace_count += 1
@@ -278,7 +302,7 @@ class Replicator:
         ]
         compiled = self._compile(step_fn, state, batches[0])
         traced = compiled.traced
-        state_leaves = jax.tree.leaves(state) if state is not None else []
+        state_leaves = traced.array_leaves(state) if state is not None else []
         placed_state = place_state(state_leaves, self.mesh, compiled.lowered.final.sharded_state)
         placed_batch = place_batch(worker_leaves, self.mesh)
         self._wait_for_room()
@@ -288,4 +312,4 @@ class Replicator:
         outputs = traced.output_treedef.unflatten(outputs)
         if state is None:
             return outputs
-        return traced.state_treedef.unflatten(new_state), outputs
+        return traced.rebuild_state(new_state), outputs

@@ -99,3 +99,15 @@ def test_example_script_rejects_unknown_names():
     )
     assert proc.returncode == 2, proc
     assert "no example 'no_such_example'" in proc.stderr and "classifier" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(("workers", "extra"), [(1, ()), (2, ("--dynamic-scale",))], ids=["1x8", "2x4-dynamic-scale"])
+def test_flax_imagenet_step_written_for_pmap_runs_unchanged(n_devices, workers, extra):
+    pytest.importorskip("flax", reason="the example uses Flax: pip install -e '.[test]'")
+    if n_devices != 8:
+        pytest.skip("the example compares with jax.pmap over 8 devices")
+    out = run_example("--workers", str(workers), *extra, script="flax_imagenet_pmap.py")
+    assert out.splitlines()[-1] == "PASS", out
+    diffs = [float(x) for x in re.findall(r"max \|replicator - (?:pmap|one device)\| ([0-9.e+-]+)", out)]
+    assert len(diffs) == 4 and max(diffs) <= 1e-5, out
+    assert re.search(r"all_sum +all +native +float32 +[0-9.]+ KiB +[2-9]\d* ", out), "no fused all-reduce:\n" + out

@@ -19,7 +19,7 @@ import numpy as np
 from replicator.core.context import ReplicaContext, replica_context
 from replicator.core.graph import StepGraph
 
-__all__ = ["TracedStep", "UnboundAxisNameError", "leaf_paths", "trace_step"]
+__all__ = ["TracedStep", "UnboundAxisNameError", "is_array_leaf", "leaf_paths", "trace_step"]
 
 PyTree = Any
 _UNBOUND_AXIS = re.compile(r"unbound axis name: (?P<name>[^\s.]+)")
@@ -45,6 +45,30 @@ class TracedStep:
     graph: StepGraph
     state_treedef: Any
     output_treedef: Any
+    #: ``(leaf index, value)`` of the state's non-array leaves (an Equinox
+    #: module's activation function, a flag): part of the compiled program,
+    #: never sent to devices, returned as they came.
+    static_state: tuple[tuple[int, Any], ...] = ()
+
+    def array_leaves(self, state: PyTree) -> list:
+        """The state's array leaves, in the graph's order (static leaves left out)."""
+        static = dict(self.static_state)
+        return [leaf for i, leaf in enumerate(jax.tree.leaves(state)) if i not in static]
+
+    def rebuild_state(self, arrays: list) -> PyTree:
+        """The state pytree from the graph's new array leaves and the static leaves."""
+        return self.state_treedef.unflatten(_merge(arrays, self.static_state, self.state_treedef.num_leaves))
+
+
+def is_array_leaf(x: Any) -> bool:
+    """Whether a state leaf is data (sent to devices) rather than a static part of the program."""
+    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, bool, int, float, complex))
+
+
+def _merge(arrays: list, static: tuple[tuple[int, Any], ...], n: int) -> list:
+    by_index = dict(static)
+    it = iter(arrays)
+    return [by_index[i] if i in by_index else next(it) for i in range(n)]
 
 
 def leaf_paths(tree: PyTree, root: str) -> tuple[str, ...]:
@@ -85,6 +109,14 @@ def _check_state_out(state_in: PyTree, state_out: PyTree) -> None:
         )
     paths = leaf_paths(state_in, "state")
     for path, a, b in zip(paths, jax.tree.leaves(state_in), jax.tree.leaves(state_out), strict=True):
+        if not isinstance(a, jax.ShapeDtypeStruct):  # a static leaf
+            if b is not a and not _same_static(a, b):
+                raise ValueError(
+                    f"step_fn changed {path}, a non-array part of the state ({type(a).__name__}), to "
+                    f"{type(b).__name__}. Non-array leaves are compiled into the step and must come back as "
+                    f"they were; keep what changes in arrays."
+                )
+            continue
         b_shape = tuple(np.shape(b))
         b_dtype = b.dtype if hasattr(b, "dtype") else jax.numpy.result_type(b)
         if tuple(a.shape) != b_shape or a.dtype != b_dtype:
@@ -93,6 +125,13 @@ def _check_state_out(state_in: PyTree, state_out: PyTree) -> None:
                 f"State must keep its shapes and dtypes between steps (or every step would "
                 f"recompile); cast with .astype({_dtype_name(a.dtype)}) or reshape before returning it."
             )
+
+
+def _same_static(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - objects without a usable == are only the same if identical
+        return False
 
 
 def trace_step(
@@ -115,12 +154,14 @@ def trace_step(
       outputs ``(*new_state, *outputs)`` leaves.
     """
     has_state = state_avals is not None
-    state_leaves, state_treedef = jax.tree.flatten(state_avals if has_state else ())
+    all_state, state_treedef = jax.tree.flatten(state_avals if has_state else ())
+    static = tuple((i, leaf) for i, leaf in enumerate(all_state) if not isinstance(leaf, jax.ShapeDtypeStruct))
+    state_leaves = [leaf for leaf in all_state if isinstance(leaf, jax.ShapeDtypeStruct)]
     batch_leaves, batch_treedef = jax.tree.flatten(batch_avals)
     out_info: dict[str, Any] = {}
 
     def flat_step(*leaves: Any) -> list:
-        state = state_treedef.unflatten(leaves[: len(state_leaves)])
+        state = state_treedef.unflatten(_merge(list(leaves[: len(state_leaves)]), static, len(all_state)))
         batch = batch_treedef.unflatten(leaves[len(state_leaves) :])
         if has_state:
             result = step_fn(state, batch)
@@ -137,7 +178,9 @@ def trace_step(
         _check_outputs(outputs)
         out_leaves, out_info["treedef"] = jax.tree.flatten(outputs)
         out_info["paths"] = leaf_paths(outputs, "outputs")
-        return list(jax.tree.leaves(new_state)) + list(out_leaves)
+        static_index = dict(static)
+        new_arrays = [leaf for i, leaf in enumerate(jax.tree.leaves(new_state)) if i not in static_index]
+        return new_arrays + list(out_leaves)
 
     with replica_context(context):
         try:
@@ -152,11 +195,14 @@ def trace_step(
     graph = StepGraph(
         jaxpr=closed,
         context=context,
-        state_paths=leaf_paths(state_avals, "state") if has_state else (),
+        state_paths=tuple(p for i, p in enumerate(leaf_paths(state_avals, "state")) if i not in dict(static))
+        if has_state
+        else (),
         output_paths=out_info["paths"],
     )
     return TracedStep(
         graph=graph,
         state_treedef=state_treedef,
         output_treedef=out_info["treedef"],
+        static_state=static,
     )
