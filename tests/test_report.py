@@ -99,3 +99,168 @@ def test_groups_use_their_own_size(repl2d):
     assert row.group == "cores" and np.isclose(row.sent_bytes, 2 * (c - 1) / c * row.nbytes)
     assert report.rows[1].kind == "replica_id" and report.rows[1].sent_bytes == 0
     assert report.num_collectives == 1
+
+
+# ----------------------------------------------------------------------------
+# The report's bytes against the final jaxpr, counted independently
+# ----------------------------------------------------------------------------
+
+_REDUCTIONS = ("psum", "pmax", "pmin")
+_COUNTED = (*_REDUCTIONS, "all_gather", "reduce_scatter", "ppermute")
+
+
+def _count_final(lowered, axis_sizes):
+    """``(operand bytes, estimated sent bytes per replica)`` of the mesh collectives of the final jaxpr.
+
+    Walks every equation (sub-jaxprs too; a ``scan`` body counts ``length``
+    times) and, for psum/pmax/pmin/all_gather/psum_scatter/ppermute, sums
+    operand sizes times their dtype's itemsize.
+    """
+    total = 0
+    sent = 0.0
+    permuted: dict[int, float] = {}
+
+    def walk(jaxpr, trips):
+        nonlocal total, sent
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            if name in _COUNTED:
+                b = trips * sum(int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize for v in eqn.invars)
+                total += b
+                axes = eqn.params.get("axes", eqn.params.get("axis_name"))
+                n = int(np.prod([axis_sizes[a] for a in (axes if isinstance(axes, tuple) else (axes,))]))
+                if name in _REDUCTIONS:
+                    sent += 2 * (n - 1) / n * b
+                elif name == "all_gather":
+                    sent += (n - 1) * b
+                elif name == "reduce_scatter":
+                    sent += (n - 1) / n * b
+                else:
+                    for src, _ in eqn.params["perm"]:
+                        permuted[src] = permuted.get(src, 0.0) + b
+            inner = trips * eqn.params["length"] if name == "scan" else trips
+            for value in eqn.params.values():
+                for item in value if isinstance(value, tuple) else (value,):
+                    if isinstance(item, jax.extend.core.ClosedJaxpr):
+                        walk(item.jaxpr, inner)
+                    elif isinstance(item, jax.extend.core.Jaxpr):
+                        walk(item, inner)
+
+    walk(lowered.final.jaxpr.jaxpr, 1)
+    return total, sent + max(permuted.values(), default=0.0)
+
+
+def _reduce_step(p, b):
+    """Gradients all-reduced (one bucket when fused), nothing else."""
+    g = jax.grad(_loss)(p, b["x"])
+    return jax.tree.map(lambda a, d: a - 0.1 * d, p, rp.all_mean(g)), {}
+
+
+def _report_and_count(repl, step, batch, state):
+    report = repl.explain(step, batch, state)
+    lowered = repl.lower(step, batch, state)
+    axis_sizes = {"workers": repl.num_workers, "cores": repl.cores_per_worker}
+    return report, _count_final(lowered, axis_sizes)
+
+
+def _assert_matches(report, counted):
+    total, sent = counted
+    assert sum(r.emitted_bytes for r in report.rows) == total
+    assert np.isclose(report.total_sent_bytes, sent)
+
+
+def test_default_pipeline_bytes_match_the_final_jaxpr(n_devices):
+    repl = rp.Replicator(1, n_devices)
+    report, counted = _report_and_count(repl, _step, _batch(n_devices), _params())
+    _assert_matches(report, counted)
+    # Native lowering: what goes on the wire is the payload itself.
+    assert counted[0] == sum(r.nbytes for r in report.rows)
+    assert all(r.algorithm == "native" for r in report.rows)
+
+
+def test_fused_bucket_is_one_row_with_every_tensor(n_devices):
+    repl = rp.Replicator(1, n_devices)
+    report, counted = _report_and_count(repl, _reduce_step, _batch(n_devices), _params())
+    _assert_matches(report, counted)
+    (row,) = report.rows
+    assert row.kind == "all_mean" and row.tensors == len(_params())
+    assert row.nbytes == sum(x.size * 4 for x in jax.tree.leaves(_params())) == counted[0]
+    assert len(set(row.sources)) >= 1 and all("test_report.py" in s for s in row.sources)
+
+
+def test_tensor_above_the_fusion_limit_keeps_its_own_row(n_devices):
+    # w* are 8x8 f32 = 256 bytes, b* 32 bytes: with a 100-byte limit each w travels alone.
+    pipe = rp.Pipeline.default(fuse_max_tensor_bytes=100)
+    repl = rp.Replicator(1, n_devices, passes=pipe)
+    report, counted = _report_and_count(repl, _reduce_step, _batch(n_devices), _params())
+    _assert_matches(report, counted)
+    sizes = sorted((r.tensors, r.nbytes) for r in report.rows)
+    assert sizes == [(1, 256)] * 4 + [(4, 4 * 32)]
+    # A smaller bucket threshold splits the small tensors too.
+    pipe = rp.Pipeline.default(fuse_max_tensor_bytes=100, fuse_threshold_bytes=64)
+    report, counted = _report_and_count(
+        rp.Replicator(1, n_devices, passes=pipe), _reduce_step, _batch(n_devices), _params()
+    )
+    _assert_matches(report, counted)
+    assert sorted((r.tensors, r.nbytes) for r in report.rows) == [(1, 256)] * 4 + [(2, 64)] * 2
+
+
+def test_compressed_all_reduce_reports_bfloat16_bytes(n_devices):
+    n = n_devices
+    plain, plain_counted = _report_and_count(rp.Replicator(1, n), _reduce_step, _batch(n), _params())
+    repl = rp.Replicator(1, n, passes=rp.Pipeline.default(compress=True))
+    report, counted = _report_and_count(repl, _reduce_step, _batch(n), _params())
+    _assert_matches(report, counted)
+    (row,) = report.rows
+    assert row.dtype == "bfloat16" and row.kind == "all_sum"
+    assert row.nbytes * 2 == plain.rows[0].nbytes
+    assert counted[0] * 2 == plain_counted[0]
+    assert np.isclose(row.sent_bytes, 2 * (n - 1) / n * row.nbytes)
+    assert row.tensors == len(_params())
+
+
+def test_ring_all_reduce_costs_its_chunks(n_devices):
+    n = n_devices
+    repl = rp.Replicator(1, n, passes=rp.Pipeline.default(all_reduce_algorithm="ring"))
+    report, counted = _report_and_count(repl, _reduce_step, _batch(n), _params())
+    _assert_matches(report, counted)
+    (row,) = report.rows
+    assert row.algorithm == "ring"
+    chunk = -(-row.nbytes // 4 // n) * 4  # f32 elements, padded to a multiple of n
+    assert row.emitted_bytes == 2 * (n - 1) * chunk
+    assert np.isclose(row.sent_bytes, 2 * (n - 1) * chunk)
+
+
+def test_reduce_broadcast_is_not_costed_as_a_ring(n_devices):
+    n = n_devices
+    repl = rp.Replicator(1, n, passes=rp.Pipeline.default(all_reduce_algorithm="reduce_broadcast"))
+    report, counted = _report_and_count(repl, _reduce_step, _batch(n), _params())
+    _assert_matches(report, counted)
+    (row,) = report.rows
+    assert row.algorithm == "reduce_broadcast"
+    levels = int(np.ceil(np.log2(n)))
+    # Every tree step moves the whole buffer; the busiest replica sends it once per level.
+    assert row.emitted_bytes == 2 * levels * row.nbytes
+    if n & (n - 1) == 0 and n > 1:
+        assert np.isclose(row.sent_bytes, levels * row.nbytes)
+        assert row.sent_bytes > 2 * (n - 1) / n * row.nbytes or n == 2
+
+
+def test_hierarchical_rows_are_its_three_steps(repl2d):
+    w, c = repl2d.num_workers, repl2d.cores_per_worker
+    if w < 2 or c < 2:
+        return
+    repl = rp.Replicator(w, c, passes=rp.Pipeline.default(hierarchical=True))
+    n = repl.num_replicas
+    report, counted = _report_and_count(repl, _reduce_step, _batch(n), _params())
+    _assert_matches(report, counted)
+    assert [(r.kind, r.group) for r in report.rows] == [
+        ("reduce_scatter", "cores"),
+        ("all_sum", "workers"),
+        ("all_gather", "cores"),
+    ]
+    b = sum(x.size * 4 for x in jax.tree.leaves(_params()))
+    padded = -(-b // 4 // c) * c * 4
+    expected = (c - 1) / c * padded + 2 * (w - 1) / w * padded / c + (c - 1) * padded / c
+    assert np.isclose(report.total_sent_bytes, expected)
+    assert all(r.tensors == len(_params()) for r in report.rows)

@@ -8,10 +8,15 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-from jax.extend.core import ClosedJaxpr
+from jax.extend.core import ClosedJaxpr, Var
 
 from replicator.core.context import ReplicaContext
+
+if TYPE_CHECKING:
+    from replicator.passes.records import CollectiveRecord, Origin
 
 __all__ = ["StepGraph"]
 
@@ -27,6 +32,8 @@ class StepGraph:
       state_paths: a readable path per state leaf, e.g. ``state['w']``.
       output_paths: a readable path per output leaf.
       sharded_state: indices of state leaves stored sharded (see the field).
+      collectives: what ``lower-collectives`` emitted (see the field).
+      collective_origins: the user's tensors each placeholder carries (see the field).
     """
 
     jaxpr: ClosedJaxpr
@@ -37,6 +44,16 @@ class StepGraph:
     #: their jaxpr input and output are this replica's 1/N chunk. The others
     #: are replicated.
     sharded_state: frozenset[int] = frozenset()
+    #: One record per placeholder that ``lower-collectives`` lowered: kind,
+    #: group, algorithm, wire dtype, payload and emitted bytes
+    #: (:class:`~replicator.passes.records.CollectiveRecord`); empty before
+    #: lowering. The communication report counts from it.
+    collectives: tuple[CollectiveRecord, ...] = ()
+    #: For placeholders that a pass made out of others (fused buckets,
+    #: compressed or hierarchical all-reduces), keyed by the new placeholder's
+    #: first result: how many of the user's tensors it carries, and their
+    #: source lines (:class:`~replicator.passes.records.Origin`).
+    collective_origins: Mapping[Var, Origin] = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
     @property
     def num_state(self) -> int:

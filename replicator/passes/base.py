@@ -17,7 +17,7 @@ The helpers here do the bookkeeping of rewriting jaxprs:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -34,8 +34,11 @@ __all__ = [
     "count_primitives",
     "inline_function",
     "iter_eqns",
+    "iter_regions",
     "map_subjaxprs",
+    "merge_effects",
     "open_jaxpr",
+    "region_name",
     "rewrite_graph",
     "rewrite_jaxpr",
     "sub_jaxprs",
@@ -139,10 +142,19 @@ def map_subjaxprs(eqn: JaxprEqn, fn: Callable[[Jaxpr], Jaxpr]) -> JaxprEqn:
     params = {k: _map_param(v, fn) for k, v in eqn.params.items()}
     if all(params[k] is eqn.params[k] for k in params):
         return eqn
-    effects = set(eqn.effects)
-    for sub in sub_jaxprs(params):
-        effects |= set(sub.effects)
-    return eqn.replace(params=params, effects=frozenset(effects))
+    return eqn.replace(params=params, effects=merge_effects(sub_jaxprs(params), base=eqn.effects))
+
+
+def merge_effects(items: Iterable[Any], *, base: Iterable[Any] = ()) -> frozenset:
+    """The union of ``base`` and the ``effects`` of every item (equations or jaxprs).
+
+    What a rewritten jaxpr declares (the effects of its new equations), or an
+    equation whose sub-jaxprs changed (its own and its bodies').
+    """
+    effects = set(base)
+    for item in items:
+        effects |= set(item.effects)
+    return frozenset(effects)
 
 
 def iter_eqns(jaxpr: Jaxpr) -> Iterator[JaxprEqn]:
@@ -151,6 +163,19 @@ def iter_eqns(jaxpr: Jaxpr) -> Iterator[JaxprEqn]:
         yield eqn
         for sub in sub_jaxprs(eqn.params):
             yield from iter_eqns(sub)
+
+
+def region_name(region: str, eqn: JaxprEqn, index: int, sub_index: int) -> str:
+    """The name of sub-jaxpr ``sub_index`` of equation ``index`` of ``region``, e.g. ``'step/scan@7.0'``."""
+    return f"{region}/{eqn.primitive.name}@{index}.{sub_index}"
+
+
+def iter_regions(jaxpr: Jaxpr, region: str = "step") -> Iterator[tuple[str, JaxprEqn]]:
+    """Like :func:`iter_eqns`, callees first, with each equation's region (:func:`region_name`)."""
+    for index, eqn in enumerate(jaxpr.eqns):
+        for k, sub in enumerate(sub_jaxprs(eqn.params)):
+            yield from iter_regions(sub, region_name(region, eqn, index, k))
+        yield region, eqn
 
 
 def count_primitives(jaxpr: Jaxpr | ClosedJaxpr, names: Sequence[str] | None = None) -> dict[str, int]:
@@ -206,13 +231,10 @@ def rewrite_jaxpr(jaxpr: Jaxpr, rule: EqnRule) -> tuple[Jaxpr, bool]:
                 env[var] = atom
     if not changed:
         return jaxpr, False
-    effects: set = set()
-    for eqn in new_eqns:
-        effects |= set(eqn.effects)
     return jaxpr.replace(
         eqns=new_eqns,
         outvars=[read(v) for v in jaxpr.outvars],
-        effects=frozenset(effects),
+        effects=merge_effects(new_eqns),
     ), True
 
 

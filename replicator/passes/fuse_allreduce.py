@@ -1,11 +1,17 @@
-"""``fuse-allreduce``: combine independent all-reduces into one per bucket.
+"""``fuse-allreduce``: combine independent collectives into one per bucket.
+
+Despite its name, the pass fuses three kinds of collective: all-reduces
+(``rp.all_sum``/``rp.all_mean``/..., with the ``ops`` chosen) and, with
+``scatter_gather=True`` (the default), reduce-scatters along axis 0 and tiled
+all-gathers along axis 0 (those that ``shard-optimizer-update`` emits, one
+per tensor). Each kind is bucketed separately. The name stays, since users
+disable the pass by it (``Pipeline.default(disable=["fuse-allreduce"])``).
 
 Many small collectives are much slower than one big one (Horovod's *Tensor
-Fusion*, PyTorch DDP's gradient buckets, XLA's all-reduce combiner): on 8
-emulated CPU devices 50 ``psum``s of 1000 floats cost 12-17 ms, one ``psum`` of
-the 50000 concatenated floats 1.3 ms. A step that averages its gradients leaf
-by leaf produces exactly that pattern. This pass runs on the placeholders
-(before ``lower-collectives``) and rewrites::
+Fusion*, PyTorch DDP's gradient buckets, XLA's all-reduce combiner; figures in
+BENCHMARKS.md). A step that averages its gradients leaf by leaf produces
+exactly that pattern. This pass runs on the placeholders (before
+``lower-collectives``) and rewrites::
 
     a = rp.all_reduce[op=mean group=None] ga        # f32[4, 4]
     b = rp.all_reduce[op=mean group=None] gb        # f32[4]
@@ -70,29 +76,44 @@ all-reduces, also through a ``jit``/``cond``/``scan``; mixed dtypes; weak and
 strong types; different groups; ops not chosen; reduce-scatters off axis 0
 and untiled all-gathers; effects; collectives in different regions.
 
-Example::
+Example: two gradients and a loss, averaged one by one, travel as one all-reduce
+(it is in the default pipeline; ``fusion_report`` lists the planned buckets):
 
-    passes = rp.Pipeline([CheckReplicaInvariance(), FuseAllReduce(), LowerCollectives()])
-    repl = rp.Replicator(1, 8, passes=passes)
-    fusion_report(repl.lower(step, batch, state).traced)   # the planned buckets
+>>> from replicator.passes.fuse_allreduce import fusion_report
+>>> def step(batch):
+...     return rp.all_mean(batch["a"]), rp.all_mean(batch["b"]), rp.all_mean(batch["a"].sum())
+>>> batch = {"a": np.ones((8, 4, 4), np.float32), "b": np.ones((8, 4), np.float32)}
+>>> repl = rp.Replicator(1, 8)
+>>> [(b.kind, b.op, b.num_operands, b.nbytes) for b in fusion_report(repl.lower(step, batch).traced)]
+[('all_reduce', 'mean', 3, 84)]
+>>> [(r.kind, r.tensors, r.nbytes) for r in repl.explain(step, batch).rows]
+[('all_mean', 3, 84)]
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from jax import lax
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Var
 
 from replicator._jax_compat import user_source_line
 from replicator.core.context import ReplicaContext
 from replicator.core.primitives import REDUCE_OPS, all_gather_p, all_reduce_p, reduce_scatter_p
-from replicator.passes.base import Pass, PassResult, StepGraph, inline_function, map_subjaxprs
+from replicator.passes.base import (
+    Pass,
+    PassResult,
+    StepGraph,
+    inline_function,
+    map_subjaxprs,
+    merge_effects,
+    region_name,
+)
+from replicator.passes.buffers import nbytes, pack, per_dtype_buffers, unpack
+from replicator.passes.records import Origin, origin_of, pass_on_origin
 
 __all__ = ["DEFAULT_MAX_TENSOR_BYTES", "DEFAULT_THRESHOLD_BYTES", "Bucket", "FuseAllReduce", "fusion_report"]
 
@@ -104,11 +125,7 @@ DEFAULT_THRESHOLD_BYTES = 64 * 2**20
 
 #: Tensors larger than this are not fused (each keeps its own collective):
 #: copying them into a buffer and back costs more than one more collective.
-#: Measured on 8 emulated CPU devices (``benchmarks/bench_step.py --workloads
-#: threshold``, BENCHMARKS.md): a 16x128 MLP (64 KiB tensors) runs at 1.12x
-#: the single-device step with this default, as with every tensor in one
-#: bucket; an 8x512 MLP (1 MiB weights) at 2.99x, against 4.45x with every
-#: tensor fused into 64 MiB buckets.
+#: Chosen with ``benchmarks/bench_step.py --workloads threshold`` (see BENCHMARKS.md).
 DEFAULT_MAX_TENSOR_BYTES = 64 * 2**10
 
 
@@ -166,10 +183,6 @@ class _Pending:
     nbytes: int = 0
 
 
-def _nbytes(aval: Any) -> int:
-    return math.prod(aval.shape) * aval.dtype.itemsize
-
-
 def _kind(eqn: JaxprEqn) -> str:
     return eqn.primitive.name.removeprefix("rp.")
 
@@ -195,15 +208,9 @@ def _fused_reduce_scatter(params: dict) -> Any:
     n = params["group_size"]
 
     def fn(*xs: Any) -> list:
-        cols = [math.prod(x.shape) // n for x in xs]
-        buf = lax.concatenate([lax.reshape(x, (n, c)) for x, c in zip(xs, cols, strict=True)], 1)
+        buf, cols = pack(xs, rows=n)
         mine = reduce_scatter_p.bind(buf, **params)  # (1, K)
-        outs, offset = [], 0
-        for x, c in zip(xs, cols, strict=True):
-            piece = lax.slice(mine, (0, offset), (1, offset + c))
-            outs.append(lax.reshape(piece, (x.shape[0] // n, *x.shape[1:])))
-            offset += c
-        return outs
+        return unpack(mine, cols, [(x.shape[0] // n, *x.shape[1:]) for x in xs])
 
     return fn
 
@@ -213,33 +220,20 @@ def _fused_all_gather(params: dict) -> Any:
     n = params["group_size"]
 
     def fn(*xs: Any) -> list:
-        cols = [math.prod(x.shape) for x in xs]
-        buf = lax.concatenate([lax.reshape(x, (1, c)) for x, c in zip(xs, cols, strict=True)], 1)
+        buf, cols = pack(xs, rows=1)
         every = all_gather_p.bind(buf, **params)  # (N, K)
-        outs, offset = [], 0
-        for x, c in zip(xs, cols, strict=True):
-            piece = lax.slice(every, (0, offset), (n, offset + c))
-            outs.append(lax.reshape(piece, (n * x.shape[0], *x.shape[1:])))
-            offset += c
-        return outs
+        return unpack(every, cols, [(n * x.shape[0], *x.shape[1:]) for x in xs])
 
     return fn
 
 
 def _fused_all_reduce(params: dict) -> Any:
-    """``fn(*xs)``: one all-reduce of all ``xs`` flattened and concatenated."""
+    """``fn(*xs)``: one all-reduce of all ``xs`` (one dtype) flattened and concatenated."""
 
     def fn(*xs: Any) -> list:
         if len(xs) == 1:
             return all_reduce_p.bind(xs[0], **params)
-        flat = [lax.reshape(x, (math.prod(x.shape),)) for x in xs]
-        (reduced,) = all_reduce_p.bind(lax.concatenate(flat, 0), **params)
-        outs, offset = [], 0
-        for x, f in zip(xs, flat, strict=True):
-            size = f.shape[0]
-            outs.append(lax.reshape(lax.slice(reduced, (offset,), (offset + size,)), x.shape))
-            offset += size
-        return outs
+        return per_dtype_buffers(xs, lambda buffers: all_reduce_p.bind(*buffers, **params), skip_empty=False)
 
     return fn
 
@@ -247,11 +241,20 @@ def _fused_all_reduce(params: dict) -> Any:
 class _Window:
     """The rewrite of one region: emitted equations, pending buckets, deferrals."""
 
-    def __init__(self, fuser: FuseAllReduce, context: ReplicaContext, region: str, report: list[Bucket]):
+    def __init__(
+        self,
+        fuser: FuseAllReduce,
+        context: ReplicaContext,
+        region: str,
+        report: list[Bucket],
+        origins: dict[Var, Origin],
+    ):
         self.fuser = fuser
         self.context = context
         self.region = region
         self.report = report
+        #: Read and extended: what each placeholder carries (``StepGraph.collective_origins``).
+        self.origins = origins
         self.out: list[JaxprEqn] = []
         self.env: dict[Var, Atom] = {}
         self.changed = False
@@ -275,6 +278,13 @@ class _Window:
 
     def _taint(self, eqn: JaxprEqn) -> None:
         self._tainted.update(v for v in eqn.outvars if not isinstance(v, DropVar))
+
+    def _origin(self, member: _Member) -> Origin:
+        """The user's tensors one operand carries (one, unless a pass already combined several)."""
+        known = self.origins.get(member.outvar)
+        if known is not None:
+            return known
+        return Origin(1, origin_of(member.eqn, {}).sources)
 
     # -- the walk ----------------------------------------------------------------
 
@@ -300,7 +310,7 @@ class _Window:
         for index, atom in enumerate(eqn.invars):
             aval = atom.aval
             key = (_kind(eqn), params.get("op"), params["group"], params["group_size"], aval.dtype, aval.weak_type)
-            size = _nbytes(aval)
+            size = nbytes(aval)
             if self.fuser.max_tensor_bytes is not None and size > self.fuser.max_tensor_bytes:
                 # A large tensor travels alone: copying it into a buffer costs more than it saves.
                 alone = _Pending(key, [_Member(eqn, index)], size)
@@ -349,6 +359,8 @@ class _Window:
             _kind(first), _fused_all_gather
         )(params)
         eqns, outs = inline_function(fused_fn, [m.atom for m in members], context=self.context, like=first)
+        carried = Origin.merge(self._origin(m) for m in members)
+        self.origins.update(pass_on_origin(carried, eqns))
         self.out.extend(eqns)
         for member, atom in zip(members, outs, strict=True):
             if not isinstance(member.outvar, DropVar):
@@ -356,7 +368,12 @@ class _Window:
 
 
 class FuseAllReduce(Pass):
-    """Fuse independent ``rp.all_reduce`` placeholders into buckets.
+    """Fuse independent all-reduces, and reduce-scatters and all-gathers, into buckets.
+
+    Not only all-reduces: with ``scatter_gather`` (the default) the
+    reduce-scatters and tiled all-gathers along axis 0 are bucketed too, each
+    kind in buckets of its own. The class and the pass name ``'fuse-allreduce'``
+    keep their historical names.
 
     Args:
       threshold_bytes: the most bytes one fused collective carries; a bucket
@@ -429,24 +446,26 @@ class FuseAllReduce(Pass):
     def _fuse_graph(self, graph: StepGraph) -> tuple[PassResult, list[Bucket]]:
         report: list[Bucket] = []
         closed = graph.jaxpr
-        new, changed = self._fuse_region(closed.jaxpr, graph.context, "step", report)
+        origins = dict(graph.collective_origins)
+        new, changed = self._fuse_region(closed.jaxpr, graph.context, "step", report, origins)
         if not changed:
             return PassResult(graph, False), report
-        return PassResult(graph.with_jaxpr(ClosedJaxpr(new, closed.consts)), True), report
+        fused = dataclasses.replace(graph, jaxpr=ClosedJaxpr(new, closed.consts), collective_origins=origins)
+        return PassResult(fused, True), report
 
     def _fuse_region(
-        self, jaxpr: Jaxpr, context: ReplicaContext, region: str, report: list[Bucket]
+        self, jaxpr: Jaxpr, context: ReplicaContext, region: str, report: list[Bucket], origins: dict[Var, Origin]
     ) -> tuple[Jaxpr, bool]:
         """Fuse one jaxpr (sub-jaxprs first); return it unchanged if nothing fused."""
-        window = _Window(self, context, region, report)
+        window = _Window(self, context, region, report, origins)
         subs_changed = False
         for index, eqn in enumerate(jaxpr.eqns):
             counter = itertools.count()
 
             def fuse_sub(sub: Jaxpr, *, eqn: JaxprEqn = eqn, index: int = index, counter: Any = counter) -> Jaxpr:
                 nonlocal subs_changed
-                where = f"{region}/{eqn.primitive.name}@{index}.{next(counter)}"
-                new, changed = self._fuse_region(sub, context, where, report)
+                where = region_name(region, eqn, index, next(counter))
+                new, changed = self._fuse_region(sub, context, where, report, origins)
                 subs_changed |= changed
                 return new
 
@@ -454,13 +473,10 @@ class FuseAllReduce(Pass):
         window.flush()
         if not (window.changed or subs_changed):
             return jaxpr, False
-        effects: set = set()
-        for eqn in window.out:
-            effects |= set(eqn.effects)
         return jaxpr.replace(
             eqns=window.out,
             outvars=[window.read(v) for v in jaxpr.outvars],
-            effects=frozenset(effects),
+            effects=merge_effects(window.out),
         ), True
 
 

@@ -1,11 +1,10 @@
 """``hierarchical-allreduce``: all-reduce within workers, then across them.
 
-On a two-level mesh the links between the cores of one worker are fast and
-the links between workers slow (NOTES.md: over gloo, 50 000 floats take
-4.1 ms over ``'cores'``, 1.6 ms over ``'workers'`` alone, 7.9 ms over both).
-An all-reduce over every replica can be split so that only ``1 / C`` of the
-buffer crosses the slow links (``C`` cores per worker), as in Horovod's
-hierarchical all-reduce and NCCL's tree/ring hybrids::
+On a two-level mesh the links between the cores of one worker are usually
+fast and the links between workers slow (on one host they need not be:
+measurements in BENCHMARKS.md). An all-reduce over every replica can be split
+so that only ``1 / C`` of the buffer crosses the slow links (``C`` cores per
+worker), as in Horovod's hierarchical all-reduce and NCCL's tree/ring hybrids::
 
     s = rp.all_reduce[op=mean group=None] g                  # f32[20], W x C replicas
 
@@ -62,19 +61,23 @@ sub-jaxpr (``cond`` branches, ``scan``/``while`` bodies, ``jit``, ``remat``,
 custom-derivative calls) and never moves a collective across a control-flow
 boundary. Running it on its own output changes nothing.
 
-Example::
+Example (``rp.Pipeline.default(hierarchical=True)`` inserts it with
+``min_bytes=0``):
 
-    passes = default_passes()
-    passes.insert(-1, HierarchicalAllReduce(min_bytes=1024))
-    repl = rp.Replicator(num_workers=2, cores_per_worker=4, passes=rp.Pipeline(passes))
+>>> from replicator.passes import HierarchicalAllReduce, default_passes
+>>> passes = default_passes()
+>>> passes.insert(-1, HierarchicalAllReduce(min_bytes=1024))
+>>> repl = rp.Replicator(num_workers=2, cores_per_worker=4, passes=rp.Pipeline(passes))
+>>> report = repl.explain(lambda b: rp.all_mean(b), np.ones((8, 1024), np.float32))
+>>> [(r.kind, r.group) for r in report.rows]
+[('reduce_scatter', 'cores'), ('all_sum', 'workers'), ('all_gather', 'cores')]
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -83,16 +86,14 @@ from jax.extend.core import JaxprEqn
 from replicator.core.context import CORES, WORKERS, ReplicaContext
 from replicator.core.primitives import all_gather_p, all_reduce_p, reduce_scatter_p
 from replicator.passes.base import Pass, PassResult, StepGraph, inline_function, rewrite_graph
+from replicator.passes.buffers import nbytes, per_dtype_buffers
+from replicator.passes.records import origin_of, pass_on_origin
 
 __all__ = ["HierarchicalAllReduce", "hierarchical_all_reduce"]
 
 Atom = Any  # Var | Literal
 #: The all-reduce ops this pass rewrites (a reduce-scatter can only sum).
 OPS = ("sum", "mean")
-
-
-def _nbytes(aval: Any) -> int:
-    return math.prod(aval.shape) * aval.dtype.itemsize
 
 
 def hierarchical_all_reduce(*xs: Any, op: str, context: ReplicaContext) -> list:
@@ -110,34 +111,25 @@ def hierarchical_all_reduce(*xs: Any, op: str, context: ReplicaContext) -> list:
     """
     workers, cores = context.num_workers, context.cores_per_worker
     total = workers * cores
-    out = list(xs)
-    by_type: dict[tuple, list[int]] = {}
-    for i, x in enumerate(xs):
-        if x.size:  # zero-size operands have nothing to reduce
-            aval = jax.typeof(x)
-            by_type.setdefault((aval.dtype, aval.weak_type), []).append(i)
-    groups = list(by_type.values())
-    chunks = []
-    for indices in groups:
-        flat = [lax.reshape(xs[i], (xs[i].size,)) for i in indices]
-        buf = flat[0] if len(flat) == 1 else lax.concatenate(flat, 0)
-        size = buf.shape[0]
-        padded = -(-size // cores) * cores
-        if padded != size:
-            buf = lax.pad(buf, np.zeros((), buf.dtype), ((0, padded - size, 0),))
-        chunks.append(reduce_scatter_p.bind(buf, axis=0, group=CORES, group_size=cores))
-    # One inter-worker collective for the chunks of every dtype.
-    chunks = all_reduce_p.bind(*chunks, op="sum", group=WORKERS, group_size=workers) if chunks else []
-    for indices, chunk in zip(groups, chunks, strict=True):
-        if op == "mean":
-            chunk = chunk / jnp.asarray(total, chunk.dtype)
-        full = all_gather_p.bind(chunk, axis=0, tiled=True, group=CORES, group_size=cores)
-        offset = 0
-        for i in indices:
-            n = xs[i].size
-            out[i] = lax.reshape(lax.slice(full, (offset,), (offset + n,)), xs[i].shape)
-            offset += n
-    return out
+
+    def reduce(buffers: list) -> list:
+        chunks = []
+        for buf in buffers:
+            size = buf.shape[0]
+            padded = -(-size // cores) * cores
+            if padded != size:
+                buf = lax.pad(buf, np.zeros((), buf.dtype), ((0, padded - size, 0),))
+            chunks.append(reduce_scatter_p.bind(buf, axis=0, group=CORES, group_size=cores))
+        # One inter-worker collective for the chunks of every dtype.
+        chunks = all_reduce_p.bind(*chunks, op="sum", group=WORKERS, group_size=workers)
+        out = []
+        for chunk in chunks:
+            if op == "mean":
+                chunk = chunk / jnp.asarray(total, chunk.dtype)
+            out.append(all_gather_p.bind(chunk, axis=0, tiled=True, group=CORES, group_size=cores))
+        return out
+
+    return per_dtype_buffers(xs, reduce)
 
 
 class HierarchicalAllReduce(Pass):
@@ -170,13 +162,15 @@ class HierarchicalAllReduce(Pass):
             return False
         if any(a.dtype == np.bool_ for a in avals):
             return False
-        nbytes = sum(_nbytes(a) for a in avals)
-        return nbytes > 0 and nbytes >= self.min_bytes
+        size = sum(nbytes(a) for a in avals)
+        return size > 0 and size >= self.min_bytes
 
     def run(self, graph: StepGraph) -> PassResult:
         context = graph.context
         if context.num_workers == 1 or context.cores_per_worker == 1:
             return PassResult(graph, False)
+
+        origins = dict(graph.collective_origins)
 
         def rule(eqn: JaxprEqn) -> tuple[list[JaxprEqn], list[Atom]] | None:
             if not self.is_candidate(eqn):
@@ -186,6 +180,11 @@ class HierarchicalAllReduce(Pass):
             def fn(*xs: Any) -> list:
                 return hierarchical_all_reduce(*xs, op=op, context=context)
 
-            return inline_function(fn, eqn.invars, context=context, like=eqn)
+            eqns, outs = inline_function(fn, eqn.invars, context=context, like=eqn)
+            origins.update(pass_on_origin(origin_of(eqn, graph.collective_origins), eqns))
+            return eqns, outs
 
-        return rewrite_graph(graph, rule)
+        result = rewrite_graph(graph, rule)
+        if not result.changed:
+            return result
+        return PassResult(dataclasses.replace(result.graph, collective_origins=origins), True)

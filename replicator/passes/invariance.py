@@ -24,10 +24,15 @@ bugs that make data-parallel jobs hang or silently diverge:
 * a state leaf that enters identical on all replicas and would leave
   different (the model copies drift apart, e.g. gradients not averaged).
 
-Example::
+Example: the state is invariant, the batch varies along both mesh axes, and
+an all-reduce over ``'cores'`` leaves it varying along ``'workers'`` only:
 
-    info = analyze(graph)
-    info.output_variance[0]   # frozenset() if the first output is invariant
+>>> from replicator.passes.invariance import analyze
+>>> def step(state, batch):
+...     return state, (state * 2, batch, rp.all_sum(batch, group="cores"))
+>>> graph = rp.Replicator(2, 4).lower(step, np.ones((4, 3), np.float32), np.float32(1)).traced
+>>> [sorted(v) for v in analyze(graph).output_variance]
+[[], [], ['cores', 'workers'], ['workers']]
 """
 
 from __future__ import annotations

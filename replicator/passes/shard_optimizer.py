@@ -44,10 +44,19 @@ Non-element-wise updates (e.g. ``clip_by_global_norm``'s reduction over all
 gradients) simply read gathered values. Only the top-level graph is
 rewritten (the state lives there).
 
-Example::
+Example: SGD with momentum; the momentum ``m`` is stored 1/8 per device, the
+weights ``w`` stay replicated (``shard_optimizer_min_bytes=0`` lets these
+small leaves be sharded):
 
-    repl = rp.Replicator(1, 8, passes=rp.Pipeline.default(shard_optimizer=True))
-    # Adam's moments are stored 1/8 per device; parameters stay replicated.
+>>> def step(state, batch):
+...     g = rp.all_mean(jax.grad(lambda w: jnp.sum((batch @ w) ** 2))(state["w"]))
+...     m = 0.9 * state["m"] + g
+...     return {"m": m, "w": state["w"] - 0.1 * m}, None
+>>> state = {"m": np.zeros((8, 2), np.float32), "w": np.ones((8, 2), np.float32)}
+>>> pipe = rp.Pipeline.default(shard_optimizer=True, shard_optimizer_min_bytes=0)
+>>> graph = rp.Replicator(1, 8, passes=pipe).lower(step, np.ones((8, 8), np.float32), state).final
+>>> [graph.state_paths[i] for i in sorted(graph.sharded_state)]
+["state['m']"]
 """
 
 from __future__ import annotations
@@ -57,13 +66,13 @@ from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 
 from replicator.core.primitives import all_gather_p, all_reduce_p, reduce_scatter_p, replica_id_p
 from replicator.errors import ReplicationError
-from replicator.passes.base import Pass, PassResult, StepGraph, inline_function
+from replicator.passes.base import Pass, PassResult, StepGraph, inline_function, merge_effects
+from replicator.passes.buffers import nbytes
 from replicator.passes.invariance import InvarianceInfo, analyze
 
 __all__ = ["DEFAULT_MIN_TENSOR_BYTES", "ELEMENTWISE", "ShardOptimizerUpdate"]
@@ -129,10 +138,6 @@ class _Plan:
         return out
 
 
-def _nbytes(aval: Any) -> int:
-    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
-
-
 def _scatter_picks(eqn: JaxprEqn, n: int, min_bytes: int) -> list[int]:
     """Operands of an all-reduce whose result may be produced as a chunk."""
     p = eqn.params
@@ -144,7 +149,7 @@ def _scatter_picks(eqn: JaxprEqn, n: int, min_bytes: int) -> list[int]:
         if isinstance(v, Var)
         and _chunkable(v.aval, n)
         and _is_float(v.aval)
-        and _nbytes(v.aval) >= min_bytes
+        and nbytes(v.aval) >= min_bytes
         and not isinstance(eqn.outvars[k], DropVar)
     ]
 
@@ -187,7 +192,7 @@ def _plan(graph: StepGraph, n: int, info: InvarianceInfo, shard_state: bool, min
         for i, v in enumerate(state_in)
         if i not in graph.sharded_state
         and _chunkable(v.aval, n)
-        and _nbytes(v.aval) >= min_bytes
+        and nbytes(v.aval) >= min_bytes
         and v not in in_outvars
         and readers.get(v)
         and all(r in eligible for r in readers[v])
@@ -382,9 +387,6 @@ class ShardOptimizerUpdate(Pass):
                 em.keep(eqn)
         outvars = [em.chunk[a] if i in plan.sharded else em.full(a) for i, a in enumerate(jaxpr.outvars)]
         eqns = em.prologue + em.out
-        effects: set = set()
-        for e in eqns:
-            effects |= set(e.effects)
-        new = jaxpr.replace(invars=new_invars, eqns=eqns, outvars=outvars, effects=frozenset(effects))
+        new = jaxpr.replace(invars=new_invars, eqns=eqns, outvars=outvars, effects=merge_effects(eqns))
         sharded = frozenset(graph.sharded_state | plan.sharded)
         return dataclasses.replace(graph, jaxpr=ClosedJaxpr(new, graph.jaxpr.consts), sharded_state=sharded)

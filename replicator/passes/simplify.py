@@ -54,18 +54,20 @@ pure function of its inputs though each device draws its own numbers
 (``TestOutsideThePreconditions::test_per_device_random_numbers_are_not_assumed_identical``,
 an expected failure until ``invariance.OPAQUE_PRIMITIVES`` lists it).
 
-Example::
+Example (the pass is in the default pipeline; ``Pipeline.default(disable=["simplify"])``
+turns it off):
 
-    pipe = rp.Pipeline([Simplify(), *default_passes()])
-    repl = rp.Replicator(1, 8, passes=pipe)
-
-    def step(state, batch):
-        grads = jax.grad(loss)(state["w"], batch)
-        g = rp.all_mean(grads)          # kept: batch data varies
-        g2 = rp.all_mean(grads)         # the same collective again: reuses g
-        n = rp.all_sum(state["count"])  # state is invariant: count * 8, no collective
-        rp.all_max(grads)               # result unused: removed
-        ...
+>>> def step(state, batch):
+...     g = rp.all_mean(batch)            # kept: batch data varies
+...     g2 = rp.all_mean(batch)           # the same collective again: reuses g
+...     n = rp.all_sum(state["count"])    # state is invariant: count * 8, no collective
+...     rp.all_max(batch)                 # result unused: removed
+...     return {"count": n}, g + g2
+>>> state, batch = {"count": np.float32(1)}, np.ones((8, 4), np.float32)
+>>> on = rp.Replicator(1, 8).lower(step, batch, state).final
+>>> off = rp.Replicator(1, 8, passes=rp.Pipeline.default(disable=["simplify"])).lower(step, batch, state).final
+>>> [r.kind for r in on.collectives], sorted(r.kind for r in off.collectives)
+(['all_mean'], ['all_max', 'all_mean', 'all_sum'])
 """
 
 from __future__ import annotations
@@ -86,7 +88,16 @@ from replicator.core.primitives import (
     replica_id_p,
 )
 from replicator.errors import DivergentControlFlowError, UnanalyzableStepError
-from replicator.passes.base import CALL_PARAMS, Pass, PassResult, StepGraph, inline_function, map_subjaxprs, open_jaxpr
+from replicator.passes.base import (
+    CALL_PARAMS,
+    Pass,
+    PassResult,
+    StepGraph,
+    inline_function,
+    map_subjaxprs,
+    merge_effects,
+    open_jaxpr,
+)
 from replicator.passes.invariance import INVARIANT, Variance, VarianceAnalysis, variance_of
 
 __all__ = ["Simplify"]
@@ -241,10 +252,7 @@ class _Region:
             changed |= removed
         if not changed:
             return jaxpr, False
-        effects = set(jaxpr.effects)
-        for eqn in new_eqns:
-            effects |= set(eqn.effects)
-        return jaxpr.replace(eqns=new_eqns, outvars=outvars, effects=frozenset(effects)), True
+        return jaxpr.replace(eqns=new_eqns, outvars=outvars, effects=merge_effects(new_eqns, base=jaxpr.effects)), True
 
     def _recurse(self, eqn: JaxprEqn, ins: list[Variance] | None, outs: list[Variance] | None) -> tuple[JaxprEqn, bool]:
         sub_in = _sub_variances(eqn, ins, outs) if ins is not None and outs is not None else {}

@@ -5,9 +5,8 @@ variable is defined before it is read, in every sub-jaxpr.
 
 When a pipeline is asked to verify (``verify=True``, or ``REPLICATOR_VERIFY=1``
 as the test suite sets; off by default because the type-check costs about as
-much as tracing and all the passes together: on the 64-layer x 32 Adam MLP step
-of ``benchmarks/bench_verify.py``, 0.42 s against 0.27 s of tracing and 0.07 s
-of passes, though only ~7% of the whole compile with XLA's 5.5 s):
+much as tracing and all the passes together: ``benchmarks/bench_verify.py``
+measures it):
 
 * the jaxpr type-checks (``jax.extend.core.check_jaxpr``) under the mesh axes;
 * after lowering, no placeholder is left anywhere (sub-jaxprs included);
@@ -15,12 +14,18 @@ of passes, though only ~7% of the whole compile with XLA's 5.5 s):
 
 A pipeline re-raises a broken invariant as :class:`GraphInvariantError` naming
 the pass that produced the graph. Example (a graph whose result is a variable
-nothing defines)::
+nothing defines):
 
-    jaxpr = graph.jaxpr.jaxpr
-    broken = jaxpr.replace(outvars=[Var(jaxpr.outvars[0].aval), *jaxpr.outvars[1:]])
-    verify_graph(graph.with_jaxpr(ClosedJaxpr(broken, graph.jaxpr.consts)), lowered=False)
-    # GraphInvariantError: the result Var(id=...):float32[3] is never defined
+>>> from jax.extend.core import ClosedJaxpr, Var
+>>> from replicator.passes.verify import GraphInvariantError, verify_graph
+>>> graph = rp.Replicator(1, 8).lower(lambda b: rp.all_sum(b), np.ones((8, 3), np.float32)).traced
+>>> jaxpr = graph.jaxpr.jaxpr
+>>> broken = jaxpr.replace(outvars=[Var(jaxpr.outvars[0].aval), *jaxpr.outvars[1:]])
+>>> try:
+...     verify_graph(graph.with_jaxpr(ClosedJaxpr(broken, graph.jaxpr.consts)), lowered=False)
+... except GraphInvariantError as e:
+...     print(str(e).endswith("is never defined"))
+True
 """
 
 from __future__ import annotations
