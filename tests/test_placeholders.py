@@ -13,226 +13,27 @@ number of replicas, so that ``reduce_scatter`` can split a per-replica leaf).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
+from utils import (
+    CASE_PARAMS,
+    COLS,
+    CONTEXTS,
+    assert_matches,
+    data,
+    per_replica,
+    reference,
+    run_step,
+)
 
 import replicator as rp
 
-COLS = 3
-
-# ----------------------------------------------------------------------------
-# Helpers shared with test_placeholders_grad.py
-# ----------------------------------------------------------------------------
-
-
-def run_step(repl: rp.Replicator, step_fn: Callable, batch: Any, state: Any = None) -> Any:
-    """One ``repl.run`` on ``batch``, the *global* batch: worker w yields its rows."""
-    workers = repl.num_workers
-
-    def input_fn(ctx):
-        local = jax.tree.map(lambda a: np.split(np.asarray(a), workers)[ctx.worker_id], batch)
-        while True:
-            yield local
-
-    return repl.run(step_fn, input_fn, state)
-
-
-def per_replica(a: Any, n: int) -> Any:
-    """``(n * k, ...) -> (n, k, ...)``: the slices replica 0..n-1 receive."""
-    return a.reshape(n, a.shape[0] // n, *a.shape[1:])
-
-
-def group_of(repl: rp.Replicator, group: str | None, r: int) -> tuple[list[int], int]:
-    """The replica ids of ``r``'s group, in group order, and ``r``'s index in it."""
-    workers, cores = repl.num_workers, repl.cores_per_worker
-    w, c = divmod(r, cores)
-    if group is None:
-        return list(range(workers * cores)), r
-    if group == "cores":
-        return [w * cores + j for j in range(cores)], c
-    assert group == "workers"
-    return [j * cores + c for j in range(workers)], w
-
-
-def reference(repl: rp.Replicator, ref: Callable, xs: Any, group: str | None = None, xp: Any = np) -> Any:
-    """Stack ``ref(xp, xs[group members of r], index of r)`` over replicas ``r``."""
-    outs = []
-    for r in range(repl.num_replicas):
-        members, index = group_of(repl, group, r)
-        step = members[1] - members[0] if len(members) > 1 else 1
-        assert members == list(range(members[0], members[-1] + 1, step))
-        outs.append(ref(xp, xs[members[0] : members[-1] + 1 : step], index))  # a slice, not a gather
-    return xp.stack([xp.asarray(o) for o in outs])
-
-
-def data(shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).normal(size=shape).astype(np.float32)
-
-
-def _chunk(s: Any, axis: int, parts: int, i: int) -> Any:
-    """The ``i``-th of ``parts`` equal chunks of ``s`` along ``axis``."""
-    size = s.shape[axis] // parts
-    return s[(slice(None),) * axis + (slice(i * size, (i + 1) * size),)]
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """A placeholder call ``fn(x, group)`` on one replica's ``x`` (shape (k, d)),
-    and ``ref(xp, xg, i)``: its value on the replica of index ``i`` of a group
-    whose members' ``x`` are stacked in ``xg`` (``xp``: numpy or jax.numpy)."""
-
-    name: str
-    fn: Callable[[jax.Array, str | None], jax.Array]
-    ref: Callable[[Any, Any, int], Any]
-
-
-CASES = [
-    Case("all_sum", lambda x, g: rp.all_sum(x, group=g), lambda xp, xg, i: xg.sum(0)),
-    Case("all_mean", lambda x, g: rp.all_mean(x, group=g), lambda xp, xg, i: xg.mean(0)),
-    Case("all_max", lambda x, g: rp.all_max(x, group=g), lambda xp, xg, i: xg.max(0)),
-    Case("all_min", lambda x, g: rp.all_min(x, group=g), lambda xp, xg, i: xg.min(0)),
-    Case("all_gather", lambda x, g: rp.all_gather(x, group=g), lambda xp, xg, i: xg),
-    Case(
-        "all_gather_axis1",
-        lambda x, g: rp.all_gather(x, axis=1, group=g),
-        lambda xp, xg, i: xp.moveaxis(xg, 0, 1),
-    ),
-    Case(
-        "all_gather_axis-1",
-        lambda x, g: rp.all_gather(x, axis=-1, group=g),
-        lambda xp, xg, i: xp.moveaxis(xg, 0, -1),
-    ),
-    Case(
-        "all_gather_tiled",
-        lambda x, g: rp.all_gather(x, tiled=True, group=g),
-        lambda xp, xg, i: xp.concatenate(list(xg), axis=0),
-    ),
-    Case(
-        "all_gather_tiled_axis1",
-        lambda x, g: rp.all_gather(x, axis=1, tiled=True, group=g),
-        lambda xp, xg, i: xp.concatenate(list(xg), axis=1),
-    ),
-    Case("broadcast_first", lambda x, g: rp.broadcast(x, source=0, group=g), lambda xp, xg, i: xg[0]),
-    Case(
-        "broadcast_last",
-        lambda x, g: rp.broadcast(x, source=rp.num_replicas(group=g) - 1, group=g),
-        lambda xp, xg, i: xg[-1],
-    ),
-    Case(
-        "reduce_scatter",
-        lambda x, g: rp.reduce_scatter(x, group=g),
-        lambda xp, xg, i: _chunk(xg.sum(0), 0, len(xg), i),
-    ),
-    Case(
-        "reduce_scatter_axis1",
-        lambda x, g: rp.reduce_scatter(x.T, axis=1, group=g),
-        lambda xp, xg, i: _chunk(xg.sum(0).T, 1, len(xg), i),
-    ),
-    Case("replica_id", lambda x, g: rp.replica_id(group=g), lambda xp, xg, i: np.int32(i)),
-    Case(
-        "num_replicas",
-        lambda x, g: jnp.asarray(rp.num_replicas(group=g), jnp.int32),
-        lambda xp, xg, i: np.int32(len(xg)),
-    ),
-]
-CASE_PARAMS = [pytest.param(c, id=c.name) for c in CASES]
-CASES_BY_NAME = {c.name: c for c in CASES}
-
-
-def assert_matches(got: Any, want: Any) -> None:
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    assert got.dtype == want.dtype, (got.dtype, want.dtype)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-
-
-# ----------------------------------------------------------------------------
-# 1. Every placeholder in every context
-# ----------------------------------------------------------------------------
-
-
-def _zeros_like_out(fn: Callable, x: jax.Array) -> Callable:
-    spec = jax.eval_shape(fn, x)
-    return lambda _: jnp.zeros(spec.shape, spec.dtype)
-
-
-def _loss_with_out(fn: Callable) -> Callable:
-    """A scalar loss that differentiates through ``fn`` (when it is float), with ``fn(x)`` as aux."""
-
-    def loss(x):
-        out = fn(x)
-        total = jnp.sum(jnp.sin(x))
-        if jnp.issubdtype(out.dtype, jnp.floating):
-            total = total + jnp.sum(jnp.tanh(out))
-        return total, out
-
-    return loss
-
-
-def _in_cond_const(fn):
-    return lambda x: lax.cond(True, fn, _zeros_like_out(fn, x), x)
-
-
-def _in_cond_false_branch(fn):
-    # A predicate that is identical on every replica because it was all-reduced.
-    def wrapped(x):
-        pred = rp.all_max(jnp.max(x)) < rp.all_min(jnp.min(x))  # always False
-        return lax.cond(pred, _zeros_like_out(fn, x), fn, x)
-
-    return wrapped
-
-
-def _in_scan(fn):
-    def wrapped(x):
-        _, ys = lax.scan(lambda c, xi: (c, fn(xi)), None, jnp.stack([x - 1.0, x]))
-        return ys[1]
-
-    return wrapped
-
-
-def _in_while(fn):
-    def wrapped(x):
-        def body(carry):
-            i, _ = carry
-            return i + 1, fn(x + (i - 2).astype(x.dtype))  # the last of 3 trips sees x
-
-        init = (jnp.int32(0), _zeros_like_out(fn, x)(x))
-        return lax.while_loop(lambda carry: carry[0] < 3, body, init)[1]
-
-    return wrapped
-
-
-def _under_grad(fn):
-    return lambda x: jax.grad(_loss_with_out(fn), has_aux=True)(x)[1]
-
-
-def _under_value_and_grad(fn):
-    return lambda x: jax.value_and_grad(_loss_with_out(fn), has_aux=True)(x)[0][1]
-
-
-def _under_grad_of_checkpoint(fn):
-    return lambda x: jax.grad(jax.checkpoint(_loss_with_out(fn)), has_aux=True)(x)[1]
-
-
-CONTEXTS = {
-    "plain": lambda fn: fn,
-    "jit": jax.jit,
-    "cond_const": _in_cond_const,
-    "cond_all_reduced": _in_cond_false_branch,
-    "scan": _in_scan,
-    "while_loop": _in_while,
-    "checkpoint": jax.checkpoint,
-    "grad": _under_grad,
-    "value_and_grad": _under_value_and_grad,
-    "grad_checkpoint": _under_grad_of_checkpoint,
-}
+# The shared helpers (run_step, the cases and their NumPy references, the contexts) live in
+# tests/utils.py, with test_placeholders_grad.py.
 
 
 @pytest.mark.parametrize("context", list(CONTEXTS))
@@ -540,7 +341,11 @@ def test_bad_group_raises(repl, api):
 
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_])
 def test_all_mean_of_non_floats_raises(repl, dtype):
-    match = r"all_mean: leaf of dtype int32 is not a float" if dtype == jnp.int32 else r"cannot sum booleans"
+    match = (
+        r"all_mean: leaf x\['bad'\] has dtype int32, and a mean of integers"
+        if dtype == jnp.int32
+        else r"is boolean and cannot be summed"
+    )
     _raises_in_step(repl, lambda x: rp.all_mean({"ok": x, "bad": x.astype(dtype)}), TypeError, match)
 
 
@@ -553,7 +358,7 @@ def test_all_mean_of_non_floats_raises(repl, dtype):
     ids=["all_sum", "reduce_scatter"],
 )
 def test_sum_of_bools_raises(repl, fn):
-    _raises_in_step(repl, fn, TypeError, r"cannot sum booleans; cast first")
+    _raises_in_step(repl, fn, TypeError, r"is boolean and cannot be summed; cast first")
 
 
 def test_non_array_leaf_raises(repl):

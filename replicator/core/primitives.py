@@ -139,13 +139,19 @@ def _all_reduce(tree: PyTree, op: str, group: str | None, api_name: str) -> PyTr
     leaves, treedef = _leaves(tree, api_name)
     if not leaves:
         return tree
-    for leaf in leaves:
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    for path, leaf in zip(paths, leaves, strict=True):
         if op in ("sum", "mean") and leaf.dtype == jnp.bool_:
-            raise TypeError(f"replicator.{api_name}: cannot sum booleans; cast first, e.g. x.astype(jnp.int32).")
+            raise TypeError(
+                f"replicator.{api_name}: leaf x{path} is boolean and cannot be summed; cast first, "
+                "e.g. x.astype(jnp.int32)."
+            )
         if op == "mean" and not jnp.issubdtype(leaf.dtype, jnp.inexact):
             raise TypeError(
-                f"replicator.all_mean: leaf of dtype {leaf.dtype} is not a float; "
-                f"cast it (x.astype(jnp.float32)) or use all_sum."
+                f"replicator.all_mean: leaf x{path} has dtype {leaf.dtype}, and a mean of integers is not an "
+                "integer. Use rp.all_sum (then divide) or cast it to float; if it is a counter identical on "
+                "every replica (Equinox's batch-norm state), leave it out of the mean, e.g. "
+                "eqx.partition(tree, eqx.is_inexact_array)."
             )
     out = all_reduce_p.bind(*leaves, op=op, group=group, group_size=ctx.group_size(group))
     return treedef.unflatten(out)
@@ -352,7 +358,9 @@ def reduce_scatter(x: PyTree, *, axis: int = 0, group: str | None = None) -> PyT
                 f"pad it to a multiple of {n}."
             )
         if leaf.dtype == jnp.bool_:
-            raise TypeError("replicator.reduce_scatter: cannot sum booleans; cast first.")
+            raise TypeError(
+                "replicator.reduce_scatter: a leaf is boolean and cannot be summed; cast first, e.g. x.astype(jnp.int32)."
+            )
         out.append(reduce_scatter_p.bind(leaf, axis=ax, group=group, group_size=n))
     return treedef.unflatten(out)
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from utils import check_against_simulation, worker_batches
 
 import replicator as rp
 from replicator.core.primitives import all_reduce_p
@@ -22,7 +23,7 @@ from replicator.passes import LowerCollectives, Pipeline, count_primitives, defa
 from replicator.passes.base import iter_eqns
 from replicator.passes.lower_collectives import ALGORITHMS, LOWERINGS, lower_all_reduce
 
-from .workloads import input_fn_from, mlp_params, train_mlp
+from .workloads import input_fn_from, mlp_batch, mlp_params, mlp_step
 
 ALGORITHM_NAMES = ["ring", "reduce_broadcast"]
 RTOL, ATOL = 2e-6, 1e-6  # float32; bf16 is checked against its rounding bound instead
@@ -60,16 +61,15 @@ def _mesh(shape: str, n_devices: int) -> tuple[int, int]:
     return 2, 3
 
 
-def _assert_close(expected, actual):
-    assert jax.tree.structure(expected) == jax.tree.structure(actual)
-    for e, a in zip(jax.tree.leaves(expected), jax.tree.leaves(actual), strict=True):
-        e, a = np.asarray(e), np.asarray(a)
-        assert e.dtype == a.dtype and e.shape == a.shape
-        if jnp.issubdtype(e.dtype, jnp.floating):
-            assert e.dtype == np.float32
-            np.testing.assert_allclose(a, e, rtol=RTOL, atol=ATOL)
-        else:
-            np.testing.assert_array_equal(a, e)
+def _check_with_reference(repl, step, make_batch, seed=0, steps=1, state=None):
+    """Run ``step`` on ``repl`` with ``input_fn_from(make_batch, seed)``; compare each step with the reference.
+
+    The reference (``tests.utils.simulate``) runs every replica at once under
+    ``jax.vmap`` with ``jax.lax`` collectives: none of the library's passes or
+    lowerings. Floats within ``ATOL + RTOL |want|``; other dtypes equal.
+    """
+    batches = worker_batches(input_fn_from(make_batch, seed), repl.num_workers, repl.cores_per_worker, steps)
+    return check_against_simulation(repl, step, batches, state, atol=ATOL, rtol=RTOL)
 
 
 def _assert_equal_within_groups(out, workers, cores, group):
@@ -224,14 +224,11 @@ GROUP_OF = {
 
 @pytest.mark.parametrize("shape", ["1xN", "2xN/2", "2x3"])
 @pytest.mark.parametrize("algorithm", ALGORITHM_NAMES)
-def test_every_op_group_and_dtype_matches_native(n_devices, shape, algorithm):
+def test_every_op_group_and_dtype_matches_the_reference(n_devices, shape, algorithm):
     workers, cores = _mesh(shape, n_devices)
-    native = _replicator(workers, cores, None)
     algo = _replicator(workers, cores, algorithm)
     for seed in range(2):
-        expected = native.run(_every_op_and_group, input_fn_from(_op_batch(cores), seed))
-        actual = algo.run(_every_op_and_group, input_fn_from(_op_batch(cores), seed))
-        _assert_close(expected, actual)
+        _, (actual,) = _check_with_reference(algo, _every_op_and_group, _op_batch(cores), seed)
         for name, out in actual.items():
             for leaf in jax.tree.leaves(out):
                 _assert_equal_within_groups(leaf, workers, cores, GROUP_OF.get(name))
@@ -281,14 +278,14 @@ def test_bf16_within_the_rounding_bound_of_the_exact_sum(repl2d, algorithm):
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHM_NAMES)
-def test_mlp_gradients_match_native(repl2d, algorithm):
+def test_mlp_gradients_match_the_reference(repl2d, algorithm):
     workers, cores = repl2d.num_workers, repl2d.cores_per_worker
     state = mlp_params(np.random.default_rng(0))
-    expected = train_mlp(_replicator(workers, cores, None), state)
-    actual = train_mlp(_replicator(workers, cores, algorithm), state)
-    _assert_close(expected, actual)
-    assert int(actual[0]["steps"]) == 2
-    assert not np.allclose(np.asarray(actual[0]["w1"]), np.asarray(state["w1"]))
+    final, _ = _check_with_reference(
+        _replicator(workers, cores, algorithm), mlp_step, mlp_batch(cores), seed=7, steps=2, state=state
+    )
+    assert int(final["steps"]) == 2
+    assert not np.allclose(np.asarray(final["w1"]), np.asarray(state["w1"]))
 
 
 def _control_flow(b):
@@ -298,19 +295,35 @@ def _control_flow(b):
         return carry + rp.all_sum(row) * rp.all_max(row, group="cores"), None
 
     total, _ = lax.scan(body, jnp.zeros(7), x)
-    branch = lax.cond(True, lambda y: rp.all_mean(y * 2), lambda y: y, x[0])
+    # A runtime predicate, identical on every replica: whether any replica's flag is set.
+    on = rp.all_max(b["flag"][0, 0]) > 0
+    branch = lax.cond(on, lambda y: rp.all_mean(y * 2), lambda y: rp.all_sum(y, group="cores") - 1, x[0])
     return total, branch
 
 
+@pytest.mark.parametrize("branch", ["true", "false"])
 @pytest.mark.parametrize("algorithm", ALGORITHM_NAMES)
-def test_inside_scan_and_cond(repl2d, algorithm):
+def test_inside_scan_and_cond(repl2d, algorithm, branch):
+    """Collectives in a scan body and in both branches of a cond (each branch run in turn)."""
     workers, cores = repl2d.num_workers, repl2d.cores_per_worker
-    make_batch = _op_batch(cores * 3)  # three rows per replica: three scan steps
+    rows = _op_batch(cores * 3)  # three rows per replica: three scan steps
+
+    def make_batch(rng):
+        flag = np.zeros((cores * 3, 1), np.int32)
+        flag[-3] = branch == "true"  # the last core's first row only: the all_max spreads it
+        return {**rows(rng), "flag": flag}
+
     algo = _replicator(workers, cores, algorithm)
     final = algo.lower(_control_flow, make_batch(np.random.default_rng(0))).final
     assert count_primitives(final.jaxpr).get("psum", 0) == 0
-    expected = _replicator(workers, cores, None).run(_control_flow, input_fn_from(make_batch))
-    _assert_close(expected, algo.run(_control_flow, input_fn_from(make_batch)))
+    _, (outputs,) = _check_with_reference(algo, _control_flow, make_batch)
+    # The branch taken, by hand: replica r's first row x0; the true branch is the mean of 2 x0 over all replicas.
+    x0 = worker_batches(input_fn_from(make_batch), workers, cores, 1)[0]["x"].reshape(workers, cores, 3, 7)[:, :, 0]
+    if branch == "true":
+        want = np.broadcast_to(2 * x0.mean((0, 1)), x0.shape)
+    else:
+        want = np.broadcast_to(x0.sum(1, keepdims=True), x0.shape) - 1
+    np.testing.assert_allclose(outputs[1].reshape(x0.shape), want, rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------

@@ -4,26 +4,27 @@ import os
 
 import jax
 import numpy as np
+import pytest
+from utils import check_against_simulation, small_inputs, small_step, wrong_pipeline
 
 import replicator as rp
 from replicator.passes import Pipeline, bisect_passes
 from replicator.passes.bisect import main
 
-from .test_validate import _inputs, _step, _wrong_pipeline
 from .workloads import input_fn_from, mlp_batch, mlp_params, mlp_step
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+UTILS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "utils.py")
 
 
 def test_bisect_names_the_first_pass_that_changes_the_result(n_devices):
-    repl = rp.Replicator(1, n_devices, passes=_wrong_pipeline())
-    batch, state = _inputs(n_devices)
-    report = bisect_passes(repl, _step, batch, state)
+    repl = rp.Replicator(1, n_devices, passes=wrong_pipeline())
+    batch, state = small_inputs(n_devices)
+    report = bisect_passes(repl, small_step, batch, state)
     assert report.culprit == "double-first-all-sum"
     assert report.passes == ("simplify", "double-first-all-sum", "fuse-allreduce")
     assert "double-first-all-sum" in str(report) and "outputs['total']" in str(report)
     assert "disable=['double-first-all-sum']" in str(report)
-    assert bisect_passes(rp.Replicator(1, n_devices), _step, batch, state).culprit is None
+    assert bisect_passes(rp.Replicator(1, n_devices), small_step, batch, state).culprit is None
 
 
 def test_bisect_takes_an_input_fn_specs_and_every_optional_pass(repl2d):
@@ -41,16 +42,27 @@ def test_bisect_takes_an_input_fn_specs_and_every_optional_pass(repl2d):
         "hierarchical-allreduce",
     )
     specs = {"x": jax.ShapeDtypeStruct((2 * repl.cores_per_worker, 3), np.float32)}  # random rows
-    wrong = rp.Replicator(repl2d.num_workers, repl2d.cores_per_worker, passes=_wrong_pipeline())
-    report = bisect_passes(wrong, _step, specs, {"w": np.ones((3, 2), np.float32)})
+    wrong = rp.Replicator(repl2d.num_workers, repl2d.cores_per_worker, passes=wrong_pipeline())
+    report = bisect_passes(wrong, small_step, specs, {"w": np.ones((3, 2), np.float32)})
     assert report.culprit == "double-first-all-sum"
 
 
 def test_command_line(n_devices, capsys):
-    module = os.path.join(HERE, "test_validate.py")
-    common = [f"--batch={module}:_cli_batch", f"--state={module}:_cli_state", f"--cores={n_devices}"]
-    assert main([f"{module}:_step", *common, f"--pipeline={module}:_wrong_pipeline"]) == 1
+    module = UTILS
+    common = [f"--batch={module}:cli_batch", f"--state={module}:cli_state", f"--cores={n_devices}"]
+    assert main([f"{module}:small_step", *common, f"--pipeline={module}:wrong_pipeline"]) == 1
     out = capsys.readouterr().out
     assert "first pass that changes the result: 'double-first-all-sum'" in out and "outputs['total']" in out
-    assert main([f"{module}:_step", *common, "--hierarchical"]) == 0
+    assert main([f"{module}:small_step", *common, "--hierarchical"]) == 0
     assert "gives the reference result" in capsys.readouterr().out
+
+
+def test_the_vmap_reference_used_by_the_pass_tests_catches_the_wrong_pass(repl2d):
+    """tests.utils.check_against_simulation (the pass tests' reference) passes the default pipeline
+    and fails the pipeline with the wrong pass: it is independent of what it checks."""
+    W, C = repl2d.num_workers, repl2d.cores_per_worker
+    x = np.random.default_rng(3).normal(size=(2 * W * C, 3)).astype(np.float32)
+    state = small_inputs(1)[1]
+    check_against_simulation(rp.Replicator(W, C), small_step, [{"x": x}], state)
+    with pytest.raises(AssertionError, match="total"):
+        check_against_simulation(rp.Replicator(W, C, passes=wrong_pipeline()), small_step, [{"x": x}], state)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from utils import check_against_simulation, worker_batches
 
 import replicator as rp
 from replicator.passes import (
@@ -24,7 +25,7 @@ from replicator.passes import (
 )
 from replicator.passes.base import iter_eqns
 
-from .workloads import input_fn_from, mlp_batch, mlp_params, mlp_step, train_mlp
+from .workloads import input_fn_from, mlp_batch, mlp_params, mlp_step
 
 ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = "rp.all_reduce", "rp.reduce_scatter", "rp.all_gather"
 RTOL, ATOL = 2e-6, 1e-6
@@ -76,15 +77,15 @@ def _batch(cores, cols=5):
     return {"x": np.zeros((2 * cores, cols), np.float32)}
 
 
-def _assert_close(expected, actual):
-    assert jax.tree.structure(expected) == jax.tree.structure(actual)
-    for e, a in zip(jax.tree.leaves(expected), jax.tree.leaves(actual), strict=True):
-        e, a = np.asarray(e), np.asarray(a)
-        assert e.dtype == a.dtype and e.shape == a.shape
-        if jnp.issubdtype(e.dtype, jnp.floating):
-            np.testing.assert_allclose(a, e, rtol=RTOL, atol=ATOL)
-        else:
-            np.testing.assert_array_equal(a, e)
+def _check_with_reference(repl, step, make_batch, seed=0, steps=1, state=None):
+    """Run ``step`` on ``repl`` with ``input_fn_from(make_batch, seed)``; compare each step with the reference.
+
+    The reference (``tests.utils.simulate``) runs every replica at once under
+    ``jax.vmap`` with ``jax.lax`` collectives: none of the library's passes or
+    lowerings. Floats within ``ATOL + RTOL |want|``; other dtypes equal.
+    """
+    batches = worker_batches(input_fn_from(make_batch, seed), repl.num_workers, repl.cores_per_worker, steps)
+    return check_against_simulation(repl, step, batches, state, atol=ATOL, rtol=RTOL)
 
 
 # ----------------------------------------------------------------------------
@@ -153,10 +154,7 @@ def test_operands_of_several_dtypes_share_one_inter_worker_collective(repl2d):
     (reduce,) = _eqns(result.graph, ALL_REDUCE)
     assert [v.aval.dtype for v in reduce.invars] == [jnp.float32, jnp.int32]
     assert len(_eqns(result.graph, ALL_GATHER)) == 2
-    _assert_close(
-        _replicator(workers, cores, hierarchical=False).run(step, input_fn_from(_float_batch(cores))),
-        _replicator(workers, cores).run(step, input_fn_from(_float_batch(cores))),
-    )
+    _check_with_reference(_replicator(workers, cores), step, _float_batch(cores))
 
 
 def test_nothing_to_do_without_two_levels(n_devices):
@@ -208,17 +206,20 @@ def test_rewriting_a_rewritten_graph_changes_nothing(repl2d):
     assert once.changed and not again.changed and again.graph is once.graph
 
 
-def _in_scan(b):
+def _in_scan(s, b):
     def body(carry, row):
         return carry + rp.all_sum(row), rp.all_mean(row * 2)
 
     total, means = lax.scan(body, jnp.zeros(b["x"].shape[1]), b["x"])
-    return total, means, lax.cond(True, lambda y: rp.all_sum(y), lambda y: y, b["x"][0])
+    # The predicate is state: a runtime value, identical on every replica.
+    return s, (total, means, lax.cond(s["on"] > 0, lambda y: rp.all_sum(y), lambda y: y * 3, b["x"][0]))
 
 
-def test_sub_jaxprs_are_rewritten_in_place(repl2d):
+@pytest.mark.parametrize("on", [1, 0], ids=["all_sum-branch", "local-branch"])
+def test_sub_jaxprs_are_rewritten_in_place(repl2d, on):
     workers, cores = _two_level(repl2d)
-    graph = repl2d.lower(_in_scan, _batch(cores)).traced
+    state = {"on": jnp.int32(on)}
+    graph = repl2d.lower(_in_scan, _batch(cores), state).traced
     result = _rewrite(graph)
     top = result.graph.jaxpr.jaxpr
     assert not [e for e in top.eqns if e.primitive.name in (ALL_REDUCE, REDUCE_SCATTER)]
@@ -226,10 +227,12 @@ def test_sub_jaxprs_are_rewritten_in_place(repl2d):
     assert count_primitives(scan.params["jaxpr"], [REDUCE_SCATTER, ALL_GATHER]) == {REDUCE_SCATTER: 2, ALL_GATHER: 2}
     (cond,) = [e for e in top.eqns if e.primitive.name == "cond"]
     assert [count_primitives(br, [REDUCE_SCATTER]) for br in cond.params["branches"]] == [{}, {REDUCE_SCATTER: 1}]
-    _assert_close(
-        _replicator(workers, cores, hierarchical=False).run(_in_scan, input_fn_from(_float_batch(cores, rows=3))),
-        _replicator(workers, cores).run(_in_scan, input_fn_from(_float_batch(cores, rows=3))),
-    )
+    repl = _replicator(workers, cores)
+    _, (outputs,) = _check_with_reference(repl, _in_scan, _float_batch(cores, rows=3), state=state)
+    # The branch taken, by hand: replica r's first row x0.
+    x0 = worker_batches(input_fn_from(_float_batch(cores, rows=3)), workers, cores, 1)[0]["x"][::3]
+    want = np.broadcast_to(x0.sum(0), x0.shape) if on else 3 * x0
+    np.testing.assert_allclose(outputs[2], want, rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------
@@ -244,7 +247,7 @@ def _float_batch(cores, rows=1):
 @pytest.mark.parametrize(
     "shape, algorithm", [("2xN/2", "native"), ("2x3", "native"), ("2xN/2", "ring")], ids=["2xN/2", "2x3", "ring"]
 )
-def test_mlp_training_matches_the_default_pipeline(n_devices, shape, algorithm):
+def test_mlp_training_matches_the_reference(n_devices, shape, algorithm):
     if shape == "2x3":
         if n_devices < 6:
             pytest.skip("needs 6 devices")
@@ -256,13 +259,11 @@ def test_mlp_training_matches_the_default_pipeline(n_devices, shape, algorithm):
     state = mlp_params(np.random.default_rng(0))
     hierarchical = _replicator(workers, cores, algorithm=algorithm)
     assert "hierarchical-allreduce" in hierarchical.pipeline.names
-    expected = train_mlp(_replicator(workers, cores, hierarchical=False), state)
-    actual = train_mlp(hierarchical, state)
-    _assert_close(expected, actual)
-    assert int(actual[0]["steps"]) == 2
-    assert not np.allclose(np.asarray(actual[0]["w1"]), np.asarray(state["w1"]))
+    final, outputs = _check_with_reference(hierarchical, mlp_step, mlp_batch(cores), seed=7, steps=2, state=state)
+    assert int(final["steps"]) == 2
+    assert not np.allclose(np.asarray(final["w1"]), np.asarray(state["w1"]))
     # Every replica holds the same reduced values.
-    for leaf in jax.tree.leaves(actual[1]):
+    for leaf in jax.tree.leaves(outputs[-1]):
         np.testing.assert_array_equal(np.asarray(leaf), np.broadcast_to(np.asarray(leaf)[:1], np.shape(leaf)))
 
 

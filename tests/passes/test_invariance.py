@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from utils import assert_identical_where_claimed
 
 import replicator as rp
 from replicator.passes import Pipeline, analyze_invariance
@@ -174,3 +175,183 @@ class TestDivergentState:
     def test_disabling_the_check_lets_the_step_through(self, n_devices):
         r = rp.Replicator(1, n_devices, passes=Pipeline(disable=["check-replica-invariance"]))
         r.lower(lambda s, b: (s + b["x"].sum(), {}), _batch(n_devices), jnp.float32(0))
+
+
+# ----------------------------------------------------------------------------
+# The analysis against a run: what it calls identical along an axis must be
+# ----------------------------------------------------------------------------
+
+W_, C_ = "workers", "cores"
+VARIES = BOTH
+BY_CORE = frozenset({C_})  # identical along 'workers', varies along 'cores'
+BY_WORKER = frozenset({W_})
+SAME = frozenset()
+
+
+def _mesh_2x4(n_devices):
+    if n_devices < 8:
+        pytest.skip("needs 8 devices for a 2x4 mesh")
+    return 2, 4
+
+
+def _run_and_check(workers, cores, step, state=None, rows=2, cols=4, passes=None, seed=0):
+    """Run ``step`` once on per-replica-distinct data; check the analysis's claims on the outputs.
+
+    Returns the analysis's variance of each output leaf (to pin it) and the per-replica outputs.
+    """
+    repl = rp.Replicator(workers, cores, passes=passes)
+
+    def make(rng):
+        return {
+            "x": rng.normal(size=(rows * cores, cols)).astype(np.float32),
+            "i": rng.integers(-5, 5, size=(rows * cores, cols)).astype(np.int32),
+        }
+
+    def input_fn(ctx):
+        rng = np.random.default_rng((seed, ctx.worker_id))
+        while True:
+            yield make(rng)
+
+    batch = make(np.random.default_rng((seed, 0)))
+    lowered = repl.lower(step, batch, state)
+    variance = analyze_invariance(lowered.traced).output_variance[lowered.traced.num_state :]
+    result = repl.run(step, input_fn, state) if state is not None else repl.run(step, input_fn)
+    outputs = rp.local_outputs(result[1] if state is not None else result)
+    assert_identical_where_claimed(outputs, variance, workers, cores)
+    return variance, outputs
+
+
+def _varies_along(leaf, workers, cores, axis_name):
+    rows = np.asarray(leaf).reshape(workers, cores, *np.shape(leaf)[1:])
+    axis = 1 if axis_name == C_ else 0
+    return not np.array_equal(rows, np.broadcast_to(np.take(rows, [0], axis=axis), rows.shape))
+
+
+class TestClaimsHoldWhenRun:
+    """For each kind of value, run the step on a 2x4 mesh and compare the claims with the outputs."""
+
+    def test_state_reads_and_batch_features(self, n_devices):
+        W, C = _mesh_2x4(n_devices)
+        state = {"w": jnp.arange(4, dtype=jnp.float32), "k": jnp.int32(3)}
+
+        def step(s, b):
+            return s, {
+                "w2": s["w"] * 2,
+                "k": s["k"] + 1,
+                "mixed": s["w"] * b["x"][0],
+                "x": b["x"],
+                "rows": jnp.sum(b["i"] > 0),
+                "const": jnp.float32(rp.num_replicas()),
+            }
+
+        variance, outputs = _run_and_check(W, C, step, state)
+        assert variance == (SAME, SAME, VARIES, VARIES, SAME, VARIES)  # const, k, mixed, rows, w2, x
+        assert _varies_along(outputs["x"], W, C, W_) and _varies_along(outputs["x"], W, C, C_)
+
+    def test_replica_id(self, n_devices):
+        W, C = _mesh_2x4(n_devices)
+
+        def step(b):
+            return (
+                rp.replica_id(),
+                rp.replica_id(group="cores"),
+                rp.replica_id(group="workers"),
+                rp.replica_id(group="workers") * 10 + b["i"].sum() * 0,
+            )
+
+        variance, _ = _run_and_check(W, C, step)
+        assert variance[:3] == (VARIES, BY_CORE, BY_WORKER)
+
+    @pytest.mark.parametrize("op", ["all_sum", "all_mean", "all_max", "all_min"])
+    def test_all_reduces_of_varying_values(self, n_devices, op):
+        W, C = _mesh_2x4(n_devices)
+        fn = getattr(rp, op)
+
+        def step(b):
+            x = b["x"] * (1 + rp.replica_id().astype(jnp.float32))  # varies everywhere, by more than the data
+            return (
+                fn(x),
+                fn(x, group="cores"),
+                fn(x, group="workers"),
+                fn(b["i"] if op != "all_mean" else b["i"].astype(jnp.float32), group="cores"),
+                fn(fn(x, group="cores"), group="workers"),
+                fn(x, group="cores") + rp.replica_id(group="workers").astype(jnp.float32),
+                fn(x, group="cores") + rp.replica_id(group="cores").astype(jnp.float32),
+            )
+
+        variance, outputs = _run_and_check(W, C, step)
+        assert variance == (SAME, BY_WORKER, BY_CORE, BY_WORKER, SAME, BY_WORKER, VARIES)
+        assert _varies_along(outputs[1], W, C, W_) and _varies_along(outputs[2], W, C, C_)
+
+    def test_all_gather_reduce_scatter_and_broadcast(self, n_devices):
+        W, C = _mesh_2x4(n_devices)
+
+        def step(b):
+            x = b["x"]  # (2, 4): reduce_scatter splits 8 rows or 4 columns
+            tall = jnp.concatenate([x] * 4)  # (8, 4)
+            return {
+                "gather": rp.all_gather(x),
+                "gather_cores": rp.all_gather(x, group="cores"),
+                "gather_workers_tiled": rp.all_gather(x, axis=1, tiled=True, group="workers"),
+                "scatter": rp.reduce_scatter(tall),
+                "scatter_cores": rp.reduce_scatter(x, axis=1, group="cores"),
+                "scatter_workers": rp.reduce_scatter(x, group="workers"),
+                "scatter_of_same": rp.reduce_scatter(rp.all_gather(x), axis=0, group="cores"),
+                "broadcast": rp.broadcast(x, source=3),
+                "broadcast_workers": rp.broadcast(x, source=1, group="workers"),
+                "broadcast_cores": rp.broadcast(x, source=2, group="cores"),
+            }
+
+        variance, outputs = _run_and_check(W, C, step)
+        got = dict(zip(sorted(outputs), variance, strict=True))
+        assert got["gather"] == got["broadcast"] == SAME
+        assert got["gather_cores"] == got["broadcast_cores"] == BY_WORKER
+        assert got["gather_workers_tiled"] == got["broadcast_workers"] == BY_CORE
+        assert got["scatter"] == VARIES  # each replica keeps its own chunk
+
+    @pytest.mark.parametrize("on", [1, 0])
+    def test_cond_and_scan_with_collectives(self, n_devices, on):
+        W, C = _mesh_2x4(n_devices)
+        state = {"on": jnp.int32(on)}
+
+        def step(s, b):
+            x = b["x"]
+            same_in_worker = rp.all_sum(x.sum(), group="cores") > 0  # varies across workers only
+            by_worker = lax.cond(
+                same_in_worker, lambda: rp.all_mean(x, group="cores"), lambda: rp.all_max(x, group="cores")
+            )
+            everywhere = lax.cond(s["on"] > 0, lambda: rp.all_sum(x), lambda: rp.all_min(x) * 2)
+
+            def body(carry, row):
+                return carry + rp.all_sum(row, group="workers"), rp.all_mean(row)
+
+            carry, ys = lax.scan(body, jnp.zeros(x.shape[1]), x)
+            local, _ = lax.scan(lambda c, row: (c + row, None), jnp.zeros(x.shape[1]), x)
+            return s, (by_worker, everywhere, carry, ys, local)
+
+        variance, _ = _run_and_check(W, C, step, state)
+        assert variance == (BY_WORKER, SAME, BY_CORE, SAME, VARIES)
+
+    @pytest.mark.parametrize(
+        "options", [{}, {"all_reduce_algorithm": "ring"}, {"hierarchical": True}, {"compress": True}], ids=str
+    )
+    def test_claims_hold_under_optional_passes(self, n_devices, options):
+        """The same claims on what the optional passes and algorithms compute (on the graph before them)."""
+        W, C = _mesh_2x4(n_devices)
+
+        def step(b):
+            x = b["x"] * (1 + rp.replica_id().astype(jnp.float32))
+            return rp.all_sum(x), rp.all_mean(x, group="cores"), rp.all_sum(x * 3, group="workers"), x
+
+        passes = rp.Pipeline.default(verify=True, **options)
+        variance, _ = _run_and_check(W, C, step, passes=passes)
+        assert variance == (SAME, BY_WORKER, BY_CORE, VARIES)
+
+    def test_the_check_catches_a_wrong_claim(self):
+        """The helper is not vacuous: a leaf that differs along 'cores' fails a claim that it does not."""
+        rows = np.arange(8, dtype=np.float32).reshape(8, 1) // 4  # 2x4 mesh: differs by worker only
+        assert_identical_where_claimed([rows], [BY_WORKER], 2, 4)
+        with pytest.raises(AssertionError, match="called identical along 'workers'"):
+            assert_identical_where_claimed([rows], [SAME], 2, 4)
+        with pytest.raises(AssertionError, match="called identical along 'cores'"):
+            assert_identical_where_claimed([np.arange(8.0)], [BY_WORKER], 2, 4)

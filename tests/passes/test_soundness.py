@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 from jax import custom_batching
+from utils import custom_vmap_call_primitive
 
 import replicator as rp
 from replicator.passes import Pipeline, count_primitives
@@ -232,7 +233,6 @@ def test_replica_id_inside_custom_vmap_makes_state_divergent(repl):
 
 def test_unknown_higher_order_primitive_is_assumed_to_vary(repl, monkeypatch):
     """Without a rule for ``custom_vmap_call``, the default still sees the replica_id inside."""
-    from replicator._jax_compat import custom_vmap_call_primitive
     from replicator.passes.invariance import RULES
 
     monkeypatch.delitem(RULES, custom_vmap_call_primitive())
@@ -257,7 +257,6 @@ def _mean_inside_vmap(axis_size, in_batched, x):
 
 
 def test_collective_inside_unknown_higher_order_primitive_is_rejected(repl, monkeypatch):
-    from replicator._jax_compat import custom_vmap_call_primitive
     from replicator.passes.invariance import RULES
 
     def step(w, batch):
