@@ -72,3 +72,10 @@ def reduce_scatter_primitive() -> Any:
     from jax._src.lax import parallel
 
     return parallel.reduce_scatter_p
+
+
+def named_axis_effect_type() -> type:
+    """The effect JAX attaches to equations that use a named axis (``lax.psum(x, 'batch')``)."""
+    from jax._src import core
+
+    return core.NamedAxisEffect

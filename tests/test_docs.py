@@ -124,9 +124,10 @@ def _modules() -> list[str]:
 
 
 def _doctests(name: str) -> list[doctest.DocTest]:
-    globs = {"rp": rp, "jax": jax, "jnp": jnp, "np": np, "optax": optax}
+    module = importlib.import_module(name)
+    globs = {**vars(module), "rp": rp, "jax": jax, "jnp": jnp, "np": np, "optax": optax}
     finder = doctest.DocTestFinder(exclude_empty=True)
-    return [t for t in finder.find(importlib.import_module(name), globs=globs) if t.examples]
+    return [t for t in finder.find(module, globs=globs) if t.examples]
 
 
 @pytest.mark.parametrize("name", _modules())

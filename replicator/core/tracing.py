@@ -61,8 +61,14 @@ class TracedStep:
 
 
 def is_array_leaf(x: Any) -> bool:
-    """Whether a state leaf is data (sent to devices) rather than a static part of the program."""
-    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, bool, int, float, complex))
+    """Whether a state leaf is data (sent to devices) rather than a static part of the program.
+
+    Arrays and Python numbers are data; Python ``bool`` flags (an Equinox
+    module's ``inference``), strings, functions and other objects are static.
+    """
+    if isinstance(x, bool):
+        return False
+    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, int, float, complex))
 
 
 def _merge(arrays: list, static: tuple[tuple[int, Any], ...], n: int) -> list:

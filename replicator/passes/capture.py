@@ -10,7 +10,7 @@ bind, so every later pass (the invariance check, simplify, fusion, ZeRO, the
 lowerings) treats it exactly like a collective written with ``rp.*``:
 
 ====================================  ============================================
-raw equation                          placeholder
+raw equation                          placeholder (after a local reduction over positional axes)
 ====================================  ============================================
 ``psum`` / ``pmax`` / ``pmin``         ``rp.all_reduce[op=sum|max|min]``
 ``all_gather``                         ``rp.all_gather`` (same axis and tiling)
@@ -44,13 +44,22 @@ from typing import Any
 
 import jax.extend.core.primitives as lax_primitives
 import jax.numpy as jnp
-from jax.extend.core import JaxprEqn
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
-from replicator._jax_compat import reduce_scatter_primitive, user_source_line
+from replicator._jax_compat import named_axis_effect_type, reduce_scatter_primitive, user_source_line
 from replicator.core.context import REPLICA_AXES, ReplicaContext, group_axes
 from replicator.core.primitives import all_gather_p, all_reduce_p, reduce_scatter_p, replica_id_p
 from replicator.errors import ReplicationError
-from replicator.passes.base import Pass, PassResult, StepGraph, inline_function, rewrite_graph
+from replicator.passes.base import (
+    Pass,
+    PassResult,
+    StepGraph,
+    inline_function,
+    map_subjaxprs,
+    merge_effects,
+    rewrite_graph,
+    sub_jaxprs,
+)
 
 __all__ = ["CaptureCollectives", "CaptureError"]
 
@@ -100,10 +109,18 @@ class CaptureCollectives(Pass):
         def rule(eqn: JaxprEqn) -> tuple[list[JaxprEqn], list] | None:
             prim, params = eqn.primitive, eqn.params
             if prim in _REDUCE_OPS:
-                group, n = group_of(eqn, params["axes"])
+                # Inside jax.vmap(axis_name=...), JAX turns the vmapped name into a positional axis:
+                # a local reduction over that array dimension, then the collective over the rest.
+                positional = tuple(a for a in _names(params["axes"]) if not isinstance(a, str))
+                named = tuple(a for a in _names(params["axes"]) if isinstance(a, str))
+                if not named:
+                    return None  # only a local reduction
+                group, n = group_of(eqn, named)
                 op = _REDUCE_OPS[prim]
+                local = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}[op]
 
                 def reduce(*xs: Any) -> list:
+                    xs = [local(x, axis=positional) if positional else x for x in xs]
                     return all_reduce_p.bind(*xs, op=op, group=group, group_size=n)
 
                 return inline_function(reduce, eqn.invars, context=context, like=eqn)
@@ -132,11 +149,16 @@ class CaptureCollectives(Pass):
                 return _renamed(eqn, _RENAMED[prim], context)
             return None
 
-        return rewrite_graph(graph, rule)
+        result = rewrite_graph(graph, rule)
+        if not result.changed:
+            return result
+        closed = result.graph.jaxpr
+        jaxpr = _without_stale_axis_effects(closed.jaxpr, named_axis_effect_type())
+        return PassResult(result.graph.with_jaxpr(ClosedJaxpr(jaxpr, closed.consts)), True)
 
 
 def _renamed(eqn: JaxprEqn, param: str, context: ReplicaContext) -> tuple[list[JaxprEqn], list] | None:
-    """The equation with the user's axis names replaced by the mesh axes they stand for."""
+    """The equation re-bound with the user's axis names replaced by the mesh axes they stand for."""
     names = _names(eqn.params[param])
     if all(n in REPLICA_AXES for n in names):
         return None
@@ -144,5 +166,22 @@ def _renamed(eqn: JaxprEqn, param: str, context: ReplicaContext) -> tuple[list[J
         axes = group_axes(context.group_of_axes(names))
     except ValueError as e:
         raise _fail(eqn, str(e)) from None
-    new = eqn.replace(params={**eqn.params, param: axes})
-    return [new], list(new.outvars)
+    params = {**eqn.params, param: axes}
+    return inline_function(lambda *xs: eqn.primitive.bind(*xs, **params), eqn.invars, context=context, like=eqn)
+
+
+def _without_stale_axis_effects(jaxpr: Jaxpr, effect_type: type) -> Jaxpr:
+    """Recompute the named-axis effects of calls and control flow from their (rewritten) bodies.
+
+    JAX records ``NamedAxisEffect('batch')`` on every equation that encloses a
+    ``psum`` over ``'batch'``; once the psum is a placeholder the effect is stale
+    and the jaxpr would no longer type-check.
+    """
+    eqns = []
+    for eqn in jaxpr.eqns:
+        if sub_jaxprs(eqn.params):
+            eqn = map_subjaxprs(eqn, lambda sub: _without_stale_axis_effects(sub, effect_type))
+            own = [e for e in eqn.effects if not isinstance(e, effect_type)]
+            eqn = eqn.replace(effects=merge_effects(sub_jaxprs(eqn.params), base=own))
+        eqns.append(eqn)
+    return jaxpr.replace(eqns=eqns, effects=merge_effects(eqns))

@@ -99,6 +99,6 @@ def verify_graph(graph: StepGraph, *, lowered: bool) -> None:
             raise GraphInvariantError(f"placeholder '{eqn.primitive.name}' left after lowering")
         if eqn.primitive.name not in MESH_COLLECTIVES:
             continue
-        bad = [a for a in _axes_of(eqn) if a not in allowed]
+        bad = [a for a in _axes_of(eqn) if isinstance(a, str) and a not in allowed]  # ints: local (vmap) axes
         if bad:
             raise GraphInvariantError(f"'{eqn.primitive.name}' uses axes {bad}, not mesh axes {REPLICA_AXES}")

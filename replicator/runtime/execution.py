@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -97,7 +97,8 @@ def build_executable(graph: StepGraph, mesh: Mesh, *, donate_state: bool = False
     On a mesh that spans processes, the first call first checks (one small
     collective) that every process compiled a step of the same signature.
     """
-    fn = jaxpr_as_fun(graph.jaxpr)
+    consts = [_host_constant(c) for c in graph.jaxpr.consts]
+    fn = jaxpr_as_fun(ClosedJaxpr(graph.jaxpr.jaxpr, consts))
     n_state = graph.num_state
     state_specs = [state_spec(i, graph.sharded_state) for i in range(n_state)]
 
@@ -115,6 +116,24 @@ def build_executable(graph: StepGraph, mesh: Mesh, *, donate_state: bool = False
     )
     jitted = jax.jit(mapped, donate_argnums=(0,) if donate_state else ())
     return _CheckedAcrossProcesses(jitted, graph) if spans_processes(mesh) else jitted
+
+
+def _host_constant(c: Any) -> Any:
+    """An array ``step_fn`` closed over, as a host constant of the compiled step.
+
+    Arrays placed on a mesh (the outputs of an earlier ``run``) cannot enter
+    ``shard_map`` as they are; their value can.
+    """
+    if not isinstance(c, jax.Array):
+        return c
+    if c.is_fully_addressable:
+        return np.asarray(c)
+    if c.is_fully_replicated:
+        return np.asarray(c.addressable_data(0))
+    raise ValueError(
+        f"step_fn closes over an array of shape {c.shape} that is split over the devices of several processes, "
+        "so no process has its value. Pass it to the step as part of the state instead of capturing it."
+    )
 
 
 def _strong(x: Any) -> Any:

@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 import shutil
 import signal
 import socket
@@ -83,12 +82,12 @@ from replicator.runtime.distributed import (
     cluster_rank,
 )
 from replicator.runtime.distributed.status import read_status
+from replicator.runtime.mesh import with_device_count
 
 __all__ = ["DEFAULT_KILL_GRACE_S", "LaunchError", "free_port", "launch", "main", "worker_env"]
 
 DEFAULT_KILL_GRACE_S = 5.0
 _POLL_S = 0.05
-_FLAG = "--xla_force_host_platform_device_count"
 _SUMMARY_CHARS = 500  # of a worker's error message, in the launcher's line
 
 
@@ -101,11 +100,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _with_device_count(xla_flags: str, n: int) -> str:
-    flags = re.sub(rf"{_FLAG}=\S*", "", xla_flags).split()
-    return " ".join([*flags, f"{_FLAG}={n}"])
 
 
 def worker_env(
@@ -148,7 +142,7 @@ def worker_env(
     env[ENV_HEARTBEAT_TIMEOUT] = f"{heartbeat_timeout_s:g}"
     env[ENV_SHUTDOWN_TIMEOUT] = f"{shutdown_timeout_s:g}"
     if cores_per_worker is not None:
-        env["XLA_FLAGS"] = _with_device_count(env.get("XLA_FLAGS", ""), cores_per_worker)
+        env["XLA_FLAGS"] = with_device_count(env.get("XLA_FLAGS", ""), cores_per_worker)
     env["PYTHONUNBUFFERED"] = "1"  # lines reach the launcher as they are printed
     return env
 

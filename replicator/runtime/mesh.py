@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from replicator._jax_compat import backends_initialized
 from replicator.core.context import REPLICA_AXES
 
-__all__ = ["build_mesh", "force_cpu_devices"]
+__all__ = ["build_mesh", "force_cpu_devices", "with_device_count"]
 
 _FLAG = "--xla_force_host_platform_device_count"
 
@@ -50,8 +50,17 @@ def force_cpu_devices(n: int) -> None:
             f"an array, or set it in the environment before Python starts:\n"
             f"  XLA_FLAGS={_FLAG}={n} python your_script.py"
         )
-    flags = re.sub(rf"{_FLAG}=\S*", "", os.environ.get("XLA_FLAGS", "")).split()
-    os.environ["XLA_FLAGS"] = " ".join([*flags, f"{_FLAG}={n}"])
+    os.environ["XLA_FLAGS"] = with_device_count(os.environ.get("XLA_FLAGS", ""), n)
+
+
+def with_device_count(xla_flags: str, n: int) -> str:
+    """``xla_flags`` with the emulated CPU device count set to ``n`` (other flags kept).
+
+    >>> with_device_count("--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=8", 4)
+    '--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=4'
+    """
+    flags = re.sub(rf"{_FLAG}=\S*", "", xla_flags).split()
+    return " ".join([*flags, f"{_FLAG}={n}"])
 
 
 def _devices_by_process(devices: list) -> list:

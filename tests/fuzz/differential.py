@@ -31,7 +31,11 @@ VARIANTS: dict[str, dict] = {
     "tree": {"all_reduce_algorithm": "reduce_broadcast"},
     "no-fusion": {"disable": ["fuse-allreduce"]},
     "no-simplify": {"disable": ["simplify"]},
+    # The same program written with lax collectives over the axis name 'batch' (as for jax.pmap),
+    # run with Replicator(axis_name='batch'): capture-collectives makes them placeholders.
+    "lax": {},
 }
+RAW_VARIANTS = {"lax"}
 MESHES = ((2, 4), (1, 8))
 STEPS = 2
 
@@ -81,7 +85,10 @@ def reference(spec: Spec, workers: int, cores: int, wire_dtype: Any = None) -> t
 def replicated(spec: Spec, workers: int, cores: int, variant: str) -> tuple[Any, list[Any], tuple]:
     """Final state, each step's per-replica outputs, and the analysis's variance of each output leaf."""
     options = dict(VARIANTS[variant])
-    repl = rp.Replicator(workers, cores, passes=rp.Pipeline.default(verify=True, **options))
+    raw = variant in RAW_VARIANTS
+    repl = rp.Replicator(
+        workers, cores, passes=rp.Pipeline.default(verify=True, **options), axis_name="batch" if raw else None
+    )
     R = workers * cores
     batches = global_batches(spec, R, STEPS)
     rows = spec.rows * cores
@@ -90,7 +97,7 @@ def replicated(spec: Spec, workers: int, cores: int, variant: str) -> tuple[Any,
         for b in batches:
             yield jax.tree.map(lambda a: a[ctx.worker_id * rows : (ctx.worker_id + 1) * rows], b)
 
-    step = make_step(spec, PerReplica(workers, cores))
+    step = make_step(spec, PerReplica(workers, cores, raw=raw))
     state, outputs = initial_state(spec), []
     for _ in batches:
         state, out = repl.run(step, input_fn, state)

@@ -41,43 +41,60 @@ OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "clip_adam", "wrapped_adam")
 
 
 class PerReplica:
-    """Ops for the per-replica step run by ``Replicator.run``."""
+    """Ops for the per-replica step run by ``Replicator.run``.
 
-    def __init__(self, workers: int, cores: int, wire_dtype: Any = None):
+    ``raw=True`` writes the collectives as code for ``jax.pmap`` does: ``lax.psum``,
+    ``pmean``, ``all_gather``, ``psum_scatter``, ``axis_index`` over the axis name
+    ``'batch'`` (all replicas; run with ``Replicator(axis_name='batch')``) or the
+    mesh names, so ``capture-collectives`` is what turns them into placeholders.
+    """
+
+    def __init__(self, workers: int, cores: int, raw: bool = False):
         self.W, self.C, self.R = workers, cores, workers * cores
-        # With a wire dtype, f32 sums and means over 2 or more replicas round every
-        # replica's operand and the sum to it, as ``compress-communication`` does.
-        self.wire_dtype = wire_dtype
+        self.raw = raw
+
+    @staticmethod
+    def _name(group):
+        return "batch" if group is None else group
 
     def local(self, fn: Callable, *args: Any) -> Any:
         return fn(*args)
 
     def all_sum(self, x, group=None):
-        return rp.all_sum(x, group=group)
+        return lax.psum(x, self._name(group)) if self.raw else rp.all_sum(x, group=group)
 
     def all_mean(self, x, group=None):
-        return rp.all_mean(x, group=group)
+        return lax.pmean(x, self._name(group)) if self.raw else rp.all_mean(x, group=group)
 
     def all_max(self, x, group=None):
-        return rp.all_max(x, group=group)
+        return lax.pmax(x, self._name(group)) if self.raw else rp.all_max(x, group=group)
 
     def all_min(self, x, group=None):
-        return rp.all_min(x, group=group)
+        return lax.pmin(x, self._name(group)) if self.raw else rp.all_min(x, group=group)
 
     def all_gather(self, x, group=None, tiled=False):
+        if self.raw:
+            return jax.tree.map(lambda a: lax.all_gather(a, self._name(group), tiled=tiled), x)
         return rp.all_gather(x, group=group, tiled=tiled)
 
     def reduce_scatter(self, x, group=None):
+        if self.raw:
+            return jax.tree.map(lambda a: lax.psum_scatter(a, self._name(group), tiled=True), x)
         return rp.reduce_scatter(x, group=group)
 
     def broadcast(self, x, source=0, group=None):
-        return rp.broadcast(x, source=source, group=group)
+        return rp.broadcast(x, source=source, group=group)  # lax has no broadcast: mixed with raw code
 
     def replica_id(self, group=None):
-        return rp.replica_id(group=group)
+        return lax.axis_index(self._name(group)) if self.raw else rp.replica_id(group=group)
 
-    def batch_norm(self, x, scale, offset, group=None):
-        return rp.cross_replica_batch_norm(x, scale, offset, group=group)
+    def batch_norm(self, x, scale, offset, group=None, eps=1e-5):
+        if not self.raw:
+            return rp.cross_replica_batch_norm(x, scale, offset, group=group)
+        axes = tuple(range(x.ndim - 1))  # as Flax's BatchNorm(axis_name=...) computes it
+        mean = self.all_mean(jnp.mean(x, axis=axes), group)
+        var = self.all_mean(jnp.mean((x - mean) ** 2, axis=axes), group)
+        return (x - mean) * lax.rsqrt(var + eps) * scale + offset, mean, var
 
     def grad(self, loss: Callable, params: Any) -> tuple[Any, Any]:
         """``(loss, grads)`` of this replica's loss."""

@@ -146,3 +146,29 @@ def test_divergent_control_flow_is_caught_in_pmap_code_too():
 
     with pytest.raises(rp.DivergentControlFlowError):
         repl.run(step, _input_fn(1))
+
+
+def test_raw_collectives_inside_remat_scan_and_cond():
+    # Found by the fuzzer's 'lax' variant: the enclosing remat/scan kept JAX's named-axis
+    # effect of the captured psum, and the graph no longer type-checked.
+    def step(w, batch):
+        x = batch["x"][0]
+
+        def body(c, xi):
+            return c + lax.pmean(xi, "batch") * xi, None
+
+        loss_fn = jax.checkpoint(lambda w: lax.scan(body, jnp.zeros(()), x * w)[0])
+        g = lax.pmean(jax.grad(loss_fn)(w), "batch")
+        flag = lax.pmax(x[0], "batch") > 0  # identical on every replica
+        y = lax.cond(flag, lambda v: lax.psum(v, "batch"), lambda v: v, x)
+        return w - 0.1 * g, {"y": y}
+
+    repl = rp.Replicator(2, 4, axis_name="batch")
+    w0 = jnp.array([0.5, -1.0, 2.0])
+    w, out = repl.run(step, _input_fn(2), w0)
+    after = repl.lower(step, {"x": X[:4]}, w0).after("capture-collectives").jaxpr
+    assert count_primitives(after, ["psum", "pmax"]) == {}
+    want_w, want = jax.pmap(lambda x: step(w0, {"x": x[None]}), axis_name="batch")(X)
+    np.testing.assert_allclose(w, want_w[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(out["y"]), want["y"], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(out["y"])[0], X.sum(0), rtol=1e-6)  # by hand: X is positive
