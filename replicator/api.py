@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -70,6 +71,16 @@ def _spec(signature: tuple[tuple[int, ...], np.dtype]) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(*signature)
 
 
+#: Compiled steps kept per Replicator (least recently used dropped first).
+MAX_COMPILED_STEPS = 64
+#: Warn when a step has been compiled this many times already for one cause.
+RETRACE_WARNING_AFTER = 8
+
+
+def _code_of(fn: Any) -> Any:
+    return getattr(fn, "__code__", None) or getattr(getattr(fn, "func", None), "__code__", None)
+
+
 class _Static(tuple):
     """The cache-key entry of a non-array state leaf: the object itself."""
 
@@ -77,17 +88,29 @@ class _Static(tuple):
 def _state_signature(leaf: Any, treedef: Any, index: int) -> Any:
     """Shape and dtype of an array leaf; a non-array leaf (an Equinox module's function) is static."""
     if is_array_leaf(leaf):
-        return _signature(leaf)
+        signature = _signature(leaf)
+        if isinstance(leaf, int):  # a Python int becomes the default integer dtype (int32 without x64)
+            info = np.iinfo(signature[1])
+            if not info.min <= leaf <= info.max:
+                raise OverflowError(
+                    f"{_leaf_path(treedef, index)} is the Python int {leaf}, which does not fit in "
+                    f"{signature[1]} (the integer dtype JAX uses here; it would wrap around silently). Pass "
+                    f"an array of a wide enough dtype with jax_enable_x64, or keep it outside the state."
+                )
+        return signature
     try:
         hash(leaf)
     except TypeError:
-        path = leaf_paths(treedef.unflatten(range(treedef.num_leaves)), "state")[index]
         raise TypeError(
-            f"{path} is a {type(leaf).__name__}, neither an array nor a hashable static value. State leaves are "
+            f"{_leaf_path(treedef, index)} is a {type(leaf).__name__}, neither an array nor a hashable static value. State leaves are "
             "arrays (sent to every replica) or hashable Python objects compiled into the step (functions, "
             "strings); convert it to an array, or keep it out of the state (eqx.partition(model, eqx.is_array))."
         ) from None
     return _Static((leaf,))
+
+
+def _leaf_path(treedef: Any, index: int) -> str:
+    return leaf_paths(treedef.unflatten(range(treedef.num_leaves)), "state")[index]
 
 
 def _state_spec(signature: Any) -> Any:
@@ -145,7 +168,8 @@ class Replicator:
         self.max_in_flight = max_in_flight
         self._in_flight: collections.deque = collections.deque()
         self._inputs: dict[Any, WorkerInputs] = {}
-        self._compiled: dict[Any, CompiledStep] = {}
+        self._compiled: collections.OrderedDict[Any, CompiledStep] = collections.OrderedDict()
+        self._warned_retrace: set[str] = set()
         self.trace_count = 0
 
     # -- shape of the job ---------------------------------------------------
@@ -188,7 +212,10 @@ class Replicator:
         state_sigs = tuple(_state_signature(leaf, state_def, i) for i, leaf in enumerate(state_leaves))
         key = (step_fn, has_state, state_def, state_sigs, batch_def, tuple(batch_sigs), self.pipeline.key())
         compiled = self._compiled.get(key)
-        if compiled is None:
+        if compiled is not None:
+            self._compiled.move_to_end(key)
+        else:
+            self._warn_if_retracing(key)
             check_worker_batch(batch, c, 0)
             state_specs = state_def.unflatten([_state_spec(s) for s in state_sigs]) if has_state else None
             batch_specs = batch_def.unflatten([_spec(s) for s in batch_sigs])
@@ -198,7 +225,34 @@ class Replicator:
             executable = build_executable(lowered.final, self.mesh, donate_state=self.donate_state)
             compiled = CompiledStep(traced, lowered, executable)
             self._compiled[key] = compiled
+            while len(self._compiled) > MAX_COMPILED_STEPS:
+                self._compiled.popitem(last=False)  # the least recently used
         return compiled
+
+    def _warn_if_retracing(self, key: tuple) -> None:
+        """Warn once per cause when a step keeps being compiled again (JAX's explain_cache_misses)."""
+        step_fn = key[0]
+        code = _code_of(step_fn)
+        same_code = [k for k in self._compiled if k[0] is not step_fn and _code_of(k[0]) is code and code]
+        same_fn = [k for k in self._compiled if k[0] is step_fn]
+        if len(same_code) >= RETRACE_WARNING_AFTER and "new-function" not in self._warned_retrace:
+            self._warned_retrace.add("new-function")
+            warnings.warn(
+                f"Replicator.run: step_fn {getattr(code, 'co_name', step_fn)!r} is a new function object on every "
+                f"call ({len(same_code) + 1} so far: a lambda or functools.partial made inside the loop), so every "
+                "step is traced and compiled again. Define it once, outside the loop.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        elif len(same_fn) >= RETRACE_WARNING_AFTER and "new-shapes" not in self._warned_retrace:
+            self._warned_retrace.add("new-shapes")
+            warnings.warn(
+                f"Replicator.run: step_fn has been compiled for {len(same_fn) + 1} different state/batch shapes or "
+                "dtypes; each new one compiles again. Pad batches to a fixed size (drop_last, or pad and mask) "
+                "and keep the state's shapes fixed.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def lower(self, step_fn: Callable, batch: PyTree, state: PyTree | None = None) -> Lowered:
         """Trace ``step_fn`` and run the pipeline, without executing anything.

@@ -123,6 +123,11 @@ def check_worker_batch(batch: PyTree, cores_per_worker: int, worker_id: int) -> 
             f"every leaf must have the same number of rows, which are split over the cores."
         )
     rows = next(iter(sizes.values()))
+    if rows == 0:
+        raise ValueError(
+            f"worker {worker_id}'s batch has 0 rows ({next(iter(sizes))} has shape {leaves[0].shape}); every "
+            f"replica needs at least one row (means over no rows are NaN). Skip empty batches in input_fn."
+        )
     if rows % cores_per_worker:
         raise ValueError(
             f"worker {worker_id}'s batch has {rows} rows, not divisible by cores_per_worker="

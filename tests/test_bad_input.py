@@ -1,0 +1,73 @@
+"""Bad input gets a clear error naming the leaf, and nothing grows without bound."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+import replicator as rp
+from replicator import api
+
+
+def _input(x):
+    return lambda ctx: iter([{"x": x}] * 100)
+
+
+def test_a_batch_with_no_rows_is_an_error(repl):
+    with pytest.raises(ValueError, match=r"batch has 0 rows \(batch\['x'\] has shape \(0, 2\)\)"):
+        repl.run(lambda b: {"y": b["x"]}, _input(np.ones((0, 2), np.float32)))
+
+
+def test_a_python_int_that_does_not_fit_the_state_dtype_is_an_error(repl, n_devices):
+    x = np.ones((n_devices, 2), np.float32)
+    with pytest.raises(OverflowError, match=r"state\['n'\] is the Python int 1099511627776, which does not fit"):
+        repl.run(lambda s, b: (s, {}), _input(x), {"n": 2**40})
+    state, _ = repl.run(lambda s, b: ({"n": s["n"] + 1}, {}), _input(x), {"n": 2**30})
+    assert int(state["n"]) == 2**30 + 1
+
+
+def _recorded(fn):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+def test_a_new_step_function_every_call_warns_once(n_devices):
+    repl = rp.Replicator(1, n_devices)
+    inp = _input(np.ones((n_devices, 2), np.float32))
+
+    def loop():
+        for _ in range(api.RETRACE_WARNING_AFTER + 4):
+            repl.run(lambda b: {"y": b["x"] * 2}, inp)
+
+    messages = _recorded(loop)
+    assert len(messages) == 1 and "a new function object on every call" in messages[0], messages
+
+
+def test_new_shapes_every_call_warn_once(n_devices):
+    repl = rp.Replicator(1, n_devices)
+
+    def step(b):
+        return {"y": b["x"]}
+
+    def loop():
+        for n in range(1, api.RETRACE_WARNING_AFTER + 4):
+            repl.run(step, _input(np.ones((n_devices * n, 2), np.float32)))
+
+    messages = _recorded(loop)
+    assert len(messages) == 1 and "different state/batch shapes" in messages[0], messages
+
+
+def test_the_compile_cache_is_bounded(n_devices, monkeypatch):
+    monkeypatch.setattr(api, "MAX_COMPILED_STEPS", 3)
+    repl = rp.Replicator(1, n_devices)
+    inp = _input(np.ones((n_devices, 2), np.float32))
+    steps = [lambda b, k=k: {"y": b["x"] * k} for k in range(5)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in steps:
+            repl.run(step, inp)
+        assert len(repl._compiled) == 3
+        repl.run(steps[-1], inp)  # still cached: no new trace
+    assert repl.trace_count == 5
