@@ -19,6 +19,7 @@ the first call of a step checks that every process compiled the same program
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -68,6 +69,7 @@ class _CheckedAcrossProcesses:
                 *(e.primitive.name for e in jaxpr.eqns),
             ]
         )
+        self._fingerprint = program_fingerprint(graph)
         self._checked = False
 
     def __call__(self, state: list, batch: list) -> Any:
@@ -75,13 +77,18 @@ class _CheckedAcrossProcesses:
             from replicator.runtime.distributed import check_same_across_workers
 
             check_same_across_workers(
-                [self._signature],
-                ["the step's signature (state, per-replica batch and output shapes and dtypes, operations)"],
+                [self._signature, self._fingerprint],
+                [
+                    "the step's signature (state, per-replica batch and output shapes and dtypes, operations)",
+                    "the step's program with its constants (literal values such as a learning rate, and arrays "
+                    "step_fn closes over)",
+                ],
                 what="the compiled step",
                 fix=(
                     "Every worker must run the same step_fn, with state of the same structure, shapes and "
                     "dtypes, on batches of the same structure, shapes and dtypes (check that input_fn "
-                    "yields the same batch size on every worker), in the same order."
+                    "yields the same batch size on every worker), in the same order, with the same constants (a "
+                    "hyper-parameter read from a per-worker config or computed from the worker id differs)."
                 ),
             )
             self._checked = True
@@ -89,6 +96,28 @@ class _CheckedAcrossProcesses:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._jitted, name)
+
+
+def program_fingerprint(graph: StepGraph) -> str:
+    """A digest of the whole lowered program: every equation with its parameters and literal
+    values (the printed jaxpr) and the bytes of every constant it closes over.
+
+    Two workers whose steps differ only in a constant (a learning rate of 0.1 on one and 0.2
+    on the other) get different fingerprints.
+
+    >>> repl = rp.Replicator(1, 8)
+    >>> batch = {"x": np.ones((8, 2), np.float32)}
+    >>> a = program_fingerprint(repl.lower(lambda b: {"y": b["x"] * 0.1}, batch).final)
+    >>> b = program_fingerprint(repl.lower(lambda b: {"y": b["x"] * 0.2}, batch).final)
+    >>> a == b
+    False
+    """
+    h = hashlib.sha256(str(graph.jaxpr.jaxpr).encode())
+    for c in graph.jaxpr.consts:
+        value = np.asarray(_host_constant(c))
+        h.update(f"{value.dtype.str}{value.shape}".encode())
+        h.update(np.ascontiguousarray(value).tobytes())
+    return h.hexdigest()
 
 
 def build_executable(graph: StepGraph, mesh: Mesh, *, donate_state: bool = False) -> Callable:
