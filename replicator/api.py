@@ -34,6 +34,7 @@ from replicator.core.context import ReplicaContext, normalize_axis_names
 from replicator.core.tracing import TracedStep, is_array_leaf, leaf_paths, trace_step
 from replicator.passes.pipeline import Lowered, Pipeline
 from replicator.passes.report import CommunicationReport, communication_report
+from replicator.runtime.consistency import check_replicas_agree
 from replicator.runtime.execution import build_executable, place_batch, place_state
 from replicator.runtime.inputs import InputContext, WorkerInputs, check_input_fn, check_worker_batch
 from replicator.runtime.mesh import build_mesh
@@ -134,6 +135,10 @@ class Replicator:
         ``BatchNorm(axis_name='batch')`` then trace unchanged and become the
         same placeholders as ``rp.all_mean``. The mesh names ``'workers'`` and
         ``'cores'`` are always bound.
+      check_state_every: every this many steps, check that every replica still
+        holds the same state (a host fingerprint of each device's copy, compared
+        across processes with one small all-gather); the first differing leaf
+        is named (:mod:`replicator.runtime.consistency`). ``None``: never.
       max_in_flight: how many dispatched steps may run ahead of the host
         before ``run`` waits for the oldest. ``None``: 2 on CPU, unbounded
         elsewhere. XLA's CPU backend deadlocks (and aborts after 40 s) when
@@ -152,6 +157,7 @@ class Replicator:
         donate_state: bool = False,
         max_in_flight: int | None = None,
         axis_name: str | Mapping[str, str | None] | None = None,
+        check_state_every: int | None = None,
     ):
         axis_names = normalize_axis_names(axis_name)
         self.mesh = build_mesh(num_workers, cores_per_worker, devices=devices)
@@ -166,6 +172,10 @@ class Replicator:
         if not isinstance(max_in_flight, int) or max_in_flight < 0:
             raise ValueError(f"max_in_flight must be a non-negative int (0: unbounded), got {max_in_flight!r}.")
         self.max_in_flight = max_in_flight
+        if check_state_every is not None and (not isinstance(check_state_every, int) or check_state_every < 1):
+            raise ValueError(f"check_state_every must be a positive int or None, got {check_state_every!r}.")
+        self.check_state_every = check_state_every
+        self._steps_run = 0
         self._in_flight: collections.deque = collections.deque()
         self._inputs: dict[Any, WorkerInputs] = {}
         self._compiled: collections.OrderedDict[Any, CompiledStep] = collections.OrderedDict()
@@ -363,6 +373,9 @@ class Replicator:
         new_state, outputs = compiled.executable(placed_state, placed_batch)
         if self.max_in_flight and (new_state or outputs):
             self._in_flight.append((new_state or outputs)[0])
+        self._steps_run += 1
+        if self.check_state_every and self._steps_run % self.check_state_every == 0 and new_state:
+            check_replicas_agree(new_state, compiled.lowered.final.state_paths)
         outputs = traced.output_treedef.unflatten(outputs)
         if state is None:
             return outputs

@@ -1,0 +1,103 @@
+"""Checking at run time that every replica still holds the same state.
+
+The compile-time checks prove that a step keeps replicated state identical on
+every replica; what they cannot see (a non-deterministic kernel, a device that
+computed differently, state placed by hand) can still make replicas drift.
+``Replicator(check_state_every=K)`` calls :func:`check_replicas_agree` on the
+new state every ``K`` steps: every device checksums its own copy of each
+replicated leaf (one small jitted program; 4 bytes per leaf and device come
+back), the checksums are compared within the process and across processes
+with one small all-gather. The first leaf whose copies differ is named with
+the devices that disagree.
+
+>>> repl = rp.Replicator(1, 8, check_state_every=1)
+>>> w, _ = repl.run(lambda w, b: (w + rp.all_mean(b["x"][0]), {}), lambda ctx: iter([{"x": np.ones((8, 2))}]), np.zeros(2))
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from replicator.core.context import REPLICA_AXES
+from replicator.errors import DivergentStateError
+from replicator.runtime.distributed.agreement import check_same_across_workers
+
+__all__ = ["check_replicas_agree"]
+
+
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def _checksum(x: jax.Array) -> jax.Array:
+    """A position-dependent 32-bit checksum of ``x``'s bits (wrapping integer arithmetic: exact)."""
+    if x.dtype == jnp.bool_:
+        bits = x.astype(jnp.uint32)
+    else:
+        bits = lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]).astype(jnp.uint32)
+    bits = bits.reshape(-1)
+    weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
+    return jnp.sum(bits * weights, dtype=jnp.uint32) ^ jnp.uint32(bits.size)
+
+
+@functools.lru_cache(maxsize=32)
+def _per_device_checksums(mesh: Mesh, n: int) -> Callable:
+    """``(leaves) -> (replicas, n)``: each device's checksum of its own copy of each leaf."""
+
+    def local(*leaves: jax.Array) -> jax.Array:
+        return jnp.stack([_checksum(x) for x in leaves])[None]
+
+    specs = tuple(P() for _ in range(n))
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(REPLICA_AXES), check_vma=False))
+
+
+def check_replicas_agree(leaves: Sequence[Any], paths: Sequence[str]) -> None:
+    """Raise :class:`~replicator.DivergentStateError` if a replicated leaf differs between devices.
+
+    One small jitted program computes, on every device, a checksum of that
+    device's copy of each leaf; 4 bytes per leaf and device come back.
+
+    Args:
+      leaves: the state's array leaves (``jax.Array``s on one mesh); leaves
+        stored sharded (ZeRO) differ between devices by design and are skipped.
+      paths: a name per leaf, e.g. ``state['w']``.
+    """
+    picked = [
+        (path, leaf)
+        for path, leaf in zip(paths, leaves, strict=True)
+        if isinstance(leaf, jax.Array) and leaf.sharding.is_fully_replicated and leaf.dtype.itemsize <= 4
+    ]
+    if not picked:
+        return
+    mesh = picked[0][1].sharding.mesh
+    sums = _per_device_checksums(mesh, len(picked))(*(leaf for _, leaf in picked))
+    rows = {s.device.id: np.asarray(s.data)[0] for s in sums.addressable_shards}  # device -> (n,)
+    local = []
+    for i, (path, _) in enumerate(picked):
+        groups: dict[int, list[int]] = {}
+        for device, row in rows.items():
+            groups.setdefault(int(row[i]), []).append(device)
+        if len(groups) > 1:
+            ordered = sorted(groups.values(), key=len, reverse=True)
+            raise DivergentStateError(
+                f"{path} is no longer identical on every replica: devices {ordered[0]} hold one value, "
+                f"{[d for g in ordered[1:] for d in g]} another. The step keeps it identical when every replica "
+                "computes it from all-reduced values; look for non-deterministic operations or state placed by "
+                "hand with different values per device (use rp.broadcast_state)."
+            )
+        local.append(np.asarray(next(iter(groups)), np.int64))
+    check_same_across_workers(
+        local,
+        [path for path, _ in picked],
+        what="the replicated state",
+        fix="A worker's replicas drifted from worker 0's; look for non-deterministic operations or a "
+        "per-worker value that entered the state.",
+    )
