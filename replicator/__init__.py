@@ -14,6 +14,7 @@ from replicator import _jax_compat
 from replicator.api import CompiledStep as CompiledStep
 from replicator.api import Replicator as Replicator
 from replicator.core import primitives as primitives  # rp.primitives.PLACEHOLDERS, the placeholder primitives
+from replicator.core.callbacks import invariant_callback as invariant_callback
 from replicator.core.context import ReplicaContext as ReplicaContext
 from replicator.core.primitives import all_gather as all_gather
 from replicator.core.primitives import all_max as all_max
@@ -99,6 +100,7 @@ __all__ = [
     "distributed",
     "force_cpu_devices",
     "gather_outputs",
+    "invariant_callback",
     "latest_step",
     "local_outputs",
     "num_replicas",

@@ -79,3 +79,8 @@ def named_axis_effect_type() -> type:
     from jax._src import core
 
     return core.NamedAxisEffect
+
+
+def callback_function(params: dict) -> Any:
+    """The user's function of a ``pure_callback`` equation (``None`` if this JAX stores it otherwise)."""
+    return getattr(params.get("callback"), "callback_func", None)

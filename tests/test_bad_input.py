@@ -71,3 +71,39 @@ def test_the_compile_cache_is_bounded(n_devices, monkeypatch):
         assert len(repl._compiled) == 3
         repl.run(steps[-1], inp)  # still cached: no new trace
     assert repl.trace_count == 5
+
+
+def _host_square(x):
+    return np.asarray(x) ** 2
+
+
+def _callback_step(callback):
+    import jax
+
+    def step(w, batch):
+        return jax.pure_callback(callback, jax.ShapeDtypeStruct(w.shape, w.dtype), w), {}
+
+    return step
+
+
+def test_a_host_callback_is_assumed_to_vary_and_the_error_says_how_to_declare_it(repl, n_devices):
+    import jax.numpy as jnp
+
+    inp = _input(np.ones((n_devices, 1), np.float32))
+    with pytest.raises(rp.DivergentStateError, match=r"(?s)results of pure_callback.*rp\.invariant_callback"):
+        repl.run(_callback_step(_host_square), inp, jnp.arange(3.0))
+    w, _ = repl.run(_callback_step(rp.invariant_callback(_host_square)), inp, jnp.arange(3.0))
+    np.testing.assert_array_equal(np.asarray(w), [0.0, 1.0, 4.0])
+
+
+def test_a_declared_callback_of_per_replica_data_still_varies(repl, n_devices):
+    import jax
+
+    def step(w, batch):  # the callback's input is batch data: its result differs between replicas
+        return w + jax.pure_callback(
+            rp.invariant_callback(_host_square), jax.ShapeDtypeStruct((), w.dtype), batch["x"][0, 0]
+        ), {}
+
+    x = np.arange(n_devices, dtype=np.float32).reshape(n_devices, 1)
+    with pytest.raises(rp.DivergentStateError):
+        repl.run(step, _input(x), np.float32(0))

@@ -44,7 +44,8 @@ from typing import Any
 from jax.extend.core import Jaxpr, JaxprEqn, Literal, Primitive, Var
 from jax.extend.core import primitives as jax_primitives
 
-from replicator._jax_compat import UNKNOWN_LOCATION, custom_vmap_call_primitive, user_source_line
+from replicator._jax_compat import UNKNOWN_LOCATION, callback_function, custom_vmap_call_primitive, user_source_line
+from replicator.core.callbacks import is_invariant_callback
 from replicator.core.context import group_axes
 from replicator.core.primitives import (
     PLACEHOLDERS,
@@ -138,8 +139,11 @@ class VarianceAnalysis:
             ins = [variance_of(env, a) for a in eqn.invars]
             outs = rule_for(eqn.primitive)(self, eqn, ins)
             if eqn.effects or eqn.primitive.name in OPAQUE_PRIMITIVES:
-                # Host callbacks and effectful code may return per-replica data.
-                outs = [self.live_axes] * len(eqn.outvars)
+                # Host callbacks and effectful code may return per-replica data, unless the user
+                # declared a pure callback a function of its inputs (rp.invariant_callback).
+                declared = not eqn.effects and eqn.primitive.name == "pure_callback"
+                declared = declared and is_invariant_callback(callback_function(eqn.params))
+                outs = [_union(ins) if declared else self.live_axes] * len(eqn.outvars)
             for var, v in zip(eqn.outvars, outs, strict=True):
                 env[var] = v
         return [variance_of(env, a) for a in jaxpr.outvars], env
@@ -379,13 +383,21 @@ class CheckReplicaInvariance(Pass):
             if variance and index not in graph.sharded_state:
                 producer = _producer(jaxpr, var)
                 where = f" (last computed at {user_source_line(producer.source_info)})" if producer else ""
+                opaque = sorted({e.primitive.name for e in iter_eqns(jaxpr) if e.primitive.name in OPAQUE_PRIMITIVES})
+                sources = "batch data, replica_id()" + (f", or the results of {', '.join(opaque)}" if opaque else "")
+                callback_fix = (
+                    " If a jax.pure_callback in the step is a pure function of its inputs, declare it with "
+                    "rp.invariant_callback(fn): its result then varies only as its inputs do."
+                    if "pure_callback" in opaque
+                    else ""
+                )
                 raise DivergentStateError(
                     f"{path} enters the step identical on every replica but would leave it "
                     f"different between replicas{where}: it depends on per-replica values "
-                    f"(batch data, replica_id()) along mesh axes {tuple(sorted(variance))}. "
+                    f"({sources}) along mesh axes {tuple(sorted(variance))}. "
                     f"The replicas' copies would silently drift apart.\n"
                     f"Fix: average what updates it across replicas, e.g. "
                     f"grads = rp.all_mean(grads) before the update (or wrap the optimizer), "
-                    f"or return the per-replica value as an output instead of state."
+                    f"or return the per-replica value as an output instead of state.{callback_fix}"
                 )
         return PassResult(graph, False)
