@@ -107,3 +107,9 @@ def test_a_declared_callback_of_per_replica_data_still_varies(repl, n_devices):
     x = np.arange(n_devices, dtype=np.float32).reshape(n_devices, 1)
     with pytest.raises(rp.DivergentStateError):
         repl.run(step, _input(x), np.float32(0))
+
+
+def test_a_list_in_the_batch_is_named_as_the_culprit(repl, n_devices):
+    rows = [[1.0, 2.0]] * n_devices
+    with pytest.raises(ValueError, match=r"batch\['x'\] is a Python list or tuple of numbers"):
+        repl.run(lambda b: {"y": b["x"]}, lambda ctx: iter([{"x": rows}]))

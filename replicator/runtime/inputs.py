@@ -109,6 +109,13 @@ def check_worker_batch(batch: PyTree, cores_per_worker: int, worker_id: int) -> 
                 raise TypeError(
                     f"{name} is not a numeric array (dtype {leaf.dtype}); yield arrays of numbers or booleans."
                 )
+        if leaf.ndim == 0 and any(isinstance(k, jax.tree_util.SequenceKey) for k in path):
+            first = next(i for i, k in enumerate(path) if isinstance(k, jax.tree_util.SequenceKey))
+            container = "batch" + jax.tree_util.keystr(path[:first])
+            raise ValueError(
+                f"{container} is a Python list or tuple of numbers, so each number became a separate leaf "
+                f"({name} is a scalar). Make it an array in input_fn, e.g. with np.asarray."
+            )
         if leaf.ndim == 0:
             raise ValueError(
                 f"{name} is a scalar, but every batch leaf is split along its leading axis over "
