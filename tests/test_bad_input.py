@@ -113,3 +113,13 @@ def test_a_list_in_the_batch_is_named_as_the_culprit(repl, n_devices):
     rows = [[1.0, 2.0]] * n_devices
     with pytest.raises(ValueError, match=r"batch\['x'\] is a Python list or tuple of numbers"):
         repl.run(lambda b: {"y": b["x"]}, lambda ctx: iter([{"x": rows}]))
+
+
+def test_a_batch_larger_than_the_free_memory_is_an_error_before_placing_it(repl, n_devices, monkeypatch):
+    from replicator.runtime import execution
+
+    monkeypatch.setattr(execution, "MEMORY_CHECK_BYTES", 0)
+    monkeypatch.setattr(execution, "available_host_memory", lambda: 1024)  # as if 1 KiB were free
+    x = np.ones((n_devices, 64), np.float32)  # 2 KiB
+    with pytest.raises(MemoryError, match=r"only 0\.0 GiB of memory is available"):
+        repl.run(lambda b: {"y": b["x"]}, _input(x))

@@ -225,6 +225,41 @@ def place_state(leaves: Sequence[Any], mesh: Mesh, sharded_state: frozenset[int]
     return out
 
 
+#: Batches below this many bytes are not checked against the free memory (the check reads /proc/meminfo).
+MEMORY_CHECK_BYTES = 1 << 30
+
+
+def available_host_memory() -> int | None:
+    """Bytes of memory the kernel says are available (Linux ``MemAvailable``), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _check_host_memory(worker_leaves: list[list[Any]], mesh: Mesh) -> None:
+    """On CPU devices, a batch larger than the free memory is an error here, not the OOM killer later."""
+    if mesh.devices.flat[0].platform != "cpu":
+        return
+    sizes = [sum(int(getattr(leaf, "nbytes", 0)) for leaf in leaves) for leaves in zip(*worker_leaves, strict=True)]
+    total = sum(sizes)
+    if total < MEMORY_CHECK_BYTES:
+        return
+    free = available_host_memory()
+    if free is not None and total > free:
+        largest = max(range(len(sizes)), key=sizes.__getitem__)
+        raise MemoryError(
+            f"the batch needs {total / 2**30:.1f} GiB on the CPU devices (leaf {largest} of the batch, in "
+            f"tree order, is {sizes[largest] / 2**30:.1f} GiB) but only {free / 2**30:.1f} GiB of memory is "
+            "available. Yield smaller batches from input_fn (more steps, or gradient accumulation with "
+            "rp.accumulate_gradients)."
+        )
+
+
 def place_batch(worker_leaves: list[list[Any]], mesh: Mesh) -> list[jax.Array]:
     """Global batch arrays from each local worker's leaves, sharded by replica.
 
@@ -234,6 +269,7 @@ def place_batch(worker_leaves: list[list[Any]], mesh: Mesh) -> list[jax.Array]:
       mesh: the mesh; on one that spans processes, each process passes its
         own workers' leaves and gets the global arrays.
     """
+    _check_host_memory(worker_leaves, mesh)
     target = sharded(mesh)
     multi = spans_processes(mesh)
     out = []
