@@ -29,6 +29,13 @@ from replicator.training.checkpoint import (
     save_checkpoint,
 )
 from replicator.training.checkpoint import files as ckpt_files
+from replicator.training.checkpoint import manager as ckpt_manager
+
+
+def _reseal(path, manifest):
+    """Write ``manifest`` with a fresh digest, as a forger (or a test) who knows the format would."""
+    manifest["manifest_sha256"] = ckpt_manager.manifest_digest(manifest)
+    (path / "manifest.json").write_text(json.dumps(manifest))
 
 
 class Pair(NamedTuple):
@@ -130,7 +137,8 @@ class TestRoundTrip:
         assert path == tmp_path / "step_00000012"
         assert sorted(p.name for p in path.iterdir()) == ["arrays.npz", "manifest.json"]
         manifest = json.loads((path / "manifest.json").read_text())
-        assert manifest["format"] == "replicator-checkpoint" and manifest["version"] == 1
+        assert manifest["format"] == "replicator-checkpoint" and manifest["version"] == 2
+        assert manifest["manifest_sha256"] == ckpt_manager.manifest_digest(manifest)
         assert manifest["step"] == 12 and manifest["extra"] == {"input_position": 12}
         assert manifest["arrays_sha256"] == hashlib.sha256((path / "arrays.npz").read_bytes()).hexdigest()
         assert manifest["leaves"] == [
@@ -302,7 +310,7 @@ class TestRestoreChecks:
             np.savez(f, a0=evil)  # numpy pickles object arrays
         manifest = json.loads((path / "manifest.json").read_text())
         manifest["arrays_sha256"] = hashlib.sha256((path / "arrays.npz").read_bytes()).hexdigest()
-        (path / "manifest.json").write_text(json.dumps(manifest))
+        _reseal(path, manifest)
         with pytest.raises(CheckpointError, match="cannot read arrays.npz.*allow_pickle=False"):
             restore_checkpoint(tmp_path, {"x": jnp.zeros(1)})
         assert not marker.exists()
@@ -314,7 +322,7 @@ class TestRestoreChecks:
             np.savez(f, a0=np.zeros((), np.int64), a1=np.zeros(3, np.float32))
         manifest = json.loads((path / "manifest.json").read_text())
         manifest["arrays_sha256"] = hashlib.sha256((path / "arrays.npz").read_bytes()).hexdigest()
-        (path / "manifest.json").write_text(json.dumps(manifest))
+        _reseal(path, manifest)
         with pytest.raises(CheckpointError, match=r"state\['b'\]\) is stored as int64, its manifest says int32"):
             restore_checkpoint(directory, state)
 

@@ -1,9 +1,11 @@
 """Checkpoints of a training state: atomic, checked, and never executed.
 
 One directory per step holds the arrays (``arrays.npz``, read with
-``allow_pickle=False``) and a JSON manifest. Saves are atomic, restores check
-the tree paths, shapes, dtypes and sha256 against the target state. The
-format and the multi-process rules are in ``docs/CHECKPOINTS.md``.
+``allow_pickle=False``) and a JSON manifest. Saves are atomic and hold a
+lock on the directory (one writer at a time); restores check the manifest's
+digest, its field types, and the tree paths, shapes, dtypes and sha256 against
+the target state (``fallback=True``: the newest intact checkpoint). The format
+and the multi-process rules are in ``docs/CHECKPOINTS.md``.
 
 >>> import tempfile
 >>> directory = tempfile.mkdtemp()

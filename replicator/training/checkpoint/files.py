@@ -48,3 +48,54 @@ def sha256(path: str) -> str:
 def rmtree(path: str) -> None:
     """Remove a directory tree, ignoring errors (leftovers are tidied by the next save)."""
     shutil.rmtree(path, ignore_errors=True)
+
+
+class DirectoryLock:
+    """An exclusive, non-blocking ``fcntl.flock`` on ``<directory>/<name>``, held by one writer.
+
+    ``acquire`` returns False (it never waits) when another writer, in this
+    process or another, holds it. The holder unlinks the lock file before
+    releasing it, so none is left behind; a writer that locked a file that was
+    unlinked meanwhile sees that its inode is no longer the path's and tries
+    again. Without ``fcntl`` (not POSIX) there is no lock.
+    """
+
+    def __init__(self, directory: str, name: str):
+        self.path = os.path.join(directory, name)
+        self._fd: int | None = None
+
+    def acquire(self) -> bool:
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - not POSIX
+            return True
+        for _ in range(100):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return False
+            except BaseException:
+                os.close(fd)
+                raise
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                self._fd = fd
+                return True
+            os.close(fd)  # the holder before us unlinked it: lock the new file
+        return False
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(self._fd)
+            self._fd = None

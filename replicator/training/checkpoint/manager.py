@@ -5,10 +5,12 @@ See ``docs/CHECKPOINTS.md`` for the format and the guarantees.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import uuid
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,13 +23,32 @@ from replicator.training.checkpoint.encoding import CheckpointError
 PyTree = Any
 
 FORMAT = "replicator-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the manifest carries manifest_sha256; version 1 (without it) is still read
+READABLE_VERSIONS = (1, 2)
+DIGEST_FIELD = "manifest_sha256"
+LOCK_FILE = ".lock"
 ARRAYS_FILE = "arrays.npz"
 MANIFEST_FILE = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp-"
 _OLD_PREFIX = ".replaced-"  # a checkpoint being overwritten by one of the same step
 _OLD_DIR = re.compile(r"^\.replaced-step_(\d+)-[0-9a-f]+$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_STORED_AS = ("uint8", "uint16", "uint32", "uint64")
+
+
+class _Damaged(CheckpointError):
+    """A checkpoint whose files fail verification (as opposed to one that does not fit the target)."""
+
+
+def manifest_digest(manifest: Mapping[str, Any]) -> str:
+    """The sha256 of a manifest's canonical JSON: every field but the digest itself (and ``path``).
+
+    The manifest holds ``arrays_sha256``, so the digest covers the arrays too.
+    """
+    content = {k: v for k, v in manifest.items() if k not in (DIGEST_FIELD, "path")}
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class CheckpointManager:
@@ -36,6 +57,13 @@ class CheckpointManager:
     Args:
       directory: where checkpoints live (created on the first save).
       keep: how many of the newest checkpoints to keep (``None``: all).
+
+    One writer at a time: each save holds an exclusive, non-blocking
+    ``fcntl.flock`` on ``<directory>/.lock`` while it writes, commits and
+    prunes, so a second writer (another manager, or another process) saving
+    into the same directory meanwhile gets a :class:`CheckpointError` and
+    changes nothing. Temporary directories are named with this manager's
+    token (``.tmp-step_<N>-<token>-<n>``).
 
     Example::
 
@@ -49,6 +77,8 @@ class CheckpointManager:
             raise ValueError(f"keep= must be a positive int or None (keep all), got {keep!r}.")
         self.directory = os.fspath(directory)
         self.keep = keep
+        self._token = uuid.uuid4().hex[:16]  # names this writer's temporary directories
+        self._saves = 0
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.directory!r}, keep={self.keep})"
@@ -66,6 +96,11 @@ class CheckpointManager:
             names = os.listdir(self.directory)
         except FileNotFoundError:
             return {}
+        except NotADirectoryError:
+            raise CheckpointError(
+                f"{self.directory!r} is a file, not a checkpoint directory; pass the directory that holds the "
+                f"step_<N>/ checkpoint directories (the parent of a checkpoint, not one of its files)."
+            ) from None
         found = {int(m.group(1)): n for n in names if (m := _STEP_DIR.match(n))}
         for name in sorted(names):
             m = _OLD_DIR.match(name)
@@ -117,8 +152,9 @@ class CheckpointManager:
 
         Raises:
           CheckpointError: ``extra`` is not JSON-serializable, a leaf is not
-            numeric, or (without ``overwrite``) the directory already has a
-            checkpoint of ``step`` or a later one. Nothing saved is changed.
+            numeric, (without ``overwrite``) the directory already has a
+            checkpoint of ``step`` or a later one, or another writer is saving
+            into the directory (it holds ``.lock``). Nothing saved is changed.
             In a multi-process job it is raised on every process, also when
             process 0 failed to write (the others' message says why).
         """
@@ -139,10 +175,9 @@ class CheckpointManager:
         multi = jax.process_count() > 1
 
         error: Exception | None = None
-        existing: dict[int, str] = {}
         if writer:
             try:
-                existing = self._check_new(step, overwrite)
+                self._check_new(step, overwrite)  # early, before gathering; again under the lock
             except CheckpointError as e:
                 if not multi:
                     raise
@@ -155,7 +190,7 @@ class CheckpointManager:
         }
         if fetch:
             try:
-                self._write(step, final, arrays, leaves, treedef, extra_json, existing)
+                self._write(step, final, arrays, leaves, treedef, extra_json, overwrite)
             except Exception as e:
                 if not multi:
                     raise
@@ -185,14 +220,37 @@ class CheckpointManager:
         leaves: list[dict[str, Any]],
         treedef: Any,
         extra_json: Any,
+        overwrite: bool,
+    ) -> None:
+        """Take the directory's lock, write and commit the checkpoint (process 0), prune, release."""
+        os.makedirs(self.directory, exist_ok=True)
+        lock = files.DirectoryLock(self.directory, LOCK_FILE)
+        if not lock.acquire():
+            raise CheckpointError(
+                f"another writer is saving into {self.directory!r} (it holds {os.path.join(self.directory, LOCK_FILE)}"
+                f"); step {step} was not saved and its checkpoints are unchanged. Give each run its own directory, "
+                f"or save from one CheckpointManager (in one process) at a time."
+            )
+        try:
+            existing = self._check_new(step, overwrite)  # again, under the lock
+            self._commit(step, final, arrays, leaves, treedef, extra_json, existing)
+        finally:
+            lock.release()
+
+    def _commit(
+        self,
+        step: int,
+        final: str,
+        arrays: dict[str, Any],
+        leaves: list[dict[str, Any]],
+        treedef: Any,
+        extra_json: Any,
         existing: dict[int, str],
     ) -> None:
-        """Write and commit the checkpoint (process 0), then prune."""
         later = sorted(s for s in existing if s > step)
-        os.makedirs(self.directory, exist_ok=True)
         self._remove_leftovers(existing)
-        token = uuid.uuid4().hex
-        tmp = os.path.join(self.directory, f"{_TMP_PREFIX}step_{step:08d}-{token}")
+        self._saves += 1
+        tmp = os.path.join(self.directory, f"{_TMP_PREFIX}step_{step:08d}-{self._token}-{self._saves}")
         os.mkdir(tmp)
         try:
             files.write_arrays(os.path.join(tmp, ARRAYS_FILE), arrays)
@@ -208,11 +266,12 @@ class CheckpointManager:
                 "treedef": str(treedef),
                 "leaves": leaves,
             }
+            manifest[DIGEST_FIELD] = manifest_digest(manifest)
             files.write_text(os.path.join(tmp, MANIFEST_FILE), json.dumps(manifest, indent=1) + "\n")
             files.fsync_dir(tmp)
             old = None
             if step in existing:  # overwrite: move the old one aside, it counts until the new one is in
-                old = os.path.join(self.directory, f"{_OLD_PREFIX}step_{step:08d}-{token}")
+                old = os.path.join(self.directory, f"{_OLD_PREFIX}step_{step:08d}-{uuid.uuid4().hex}")
                 os.rename(os.path.join(self.directory, existing[step]), old)
             os.rename(tmp, final)
             files.fsync_dir(self.directory)
@@ -226,7 +285,14 @@ class CheckpointManager:
         self._prune()
 
     def _remove_leftovers(self, entries: dict[int, str]) -> None:
-        """Remove temporary directories of saves that died, and replaced checkpoints."""
+        """Remove temporary directories of saves that died, and replaced checkpoints (under the lock).
+
+        This writer's own temporaries (``-<token>-`` in the name) always go.
+        Another writer's go too, but only because this runs while holding the
+        directory's lock, which every writer holds for the whole of a save: a
+        temporary directory that exists while we hold it belongs to a save
+        that died (e.g. ``kill -9``), never to one under way.
+        """
         live = set(entries.values())
         for name in os.listdir(self.directory):
             if (name.startswith(_TMP_PREFIX) or name.startswith(_OLD_PREFIX)) and name not in live:
@@ -246,46 +312,18 @@ class CheckpointManager:
     # -- restoring ---------------------------------------------------------------
 
     def read_manifest(self, step: int | None = None) -> dict[str, Any]:
-        """The manifest of a checkpoint (the newest by default), checked for format and version."""
-        path = self._checkpoint_path(step)
-        try:
-            with open(os.path.join(path, MANIFEST_FILE), encoding="utf-8") as f:
-                manifest = json.load(f)
-        except FileNotFoundError:
-            raise CheckpointError(f"{path!r} has no {MANIFEST_FILE}: it is not a replicator checkpoint.") from None
-        except (ValueError, UnicodeDecodeError) as e:
-            raise CheckpointError(
-                f"{path}/{MANIFEST_FILE} is not valid JSON ({e}); the checkpoint is damaged."
-            ) from None
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            raise CheckpointError(
-                f"{path}/{MANIFEST_FILE} is not a replicator checkpoint manifest (format "
-                f"{manifest.get('format') if isinstance(manifest, dict) else None!r}, expected {FORMAT!r})."
-            )
-        if manifest.get("version") != FORMAT_VERSION:
-            raise CheckpointError(
-                f"{path} has checkpoint format version {manifest.get('version')!r}; this replicator reads "
-                f"version {FORMAT_VERSION}. Use the replicator version that wrote it."
-            )
-        missing = {"step", "extra", "arrays_file", "arrays_sha256", "leaves"} - manifest.keys()
-        leaves = manifest.get("leaves")
-        if missing or not isinstance(leaves, list):
-            raise CheckpointError(
-                f"{path}/{MANIFEST_FILE} lacks {sorted(missing) or ['leaves']}; the checkpoint is damaged."
-            )
-        for i, entry in enumerate(leaves):
-            if not isinstance(entry, dict) or not {"path", "shape", "dtype"} <= entry.keys():
-                raise CheckpointError(
-                    f"{path}/{MANIFEST_FILE}: leaf {i} lacks path, shape or dtype; the checkpoint is damaged."
-                )
-        if os.path.basename(manifest["arrays_file"]) != manifest["arrays_file"]:
-            raise CheckpointError(
-                f"{path}/{MANIFEST_FILE} names arrays file {manifest['arrays_file']!r}, not a file name."
-            )
-        manifest["path"] = path
-        return manifest
+        """The manifest of a checkpoint (the newest by default), verified and type-checked.
 
-    def _checkpoint_path(self, step: int | None) -> str:
+        Raises:
+          CheckpointError: the checkpoint is missing, not a directory, foreign,
+            of an unknown format version, or its manifest was modified or
+            corrupted (its ``manifest_sha256`` differs) or has a field of the
+            wrong type.
+        """
+        step, path = self._checkpoint_path(step)
+        return _parse_manifest(path, step, self.all_steps)
+
+    def _checkpoint_path(self, step: int | None) -> tuple[int, str]:
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -293,9 +331,11 @@ class CheckpointManager:
                     f"no checkpoint in {self.directory!r} (looked for step_<N>/ directories); "
                     f"check the path, or start from the initial state."
                 )
-        return self.path(step)
+        return step, self.path(step)
 
-    def restore(self, target_state: PyTree, step: int | None = None) -> tuple[int, PyTree, dict[str, Any]]:
+    def restore(
+        self, target_state: PyTree, step: int | None = None, *, fallback: bool = False
+    ) -> tuple[int, PyTree, dict[str, Any]]:
         """Read a checkpoint into the structure of ``target_state``.
 
         Args:
@@ -303,6 +343,15 @@ class CheckpointManager:
             the tree structure, shapes and dtypes the checkpoint must have
             (e.g. the freshly initialized state).
           step: which checkpoint; None means the newest.
+          fallback: with ``step=None``, if the newest checkpoint fails
+            verification (a missing, truncated, corrupt or edited file, or a
+            stray file named like a checkpoint), warn (a ``RuntimeWarning``
+            naming it and why) and restore the newest one that passes, going
+            back as far as needed. Off by default, so that a damaged newest
+            checkpoint stops the run rather than silently resuming from an
+            older step. It never skips a checkpoint that is intact but does
+            not match ``target_state`` (that error is raised), and is ignored
+            with an explicit ``step=``.
 
         Returns:
           ``(step, state, extra)``. ``state`` has ``target_state``'s tree
@@ -317,7 +366,8 @@ class CheckpointManager:
         checkpoint. Otherwise it needs no communication.
 
         Raises:
-          CheckpointError: no such checkpoint, a damaged or foreign one, or
+          CheckpointError: no such checkpoint, a damaged or foreign one (with
+            ``fallback=True``: no intact one), or
             one whose tree paths, shapes or dtypes differ from ``target_state``
             (the message names the first mismatching leaf), or (where it is a
             collective) processes that read different checkpoints.
@@ -326,7 +376,10 @@ class CheckpointManager:
         shardings = [encoding.target_sharding(target) for _, target in target_flat]
         spans = jax.process_count() > 1 and any(s is not None and not s.is_fully_addressable for s in shardings)
         try:
-            manifest, leaves = self._read(target_flat, step)
+            if fallback and step is None:
+                manifest, leaves = self._read_newest_intact(target_flat)
+            else:
+                manifest, leaves = self._read(target_flat, step)
         except CheckpointError as e:
             if not spans:
                 raise
@@ -340,6 +393,31 @@ class CheckpointManager:
         placed = [encoding.place_like(leaf, s) for leaf, s in zip(leaves, shardings, strict=True)]
         return int(manifest["step"]), target_def.unflatten(placed), manifest["extra"]
 
+    def _read_newest_intact(self, target_flat: list[tuple[Any, Any]]) -> tuple[dict[str, Any], list[Any]]:
+        """:meth:`_read` of the newest checkpoint that passes verification, warning about each newer one."""
+        steps = self.all_steps()
+        if not steps:
+            self._checkpoint_path(None)  # raises: there is none
+        broken: list[str] = []
+        for step in reversed(steps):
+            try:
+                result = self._read(target_flat, step)
+            except _Damaged as e:
+                broken.append(f"step {step}: {e}")
+                continue
+            for message in broken:
+                warnings.warn(
+                    f"checkpoint {message} -- skipped it; restoring the newest intact checkpoint, step {step}.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return result
+        raise CheckpointError(
+            f"no intact checkpoint in {self.directory!r}: every one failed verification. "
+            + " | ".join(broken)
+            + " Start from the initial state, or restore a copy of the checkpoints."
+        )
+
     def _read(self, target_flat: list[tuple[Any, Any]], step: int | None) -> tuple[dict[str, Any], list[Any]]:
         """The manifest and the leaves (host arrays) of a checkpoint, checked against the target."""
         manifest = self.read_manifest(step)
@@ -351,14 +429,17 @@ class CheckpointManager:
         try:
             digest = files.sha256(arrays_path)
         except FileNotFoundError:
-            raise CheckpointError(f"checkpoint {path} lacks {manifest['arrays_file']}; it is damaged.") from None
+            raise _Damaged(f"checkpoint {path} lacks {manifest['arrays_file']}; it is damaged.") from None
+        except OSError as e:
+            raise _Damaged(f"checkpoint {path}: cannot read {manifest['arrays_file']} ({e}).") from None
         if digest != manifest["arrays_sha256"]:
             size = os.path.getsize(arrays_path)
             expected = manifest.get("arrays_bytes")
             how = f"{size} bytes, {expected} when saved" if expected is not None else f"{size} bytes"
-            raise CheckpointError(
+            raise _Damaged(
                 f"checkpoint {path}: {manifest['arrays_file']} is truncated or corrupt ({how}; sha256 differs "
-                f"from the manifest). Restore an earlier step with step= (steps: {self.all_steps()})."
+                f"from the manifest). Restore an earlier step with step= (steps: {self.all_steps()}), or the "
+                f"newest intact one with fallback=True."
             )
         leaves = []
         try:
@@ -367,13 +448,13 @@ class CheckpointManager:
                     array = npz[f"a{i}"]
                     stored = encoding.stored_dtype(entry)
                     if array.dtype != np.dtype(stored):
-                        raise CheckpointError(
+                        raise _Damaged(
                             f"checkpoint {path}: array {i} (state{entry['path']}) is stored as {array.dtype}, "
                             f"its manifest says {stored}; the checkpoint is damaged."
                         )
                     leaf = encoding.decode(array, entry)
                     if tuple(leaf.shape) != tuple(entry["shape"]):
-                        raise CheckpointError(
+                        raise _Damaged(
                             f"checkpoint {path}: array {i} (state{entry['path']}) has shape {leaf.shape}, its "
                             f"manifest says {tuple(entry['shape'])}; the checkpoint is damaged."
                         )
@@ -381,8 +462,100 @@ class CheckpointManager:
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001 - whatever np.load makes of a bad file
-            raise CheckpointError(f"checkpoint {path}: cannot read {manifest['arrays_file']} ({e}).") from None
+            raise _Damaged(f"checkpoint {path}: cannot read {manifest['arrays_file']} ({e}).") from None
         return manifest, leaves
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _parse_manifest(path: str, step: int | None, all_steps: Any) -> dict[str, Any]:
+    """Read, verify and type-check the manifest of the checkpoint directory ``path`` (of ``step``)."""
+    manifest_path = os.path.join(path, MANIFEST_FILE)
+
+    def other_steps() -> str:
+        return f"Restore another step with step= (steps: {all_steps()}), or the newest intact one with fallback=True."
+
+    if not os.path.isdir(path):
+        raise _Damaged(
+            f"{path!r} is a file, not a checkpoint directory (a stray file named like one); remove or rename it."
+        )
+    try:
+        with open(manifest_path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise _Damaged(f"{path!r} has no {MANIFEST_FILE}: it is not a replicator checkpoint.") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _Damaged(f"{manifest_path} is not valid JSON ({e}); the checkpoint is damaged. {other_steps()}") from None
+    except OSError as e:
+        raise _Damaged(f"cannot read {manifest_path} ({e}).") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise _Damaged(
+            f"{manifest_path} is not a replicator checkpoint manifest (format "
+            f"{manifest.get('format') if isinstance(manifest, dict) else None!r}, expected {FORMAT!r})."
+        )
+    version = manifest.get("version")
+    if type(version) is not int or version not in READABLE_VERSIONS:
+        raise CheckpointError(
+            f"{path} has checkpoint format version {version!r}; this replicator reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}. Use the replicator version that wrote it."
+        )
+    if version >= 2:  # version 1 manifests have no digest: only their arrays are checked
+        recorded = manifest.get(DIGEST_FIELD)
+        if not isinstance(recorded, str):
+            raise _Damaged(
+                f"{manifest_path} lacks its {DIGEST_FIELD} (a version {version} manifest has one); it was modified "
+                f"or corrupted. {other_steps()}"
+            )
+        if manifest_digest(manifest) != recorded:
+            raise _Damaged(
+                f"{manifest_path} was modified or corrupted after it was saved: the sha256 of its content differs "
+                f"from its {DIGEST_FIELD}. Checkpoint files must not be edited; {other_steps()}"
+            )
+
+    def bad(field: str, value: Any, expected: str) -> CheckpointError:
+        return _Damaged(
+            f"{manifest_path}: {field} is {value!r} ({type(value).__name__}), expected {expected}; the checkpoint "
+            f"is damaged. {other_steps()}"
+        )
+
+    missing = {"step", "extra", "arrays_file", "arrays_sha256", "leaves"} - manifest.keys()
+    if missing:
+        raise _Damaged(f"{manifest_path} lacks {sorted(missing)}; the checkpoint is damaged. {other_steps()}")
+    if not _is_int(manifest["step"]):
+        raise bad("step", manifest["step"], "a non-negative int")
+    if step is not None and manifest["step"] != step:
+        raise _Damaged(
+            f"{manifest_path} says step {manifest['step']} but its directory is of step {step}; the checkpoint "
+            f"was renamed or damaged. {other_steps()}"
+        )
+    if not isinstance(manifest["extra"], dict):
+        raise bad("extra", manifest["extra"], "a JSON object")
+    arrays_file = manifest["arrays_file"]
+    if not isinstance(arrays_file, str) or not arrays_file or os.path.basename(arrays_file) != arrays_file:
+        raise bad("arrays_file", arrays_file, "a file name")
+    if not isinstance(manifest["arrays_sha256"], str) or not _SHA256.match(manifest["arrays_sha256"]):
+        raise bad("arrays_sha256", manifest["arrays_sha256"], "64 lowercase hex digits")
+    if "arrays_bytes" in manifest and not _is_int(manifest["arrays_bytes"]):
+        raise bad("arrays_bytes", manifest["arrays_bytes"], "a non-negative int")
+    if "treedef" in manifest and not isinstance(manifest["treedef"], str):
+        raise bad("treedef", manifest["treedef"], "a string")
+    leaves = manifest["leaves"]
+    if not isinstance(leaves, list):
+        raise bad("leaves", leaves, "a list")
+    for i, entry in enumerate(leaves):
+        if not isinstance(entry, dict) or not {"path", "shape", "dtype"} <= entry.keys():
+            raise _Damaged(f"{manifest_path}: leaf {i} lacks path, shape or dtype; the checkpoint is damaged.")
+        for field in ("path", "dtype", "key_impl"):
+            if field in entry and not isinstance(entry[field], str):
+                raise bad(f"leaves[{i}].{field}", entry[field], "a string")
+        if not isinstance(entry["shape"], list) or not all(_is_int(d) for d in entry["shape"]):
+            raise bad(f"leaves[{i}].shape", entry["shape"], "a list of non-negative ints")
+        if "stored_as" in entry and entry["stored_as"] not in _STORED_AS:
+            raise bad(f"leaves[{i}].stored_as", entry["stored_as"], f"one of {list(_STORED_AS)}")
+    manifest["path"] = path
+    return manifest
 
 
 def save_checkpoint(
@@ -402,13 +575,14 @@ def save_checkpoint(
 
 
 def restore_checkpoint(
-    directory: str | os.PathLike, target_state: PyTree, step: int | None = None
+    directory: str | os.PathLike, target_state: PyTree, step: int | None = None, *, fallback: bool = False
 ) -> tuple[int, PyTree, dict[str, Any]]:
     """``(step, state, extra)`` of the newest checkpoint in ``directory`` (or of ``step``).
 
-    See :meth:`CheckpointManager.restore`.
+    ``fallback=True``: if the newest fails verification, warn and restore the
+    newest intact one. See :meth:`CheckpointManager.restore`.
     """
-    return CheckpointManager(directory, keep=None).restore(target_state, step)
+    return CheckpointManager(directory, keep=None).restore(target_state, step, fallback=fallback)
 
 
 def latest_step(directory: str | os.PathLike) -> int | None:
