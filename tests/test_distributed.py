@@ -390,6 +390,10 @@ class TestTwoProcesses:
             np.testing.assert_allclose(
                 got["losses"], reference["losses"][first:], atol=1e-6, rtol=0, err_msg=f"{name}: losses"
             )
+            opt = sorted(k for k in reference if k.startswith("opt_"))
+            assert opt and opt == sorted(k for k in got if k.startswith("opt_"))
+            for k in opt:  # the whole optimizer state, read on each process (sharded over both in the job)
+                np.testing.assert_allclose(got[k], reference[k], atol=1e-6, rtol=0, err_msg=f"{name}: {k}")
 
     def test_a_save_that_fails_on_worker_0_fails_on_every_worker(self, tmp_path):
         # Worker 0 cannot write (the directory has a later step): worker 1, waiting for the

@@ -179,6 +179,10 @@ def run(
             print(f"saved step {save_at} to {path} ({split} leaves sharded over processes)", flush=True)
     results = {f"param_{k}": np.asarray(v) for k, v in state[0].items()}
     results["losses"] = np.asarray(losses)
+    # Optimizer state that ZeRO-1 shards over processes: np.asarray cannot read it on one
+    # process; gather_outputs (a collective) gives every process the whole value.
+    for i, leaf in enumerate(jax.tree.leaves(distributed.gather_outputs(state[1]))):
+        results[f"opt_{i}"] = leaf
     probe = repl.run(probe_step, input_fn_for(PROBE_STEP))
     for k, v in distributed.gather_outputs(probe).items():
         results[f"probe_{k}"] = v
