@@ -35,6 +35,8 @@ from replicator.core.tracing import TracedStep, is_array_leaf, leaf_paths, trace
 from replicator.passes.pipeline import Lowered, Pipeline
 from replicator.passes.report import CommunicationReport, communication_report
 from replicator.runtime.consistency import check_replicas_agree
+from replicator.runtime.distributed import progress
+from replicator.runtime.distributed.startup import check_initialized_under_launcher
 from replicator.runtime.execution import build_executable, place_batch, place_state
 from replicator.runtime.inputs import InputContext, WorkerInputs, check_input_fn, check_worker_batch
 from replicator.runtime.mesh import build_mesh
@@ -45,13 +47,14 @@ __all__ = ["CompiledStep", "Replicator"]
 PyTree = Any
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(eq=False)
 class CompiledStep:
     """A step traced, rewritten and wrapped for one input signature."""
 
     traced: TracedStep
     lowered: Lowered
     executable: Callable
+    runs: int = 0  # the first run compiles it (XLA), as part of the call
 
 
 @functools.cache
@@ -160,6 +163,7 @@ class Replicator:
         check_state_every: int | None = None,
     ):
         axis_names = normalize_axis_names(axis_name)
+        check_initialized_under_launcher()
         self.mesh = build_mesh(num_workers, cores_per_worker, devices=devices)
         self.num_workers, self.cores_per_worker = self.mesh.devices.shape
         self.context = ReplicaContext(self.num_workers, self.cores_per_worker, axis_names)
@@ -225,18 +229,19 @@ class Replicator:
         if compiled is not None:
             self._compiled.move_to_end(key)
         else:
-            self._warn_if_retracing(key)
-            check_worker_batch(batch, c, 0)
-            state_specs = state_def.unflatten([_state_spec(s) for s in state_sigs]) if has_state else None
-            batch_specs = batch_def.unflatten([_spec(s) for s in batch_sigs])
-            traced = trace_step(step_fn, state_specs, batch_specs, self.context)
-            self.trace_count += 1
-            lowered = self.pipeline.run(traced.graph)
-            executable = build_executable(lowered.final, self.mesh, donate_state=self.donate_state)
-            compiled = CompiledStep(traced, lowered, executable)
-            self._compiled[key] = compiled
-            while len(self._compiled) > MAX_COMPILED_STEPS:
-                self._compiled.popitem(last=False)  # the least recently used
+            with progress.phase("compiling"):
+                self._warn_if_retracing(key)
+                check_worker_batch(batch, c, 0)
+                state_specs = state_def.unflatten([_state_spec(s) for s in state_sigs]) if has_state else None
+                batch_specs = batch_def.unflatten([_spec(s) for s in batch_sigs])
+                traced = trace_step(step_fn, state_specs, batch_specs, self.context)
+                self.trace_count += 1
+                lowered = self.pipeline.run(traced.graph)
+                executable = build_executable(lowered.final, self.mesh, donate_state=self.donate_state)
+                compiled = CompiledStep(traced, lowered, executable)
+                self._compiled[key] = compiled
+                while len(self._compiled) > MAX_COMPILED_STEPS:
+                    self._compiled.popitem(last=False)  # the least recently used
         return compiled
 
     def _warn_if_retracing(self, key: tuple) -> None:
@@ -355,6 +360,13 @@ class Replicator:
           rows: read them with ``rp.local_outputs`` / ``rp.replica_invariant``
           (no communication) or ``rp.gather_outputs`` (all rows, a collective).
         """
+        progress.begin_step()
+        try:
+            return self._run(step_fn, input_fn, state)
+        finally:
+            progress.end_step()
+
+    def _run(self, step_fn: Callable, input_fn: Callable[[InputContext], Any], state: PyTree | None) -> Any:
         inputs = self._worker_inputs(input_fn)
         batches = inputs.next_batches()
         structures = {jax.tree.structure(b) for b in batches}
@@ -365,12 +377,14 @@ class Replicator:
             for b, ctx in zip(batches, inputs.contexts, strict=True)
         ]
         compiled = self._compile(step_fn, state, batches[0])
+        progress.set_phase("compiling" if compiled.runs == 0 else "step", progress.current_step())
         traced = compiled.traced
         state_leaves = traced.array_leaves(state) if state is not None else []
         placed_state = place_state(state_leaves, self.mesh, compiled.lowered.final.sharded_state)
         placed_batch = place_batch(worker_leaves, self.mesh)
         self._wait_for_room()
         new_state, outputs = compiled.executable(placed_state, placed_batch)
+        compiled.runs += 1
         if self.max_in_flight and (new_state or outputs):
             self._in_flight.append((new_state or outputs)[0])
         self._steps_run += 1

@@ -234,7 +234,7 @@ class TestStatusFiles:
         if report:
             status.write_status(str(tmp_path), worker_id, kind="exception", **report)
         proc = SimpleNamespace(returncode=rc, pid=0)
-        return launch._Worker(worker_id, proc, 0.0, [], str(tmp_path), ended=ended)
+        return launch._Worker(worker_id, proc, 0.0, [], str(tmp_path), str(tmp_path / "none.json"), ended=ended)
 
     def test_blame_the_first_real_failure_not_its_echoes(self, tmp_path):
         # Worker 2 raised first; worker 0's collective broke because of it (a runtime error,

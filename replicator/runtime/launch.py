@@ -37,6 +37,17 @@ others exit (code 75); a worker that dies is noticed by the others after
 ``--heartbeat-timeout`` seconds (default 10; JAX's own default is 100).
 ``--max-time`` bounds the whole job.
 
+Each worker runs through :mod:`~replicator.runtime.distributed.bootstrap`
+(``python -u bootstrap.py script.py args``): it dies with the launcher
+(however the launcher dies), prints its Python stacks on ``SIGUSR1``, reports
+its exit code (``sys.exit(n)`` included) and its progress. The watchdog
+(:mod:`replicator.runtime.watchdog`) reads the progress: when no worker has
+moved for ``--step-timeout`` seconds (default 20) while one waits for
+another, it names the worker behind and where it is, asks every worker for
+its stacks and ends the job with code 76; a worker whose script ended with 0
+while the others went on to a step it will never run is named at once (76),
+one that ended before joining the job too (75).
+
 Why a worker failed comes from a structured signal, not from its log: the
 launcher passes each worker a private directory in ``REPLICATOR_STATUS_DIR``,
 where :func:`~replicator.runtime.distributed.initialize`'s exception hook
@@ -53,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import os
 import shutil
 import signal
@@ -78,13 +90,31 @@ from replicator.runtime.distributed import (
     ENV_STATUS_DIR,
     ENV_WORKER_ID,
     START_TIMEOUT_EXIT_CODE,
+    bootstrap,
     cluster_environment,
     cluster_rank,
+    progress,
 )
 from replicator.runtime.distributed.status import read_status
 from replicator.runtime.mesh import with_device_count
+from replicator.runtime.watchdog import (
+    DEFAULT_COMPILE_TIMEOUT_S,
+    DEFAULT_STEP_TIMEOUT_S,
+    POLL_S,
+    Verdict,
+    diagnose,
+)
 
-__all__ = ["DEFAULT_KILL_GRACE_S", "LaunchError", "free_port", "launch", "main", "worker_env"]
+__all__ = [
+    "DEFAULT_KILL_GRACE_S",
+    "LaunchError",
+    "check_port_free",
+    "free_port",
+    "launch",
+    "main",
+    "worker_command",
+    "worker_env",
+]
 
 DEFAULT_KILL_GRACE_S = 5.0
 _POLL_S = 0.05
@@ -102,6 +132,45 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def check_port_free(address: str) -> None:
+    """Raise :class:`LaunchError` if worker 0 could not open the coordinator's port ``HOST:PORT`` here.
+
+    Checked on the host that runs worker 0, before any worker starts: JAX's own
+    error for a port in use ("Failed to start RPC server") names no port. A
+    host that is not one of this machine's addresses is not checked.
+    """
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server does: TIME_WAIT is no conflict
+            s.bind((host, int(port)))
+    except socket.gaierror:
+        return  # a host name this machine cannot resolve: worker 0 runs elsewhere (JAX will say if not)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise LaunchError(
+                f"the coordinator's port {port} on {host} is already in use (another job, or one that has not "
+                f"ended yet); pass another port, e.g. --coordinator {host}:{free_port(host)}, or leave "
+                f"--coordinator out for a local job (a free port is chosen)."
+            ) from None
+        if e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+            return  # not an address of this machine: worker 0 runs elsewhere
+        raise LaunchError(f"cannot open the coordinator's port {address}: {e}.") from None
+
+
+def worker_command(args: Sequence[str], module: str | None = None) -> list[str]:
+    """The command line of a worker that runs ``script.py args`` (or ``-m module args``) through the bootstrap.
+
+    The bootstrap (:mod:`~replicator.runtime.distributed.bootstrap`) makes the
+    worker die with the launcher, report its progress and exit code, and
+    print its stacks on ``SIGUSR1``.
+    """
+    entry = [bootstrap.__file__, "-m", module] if module else [bootstrap.__file__]
+    return [sys.executable, "-u", *entry, *args]
+
+
 def worker_env(
     base: dict[str, str],
     *,
@@ -113,6 +182,7 @@ def worker_env(
     heartbeat_timeout_s: float,
     shutdown_timeout_s: float,
     status_dir: str | None = None,
+    progress_file: str | None = None,
 ) -> dict[str, str]:
     """The environment of one worker: ``base`` plus the job's settings.
 
@@ -122,6 +192,7 @@ def worker_env(
         settings (None: unset, e.g. under SLURM).
       start_timeout_s, heartbeat_timeout_s, shutdown_timeout_s: the timeouts.
       status_dir: where the worker writes its status file (None: nowhere).
+      progress_file: where the worker writes its progress record (None: nowhere).
 
     Returns:
       A new environment dict.
@@ -133,6 +204,7 @@ def worker_env(
         (ENV_WORKER_ID, worker_id),
         (ENV_CORES_PER_WORKER, cores_per_worker),
         (ENV_STATUS_DIR, status_dir),
+        (progress.ENV_PROGRESS_FILE, progress_file),
     ):
         if value is None:
             env.pop(name, None)
@@ -144,6 +216,7 @@ def worker_env(
     if cores_per_worker is not None:
         env["XLA_FLAGS"] = with_device_count(env.get("XLA_FLAGS", ""), cores_per_worker)
     env["PYTHONUNBUFFERED"] = "1"  # lines reach the launcher as they are printed
+    env[bootstrap.ENV_LAUNCHER_PID] = str(os.getpid())  # the worker dies with this process
     return env
 
 
@@ -157,6 +230,7 @@ class _Worker:
     started: float
     threads: list[threading.Thread]  # output pumps
     status_dir: str
+    progress_file: str
     ended: float | None = None  # when it exited (set by its waiter thread: exact, for ordering)
     _status: dict[str, Any] | None = None
 
@@ -170,6 +244,11 @@ class _Worker:
         if self._status is None and self.ended is not None:
             self._status = read_status(self.status_dir, self.worker_id)
         return self._status
+
+    @property
+    def progress(self) -> dict[str, Any] | None:
+        """Its latest progress record (None: none yet, or not run through the bootstrap)."""
+        return progress.read_progress(self.progress_file)
 
 
 def _describe(rc: int) -> str:
@@ -218,7 +297,9 @@ def _pump(pipe: IO[bytes], prefix: str, output: _Output, stream: IO[str]) -> Non
     pipe.close()
 
 
-def _start(worker_id: int, command: Sequence[str], env: dict[str, str], output: _Output, status_dir: str) -> _Worker:
+def _start(
+    worker_id: int, command: Sequence[str], env: dict[str, str], output: _Output, status_dir: str, progress_file: str
+) -> _Worker:
     proc = subprocess.Popen(
         list(command),
         env=env,
@@ -234,7 +315,7 @@ def _start(worker_id: int, command: Sequence[str], env: dict[str, str], output: 
     ]
     for t in threads:
         t.start()
-    worker = _Worker(worker_id, proc, time.monotonic(), threads, status_dir)
+    worker = _Worker(worker_id, proc, time.monotonic(), threads, status_dir, progress_file)
 
     def wait() -> None:
         proc.wait()
@@ -303,6 +384,38 @@ def _stop(workers: list[_Worker], grace_s: float, output: _Output) -> None:
             output.launcher(f"worker {w.worker_id} (pid {w.proc.pid}) did not die after SIGKILL; leaving it")
 
 
+def _watch(workers: list[_Worker], step_timeout_s: float, compile_timeout_s: float) -> Verdict | None:
+    """The watchdog's verdict on the workers' progress records (see :mod:`replicator.runtime.watchdog`)."""
+    records = {w.worker_id: w.progress for w in workers}
+    return diagnose(records, time.time(), step_timeout_s=step_timeout_s, compile_timeout_s=compile_timeout_s)
+
+
+def _dump_stacks(workers: list[_Worker], blamed: list[int], output: _Output) -> None:
+    """Ask the live workers (blamed ones first) to print their Python stacks (the bootstrap's SIGUSR1)."""
+    live = [w for w in workers if w.ended is None and w.progress is not None]
+    live.sort(key=lambda w: (w.worker_id not in blamed, w.worker_id))
+    if not live:
+        return
+    output.launcher(f"Python stacks of worker(s) {[w.worker_id for w in live]} follow (SIGUSR1):")
+    for w in live:
+        try:
+            os.kill(w.proc.pid, signal.SIGUSR1)
+        except (ProcessLookupError, PermissionError):
+            continue
+        time.sleep(0.3)  # one worker's stacks at a time, in order
+    time.sleep(0.5)
+
+
+def _exit_hint(worker: _Worker) -> str:
+    """What a worker's progress record says about how its script ended, for the launcher's line."""
+    record = worker.progress
+    if record is None or record["phase"] != "exited":
+        return ""
+    if not record.get("joined"):
+        return " (its script exited before it joined the job, e.g. sys.exit() before initialize())"
+    return f" (its script exited with this code after {record['steps_started']} step(s), e.g. through sys.exit)"
+
+
 def _supervise(
     workers: list[_Worker],
     output: _Output,
@@ -310,10 +423,13 @@ def _supervise(
     kill_grace_s: float,
     finish_timeout_s: float,
     max_time_s: float | None,
+    step_timeout_s: float | None,
+    compile_timeout_s: float,
     interrupted: threading.Event,
 ) -> int:
     """Wait for the workers; on the first failure stop the rest. Returns the job's exit code."""
     start = time.monotonic()
+    next_watch = start + POLL_S
     code = 0
     while True:
         now = time.monotonic()
@@ -331,7 +447,7 @@ def _supervise(
             if first.returncode == -signal.SIGABRT and running:
                 hint = f" (still running, maybe hung: worker(s) {running})"
             elif 0 < first.returncode != START_TIMEOUT_EXIT_CODE and first.status is None:
-                hint = " (no error report: it failed before initialize() or exited through sys.exit; see its output)"
+                hint = _exit_hint(first) or " (no error report: it failed before initialize(); see its output)"
             output.launcher(
                 f"worker {first.worker_id} {_describe(first.returncode)} after {first.ended - first.started:.1f} s"
                 + hint
@@ -341,6 +457,16 @@ def _supervise(
             break
         if len(ended) == len(workers):
             return 0
+        if now >= next_watch:
+            next_watch = now + POLL_S
+            verdict = _watch(workers, step_timeout_s or 0.0, compile_timeout_s)
+            if verdict is not None:
+                output.launcher(f"watchdog: {verdict.message}")
+                if verdict.kind == "stalled":
+                    _dump_stacks(workers, verdict.blame, output)
+                output.launcher(f"stopping the job (exit code {verdict.code})")
+                code = verdict.code
+                break
         if ended and now - min(w.ended for w in ended) > finish_timeout_s:
             done = min(ended, key=lambda w: w.ended)
             late = [w.worker_id for w in workers if w.ended is None]
@@ -376,6 +502,8 @@ def launch(
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
     kill_grace_s: float = DEFAULT_KILL_GRACE_S,
     max_time_s: float | None = None,
+    step_timeout_s: float | None = DEFAULT_STEP_TIMEOUT_S,
+    compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
     env: dict[str, str] | None = None,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
@@ -400,6 +528,11 @@ def launch(
       shutdown_timeout_s: how long a finished worker waits for the others.
       kill_grace_s: between SIGTERM and SIGKILL when stopping workers.
       max_time_s: stop the job after this long (None: no limit).
+      step_timeout_s: the watchdog stops the job when no worker made progress
+        for this long while one waits for another (None or 0: no watchdog);
+        see :mod:`replicator.runtime.watchdog`. Only workers started through
+        :func:`worker_command` report progress.
+      compile_timeout_s: the same while a worker compiles a step.
       env: the base environment (default ``os.environ``).
       stdout, stderr: where the prefixed output goes (default ``sys``'s).
       interrupted: set it to stop the job (the CLI sets it on SIGINT/SIGTERM,
@@ -409,7 +542,9 @@ def launch(
       0 if every worker succeeded, else the first failed worker's exit code
       (``128 + signal`` if killed), 124 after ``max_time_s``, ``128 +
       interrupted.signum`` (130 without one) if interrupted, 1 if workers were
-      still running ``2 * shutdown_timeout_s + kill_grace_s`` after one finished.
+      still running ``2 * shutdown_timeout_s + kill_grace_s`` after one finished,
+      76 when the watchdog stops a stalled job or a worker left it early, 75
+      when a worker ended before joining.
 
     Raises:
       LaunchError: on inconsistent arguments (the message says what to pass).
@@ -427,6 +562,10 @@ def launch(
         raise LaunchError(f"--kill-grace must be >= 0 seconds, got {kill_grace_s!r}.")
     if max_time_s is not None and not max_time_s > 0:
         raise LaunchError(f"--max-time must be a positive number of seconds, got {max_time_s!r}.")
+    if step_timeout_s is not None and not step_timeout_s >= 0:
+        raise LaunchError(f"--step-timeout must be >= 0 seconds (0: no watchdog), got {step_timeout_s!r}.")
+    if not compile_timeout_s > 0:
+        raise LaunchError(f"--compile-timeout must be a positive number of seconds, got {compile_timeout_s!r}.")
     if cores_per_worker is not None and cores_per_worker < 1:
         raise LaunchError(f"--cores-per-worker must be a positive int, got {cores_per_worker!r}.")
     if num_workers is not None and num_workers < 1:
@@ -450,8 +589,12 @@ def launch(
             )
         if not 0 <= worker_id < num_workers:
             raise LaunchError(f"--worker-id must be in [0, {num_workers}) for --num-workers {num_workers}.")
+        if worker_id == 0:
+            check_port_free(coordinator)
         plan = [(worker_id, coordinator, num_workers)]
     elif num_workers is not None:
+        if coordinator is not None and num_workers > 1:
+            check_port_free(coordinator)
         address = coordinator or f"127.0.0.1:{free_port()}"
         plan = [(i, address, num_workers) for i in range(num_workers)]
     else:
@@ -481,9 +624,10 @@ def launch(
                     worker_id=label if count is not None else None,
                     cores_per_worker=cores_per_worker,
                     status_dir=status_dir,
+                    progress_file=os.path.join(status_dir, f"progress-{label}.json"),
                     **timeouts,
                 )
-                workers.append(_start(label, command, wenv, output, status_dir))
+                workers.append(_start(label, command, wenv, output, status_dir, wenv[progress.ENV_PROGRESS_FILE]))
             if len(plan) > 1:
                 output.launcher(
                     f"started {len(plan)} workers (coordinator {plan[0][1]}): pids {[w.proc.pid for w in workers]}"
@@ -496,6 +640,8 @@ def launch(
                 # shutdown_timeout_s (then it aborts them): a worker running much longer is stuck.
                 finish_timeout_s=2 * shutdown_timeout_s + kill_grace_s,
                 max_time_s=max_time_s,
+                step_timeout_s=step_timeout_s,
+                compile_timeout_s=compile_timeout_s,
                 interrupted=interrupted,
             )
         except BaseException:
@@ -565,6 +711,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-time", type=float, metavar="S", help="stop the whole job after this many seconds (default: no limit)"
     )
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        metavar="S",
+        default=DEFAULT_STEP_TIMEOUT_S,
+        help="stop the job when no worker made progress for S seconds while one waits for another; it names "
+        "the worker behind and prints every worker's Python stack (default %(default)g; 0: off)",
+    )
+    p.add_argument(
+        "--compile-timeout",
+        type=float,
+        metavar="S",
+        default=DEFAULT_COMPILE_TIMEOUT_S,
+        help="the same while a worker compiles a step (default %(default)g)",
+    )
     p.add_argument("-m", dest="module", metavar="MODULE", help="run a module as the worker's program, like python -m")
     return p
 
@@ -592,9 +753,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     options, rest = _split_argv(argv, parser)
     args = parser.parse_args(options)
     if args.module:
-        command = [sys.executable, "-u", "-m", args.module, *rest]
+        command = worker_command(rest, module=args.module)
     elif rest:
-        command = [sys.executable, "-u", *rest]
+        command = worker_command(rest)
     else:
         parser.error("give the script to run (train.py [args]) or a module (-m pkg.train [args]).")
 
@@ -618,6 +779,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutdown_timeout_s=args.shutdown_timeout,
             kill_grace_s=args.kill_grace,
             max_time_s=args.max_time,
+            step_timeout_s=args.step_timeout,
+            compile_timeout_s=args.compile_timeout,
             interrupted=interrupted,
         )
     except LaunchError as e:

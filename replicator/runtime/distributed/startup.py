@@ -24,7 +24,8 @@ from typing import Any
 import jax
 
 from replicator._jax_compat import backends_initialized
-from replicator.runtime.distributed.status import ENV_STATUS_DIR, claim_first_failure, write_status
+from replicator.runtime.distributed import progress
+from replicator.runtime.distributed.status import ENV_STATUS_DIR, report_exception, write_status
 from replicator.runtime.mesh import force_cpu_devices
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "ENV_WORKER_ID",
     "START_TIMEOUT_EXIT_CODE",
     "WorkerInfo",
+    "check_initialized_under_launcher",
     "cluster_environment",
     "cluster_rank",
     "initialize",
@@ -166,6 +168,22 @@ def _check_worker(worker_id: int, num_workers: int) -> None:
         )
 
 
+def check_initialized_under_launcher() -> None:
+    """Raise if ``python -m replicator.launch`` started this process as a worker of a job that it has not joined.
+
+    Without ``initialize()`` each worker would see only its own devices and
+    train alone (or fail to find as many devices as the job has).
+    """
+    workers = os.environ.get(ENV_NUM_WORKERS, "")
+    if workers.isdigit() and int(workers) > 1 and not is_initialized():
+        raise RuntimeError(
+            f"this process was started by python -m replicator.launch as worker "
+            f"{os.environ.get(ENV_WORKER_ID, '?')} of {workers}, but it has not joined the job: call "
+            f"`info = replicator.runtime.distributed.initialize()` at the top of the script (before anything "
+            f"uses JAX), then `Replicator(info.num_workers, info.cores_per_worker)`."
+        )
+
+
 def is_initialized() -> bool:
     """True once :func:`initialize` has run in this process (or JAX's runtime is up)."""
     return _INFO is not None or jax.distributed.is_initialized()
@@ -238,6 +256,7 @@ def initialize(
             return _INFO
         if jax.distributed.is_initialized():  # started by someone else: adopt it
             _INFO = WorkerInfo(jax.process_index(), jax.process_count(), cores_per_worker, None, "jax")
+            progress.mark_joined()
             return _INFO
 
         status_dir = os.environ.get(ENV_STATUS_DIR) or None
@@ -267,6 +286,7 @@ def initialize(
             if cores_per_worker is not None:
                 force_cpu_devices(cores_per_worker)
             _INFO = WorkerInfo(0, 1, cores_per_worker, None, source)
+            progress.mark_joined()
             if status_dir:
                 _install_excepthook(0, status_dir, exit_now=False)
             return _INFO
@@ -318,6 +338,7 @@ def initialize(
         timer = threading.Timer(init_s, _start_timed_out, args=(who, where, init_s, status_dir, me))
         timer.daemon = True
         timer.start()
+        progress.set_phase("joining")
         try:
             jax.distributed.initialize(
                 **kwargs,
@@ -326,6 +347,14 @@ def initialize(
                 shutdown_timeout_seconds=max(1, math.ceil(shutdown_s)),
             )
             jax.devices()  # every worker exchanges its devices: part of start-up
+        except jax.errors.JaxRuntimeError as e:
+            if "Failed to start RPC server" in str(e) and coordinator_address:
+                raise RuntimeError(
+                    f"worker 0 could not open the coordinator's port at {coordinator_address}: it is probably in "
+                    f"use (another job, or one that has not ended yet). Pass another port (python -m "
+                    f"replicator.launch picks a free one when --coordinator is left out). JAX said: {e}"
+                ) from None
+            raise
         finally:
             timer.cancel()
         _INFO = WorkerInfo(
@@ -335,6 +364,7 @@ def initialize(
             coordinator_address,  # None when JAX read it from the cluster's environment
             source,
         )
+        progress.mark_joined()
         exit_now = fail_fast and _INFO.is_multiprocess
         if exit_now or status_dir:
             _install_excepthook(_INFO.worker_id, status_dir, exit_now=exit_now)
@@ -379,30 +409,6 @@ def _start_timed_out(who: str, where: str, timeout_s: float, status_dir: str | N
     os._exit(START_TIMEOUT_EXIT_CODE)
 
 
-def _type_name(exc_type: type[BaseException]) -> str:
-    """The exception type's name as a traceback prints it (``ValueError``, ``pkg.mod.MyError``)."""
-    module = getattr(exc_type, "__module__", None)
-    name = getattr(exc_type, "__qualname__", exc_type.__name__)
-    return name if module in (None, "builtins", "__main__") else f"{module}.{name}"
-
-
-def _report(status_dir: str, worker_id: int, exc_type: type[BaseException], exc: BaseException) -> None:
-    """Write this worker's uncaught exception to the launcher's status directory."""
-    try:
-        message = str(exc)
-    except Exception:  # noqa: BLE001 - a broken __str__ must not hide the failure
-        message = f"<{exc_type.__name__} with an unprintable message>"
-    write_status(
-        status_dir,
-        worker_id,
-        kind="exception",
-        exception_type=_type_name(exc_type),
-        message=message,
-        first_failure=claim_first_failure(status_dir),
-        runtime_error=isinstance(exc, jax.errors.JaxRuntimeError),
-    )
-
-
 def _install_excepthook(worker_id: int, status_dir: str | None, *, exit_now: bool) -> None:
     """Report an uncaught exception to the launcher and, with ``exit_now``, end the process at once.
 
@@ -416,7 +422,7 @@ def _install_excepthook(worker_id: int, status_dir: str | None, *, exit_now: boo
     def excepthook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
         try:
             if status_dir:
-                _report(status_dir, worker_id, exc_type, exc)
+                report_exception(status_dir, worker_id, exc_type, exc)
             previous(exc_type, exc, tb)
             if exit_now:
                 sys.stderr.write(

@@ -27,7 +27,7 @@ import tempfile
 import time
 from typing import Any
 
-__all__ = ["ENV_STATUS_DIR", "claim_first_failure", "read_status", "status_path", "write_status"]
+__all__ = ["ENV_STATUS_DIR", "claim_first_failure", "read_status", "report_exception", "status_path", "write_status"]
 
 #: Set by the launcher: the directory where workers write their status files.
 ENV_STATUS_DIR = "REPLICATOR_STATUS_DIR"
@@ -109,6 +109,35 @@ def write_status(
     except Exception:  # noqa: BLE001 - reporting must not hide the worker's own failure
         return None
     return path
+
+
+def _type_name(exc_type: type[BaseException]) -> str:
+    """The exception type's name as a traceback prints it (``ValueError``, ``pkg.mod.MyError``)."""
+    module = getattr(exc_type, "__module__", None)
+    name = getattr(exc_type, "__qualname__", exc_type.__name__)
+    return name if module in (None, "builtins", "__main__") else f"{module}.{name}"
+
+
+def _is_jax_runtime_error(exc_type: type[BaseException]) -> bool:
+    """Whether it is (a subclass of) ``jax.errors.JaxRuntimeError``, without importing JAX."""
+    return any(c.__name__ == "JaxRuntimeError" and c.__module__.startswith("jax") for c in exc_type.__mro__)
+
+
+def report_exception(directory: str, worker_id: int, exc_type: type[BaseException], exc: BaseException) -> None:
+    """Write worker ``worker_id``'s uncaught exception as its status file."""
+    try:
+        message = str(exc)
+    except Exception:  # noqa: BLE001 - a broken __str__ must not hide the failure
+        message = f"<{exc_type.__name__} with an unprintable message>"
+    write_status(
+        directory,
+        worker_id,
+        kind="exception",
+        exception_type=_type_name(exc_type),
+        message=message,
+        first_failure=claim_first_failure(directory),
+        runtime_error=_is_jax_runtime_error(exc_type),
+    )
 
 
 def read_status(directory: str, worker_id: int) -> dict[str, Any] | None:

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from replicator.runtime.distributed import progress
 from replicator.training.checkpoint import agreement, encoding, files
 from replicator.training.checkpoint.encoding import CheckpointError
 
@@ -184,19 +185,22 @@ class CheckpointManager:
                 error = e  # the others still gather (below), then learn of it
         # Every process takes part in gathering the leaves sharded over processes.
         fetch = writer and error is None
-        arrays = {
-            f"a{i}": encoding.stored(leaf, entry, fetch)
-            for i, ((_, leaf), entry) in enumerate(zip(flat, leaves, strict=True))
-        }
+        with progress.phase("checkpoint-gather", f"step {step}"):
+            arrays = {
+                f"a{i}": encoding.stored(leaf, entry, fetch)
+                for i, ((_, leaf), entry) in enumerate(zip(flat, leaves, strict=True))
+            }
         if fetch:
             try:
-                self._write(step, final, arrays, leaves, treedef, extra_json, overwrite)
+                with progress.phase("checkpoint-write", f"step {step} into {final}"):
+                    self._write(step, final, arrays, leaves, treedef, extra_json, overwrite)
             except Exception as e:
                 if not multi:
                     raise
                 error = e
         if multi:
-            agreement.agree_on_save(error, final)
+            with progress.phase("checkpoint-wait", f"step {step}"):
+                agreement.agree_on_save(error, final)
         return final
 
     def _check_new(self, step: int, overwrite: bool) -> dict[int, str]:
