@@ -43,10 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown variants {sorted(unknown)}; choose from {list(VARIANTS)}")
     seeds = [args.only] if args.only is not None else range(args.seed, args.seed + args.programs)
     checked: collections.Counter = collections.Counter()
+    executions: collections.Counter = collections.Counter()
     failures = []
     start = time.time()
     for n, seed in enumerate(seeds, 1):
-        for outcome in run_program(seed, variants):
+        for outcome in run_program(seed, variants, stats=executions):
             checked[outcome.variant] += 1
             if not outcome.ok:
                 failures.append(outcome)
@@ -54,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         if n % 10 == 0:
             print(f"... {n} programs, {len(failures)} failures, {time.time() - start:.0f} s", flush=True)
     print(f"\nchecked {len(seeds)} programs x {len(MESHES)} meshes in {time.time() - start:.0f} s")
+    print(
+        f"  {executions['runs']} variant runs executed {executions['graphs']} distinct final graphs "
+        "(variants whose passes produced an identical graph share its execution)"
+    )
     for v in variants:
         bad = [f for f in failures if f.variant == v]
         crashes = sum(1 for f in bad if f.error)

@@ -9,7 +9,9 @@ switched on, all with ``verify=True`` (graph invariants after every pass).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
 from typing import Any
 
 import jax
@@ -17,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import replicator as rp
-from replicator.passes import analyze_invariance
+from replicator.passes import StepGraph, analyze_invariance
 
 from .programs import PerReplica, Spec, Stacked, global_batches, initial_state, make_step, random_spec
 
@@ -82,8 +84,25 @@ def reference(spec: Spec, workers: int, cores: int, wire_dtype: Any = None) -> t
     return jax.tree.map(lambda a: a[0], rows), outputs
 
 
-def replicated(spec: Spec, workers: int, cores: int, variant: str) -> tuple[Any, list[Any], tuple]:
-    """Final state, each step's per-replica outputs, and the analysis's variance of each output leaf."""
+def graph_key(final: StepGraph) -> str:
+    """What determines a compiled step's results: its graph, its constants' bytes, its sharded state."""
+    digest = hashlib.sha256(str(final.jaxpr).encode())
+    for const in final.jaxpr.consts:
+        digest.update(np.asarray(const).tobytes())
+    digest.update(repr(sorted(final.sharded_state)).encode())
+    return digest.hexdigest()
+
+
+def replicated(
+    spec: Spec, workers: int, cores: int, variant: str, executed: dict[str, tuple] | None = None
+) -> tuple[Any, list[Any], tuple]:
+    """Final state, each step's per-replica outputs, and the analysis's variance of each output leaf.
+
+    ``executed`` maps :func:`graph_key` of final graphs already run for this
+    program and mesh to their results: a variant whose passes produced the same
+    final graph as another (a pass with nothing to do) reuses them instead of
+    compiling that graph again.
+    """
     options = dict(VARIANTS[variant])
     raw = variant in RAW_VARIANTS
     repl = rp.Replicator(
@@ -92,20 +111,25 @@ def replicated(spec: Spec, workers: int, cores: int, variant: str) -> tuple[Any,
     R = workers * cores
     batches = global_batches(spec, R, STEPS)
     rows = spec.rows * cores
+    step = make_step(spec, PerReplica(workers, cores, raw=raw))
+    lowered = repl.lower(step, jax.tree.map(lambda a: a[:rows], batches[0]), initial_state(spec))
+    variance = analyze_invariance(lowered.traced).output_variance[lowered.traced.num_state :]
+    key = graph_key(lowered.final)
+    if executed is not None and key in executed:
+        return (*executed[key], variance)
 
     def input_fn(ctx):
         for b in batches:
             yield jax.tree.map(lambda a: a[ctx.worker_id * rows : (ctx.worker_id + 1) * rows], b)
 
-    step = make_step(spec, PerReplica(workers, cores, raw=raw))
     state, outputs = initial_state(spec), []
     for _ in batches:
         state, out = repl.run(step, input_fn, state)
         outputs.append(out)
-    outputs = [jax.tree.map(np.asarray, o) for o in outputs]
-    traced = repl.lower(step, jax.tree.map(lambda a: a[:rows], batches[0]), initial_state(spec)).traced
-    variance = analyze_invariance(traced).output_variance[traced.num_state :]
-    return jax.tree.map(np.asarray, state), outputs, variance
+    result = (jax.tree.map(np.asarray, state), [jax.tree.map(np.asarray, o) for o in outputs])
+    if executed is not None:
+        executed[key] = result
+    return (*result, variance)
 
 
 def claimed_identical_but_differs(outputs: list[Any], variance: tuple, workers: int, cores: int) -> str | None:
@@ -172,6 +196,7 @@ def check(
     mesh: tuple[int, int],
     ref: tuple[Any, list[Any]] | None = None,
     rounded: tuple[Any, list[Any]] | None = None,
+    executed: dict[str, tuple] | None = None,
 ) -> Outcome:
     """Run one program under one variant and mesh against the stacked reference.
 
@@ -185,7 +210,7 @@ def check(
         if variant == "compress" and rounded is None:
             rounded = reference(spec, workers, cores, jnp.bfloat16)
         rounded_state, rounded_outputs = rounded if variant == "compress" else (None, [None] * len(want_outputs))
-        got_state, got_outputs, variance = replicated(spec, workers, cores, variant)
+        got_state, got_outputs, variance = replicated(spec, workers, cores, variant, executed)
     except Exception as e:  # noqa: BLE001 - every crash is a finding
         outcome.error = f"{type(e).__name__}: {str(e)[:400]}"
         return outcome
@@ -199,8 +224,15 @@ def check(
     return outcome
 
 
-def run_program(seed: int, variants: list[str], meshes=MESHES) -> list[Outcome]:
-    """One random program under every variant and mesh (the reference computed once per mesh)."""
+def run_program(
+    seed: int, variants: list[str], meshes=MESHES, stats: collections.Counter | None = None
+) -> list[Outcome]:
+    """One random program under every variant and mesh (the reference computed once per mesh).
+
+    Variants whose final graphs are identical share one execution; ``stats``
+    counts ``runs`` (variant x mesh) and distinct ``graphs`` executed.
+    """
+    stats = collections.Counter() if stats is None else stats
     outcomes = []
     for mesh in meshes:
         spec = random_spec(seed, mesh[0] * mesh[1])
@@ -210,5 +242,8 @@ def run_program(seed: int, variants: list[str], meshes=MESHES) -> list[Outcome]:
         except Exception as e:  # noqa: BLE001 - a reference failure is a generator bug
             outcomes.append(Outcome(spec, "reference", mesh, error=f"{type(e).__name__}: {str(e)[:400]}"))
             continue
-        outcomes.extend(check(spec, v, mesh, ref, rounded) for v in variants)
+        executed: dict[str, tuple] = {}  # final graphs run for this program and mesh
+        outcomes.extend(check(spec, v, mesh, ref, rounded, executed) for v in variants)
+        stats["graphs"] += len(executed)
+        stats["runs"] += len(variants)
     return outcomes

@@ -5,12 +5,17 @@ compared with every replica simulated at once on one device. The long run is
 ``python scripts/fuzz.py --programs 2000``.
 """
 
+import collections
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import replicator as rp
+
 from .differential import MESHES, VARIANTS, check, reference
-from .programs import PerReplica, Stacked, random_spec
+from .programs import PerReplica, Stacked, global_batches, initial_state, make_step, random_spec
 
 # (seed, variant, mesh): every variant on both meshes, a different program each.
 SAMPLE = [(100 + i, v, MESHES[i % 2]) for i, v in enumerate(VARIANTS)]
@@ -95,3 +100,20 @@ class TestCompressTolerance:
         monkeypatch.setattr(compress, "compressed_all_reduce", off_by_two_percent)
         outcome = check(random_spec(1408, 8), "compress", (2, 4))
         assert outcome.mismatch and "max |difference|" in outcome.mismatch, str(outcome)
+
+
+def test_variants_share_an_execution_only_when_their_final_graphs_are_identical():
+    from .differential import graph_key, run_program
+
+    spec = random_spec(101, 8)
+
+    def key(variant):
+        repl = rp.Replicator(1, 8, passes=rp.Pipeline.default(**VARIANTS[variant]))
+        batch = jax.tree.map(lambda a: a[: spec.rows * 8], global_batches(spec, 8, 1)[0])
+        return graph_key(repl.lower(make_step(spec, PerReplica(1, 8)), batch, initial_state(spec)).final)
+
+    assert key("default") == key("default")
+    assert key("default") != key("ring")  # the ring lowering rewrote the all-reduces
+    stats = collections.Counter()
+    assert all(o.ok for o in run_program(101, ["default", "default", "ring"], meshes=((1, 8),), stats=stats))
+    assert stats == {"runs": 3, "graphs": 2}
