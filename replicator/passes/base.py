@@ -39,6 +39,7 @@ __all__ = [
     "merge_effects",
     "open_jaxpr",
     "region_name",
+    "recompute_named_axis_effects",
     "rewrite_graph",
     "rewrite_jaxpr",
     "sub_jaxprs",
@@ -253,6 +254,7 @@ def inline_function(
     *,
     context: ReplicaContext,
     like: JaxprEqn | None = None,
+    axis_env: Sequence[tuple[str, int]] | None = None,
 ) -> tuple[list[JaxprEqn], list[Atom]]:
     """Trace ``fn(*in_atoms)`` and return its equations, ready to splice.
 
@@ -263,12 +265,14 @@ def inline_function(
       context: the mesh shape (bound as ``axis_env`` while tracing).
       like: an equation whose source location the new equations inherit, so
         that errors and dumps still point at the user's line.
+      axis_env: named axes to bind instead of ``context.axis_env`` (the
+        folding pass binds the device mesh and the folded replica axes).
 
     Returns:
       ``(eqns, out_atoms)``: fresh equations and the atoms holding the results.
     """
     specs = [jax.ShapeDtypeStruct(a.aval.shape, a.aval.dtype, weak_type=a.aval.weak_type) for a in in_atoms]
-    closed = jax.make_jaxpr(fn, axis_env=context.axis_env)(*specs)
+    closed = jax.make_jaxpr(fn, axis_env=list(context.axis_env if axis_env is None else axis_env))(*specs)
     inner = closed.jaxpr
     env: dict[Var, Atom] = dict(zip(inner.invars, in_atoms, strict=True))
     for var, value in zip(inner.constvars, closed.consts, strict=True):
@@ -297,3 +301,23 @@ def inline_function(
             )
         )
     return eqns, [read(v) for v in inner.outvars]
+
+
+def recompute_named_axis_effects(jaxpr: Jaxpr) -> Jaxpr:
+    """Recompute the named-axis effects of calls and control flow from their (rewritten) bodies.
+
+    JAX records ``NamedAxisEffect('batch')`` on every equation that encloses a
+    ``psum`` over ``'batch'``; once a rewrite renamed or removed that ``psum``
+    the effect is stale and the jaxpr would no longer type-check.
+    """
+    from replicator._jax_compat import named_axis_effect_type
+
+    effect_type = named_axis_effect_type()
+    eqns = []
+    for eqn in jaxpr.eqns:
+        if any(True for _ in sub_jaxprs(eqn.params)):
+            eqn = map_subjaxprs(eqn, recompute_named_axis_effects)
+            own = [e for e in eqn.effects if not isinstance(e, effect_type)]
+            eqn = eqn.replace(effects=merge_effects(sub_jaxprs(eqn.params), base=own))
+        eqns.append(eqn)
+    return jaxpr.replace(eqns=eqns, effects=merge_effects(eqns))

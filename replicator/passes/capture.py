@@ -44,9 +44,9 @@ from typing import Any
 
 import jax.extend.core.primitives as lax_primitives
 import jax.numpy as jnp
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
+from jax.extend.core import ClosedJaxpr, JaxprEqn
 
-from replicator._jax_compat import named_axis_effect_type, reduce_scatter_primitive, user_source_line
+from replicator._jax_compat import reduce_scatter_primitive, user_source_line
 from replicator.core.context import REPLICA_AXES, ReplicaContext, group_axes
 from replicator.core.primitives import all_gather_p, all_reduce_p, reduce_scatter_p, replica_id_p
 from replicator.errors import ReplicationError
@@ -55,10 +55,8 @@ from replicator.passes.base import (
     PassResult,
     StepGraph,
     inline_function,
-    map_subjaxprs,
-    merge_effects,
+    recompute_named_axis_effects,
     rewrite_graph,
-    sub_jaxprs,
 )
 
 __all__ = ["CaptureCollectives", "CaptureError"]
@@ -153,7 +151,7 @@ class CaptureCollectives(Pass):
         if not result.changed:
             return result
         closed = result.graph.jaxpr
-        jaxpr = _without_stale_axis_effects(closed.jaxpr, named_axis_effect_type())
+        jaxpr = recompute_named_axis_effects(closed.jaxpr)
         return PassResult(result.graph.with_jaxpr(ClosedJaxpr(jaxpr, closed.consts)), True)
 
 
@@ -168,20 +166,3 @@ def _renamed(eqn: JaxprEqn, param: str, context: ReplicaContext) -> tuple[list[J
         raise _fail(eqn, str(e)) from None
     params = {**eqn.params, param: axes}
     return inline_function(lambda *xs: eqn.primitive.bind(*xs, **params), eqn.invars, context=context, like=eqn)
-
-
-def _without_stale_axis_effects(jaxpr: Jaxpr, effect_type: type) -> Jaxpr:
-    """Recompute the named-axis effects of calls and control flow from their (rewritten) bodies.
-
-    JAX records ``NamedAxisEffect('batch')`` on every equation that encloses a
-    ``psum`` over ``'batch'``; once the psum is a placeholder the effect is stale
-    and the jaxpr would no longer type-check.
-    """
-    eqns = []
-    for eqn in jaxpr.eqns:
-        if sub_jaxprs(eqn.params):
-            eqn = map_subjaxprs(eqn, lambda sub: _without_stale_axis_effects(sub, effect_type))
-            own = [e for e in eqn.effects if not isinstance(e, effect_type)]
-            eqn = eqn.replace(effects=merge_effects(sub_jaxprs(eqn.params), base=own))
-        eqns.append(eqn)
-    return jaxpr.replace(eqns=eqns, effects=merge_effects(eqns))
