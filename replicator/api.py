@@ -32,6 +32,7 @@ import numpy as np
 
 from replicator.core.context import ReplicaContext, normalize_axis_names
 from replicator.core.tracing import TracedStep, is_array_leaf, leaf_paths, trace_step
+from replicator.passes.fold import FoldLayout, fold_layout, fold_lowered
 from replicator.passes.pipeline import Lowered, Pipeline
 from replicator.passes.report import CommunicationReport, communication_report
 from replicator.runtime.consistency import check_replicas_agree
@@ -138,6 +139,14 @@ class Replicator:
         ``BatchNorm(axis_name='batch')`` then trace unchanged and become the
         same placeholders as ``rp.all_mean``. The mesh names ``'workers'`` and
         ``'cores'`` are always bound.
+      replicas_per_device: run this many consecutive replicas on each device
+        (``jax.vmap`` over them inside the device's program), so that
+        ``num_workers x cores_per_worker`` replicas need only ``1 /
+        replicas_per_device`` as many devices; it must divide
+        ``cores_per_worker`` or be a multiple of it that divides the replica
+        count. Results are those of one replica per device (up to float
+        rounding); replica-invariant work runs once per device
+        (:mod:`replicator.passes.fold`).
       check_state_every: every this many steps, check that every replica still
         holds the same state (a host fingerprint of each device's copy, compared
         across processes with one small all-gather); the first differing leaf
@@ -161,11 +170,20 @@ class Replicator:
         max_in_flight: int | None = None,
         axis_name: str | Mapping[str, str | None] | None = None,
         check_state_every: int | None = None,
+        replicas_per_device: int = 1,
     ):
         axis_names = normalize_axis_names(axis_name)
         check_initialized_under_launcher()
-        self.mesh = build_mesh(num_workers, cores_per_worker, devices=devices)
-        self.num_workers, self.cores_per_worker = self.mesh.devices.shape
+        if replicas_per_device == 1:
+            self.mesh = build_mesh(num_workers, cores_per_worker, devices=devices)
+            self.num_workers, self.cores_per_worker = self.mesh.devices.shape
+            self.fold = FoldLayout(self.num_workers, self.cores_per_worker)
+        else:
+            if cores_per_worker is None:
+                raise ValueError("replicas_per_device needs an explicit cores_per_worker (the logical replicas).")
+            self.fold = fold_layout(num_workers, cores_per_worker, replicas_per_device=replicas_per_device)
+            self.mesh = build_mesh(*self.fold.device_mesh, devices=devices)
+            self.num_workers, self.cores_per_worker = num_workers, cores_per_worker
         self.context = ReplicaContext(self.num_workers, self.cores_per_worker, axis_names)
         self.pipeline = passes if passes is not None else Pipeline.default()
         if not isinstance(self.pipeline, Pipeline):
@@ -196,7 +214,8 @@ class Replicator:
     def local_workers(self) -> list[int]:
         """Workers whose devices belong to this process, in order."""
         me = jax.process_index()
-        return [w for w in range(self.num_workers) if self.mesh.devices[w, 0].process_index == me]
+        rows = self.fold.workers_fold
+        return [w for w in range(self.num_workers) if self.mesh.devices[w // rows, 0].process_index == me]
 
     def input_context(self, worker_id: int) -> InputContext:
         return InputContext(self.num_workers, worker_id, self.cores_per_worker)
@@ -204,7 +223,8 @@ class Replicator:
     def __repr__(self) -> str:
         return (
             f"Replicator(num_workers={self.num_workers}, cores_per_worker={self.cores_per_worker}, "
-            f"platform={self.mesh.devices.flat[0].platform!r}, passes={self.pipeline!r})"
+            + (f"replicas_per_device={self.fold.replicas_per_device}, " if self.fold.replicas_per_device > 1 else "")
+            + f"platform={self.mesh.devices.flat[0].platform!r}, passes={self.pipeline!r})"
         )
 
     # -- tracing and compiling -----------------------------------------------
@@ -236,8 +256,10 @@ class Replicator:
                 batch_specs = batch_def.unflatten([_spec(s) for s in batch_sigs])
                 traced = trace_step(step_fn, state_specs, batch_specs, self.context)
                 self.trace_count += 1
-                lowered = self.pipeline.run(traced.graph)
-                executable = build_executable(lowered.final, self.mesh, donate_state=self.donate_state)
+                lowered = self.pipeline.run(traced.graph, fold=self.fold)
+                if self.fold.replicas_per_device > 1:
+                    lowered = fold_lowered(lowered, self.fold)
+                executable = build_executable(lowered.final, self.mesh, donate_state=self.donate_state, fold=self.fold)
                 compiled = CompiledStep(traced, lowered, executable)
                 self._compiled[key] = compiled
                 while len(self._compiled) > MAX_COMPILED_STEPS:
@@ -381,7 +403,7 @@ class Replicator:
         traced = compiled.traced
         state_leaves = traced.array_leaves(state) if state is not None else []
         placed_state = place_state(state_leaves, self.mesh, compiled.lowered.final.sharded_state)
-        placed_batch = place_batch(worker_leaves, self.mesh)
+        placed_batch = place_batch(worker_leaves, self.mesh, self.num_workers)
         self._wait_for_room()
         new_state, outputs = compiled.executable(placed_state, placed_batch)
         compiled.runs += 1

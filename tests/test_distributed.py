@@ -347,6 +347,28 @@ class TestTwoProcesses:
             if cores > 1:
                 assert f"replica(s) {mine[1:]} differ from replica {mine[0]}" in str(got["varying_error"])
 
+    def test_folded_replicas_across_two_processes(self, tmp_path, n_devices):
+        # 2 processes x n/4 devices, 2 replicas per device: the same 2 x n/2 replicas as above.
+        if n_devices % 4:
+            pytest.skip(f"{n_devices} devices do not split into 2 workers of 2 replicas per device")
+        cores = n_devices // 2
+        proc, _ = run_job(
+            "--num-workers", "2", "--cores-per-worker", str(n_devices // 4),
+            train_args=("--out", str(tmp_path), "--steps", str(STEPS), "--replicas-per-device", "2"),
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-5000:]
+        assert f"mesh {{'workers': 2, 'cores': {n_devices // 4}}}" in proc.stdout, proc.stdout[-2000:]
+        train = train_module()
+        one_process = train.run(rp.Replicator(1, n_devices), STEPS)  # one replica per device
+        want_probe = expected_probe(2, cores, train.global_batch(train.PROBE_STEP))
+        for w in (0, 1):
+            got = load(tmp_path, w)
+            for k in [k for k in one_process if k.startswith("param_")] + ["losses"]:
+                np.testing.assert_allclose(got[k], one_process[k], atol=1e-6, rtol=0, err_msg=f"worker {w}: {k}")
+            for k, want in want_probe.items():
+                np.testing.assert_allclose(got[f"probe_{k}"], want, rtol=0, atol=1e-5, err_msg=k)
+            np.testing.assert_array_equal(got["local_rid"], list(range(w * cores, (w + 1) * cores)))
+
     def test_checkpoints_move_between_one_and_two_processes(self, tmp_path, n_devices):
         # One chain covers both directions with a single job: one process trains and saves
         # after step k1; a 2-process job resumes from it (b), saves after step k2, with

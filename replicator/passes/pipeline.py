@@ -27,6 +27,7 @@ from replicator.errors import PassError, ReplicationError
 from replicator.passes.base import Pass, StepGraph
 from replicator.passes.capture import CaptureCollectives
 from replicator.passes.compress import CompressCommunication
+from replicator.passes.fold import FoldLayout
 from replicator.passes.fuse_allreduce import DEFAULT_MAX_TENSOR_BYTES, DEFAULT_THRESHOLD_BYTES, FuseAllReduce
 from replicator.passes.hierarchical import HierarchicalAllReduce
 from replicator.passes.invariance import CheckReplicaInvariance
@@ -208,10 +209,11 @@ class Pipeline:
         active = [p.name for p in self.passes if p.name not in self.disabled]
         return f"Pipeline({active})"
 
-    def run(self, graph: StepGraph) -> Lowered:
+    def run(self, graph: StepGraph, *, fold: FoldLayout | None = None) -> Lowered:
+        """Every pass in order on ``graph``; ``fold``: how replicas sit on devices (for ``validate``)."""
         stages = [Stage("traced", graph, False)]
         ran: list[str] = []
-        runner = GraphRunner(graph) if self.validate else None
+        runner = GraphRunner(graph, fold=fold) if self.validate else None
         results = runner.run(graph) if runner else None
         if self.verify:
             try:

@@ -41,6 +41,7 @@ from jax.sharding import Mesh
 from replicator.core.primitives import PLACEHOLDERS
 from replicator.errors import MiscompileError
 from replicator.passes.base import StepGraph, iter_eqns
+from replicator.passes.fold import FoldLayout, FoldReplicas
 
 __all__ = ["VALIDATE_ENV", "GraphRunner", "compare_results", "validate_from_env"]
 
@@ -85,7 +86,8 @@ class GraphRunner:
         rows stacked in replica order (the batches of all workers,
         concatenated), leading axis ``num_replicas *`` the traced rows.
       mesh: the ``('workers', 'cores')`` mesh to run on (default: the first
-        devices, shaped like ``graph.context``).
+        devices, shaped like ``graph.context``, or like ``fold.device_mesh``).
+      fold: run several replicas per device (:mod:`replicator.passes.fold`).
     """
 
     def __init__(
@@ -96,11 +98,14 @@ class GraphRunner:
         state: Sequence[Any] | None = None,
         batch: Sequence[Any] | None = None,
         mesh: Mesh | None = None,
+        fold: FoldLayout | None = None,
     ):
         from replicator.runtime.mesh import build_mesh
 
         ctx = graph.context
-        self.mesh = mesh if mesh is not None else build_mesh(ctx.num_workers, ctx.cores_per_worker)
+        self.fold = fold if fold is not None and fold.replicas_per_device > 1 else None
+        device_mesh = self.fold.device_mesh if self.fold else (ctx.num_workers, ctx.cores_per_worker)
+        self.mesh = mesh if mesh is not None else build_mesh(*device_mesh)
         self.replicas = ctx.num_replicas
         rng = np.random.default_rng(seed)
         invars = graph.jaxpr.jaxpr.invars
@@ -123,7 +128,9 @@ class GraphRunner:
 
         if any(e.primitive in PLACEHOLDERS for e in iter_eqns(graph.jaxpr.jaxpr)):
             graph = LowerCollectives().run(graph).graph  # the plain native lowering
-        executable = build_executable(graph, self.mesh)
+        if self.fold is not None:
+            graph = FoldReplicas(self.fold).run(graph).graph
+        executable = build_executable(graph, self.mesh, fold=self.fold)
         state = place_state(self.state, self.mesh, graph.sharded_state)
         batch = [jax.device_put(b, sharded(self.mesh)) for b in self.batch]
         new_state, outputs = executable(state, batch)

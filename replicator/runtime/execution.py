@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from replicator.core.context import REPLICA_AXES
 from replicator.core.graph import StepGraph
+from replicator.passes.fold import FoldLayout
 
 __all__ = ["build_executable", "place_batch", "place_state", "sharded", "spans_processes"]
 
@@ -122,8 +124,15 @@ def program_fingerprint(graph: StepGraph) -> str:
     return h.hexdigest()
 
 
-def build_executable(graph: StepGraph, mesh: Mesh, *, donate_state: bool = False) -> Callable:
+def build_executable(
+    graph: StepGraph, mesh: Mesh, *, donate_state: bool = False, fold: FoldLayout | None = None
+) -> Callable:
     """The compiled-on-first-call function ``(state_leaves, batch_leaves) -> (state, outputs)``.
+
+    With ``fold`` (several replicas per device), ``graph`` is the output of
+    :class:`~replicator.passes.fold.FoldReplicas` for it: each device runs it
+    under ``jax.vmap`` over the folded axes, on its block of consecutive
+    replicas' batch rows.
 
     On a mesh that spans processes, the first call first checks (one small
     collective) that every process compiled a step of the same signature.
@@ -138,8 +147,9 @@ def build_executable(graph: StepGraph, mesh: Mesh, *, donate_state: bool = False
         outs = [jnp.asarray(o) for o in fn(*state, *batch)]
         return outs[:n_state], [o[None] for o in outs[n_state:]]
 
+    per_device = per_replica if fold is None or fold.replicas_per_device == 1 else _folded(per_replica, graph, fold)
     mapped = jax.shard_map(
-        per_replica,
+        per_device,
         mesh=mesh,
         in_specs=(state_specs, P(REPLICA_AXES)),
         out_specs=(state_specs, P(REPLICA_AXES)),
@@ -147,6 +157,37 @@ def build_executable(graph: StepGraph, mesh: Mesh, *, donate_state: bool = False
     )
     jitted = jax.jit(mapped, donate_argnums=(0,) if donate_state else ())
     return _CheckedAcrossProcesses(jitted, graph) if spans_processes(mesh) else jitted
+
+
+def _folded(per_replica: Callable, graph: StepGraph, fold: FoldLayout) -> Callable:
+    """One device's block of replicas: ``per_replica`` under ``vmap`` over each folded axis.
+
+    Batch leaves and sharded (ZeRO) state hold the block's replicas' rows in
+    replica order and are split into ``(Fw, Fc, rows, ...)``; replicated state
+    goes in once (``in_axes=None``) and comes out as the block's first replica's
+    copy (every replica's copy is the same: the variance analysis checked it).
+    """
+    sizes = [size for _, size in fold.folded_axes]
+    sharded_state = graph.sharded_state
+
+    def split(x: Any) -> Any:
+        return x.reshape(*sizes, x.shape[0] // math.prod(sizes), *x.shape[1:])
+
+    def merge(x: Any) -> Any:
+        return x.reshape(math.prod(sizes) * x.shape[len(sizes)], *x.shape[len(sizes) + 1 :])
+
+    def per_device(state: list, batch: list) -> tuple[list, list]:
+        state_axes = [0 if i in sharded_state else None for i in range(len(state))]
+        fn = per_replica
+        for name, _ in reversed(fold.folded_axes):  # the innermost vmap is the last folded axis
+            fn = jax.vmap(fn, in_axes=(state_axes, 0), out_axes=0, axis_name=name)
+        state_in = [split(s) if i in sharded_state else s for i, s in enumerate(state)]
+        new_state, outputs = fn(state_in, [split(b) for b in batch])
+        first = (0,) * len(sizes)
+        new_state = [merge(s) if i in sharded_state else s[first] for i, s in enumerate(new_state)]
+        return new_state, [merge(o) for o in outputs]
+
+    return per_device
 
 
 def _host_constant(c: Any) -> Any:
@@ -260,7 +301,7 @@ def _check_host_memory(worker_leaves: list[list[Any]], mesh: Mesh) -> None:
         )
 
 
-def place_batch(worker_leaves: list[list[Any]], mesh: Mesh) -> list[jax.Array]:
+def place_batch(worker_leaves: list[list[Any]], mesh: Mesh, num_workers: int | None = None) -> list[jax.Array]:
     """Global batch arrays from each local worker's leaves, sharded by replica.
 
     Args:
@@ -268,6 +309,8 @@ def place_batch(worker_leaves: list[list[Any]], mesh: Mesh) -> list[jax.Array]:
         batch leaves.
       mesh: the mesh; on one that spans processes, each process passes its
         own workers' leaves and gets the global arrays.
+      num_workers: workers in the job (default: the mesh's rows; more when
+        several replicas share a device).
     """
     _check_host_memory(worker_leaves, mesh)
     target = sharded(mesh)
@@ -286,6 +329,6 @@ def place_batch(worker_leaves: list[list[Any]], mesh: Mesh) -> list[jax.Array]:
             out.append(jax.device_put(local, target))
         else:
             # Every process holds the same number of workers (build_mesh checks it).
-            global_rows = local.shape[0] // len(worker_leaves) * mesh.devices.shape[0]
+            global_rows = local.shape[0] // len(worker_leaves) * (num_workers or mesh.devices.shape[0])
             out.append(jax.make_array_from_process_local_data(target, local, (global_rows, *local.shape[1:])))
     return out

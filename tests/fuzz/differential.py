@@ -36,6 +36,11 @@ VARIANTS: dict[str, dict] = {
     # The same program written with lax collectives over the axis name 'batch' (as for jax.pmap),
     # run with Replicator(axis_name='batch'): capture-collectives makes them placeholders.
     "lax": {},
+    # Several replicas per device (Replicator(replicas_per_device=F), passes/fold.py): F = 2 folds
+    # cores, F = 8 puts every replica on one device (2 x 4: whole workers folded too).
+    "fold2": {"replicas_per_device": 2},
+    "fold8": {"replicas_per_device": 8},
+    "fold4-zero": {"replicas_per_device": 4, "shard_optimizer": True, "shard_optimizer_min_bytes": 0},
 }
 RAW_VARIANTS = {"lax"}
 MESHES = ((2, 4), (1, 8))
@@ -84,9 +89,10 @@ def reference(spec: Spec, workers: int, cores: int, wire_dtype: Any = None) -> t
     return jax.tree.map(lambda a: a[0], rows), outputs
 
 
-def graph_key(final: StepGraph) -> str:
-    """What determines a compiled step's results: its graph, its constants' bytes, its sharded state."""
-    digest = hashlib.sha256(str(final.jaxpr).encode())
+def graph_key(final: StepGraph, fold: Any = None) -> str:
+    """What determines a compiled step's results: its graph, its constants' bytes, its sharded state,
+    and how replicas sit on devices."""
+    digest = hashlib.sha256(f"{fold!r}\n{final.jaxpr}".encode())
     for const in final.jaxpr.consts:
         digest.update(np.asarray(const).tobytes())
     digest.update(repr(sorted(final.sharded_state)).encode())
@@ -104,9 +110,14 @@ def replicated(
     compiling that graph again.
     """
     options = dict(VARIANTS[variant])
+    replicas_per_device = options.pop("replicas_per_device", 1)
     raw = variant in RAW_VARIANTS
     repl = rp.Replicator(
-        workers, cores, passes=rp.Pipeline.default(verify=True, **options), axis_name="batch" if raw else None
+        workers,
+        cores,
+        passes=rp.Pipeline.default(verify=True, **options),
+        axis_name="batch" if raw else None,
+        replicas_per_device=replicas_per_device,
     )
     R = workers * cores
     batches = global_batches(spec, R, STEPS)
@@ -114,7 +125,7 @@ def replicated(
     step = make_step(spec, PerReplica(workers, cores, raw=raw))
     lowered = repl.lower(step, jax.tree.map(lambda a: a[:rows], batches[0]), initial_state(spec))
     variance = analyze_invariance(lowered.traced).output_variance[lowered.traced.num_state :]
-    key = graph_key(lowered.final)
+    key = graph_key(lowered.final, repl.fold)
     if executed is not None and key in executed:
         return (*executed[key], variance)
 

@@ -211,18 +211,22 @@ def main(argv=None) -> None:
     p.add_argument("--save-at", type=int, help="save a checkpoint after this many steps (into --ckpt)")
     p.add_argument("--ckpt", type=Path, help="the directory --save-at saves into")
     p.add_argument("--zero", action="store_true", help="shard-optimizer-update on every tensor (ZeRO-1)")
+    p.add_argument(
+        "--replicas-per-device", type=int, default=1, help="fold this many replicas onto each device (more cores)"
+    )
     args = p.parse_args(argv)
     if args.save_at is not None and args.ckpt is None:
         p.error("--save-at needs --ckpt DIR")
 
     info = distributed.initialize()
+    fold = args.replicas_per_device
     if info.is_multiprocess:
-        workers, cores = info.num_workers, info.cores_per_worker
+        workers, cores = info.num_workers, info.cores_per_worker * fold
     else:
         workers, cores = args.workers, args.cores
-        rp.force_cpu_devices(workers * cores)
+        rp.force_cpu_devices(workers * cores // fold)
     passes = rp.Pipeline.default(shard_optimizer=True, shard_optimizer_min_bytes=0) if args.zero else None
-    repl = rp.Replicator(num_workers=workers, cores_per_worker=cores, passes=passes)
+    repl = rp.Replicator(num_workers=workers, cores_per_worker=cores, passes=passes, replicas_per_device=fold)
     print(f"worker {info.worker_id} of {info.num_workers}: mesh {dict(repl.mesh.shape)}", flush=True)
     results = run(
         repl,

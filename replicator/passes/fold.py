@@ -1,0 +1,345 @@
+"""``fold-replicas``: run several logical replicas on one device.
+
+``Replicator(num_workers, cores_per_worker, replicas_per_device=F)`` runs
+``R = W * C`` replicas on ``R / F`` devices. Every pass before this one sees the
+logical mesh (``W`` workers x ``C`` cores): group sizes, replica ids, the
+variance analysis and the collectives are those of ``R`` replicas. This pass
+runs last, on the lowered graph, and rewrites every mesh collective for the
+device mesh: the logical axis ``'workers'`` of size ``W`` becomes the device
+axis ``'workers'`` of size ``W / Fw`` followed by the *folded* axis
+``'workers_fold'`` of size ``Fw``; ``'cores'`` likewise with ``Fc``
+(``F = Fw * Fc``). At run time each device evaluates the graph under
+``jax.vmap`` over the folded axes (:func:`~replicator.runtime.execution.build_executable`),
+so a device holds a contiguous block of ``F`` replicas.
+
+Because ``vmap`` only batches what depends on batched values, work that is
+identical on every replica of a device's block (the optimizer update after an
+all-reduce over a group the block lies in, anything computed from the state
+alone) runs once per device, not once per replica.
+
+**Precondition (soundness).** The block of a device must be contiguous in
+replica order and a group's replica index must be *device-major*: with the
+expanded axes of a group in mesh order, no device axis longer than 1 comes
+after a folded axis longer than 1. :func:`fold_layout` only builds layouts
+that satisfy it: fold within workers (``Fw = 1``, ``C % F == 0``) or whole
+workers (``Fc = C``, ``Cm = 1``). Under it, the linear index of a replica over
+a group's expanded axes is ``device_index * F_group + fold_index``, which is
+its logical index in the group. Each collective is then rewritten to compute
+exactly its logical result:
+
+* ``psum``/``pmax``/``pmin``: the same primitive over the expanded axes (JAX
+  reduces over a vmapped axis and a device axis at once);
+* ``axis_index``: one ``axis_index`` per expanded axis, combined row-major
+  (the ``axis_index`` primitive bound with a device axis and a vmapped axis
+  together returns the vmapped index alone in this JAX:
+  ``tests/passes/test_fold.py`` pins it);
+* ``all_gather``: one gather per expanded axis, innermost first, then the
+  gathered axes merged (row-major, so index ``device * F + fold``);
+* ``psum_scatter`` (tiled): sum over the folded axes, scatter over the device
+  axes (chunk ``device``), then keep this replica's slice ``fold`` of it;
+* ``ppermute``: every replica of the group gathered, each replica selects the
+  row its source sent (zeros where no one sends to it, as ``ppermute``).
+
+Anything else that names a mesh axis (``all_to_all``, a primitive this pass
+does not know) raises :class:`FoldError`: computed over the device axis alone
+it would be silently wrong. Tests: ``tests/passes/test_fold.py`` (every
+collective, group and layout against the unfolded run and against numpy) and
+the differential fuzzer's ``fold`` variant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Any
+
+import jax.extend.core.primitives as lax_primitives
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import ClosedJaxpr, JaxprEqn
+
+from replicator._jax_compat import reduce_scatter_primitive
+from replicator.core.context import CORES, REPLICA_AXES, WORKERS
+from replicator.errors import ReplicationError
+from replicator.passes.base import (
+    Pass,
+    PassResult,
+    StepGraph,
+    inline_function,
+    recompute_named_axis_effects,
+    rewrite_graph,
+)
+
+if TYPE_CHECKING:
+    from replicator.passes.pipeline import Lowered
+
+__all__ = ["FOLDED_AXES", "FoldError", "FoldLayout", "FoldReplicas", "fold_layout", "fold_lowered"]
+
+#: The folded (vmapped) axis that follows each device axis.
+FOLDED_AXES: dict[str, str] = {WORKERS: "workers_fold", CORES: "cores_fold"}
+
+
+class FoldError(ReplicationError):
+    """A step that cannot run with several replicas per device."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FoldLayout:
+    """How ``num_workers x cores_per_worker`` logical replicas sit on a device mesh.
+
+    >>> layout = fold_layout(2, 4, replicas_per_device=2)
+    >>> layout.device_mesh, layout.axis_env
+    ((2, 2), (('workers', 2), ('cores', 2), ('cores_fold', 2)))
+    >>> fold_layout(64, 8, replicas_per_device=256).device_mesh  # BigGAN's 512 replicas on 2 devices
+    (2, 1)
+    """
+
+    num_workers: int
+    cores_per_worker: int
+    workers_fold: int = 1
+    cores_fold: int = 1
+
+    @property
+    def replicas_per_device(self) -> int:
+        return self.workers_fold * self.cores_fold
+
+    @property
+    def device_mesh(self) -> tuple[int, int]:
+        """Devices along ``('workers', 'cores')``."""
+        return self.num_workers // self.workers_fold, self.cores_per_worker // self.cores_fold
+
+    @property
+    def folds(self) -> dict[str, int]:
+        return {WORKERS: self.workers_fold, CORES: self.cores_fold}
+
+    @property
+    def folded_axes(self) -> tuple[tuple[str, int], ...]:
+        """The vmapped axes, outermost first, with their sizes (those longer than 1)."""
+        return tuple((FOLDED_AXES[a], self.folds[a]) for a in REPLICA_AXES if self.folds[a] > 1)
+
+    @property
+    def axis_env(self) -> tuple[tuple[str, int], ...]:
+        """Every named axis of the folded graph: device axes, then folded axes."""
+        return (*zip(REPLICA_AXES, self.device_mesh, strict=True), *self.folded_axes)
+
+    def expand(self, axes: tuple) -> tuple:
+        """Logical mesh axes -> device and folded axes, in replica order (other names kept)."""
+        out: list = []
+        for a in axes:
+            out.append(a)
+            if a in FOLDED_AXES and self.folds[a] > 1:
+                out.append(FOLDED_AXES[a])
+        return tuple(out)
+
+    def size(self, name: str) -> int:
+        return dict(self.axis_env)[name]
+
+
+def fold_layout(num_workers: int, cores_per_worker: int, *, replicas_per_device: int) -> FoldLayout:
+    """Place ``replicas_per_device`` consecutive replicas on each device.
+
+    Folds within a worker when ``replicas_per_device`` divides
+    ``cores_per_worker``, else whole workers (it must then be a multiple of
+    ``cores_per_worker`` that divides the replica count).
+
+    Raises:
+      ValueError: no contiguous layout exists; the message lists the choices.
+    """
+    F, W, C = replicas_per_device, num_workers, cores_per_worker
+    if not isinstance(F, int) or F < 1:
+        raise ValueError(f"replicas_per_device must be a positive int, got {F!r}.")
+    if C % F == 0:
+        return FoldLayout(W, C, 1, F)
+    if F % C == 0 and W % (F // C) == 0:
+        return FoldLayout(W, C, F // C, C)
+    choices = sorted({f for f in range(1, W * C + 1) if C % f == 0 or (f % C == 0 and W % (f // C) == 0)})
+    raise ValueError(
+        f"replicas_per_device={F} does not split {W} workers x {C} cores into equal contiguous blocks: it must "
+        f"divide cores_per_worker ({C}) or be a multiple of it that divides the {W * C} replicas. "
+        f"Choose one of {choices}."
+    )
+
+
+# -- the rewrite rules ---------------------------------------------------------------
+
+_REDUCTIONS = {lax_primitives.psum_p, lax_primitives.pmax_p, lax_primitives.pmin_p}
+#: Primitives with named-axis params this pass rewrites, and the param.
+_AXIS_PARAM = {
+    **{p: "axes" for p in _REDUCTIONS},
+    lax_primitives.axis_index_p: "axis_name",
+    lax_primitives.all_gather_p: "axis_name",
+    lax_primitives.ppermute_p: "axis_name",
+}
+
+
+def _names(value: Any) -> tuple:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def _mesh_names(eqn: JaxprEqn) -> tuple[str, ...]:
+    """The mesh axes an equation's params name (any param that holds axis names)."""
+    found: list[str] = []
+    for key in ("axes", "axis_name"):
+        if key in eqn.params:
+            found += [n for n in _names(eqn.params[key]) if n in REPLICA_AXES]
+    return tuple(found)
+
+
+def _split(layout: FoldLayout, axes: tuple) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    expanded = layout.expand(axes)
+    folded = set(FOLDED_AXES.values())
+    return tuple(a for a in expanded if a not in folded), tuple(a for a in expanded if a in folded)
+
+
+def _linear_index(layout: FoldLayout, names: tuple) -> Any:
+    """The replica's index over ``names`` (row-major), one ``axis_index`` per axis.
+
+    The ``axis_index`` primitive over a device axis and a vmapped axis
+    together returns the vmapped index alone in this JAX, so the axes are
+    combined here, one at a time.
+    """
+    index = jnp.int32(0)
+    for name in names:
+        index = index * np.int32(layout.size(name)) + lax.axis_index(name)
+    return index
+
+
+def _all_gather(layout: FoldLayout, x: Any, axes: tuple, dim: int, tiled: bool) -> Any:
+    expanded = layout.expand(axes)
+    y = x
+    for name in reversed(expanded):  # innermost first: index device * F + fold, row-major
+        y = lax.all_gather(y, name, axis=dim, tiled=False)
+    n = math.prod(layout.size(a) for a in expanded)
+    if tiled:
+        return y.reshape(*x.shape[:dim], n * x.shape[dim], *x.shape[dim + 1 :])
+    return y.reshape(*x.shape[:dim], n, *x.shape[dim:])
+
+
+def _reduce_scatter(layout: FoldLayout, x: Any, axes: tuple, dim: int) -> Any:
+    device_axes, folded_axes = _split(layout, axes)
+    if folded_axes:
+        x = lax.psum(x, folded_axes)
+    if device_axes:
+        x = lax.psum_scatter(x, device_axes, scatter_dimension=dim, tiled=True)
+    if not folded_axes:
+        return x
+    f = math.prod(layout.size(a) for a in folded_axes)
+    size = x.shape[dim] // f
+    return lax.dynamic_slice_in_dim(x, _linear_index(layout, folded_axes) * size, size, axis=dim)
+
+
+def _ppermute(layout: FoldLayout, x: Any, axes: tuple, perm: tuple) -> Any:
+    expanded = layout.expand(axes)
+    me = _linear_index(layout, expanded)
+    source = jnp.int32(-1)  # the replica that sends to me (selects of scalars: no table constant)
+    for src, dst in perm:
+        source = jnp.where(me == np.int32(dst), np.int32(src), source)
+    every = _all_gather(layout, x, axes, 0, tiled=False)
+    row = lax.dynamic_index_in_dim(every, jnp.maximum(source, 0), axis=0, keepdims=False)
+    return jnp.where(source >= 0, row, jnp.zeros_like(row))
+
+
+def _check_device_major(layout: FoldLayout, eqn: JaxprEqn, axes: tuple) -> None:
+    """The precondition: in a group's expanded axes no device axis > 1 follows a folded axis > 1."""
+    seen_fold = False
+    for name in layout.expand(axes):
+        if name in FOLDED_AXES.values():
+            seen_fold |= layout.size(name) > 1
+        elif name in REPLICA_AXES and seen_fold and layout.size(name) > 1:
+            raise FoldError(
+                f"fold-replicas: '{eqn.primitive.name}' over {axes} is not device-major under {layout} "
+                "(a layout fold_layout never builds)."
+            )
+
+
+class FoldReplicas(Pass):
+    """Rewrite a lowered graph's mesh collectives for ``layout`` (see the module docstring).
+
+    Not part of a pipeline: ``Replicator(replicas_per_device=F)`` applies it
+    after the pipeline, as the stage ``fold-replicas`` of ``Replicator.lower``.
+    """
+
+    name = "fold-replicas"
+    needs_placeholders = False
+
+    def __init__(self, layout: FoldLayout):
+        self.layout = layout
+
+    def __repr__(self) -> str:
+        return f"FoldReplicas({self.layout})"
+
+    def run(self, graph: StepGraph) -> PassResult:
+        layout = self.layout
+        if layout.replicas_per_device == 1:
+            return PassResult(graph, False)
+        scatter_p = reduce_scatter_primitive()
+
+        def rule(eqn: JaxprEqn) -> Any:
+            prim = eqn.primitive
+            axes = _mesh_names(eqn)
+            if not axes:
+                return None
+            names = _names(eqn.params.get("axes", eqn.params.get("axis_name")))
+            if eqn.params.get("axis_index_groups") is not None:
+                raise FoldError(f"fold-replicas: '{prim.name}' with axis_index_groups cannot be folded.")
+            _check_device_major(layout, eqn, names)
+            env = layout.axis_env
+            if prim is lax_primitives.axis_index_p:
+                expanded = layout.expand(names)
+                return inline_function(
+                    lambda: _linear_index(layout, expanded), [], context=graph.context, like=eqn, axis_env=env
+                )
+            if prim in _REDUCTIONS:
+                params = {**eqn.params, _AXIS_PARAM[prim]: layout.expand(names)}
+                return inline_function(
+                    lambda *xs: prim.bind(*xs, **params), eqn.invars, context=graph.context, like=eqn, axis_env=env
+                )
+            if prim is lax_primitives.all_gather_p:
+                p = eqn.params
+                return inline_function(
+                    lambda x: _all_gather(layout, x, names, p["all_gather_dimension"], p["tiled"]),
+                    eqn.invars,
+                    context=graph.context,
+                    like=eqn,
+                    axis_env=env,
+                )
+            if prim is scatter_p and eqn.params.get("tiled"):
+                dim = eqn.params["scatter_dimension"]
+                return inline_function(
+                    lambda x: _reduce_scatter(layout, x, names, dim),
+                    eqn.invars,
+                    context=graph.context,
+                    like=eqn,
+                    axis_env=env,
+                )
+            if prim is lax_primitives.ppermute_p:
+                perm = eqn.params["perm"]
+                return inline_function(
+                    lambda x: _ppermute(layout, x, names, perm),
+                    eqn.invars,
+                    context=graph.context,
+                    like=eqn,
+                    axis_env=env,
+                )
+            raise FoldError(
+                f"fold-replicas: '{prim.name}' over the mesh axes {axes} has no folded form, so this step cannot "
+                "run with several replicas per device. Run it with one replica per device (replicas_per_device=1)."
+            )
+
+        result = rewrite_graph(graph, rule)
+        if not result.changed:
+            return result
+        closed = result.graph.jaxpr
+        jaxpr = recompute_named_axis_effects(closed.jaxpr)
+        return PassResult(result.graph.with_jaxpr(ClosedJaxpr(jaxpr, closed.consts)), True)
+
+
+def fold_lowered(lowered: Lowered, layout: FoldLayout) -> Lowered:
+    """``lowered`` with a last stage ``fold-replicas``: its final graph folded for ``layout``."""
+    from replicator.passes.pipeline import Lowered, Stage
+    from replicator.passes.verify import check_defined
+
+    result = FoldReplicas(layout).run(lowered.final)
+    check_defined(result.graph)
+    return Lowered((*lowered.stages, Stage(FoldReplicas.name, result.graph, result.changed)))
