@@ -18,7 +18,10 @@ Workloads: ``mlp64x32`` (64 layers of width 32: 128 small tensors),
 floats: separate psums, one hand-flattened psum, replicator fused / unfused,
 the ring and tree algorithms, bf16 on the wire, hierarchical on 2 workers), and
 ``threshold`` (MLPs with 0.25 and 8 MiB of gradients under several fusion
-bucket sizes; not in the default list, run it with ``--workloads threshold``).
+bucket sizes; not in the default list, run it with ``--workloads threshold``),
+and ``fold-mlpDxW`` (the ``N`` replicas on ``N``, ``2`` and ``1`` devices with
+``replicas_per_device``, against hand-written ``vmap`` inside ``shard_map``;
+``--workloads fold-mlp64x32,fold-mlp16x128``).
 
 Also reported: time spent tracing + in our passes against XLA's compile time.
 
@@ -177,9 +180,16 @@ def replicator_variant(
     n: int,
     disable: tuple[str, ...] = (),
     workers: int = 1,
+    replicas_per_device: int = 1,
     **options: object,
 ) -> Runner:
-    repl = rp.Replicator(workers, n // workers, passes=rp.Pipeline.default(disable=disable, **options))
+    repl = rp.Replicator(
+        workers,
+        n // workers,
+        passes=rp.Pipeline.default(disable=disable, **options),
+        replicas_per_device=replicas_per_device,
+        devices=jax.devices()[: n // replicas_per_device],
+    )
 
     def input_fn(ctx):
         for x, y in host_batches(batch, width):
@@ -215,6 +225,49 @@ def training_variants(depth: int, width: int, batch: int, n: int) -> dict[str, R
             params, width, batch, n, workers=w, hierarchical=True
         )
     return variants
+
+
+def fold_variants(depth: int, width: int, batch: int, n: int) -> dict[str, Runner]:
+    """``n`` replicas on ``n``, ``n / 4`` and 1 devices (``replicas_per_device``), and the
+    hand-written equivalent of folding (``vmap`` over a replica axis inside ``shard_map``)."""
+    params = mlp_init(depth, width)
+    variants = {
+        "single": single_variant(params, width, batch),
+        f"replicator {n} replicas on {n} devices": replicator_variant(params, width, batch, n),
+    }
+    for per_device in (n // 2, n):
+        if per_device > 1 and n % per_device == 0:
+            devices = n // per_device
+            variants[f"replicator {n} replicas on {devices} device(s)"] = replicator_variant(
+                params, width, batch, n, replicas_per_device=per_device
+            )
+            variants[f"hand vmap in shard_map, {n} on {devices}"] = vmap_in_shard_map_variant(
+                params, width, batch, devices, per_device
+            )
+    return variants
+
+
+def vmap_in_shard_map_variant(params: list[dict], width: int, batch: int, devices: int, per_device: int) -> Runner:
+    """The issue's hand-written experiment: ``jax.vmap(step, axis_name='v')`` inside ``shard_map``."""
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("d",))
+
+    def per_replica(params, opt, x, y):
+        loss, g = jax.value_and_grad(mlp_loss)(params, x, y)
+        g = lax.pmean(g, ("d", "v"))
+        upd, opt = TX.update(g, opt, params)
+        return optax.apply_updates(params, upd), opt, lax.pmean(loss, ("d", "v"))
+
+    def per_device_fn(params, opt, x, y):
+        split = lambda a: a.reshape(per_device, a.shape[0] // per_device, *a.shape[1:])  # noqa: E731
+        p, o, loss = jax.vmap(per_replica, in_axes=(None, None, 0, 0), axis_name="v")(params, opt, split(x), split(y))
+        return jax.tree.map(lambda a: a[0], p), jax.tree.map(lambda a: a[0], o), loss[0]
+
+    step = jax.jit(
+        jax.shard_map(
+            per_device_fn, mesh=mesh, in_specs=(P(), P(), P("d"), P("d")), out_specs=(P(), P(), P()), check_vma=False
+        )
+    )
+    return hand_runner(step, params, width, batch, NamedSharding(mesh, P()), NamedSharding(mesh, P("d")))
 
 
 # -- the fusion threshold ------------------------------------------------------------
@@ -373,6 +426,14 @@ def main() -> None:
                     medians,
                     "single",
                 )
+        elif w.startswith("fold-"):
+            depth, width = (int(v) for v in w.removeprefix("fold-mlp").split("x"))
+            medians = time_interleaved(fold_variants(depth, width, ARGS.batch, n), ARGS.rounds, ARGS.steps)
+            print_table(
+                f"{n} replicas folded onto fewer devices, mlp{depth}x{width}, Adam, global batch {ARGS.batch}",
+                medians,
+                "single",
+            )
         elif w == "allreduce":
             medians = time_interleaved(allreduce_variants(n), ARGS.rounds, ARGS.steps)
             print_table(f"{N_TENSORS} all-reduces of {TENSOR_SIZE} floats", medians, "1 flattened psum (shard_map)")

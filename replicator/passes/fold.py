@@ -28,7 +28,10 @@ its logical index in the group. Each collective is then rewritten to compute
 exactly its logical result:
 
 * ``psum``/``pmax``/``pmin``: the same primitive over the expanded axes (JAX
-  reduces over a vmapped axis and a device axis at once);
+  reduces over a vmapped axis and a device axis at once). A ``psum`` of a
+  ``concatenate`` (a fused bucket) first sums each packed tensor over the
+  folded axes, then packs and sums over the device axes: the same sum
+  (addition is element-wise), without a packed copy per replica;
 * ``axis_index``: one ``axis_index`` per expanded axis, combined row-major
   (the ``axis_index`` primitive bound with a device axis and a vmapped axis
   together returns the vmapped index alone in this JAX:
@@ -67,6 +70,7 @@ from replicator.passes.base import (
     PassResult,
     StepGraph,
     inline_function,
+    iter_eqns,
     recompute_named_axis_effects,
     rewrite_graph,
 )
@@ -240,6 +244,14 @@ def _ppermute(layout: FoldLayout, x: Any, axes: tuple, perm: tuple) -> Any:
     return jnp.where(source >= 0, row, jnp.zeros_like(row))
 
 
+def _sum_fold_then_devices(xs: tuple, concat_params: dict, device_axes: tuple, folded_axes: tuple) -> Any:
+    """``psum(concatenate(xs))`` as ``psum_devices(concatenate(psum_fold(x) for x in xs))``."""
+    if folded_axes:
+        xs = tuple(lax.psum(list(xs), folded_axes))
+    packed = lax.concatenate(list(xs), concat_params["dimension"])
+    return lax.psum(packed, device_axes) if device_axes else packed
+
+
 def _check_device_major(layout: FoldLayout, eqn: JaxprEqn, axes: tuple) -> None:
     """The precondition: in a group's expanded axes no device axis > 1 follows a folded axis > 1."""
     seen_fold = False
@@ -274,6 +286,9 @@ class FoldReplicas(Pass):
         if layout.replicas_per_device == 1:
             return PassResult(graph, False)
         scatter_p = reduce_scatter_primitive()
+        concatenated = {
+            e.outvars[0]: e for e in iter_eqns(graph.jaxpr.jaxpr) if e.primitive is lax_primitives.concatenate_p
+        }
 
         def rule(eqn: JaxprEqn) -> Any:
             prim = eqn.primitive
@@ -289,6 +304,18 @@ class FoldReplicas(Pass):
                 expanded = layout.expand(names)
                 return inline_function(
                     lambda: _linear_index(layout, expanded), [], context=graph.context, like=eqn, axis_env=env
+                )
+            if prim is lax_primitives.psum_p and len(eqn.invars) == 1 and eqn.invars[0] in concatenated:
+                # A fused bucket: sum each tensor over the fold before packing, then the buffer over
+                # devices (vmap would otherwise materialise the packed buffer once per replica).
+                concat = concatenated[eqn.invars[0]]
+                device_axes, folded_axes = _split(layout, names)
+                return inline_function(
+                    lambda *xs: _sum_fold_then_devices(xs, concat.params, device_axes, folded_axes),
+                    concat.invars,
+                    context=graph.context,
+                    like=eqn,
+                    axis_env=env,
                 )
             if prim in _REDUCTIONS:
                 params = {**eqn.params, _AXIS_PARAM[prim]: layout.expand(names)}

@@ -163,12 +163,15 @@ def _folded(per_replica: Callable, graph: StepGraph, fold: FoldLayout) -> Callab
     """One device's block of replicas: ``per_replica`` under ``vmap`` over each folded axis.
 
     Batch leaves and sharded (ZeRO) state hold the block's replicas' rows in
-    replica order and are split into ``(Fw, Fc, rows, ...)``; replicated state
-    goes in once (``in_axes=None``) and comes out as the block's first replica's
-    copy (every replica's copy is the same: the variance analysis checked it).
+    replica order and are split into ``(Fw, Fc, rows, ...)``. Replicated state
+    goes in once (``in_axes=None``) and comes out once (``out_axes=None``)
+    where ``vmap`` left it unbatched (work on it ran once per device); should
+    some replicated leaf come out batched, every one is taken from the block's
+    first replica instead (the variance analysis checked they are identical).
     """
     sizes = [size for _, size in fold.folded_axes]
     sharded_state = graph.sharded_state
+    n_state = graph.num_state
 
     def split(x: Any) -> Any:
         return x.reshape(*sizes, x.shape[0] // math.prod(sizes), *x.shape[1:])
@@ -176,18 +179,42 @@ def _folded(per_replica: Callable, graph: StepGraph, fold: FoldLayout) -> Callab
     def merge(x: Any) -> Any:
         return x.reshape(math.prod(sizes) * x.shape[len(sizes)], *x.shape[len(sizes) + 1 :])
 
-    def per_device(state: list, batch: list) -> tuple[list, list]:
-        state_axes = [0 if i in sharded_state else None for i in range(len(state))]
-        fn = per_replica
-        for name, _ in reversed(fold.folded_axes):  # the innermost vmap is the last folded axis
-            fn = jax.vmap(fn, in_axes=(state_axes, 0), out_axes=0, axis_name=name)
-        state_in = [split(s) if i in sharded_state else s for i, s in enumerate(state)]
-        new_state, outputs = fn(state_in, [split(b) for b in batch])
-        first = (0,) * len(sizes)
-        new_state = [merge(s) if i in sharded_state else s[first] for i, s in enumerate(new_state)]
-        return new_state, [merge(o) for o in outputs]
+    def block(unbatched_state: bool) -> Callable:
+        def per_device(state: list, batch: list) -> tuple[list, list]:
+            state_axes = [0 if i in sharded_state else None for i in range(n_state)]
+            out_state_axes = [0 if i in sharded_state or not unbatched_state else None for i in range(n_state)]
+            fn = per_replica
+            for name, _ in reversed(fold.folded_axes):  # the innermost vmap is the last folded axis
+                fn = jax.vmap(fn, in_axes=(state_axes, 0), out_axes=(out_state_axes, 0), axis_name=name)
+            state_in = [split(s) if i in sharded_state else s for i, s in enumerate(state)]
+            new_state, outputs = fn(state_in, [split(b) for b in batch])
+            first = (0,) * len(sizes)
+            new_state = [
+                merge(s) if i in sharded_state else (s if unbatched_state else s[first])
+                for i, s in enumerate(new_state)
+            ]
+            return new_state, [merge(o) for o in outputs]
 
-    return per_device
+        return per_device
+
+    # Which form applies is known from one trace on the block's shapes (not executed).
+    invars = graph.jaxpr.jaxpr.invars
+    F = fold.replicas_per_device
+    state_specs = []
+    for i, v in enumerate(invars[:n_state]):
+        shape = (F * v.aval.shape[0], *v.aval.shape[1:]) if i in sharded_state else v.aval.shape
+        state_specs.append(jax.ShapeDtypeStruct(shape, v.aval.dtype))
+    batch_specs = [
+        jax.ShapeDtypeStruct((F * v.aval.shape[0], *v.aval.shape[1:]), v.aval.dtype) for v in invars[n_state:]
+    ]
+    device_axes = list(zip(REPLICA_AXES, fold.device_mesh, strict=True))
+    try:
+        jax.make_jaxpr(block(True), axis_env=device_axes)(state_specs, batch_specs)
+    except ValueError as e:
+        if "out_axes" not in str(e):
+            raise
+        return block(False)
+    return block(True)
 
 
 def _host_constant(c: Any) -> Any:

@@ -221,3 +221,16 @@ def test_a_collective_with_no_folded_form_is_an_error():
 
     with pytest.raises(FoldError, match="all_to_all.*replicas_per_device=1"):
         repl.lower(step, {"x": np.ones((64, 2), np.float32)})
+
+
+def test_a_fused_bucket_is_summed_over_the_fold_before_it_is_packed():
+    """psum(concatenate(g1, g2)) becomes psum_devices(concatenate(psum_fold(g1), psum_fold(g2)))."""
+    step, state, batches = _adam_problem(64)
+    batch = jax.tree.map(lambda a: a[:16], batches[0])
+    final = rp.Replicator(2, 4, replicas_per_device=2).lower(step, batch, state).final.jaxpr.jaxpr
+    psums = [e for e in final.eqns if e.primitive.name == "psum"]
+    size = 16 * 8 + 8 * 4 + 1  # w1's and w2's gradients and the loss, in one bucket
+    packed = [e for e in psums if e.invars[0].aval.shape == (size,)]
+    assert [e.params["axes"] for e in packed] == [("workers", "cores")]  # over the devices only
+    per_tensor = sorted(e.invars[0].aval.shape for e in psums if e.params["axes"] == ("cores_fold",))
+    assert per_tensor == [(1,), (32,), (128,)]  # each tensor over the fold, before packing
