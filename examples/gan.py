@@ -31,6 +31,14 @@ Run it (8 emulated CPU devices by default)::
 
     python examples/gan.py
     python examples/gan.py --devices 8 --workers 2 --steps 3000 --png /tmp/gan.png
+
+TF-Replicator's BigGAN shape (512 replicas as 64 workers x 8 cores, global batch
+2048, 4 examples per replica, batch-norm statistics over each worker's 8
+replicas), folded onto the devices at hand (``replicas_per_device``); a few
+steps, timed, with the batch-norm check against one device per group::
+
+    python examples/gan.py --config biggan512            # 512 replicas on 8 devices
+    python examples/gan.py --config biggan512 --devices 2 --steps 3
 """
 
 from __future__ import annotations
@@ -78,13 +86,13 @@ def real_batch(step: int, size: int = GLOBAL_BATCH, seed: int = 0) -> np.ndarray
     return (CENTERS[modes] + rng.normal(scale=MODE_STD, size=(size, 2))).astype(np.float32)
 
 
-def make_input_fn(seed: int):
+def make_input_fn(seed: int, global_batch: int = GLOBAL_BATCH):
     def input_fn(ctx: rp.InputContext):
         """One worker's contiguous slice of every global batch of real points."""
-        rows = ctx.worker_batch_size(GLOBAL_BATCH)
+        rows = ctx.worker_batch_size(global_batch)
         start = ctx.worker_id * rows
         for step in itertools.count():
-            yield {"real": real_batch(step, seed=seed)[start : start + rows]}
+            yield {"real": real_batch(step, global_batch, seed=seed)[start : start + rows]}
 
     return input_fn
 
@@ -137,12 +145,18 @@ def running_batch_norm(stats):
     return bn
 
 
-def cross_replica_bn(name, x, scale, offset):
-    return rp.cross_replica_batch_norm(x, scale, offset)  # statistics over every replica's rows
+def cross_replica_bn(group=None):
+    """Batch norm whose statistics span every replica's rows (``group=None``) or a worker's (``'cores'``)."""
+
+    def bn(name, x, scale, offset):
+        return rp.cross_replica_batch_norm(x, scale, offset, group=group)
+
+    return bn
 
 
-def generator(params, z, bn=cross_replica_bn):
+def generator(params, z, bn=None):
     """``(points, batch statistics)``; ``bn(name, x, scale, offset) -> (y, mean, var)``."""
+    bn = cross_replica_bn() if bn is None else bn
     stats = {}
     h = z
     for layer, norm in (("l1", "bn1"), ("l2", "bn2")):
@@ -182,7 +196,9 @@ def init_state(seed: int, g_tx, d_tx):
 # -- the step, written for ONE replica -----------------------------------------------------------------
 
 
-def make_train_step(seed: int, g_tx, d_tx):
+def make_train_step(seed: int, g_tx, d_tx, bn_group: str | None = None):
+    bn = cross_replica_bn(bn_group)
+
     def train_step(state, batch):
         real = batch["real"]  # this replica's rows
         # Different noise on every replica and step; nothing replica-dependent goes into the state.
@@ -190,7 +206,7 @@ def make_train_step(seed: int, g_tx, d_tx):
         k_d, k_g = jax.random.split(key)
 
         # 1. Discriminator (hinge loss, as in BigGAN): real points -> score >= 1, generated -> <= -1.
-        fake, _ = generator(state["g"], jax.random.normal(k_d, (real.shape[0], NOISE_DIM)))
+        fake, _ = generator(state["g"], jax.random.normal(k_d, (real.shape[0], NOISE_DIM)), bn)
         fake = jax.lax.stop_gradient(fake)
 
         def d_loss_fn(d):
@@ -204,14 +220,17 @@ def make_train_step(seed: int, g_tx, d_tx):
 
         # 2. Generator, against the updated discriminator.
         def g_loss_fn(g):
-            points, stats = generator(g, jax.random.normal(k_g, (real.shape[0], NOISE_DIM)))
+            points, stats = generator(g, jax.random.normal(k_g, (real.shape[0], NOISE_DIM)), bn)
             return -jnp.mean(discriminator(d, points)), stats  # hinge loss, generator side
 
         (g_loss, stats), g_grads = jax.value_and_grad(g_loss_fn, has_aux=True)(state["g"])
         g_updates, g_opt = g_tx.update(g_grads, state["g_opt"], state["g"])
         g = optax.apply_updates(state["g"], g_updates)
 
-        # The batch statistics are over the global batch, identical on every replica: keep their averages.
+        # The batch statistics are over the global batch (or a worker's share: averaged over the
+        # workers), identical on every replica: keep their running averages.
+        if bn_group is not None:
+            stats = rp.all_mean(stats)
         bn_stats = jax.tree.map(lambda avg, s: BN_MOMENTUM * avg + (1 - BN_MOMENTUM) * s, state["bn_stats"], stats)
         new_state = {"g": g, "d": d, "g_opt": g_opt, "d_opt": d_opt, "bn_stats": bn_stats, "step": state["step"] + 1}
         metrics = rp.all_mean({"d_loss": d_loss, "g_loss": g_loss, "D_real": d_real, "D_fake": d_fake})
@@ -296,10 +315,35 @@ def save_png(path: str, points: np.ndarray, real: np.ndarray) -> str:
 # -- main -----------------------------------------------------------------------------------------------
 
 
-def parse_args() -> argparse.Namespace:
+#: TF-Replicator's BigGAN configuration: 512 replicas (64 workers x 8 cores), global batch 2048.
+CONFIGS = {
+    "biggan512": {
+        "workers": 64,
+        "replicas": 512,
+        "global_batch": 2048,
+        "bn_group": "cores",
+        "steps": 5,
+        "log_every": 1,
+        "eval_every": 5,
+        "min_modes": 0,
+        "min_quality": 0.0,
+    }
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", choices=sorted(CONFIGS), help="a preset (its values, then the flags given)")
     parser.add_argument("--devices", type=int, default=8, help="emulated CPU devices (default 8)")
-    parser.add_argument("--workers", type=int, default=1, help="workers; cores per worker = devices / workers")
+    parser.add_argument("--workers", type=int, default=1, help="workers; cores per worker = replicas / workers")
+    parser.add_argument("--replicas", type=int, help="replicas (default: one per device; more are folded)")
+    parser.add_argument("--global-batch", type=int, default=GLOBAL_BATCH, help="real points per step, all replicas")
+    parser.add_argument(
+        "--bn-group",
+        choices=["all", "cores"],
+        default="all",
+        help="batch-norm statistics over all replicas or a worker's",
+    )
     parser.add_argument("--steps", type=int, default=3000, help="training steps (default 3000)")
     parser.add_argument("--log-every", type=int, default=300, help="print the losses every N steps")
     parser.add_argument("--eval-every", type=int, default=500, help="measure sample quality every N steps")
@@ -313,51 +357,85 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--min-quality", type=float, default=0.6, help="fail with a smaller high-quality fraction (default 0.6)"
     )
-    args = parser.parse_args()
-    if min(args.devices, args.workers, args.steps, args.log_every, args.eval_every) < 1:
-        parser.error("--devices, --workers, --steps, --log-every and --eval-every must be positive")
-    if args.devices % args.workers:
-        parser.error(f"--devices {args.devices} is not divisible by --workers {args.workers}")
-    if GLOBAL_BATCH % (args.devices * PACK):
-        parser.error(f"the global batch {GLOBAL_BATCH} is not divisible by --devices {args.devices} x {PACK} (packs)")
+    argv = list(argv) if argv is not None else None
+    first = parser.parse_args(argv)
+    if first.config:  # the preset's values are the defaults; flags given on the command line win
+        parser.set_defaults(**CONFIGS[first.config])
+    args = parser.parse_args(argv)
+    args.replicas = args.replicas or args.devices
+    args.bn_group = None if args.bn_group == "all" else args.bn_group
+    if min(args.devices, args.workers, args.steps, args.log_every, args.eval_every, args.replicas) < 1:
+        parser.error("--devices, --workers, --replicas, --steps, --log-every and --eval-every must be positive")
+    if args.replicas % args.workers or args.replicas % args.devices:
+        parser.error(f"--replicas {args.replicas} must be divisible by --workers {args.workers} and --devices")
+    if args.global_batch % (args.replicas * PACK):
+        parser.error(
+            f"the global batch {args.global_batch} is not divisible by {args.replicas} replicas x {PACK} (packs)"
+        )
     return args
 
 
-def check_batch_norm(repl: rp.Replicator, g_params) -> float:
-    """Max difference between the generator on the replicas and on one device, same global batch of noise."""
-    z = np.random.default_rng(123).normal(size=(GLOBAL_BATCH, NOISE_DIM)).astype(np.float32)
+def single_device_generator(g_params, z: np.ndarray, groups: int) -> np.ndarray:
+    """The generator on one device, batch norm over each of ``groups`` consecutive slices of ``z``."""
+
+    def per_group(zg):
+        return generator(g_params, zg, lambda _, *a: local_batch_norm(*a))[0]
+
+    out = jax.jit(jax.vmap(per_group))(z.reshape(groups, -1, NOISE_DIM))
+    return np.asarray(out).reshape(len(z), 2)
+
+
+def check_batch_norm(repl: rp.Replicator, g_params, global_batch: int = GLOBAL_BATCH, bn_group=None) -> float:
+    """Max difference between the generator on the replicas and on one device, same global batch of noise.
+
+    With ``bn_group='cores'`` the statistics span one worker's replicas: the
+    reference normalises each worker's rows separately.
+    """
+    z = np.random.default_rng(123).normal(size=(global_batch, NOISE_DIM)).astype(np.float32)
+    bn = cross_replica_bn(bn_group)
 
     def noise_input_fn(ctx: rp.InputContext):
-        rows = ctx.worker_batch_size(GLOBAL_BATCH)
+        rows = ctx.worker_batch_size(global_batch)
         yield {"z": z[ctx.worker_id * rows : (ctx.worker_id + 1) * rows]}
 
     def forward(params, batch):
-        points, _ = generator(params, batch["z"])
+        points, _ = generator(params, batch["z"], bn)
         return params, points
 
     _, points = repl.run(forward, noise_input_fn, g_params)  # (replicas, rows each, 2), in replica order
-    replicated = np.asarray(points).reshape(GLOBAL_BATCH, 2)
-    single = np.asarray(jax.jit(lambda p, z: generator(p, z, lambda _, *a: local_batch_norm(*a))[0])(g_params, z))
+    replicated = np.asarray(points).reshape(global_batch, 2)
+    single = single_device_generator(g_params, z, repl.num_workers if bn_group == "cores" else 1)
     return float(np.max(np.abs(replicated - single)))
 
 
-def main() -> None:
-    args = parse_args()
+def make_replicator(args: argparse.Namespace) -> rp.Replicator:
+    per_device = args.replicas // args.devices
+    return rp.Replicator(
+        num_workers=args.workers, cores_per_worker=args.replicas // args.workers, replicas_per_device=per_device
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     rp.force_cpu_devices(args.devices)  # before anything starts JAX's backend
     start = time.perf_counter()
 
-    repl = rp.Replicator(num_workers=args.workers, cores_per_worker=args.devices // args.workers)
+    repl = make_replicator(args)
     print(repl)
-    rows = GLOBAL_BATCH // repl.num_replicas
-    print(f"{repl.num_replicas} replicas, global batch {GLOBAL_BATCH} real + {GLOBAL_BATCH} generated, {rows} each")
+    rows = args.global_batch // repl.num_replicas
+    where = f"on {args.devices} devices ({repl.fold.replicas_per_device} per device)"
+    print(
+        f"{repl.num_replicas} replicas {where}, global batch {args.global_batch} real + {args.global_batch} "
+        f"generated, {rows} each; batch norm over {'each worker' if args.bn_group else 'all replicas'}"
+    )
     print(f"target: {MODES} Gaussians (std {MODE_STD}) on a circle of radius {RADIUS}")
 
     g_tx, d_tx = make_optimizers(args.steps)
     state0 = init_state(args.seed, g_tx, d_tx)
-    bn_diff = check_batch_norm(repl, state0["g"])
+    bn_diff = check_batch_norm(repl, state0["g"], args.global_batch, args.bn_group)
     print(
         f"generator with cross-replica batch norm on {repl.num_replicas} x {rows} rows vs batch norm on "
-        f"{GLOBAL_BATCH} rows on one device: max difference {bn_diff:.2e} (tolerance {BN_TOLERANCE:.0e})"
+        f"{args.global_batch} rows on one device: max difference {bn_diff:.2e} (tolerance {BN_TOLERANCE:.0e})"
     )
 
     z_eval = np.random.default_rng([args.seed, 2]).normal(size=(EVAL_SAMPLES, NOISE_DIM)).astype(np.float32)
@@ -367,14 +445,21 @@ def main() -> None:
     print(f"real data: high quality {real_hq:.3f}  modes covered {real_covered}/{MODES}")
     trainer = rp.Trainer(
         repl,
-        make_train_step(args.seed, g_tx, d_tx),
-        make_input_fn(args.seed),
+        make_train_step(args.seed, g_tx, d_tx, args.bn_group),
+        make_input_fn(args.seed, args.global_batch),
         state0,
         hooks=[rp.LoggingHook(args.log_every), samples],
     )
-    trainer.run(args.steps)
+    jax.block_until_ready(trainer.run(1))  # compiles
+    first = time.perf_counter()
+    jax.block_until_ready(trainer.run(args.steps))
+    after = time.perf_counter()
     final = samples.history[-1]
-    print(f"trained {args.steps} steps in {time.perf_counter() - start:.1f} s incl. compiling")
+    per_step = (after - first) / max(args.steps - 1, 1)
+    print(
+        f"trained {args.steps} steps in {after - start:.1f} s incl. compiling; "
+        f"{per_step * 1e3:.1f} ms per step after the first"
+    )
 
     if args.png:
         how = save_png(args.png, final["points"], reference)
@@ -389,7 +474,8 @@ def main() -> None:
         failures.append(f"high-quality fraction {final['quality']:.3f} < {args.min_quality}")
     if failures:
         raise SystemExit("FAIL: " + "; ".join(failures))
-    print(f"PASS: cross-replica batch norm == single-device batch norm on the global batch (max diff {bn_diff:.2e})")
+    over = "each worker's rows" if args.bn_group else "the global batch"
+    print(f"PASS: cross-replica batch norm == single-device batch norm on {over} (max diff {bn_diff:.2e})")
     print(
         f"PASS: {final['covered']}/{MODES} modes covered (>= {args.min_modes}), "
         f"high quality {final['quality']:.3f} (>= {args.min_quality})"
