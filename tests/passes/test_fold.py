@@ -234,3 +234,21 @@ def test_a_fused_bucket_is_summed_over_the_fold_before_it_is_packed():
     assert [e.params["axes"] for e in packed] == [("workers", "cores")]  # over the devices only
     per_tensor = sorted(e.invars[0].aval.shape for e in psums if e.params["axes"] == ("cores_fold",))
     assert per_tensor == [(1,), (32,), (128,)]  # each tensor over the fold, before packing
+
+
+def test_translation_validation_runs_folded(monkeypatch):
+    """validate=True runs each pass's graph folded too, on the folded device mesh."""
+    from replicator.passes import validate
+
+    meshes = []
+
+    class Spy(validate.FoldReplicas):
+        def run(self, graph):
+            meshes.append(self.layout.device_mesh)
+            return super().run(graph)
+
+    monkeypatch.setattr(validate, "FoldReplicas", Spy)
+    step, state, batches = _adam_problem(64)
+    repl = rp.Replicator(2, 4, replicas_per_device=4, passes=rp.Pipeline.default(validate=True))
+    check_against_simulation(repl, step, batches[:1], state)
+    assert meshes and set(meshes) == {(2, 1)}  # every validated graph ran on 2 devices
