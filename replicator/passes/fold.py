@@ -27,11 +27,18 @@ a group's expanded axes is ``device_index * F_group + fold_index``, which is
 its logical index in the group. Each collective is then rewritten to compute
 exactly its logical result:
 
-* ``psum``/``pmax``/``pmin``: the same primitive over the expanded axes (JAX
-  reduces over a vmapped axis and a device axis at once). A ``psum`` of a
-  ``concatenate`` (a fused bucket) first sums each packed tensor over the
-  folded axes, then packs and sums over the device axes: the same sum
-  (addition is element-wise), without a packed copy per replica;
+* ``pmax``/``pmin``: the same primitive over the expanded axes (JAX reduces
+  over a vmapped axis and a device axis at once);
+* ``psum`` over a group with folded axes: first over the folded axes, then
+  over the device axes (the same sum: addition is associative). Of a
+  ``concatenate`` (a fused bucket), each packed tensor is summed over the fold
+  and the sums packed, so that no packed copy per replica is made. A summand
+  that is (a reshape of) a ``dot_general`` with one contracted pair of
+  dimensions and no batch dimensions, such as a dense layer's weight gradient
+  ``x^T dy``, is summed over the fold as one contraction of every folded
+  replica's operands concatenated along the contracted dimension:
+  ``sum_r a_r . b_r = [a_1 ... a_F] . [b_1 ... b_F]`` (an ``all_gather`` over
+  a vmapped axis is a free reshape);
 * ``axis_index``: one ``axis_index`` per expanded axis, combined row-major
   (the ``axis_index`` primitive bound with a device axis and a vmapped axis
   together returns the vmapped index alone in this JAX:
@@ -60,7 +67,7 @@ import jax.extend.core.primitives as lax_primitives
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import ClosedJaxpr, JaxprEqn
+from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
 
 from replicator._jax_compat import reduce_scatter_primitive
 from replicator.core.context import CORES, REPLICA_AXES, WORKERS
@@ -168,6 +175,8 @@ def fold_layout(num_workers: int, cores_per_worker: int, *, replicas_per_device:
 # -- the rewrite rules ---------------------------------------------------------------
 
 _REDUCTIONS = {lax_primitives.psum_p, lax_primitives.pmax_p, lax_primitives.pmin_p}
+#: Shape-only linear operations a summand may apply to a contraction (they commute with a sum).
+_LAYOUT_OPS = {lax_primitives.reshape_p, lax_primitives.transpose_p}
 #: Primitives with named-axis params this pass rewrites, and the param.
 _AXIS_PARAM = {
     **{p: "axes" for p in _REDUCTIONS},
@@ -244,12 +253,53 @@ def _ppermute(layout: FoldLayout, x: Any, axes: tuple, perm: tuple) -> Any:
     return jnp.where(source >= 0, row, jnp.zeros_like(row))
 
 
-def _sum_fold_then_devices(xs: tuple, concat_params: dict, device_axes: tuple, folded_axes: tuple) -> Any:
-    """``psum(concatenate(xs))`` as ``psum_devices(concatenate(psum_fold(x) for x in xs))``."""
-    if folded_axes:
-        xs = tuple(lax.psum(list(xs), folded_axes))
-    packed = lax.concatenate(list(xs), concat_params["dimension"])
-    return lax.psum(packed, device_axes) if device_axes else packed
+def _gather_folded(x: Any, folded_axes: tuple, dim: int) -> Any:
+    """Every folded replica's ``x`` concatenated along ``dim`` (a free reshape under ``vmap``)."""
+    for name in reversed(folded_axes):
+        x = lax.all_gather(x, name, axis=dim, tiled=True)
+    return x
+
+
+def _sum_over_fold(inputs: tuple, plan: tuple, folded_axes: tuple) -> list:
+    """Each planned summand summed over the folded replicas.
+
+    ``("plain", i, None)``: ``psum(inputs[i])`` over the folded axes.
+    ``("contraction", i, (params, layout_ops))``: ``inputs[i], inputs[i + 1]``
+    are the operands of a ``dot_general`` with one contracted dimension and no
+    batch dimensions (say a dense layer's ``x^T dy``); the sum over replicas of
+    ``a_r . b_r`` is one contraction of every replica's ``a`` and ``b``
+    concatenated along the contracted dimension, then reshaped and transposed
+    as the summand was (``layout_ops``, equations to re-bind).
+    """
+    out = []
+    for kind, i, extra in plan:
+        if kind == "plain":
+            out.append(lax.psum(inputs[i], folded_axes) if folded_axes else inputs[i])
+            continue
+        params, layout_ops = extra
+        (ca, cb), _ = params["dimension_numbers"]
+        a, b = _gather_folded(inputs[i], folded_axes, ca[0]), _gather_folded(inputs[i + 1], folded_axes, cb[0])
+        y = lax_primitives.dot_general_p.bind(a, b, **params)
+        for op in layout_ops:  # linear: they commute with the sum over replicas
+            y = op.primitive.bind(y, **op.params)
+        out.append(y)
+    return out
+
+
+def _sum_fold_then_devices(
+    inputs: tuple, plan: tuple, device_axes: tuple, folded_axes: tuple, pack: dict | None
+) -> Any:
+    """``psum`` of the summands over the fold (:func:`_sum_over_fold`), then over the devices.
+
+    With ``pack`` (a ``concatenate``'s params: a fused bucket), the summands are
+    packed between the two sums, so that one buffer crosses the devices.
+    """
+    xs = _sum_over_fold(inputs, plan, folded_axes)
+    if pack is not None:
+        xs = [lax.concatenate(xs, pack["dimension"])]
+    if device_axes:
+        xs = lax.psum(xs, device_axes)
+    return xs[0] if pack is not None else list(xs)
 
 
 def _check_device_major(layout: FoldLayout, eqn: JaxprEqn, axes: tuple) -> None:
@@ -286,9 +336,38 @@ class FoldReplicas(Pass):
         if layout.replicas_per_device == 1:
             return PassResult(graph, False)
         scatter_p = reduce_scatter_primitive()
-        concatenated = {
-            e.outvars[0]: e for e in iter_eqns(graph.jaxpr.jaxpr) if e.primitive is lax_primitives.concatenate_p
-        }
+        defs = {e.outvars[0]: e for e in iter_eqns(graph.jaxpr.jaxpr) if len(e.outvars) == 1}
+        concatenated = {v: e for v, e in defs.items() if e.primitive is lax_primitives.concatenate_p}
+
+        def contraction(atom: Any) -> tuple[JaxprEqn, tuple] | None:
+            """The ``dot_general`` (one contracted pair, no batch dims) that ``atom`` is, reshaped or
+            transposed, and those reshapes and transposes (outermost last)."""
+            e = defs.get(atom) if isinstance(atom, Var) else None
+            layout_ops: list[JaxprEqn] = []
+            while e is not None and e.primitive in _LAYOUT_OPS and isinstance(e.invars[0], Var):
+                if e.primitive is lax_primitives.reshape_p and e.params.get("dimensions") is not None:
+                    return None
+                layout_ops.append(e)
+                e = defs.get(e.invars[0])
+            if e is None or e.primitive is not lax_primitives.dot_general_p:
+                return None
+            (ca, cb), (ba, bb) = e.params["dimension_numbers"]
+            if ba or bb or len(ca) != 1 or not all(isinstance(v, Var) for v in e.invars):
+                return None
+            return e, tuple(reversed(layout_ops))
+
+        def summands(atoms: list) -> tuple[list, tuple]:
+            inputs, plan = [], []
+            for atom in atoms:
+                found = contraction(atom)
+                if found is None:
+                    plan.append(("plain", len(inputs), None))
+                    inputs.append(atom)
+                else:
+                    dot, layout_ops = found
+                    plan.append(("contraction", len(inputs), (dot.params, layout_ops)))
+                    inputs.extend(dot.invars)
+            return inputs, tuple(plan)
 
         def rule(eqn: JaxprEqn) -> Any:
             prim = eqn.primitive
@@ -305,14 +384,20 @@ class FoldReplicas(Pass):
                 return inline_function(
                     lambda: _linear_index(layout, expanded), [], context=graph.context, like=eqn, axis_env=env
                 )
-            if prim is lax_primitives.psum_p and len(eqn.invars) == 1 and eqn.invars[0] in concatenated:
-                # A fused bucket: sum each tensor over the fold before packing, then the buffer over
-                # devices (vmap would otherwise materialise the packed buffer once per replica).
-                concat = concatenated[eqn.invars[0]]
-                device_axes, folded_axes = _split(layout, names)
+            device_axes, folded_axes = _split(layout, names)
+            if prim is lax_primitives.psum_p and folded_axes:
+                # Sum over the fold first: a fused bucket's tensors one by one, before they are
+                # packed (vmap would otherwise pack a copy per replica), and a dense layer's
+                # replica-summed weight gradient as one contraction over the device's rows.
+                # Then one psum over the devices.
+                pack = None
+                atoms = list(eqn.invars)
+                if len(atoms) == 1 and atoms[0] in concatenated:
+                    pack, atoms = concatenated[atoms[0]].params, list(concatenated[atoms[0]].invars)
+                inputs, plan = summands(atoms)
                 return inline_function(
-                    lambda *xs: _sum_fold_then_devices(xs, concat.params, device_axes, folded_axes),
-                    concat.invars,
+                    lambda *xs: _sum_fold_then_devices(xs, plan, device_axes, folded_axes, pack),
+                    inputs,
                     context=graph.context,
                     like=eqn,
                     axis_env=env,

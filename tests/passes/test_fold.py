@@ -224,7 +224,8 @@ def test_a_collective_with_no_folded_form_is_an_error():
 
 
 def test_a_fused_bucket_is_summed_over_the_fold_before_it_is_packed():
-    """psum(concatenate(g1, g2)) becomes psum_devices(concatenate(psum_fold(g1), psum_fold(g2)))."""
+    """psum(concatenate(g1, g2, l)) becomes psum_devices(concatenate(sum_fold(g1), sum_fold(g2), psum_fold(l))),
+    with each weight gradient's sum over the fold one contraction of the fold's rows."""
     step, state, batches = _adam_problem(64)
     batch = jax.tree.map(lambda a: a[:16], batches[0])
     final = rp.Replicator(2, 4, replicas_per_device=2).lower(step, batch, state).final.jaxpr.jaxpr
@@ -233,7 +234,12 @@ def test_a_fused_bucket_is_summed_over_the_fold_before_it_is_packed():
     packed = [e for e in psums if e.invars[0].aval.shape == (size,)]
     assert [e.params["axes"] for e in packed] == [("workers", "cores")]  # over the devices only
     per_tensor = sorted(e.invars[0].aval.shape for e in psums if e.params["axes"] == ("cores_fold",))
-    assert per_tensor == [(1,), (32,), (128,)]  # each tensor over the fold, before packing
+    assert per_tensor == [(1,)]  # the loss over the fold, before packing
+    # The weight gradients x^T dy: one contraction of the 2 folded replicas' rows (each gathered).
+    gathers = [e for e in final.eqns if e.primitive.name == "all_gather" and e.params["axis_name"] == ("cores_fold",)]
+    assert len(gathers) == 4 and all(e.params["tiled"] for e in gathers)
+    contracted = {e.outvars[0].aval.shape[e.params["all_gather_dimension"]] for e in gathers}
+    assert contracted == {2 * 4}  # 2 folded replicas x 4 rows each (a worker batch of 16 over 4 cores)
 
 
 def test_translation_validation_runs_folded(monkeypatch):
