@@ -337,7 +337,14 @@ class FoldReplicas(Pass):
             return PassResult(graph, False)
         scatter_p = reduce_scatter_primitive()
         defs = {e.outvars[0]: e for e in iter_eqns(graph.jaxpr.jaxpr) if len(e.outvars) == 1}
-        concatenated = {v: e for v, e in defs.items() if e.primitive is lax_primitives.concatenate_p}
+        # Results of the collectives this pass replaces: renamed by the rewrite, so a rule must
+        # not read them through an equation it looked up here (it would read the old name).
+        renamed = {v for e in iter_eqns(graph.jaxpr.jaxpr) if _mesh_names(e) for v in e.outvars}
+        concatenated = {
+            v: e
+            for v, e in defs.items()
+            if e.primitive is lax_primitives.concatenate_p and not renamed.intersection(e.invars)
+        }
 
         def contraction(atom: Any) -> tuple[JaxprEqn, tuple] | None:
             """The ``dot_general`` (one contracted pair, no batch dims) that ``atom`` is, reshaped or
@@ -352,7 +359,7 @@ class FoldReplicas(Pass):
             if e is None or e.primitive is not lax_primitives.dot_general_p:
                 return None
             (ca, cb), (ba, bb) = e.params["dimension_numbers"]
-            if ba or bb or len(ca) != 1 or not all(isinstance(v, Var) for v in e.invars):
+            if ba or bb or len(ca) != 1 or not all(isinstance(v, Var) and v not in renamed for v in e.invars):
                 return None
             return e, tuple(reversed(layout_ops))
 

@@ -258,3 +258,21 @@ def test_translation_validation_runs_folded(monkeypatch):
     repl = rp.Replicator(2, 4, replicas_per_device=4, passes=rp.Pipeline.default(validate=True))
     check_against_simulation(repl, step, batches[:1], state)
     assert meshes and set(meshes) == {(2, 1)}  # every validated graph ran on 2 devices
+
+
+def test_summands_that_are_results_of_other_collectives_fold_too():
+    """A bucket holding an all_gather's result, and a contraction of gathered rows (contrastive-style)."""
+
+    def step(state, batch):
+        x = batch["x"]
+        every = rp.all_gather(x, tiled=True)  # (all rows, 3)
+        summed = rp.all_sum(x, group="cores")  # a psum's result, read by the contraction below
+        grad = jax.grad(lambda w: jnp.sum(jnp.tanh(summed @ w)))(state)  # summed^T dy
+        total = rp.all_sum({"gathered": every.sum(0), "grad": grad, "x": x.sum(0)})
+        return state - 0.1 * rp.all_mean(grad), total
+
+    rng = np.random.default_rng(2)
+    batches = [{"x": rng.normal(size=(16, 3)).astype(np.float32)} for _ in range(2)]
+    state = jnp.asarray(rng.normal(size=(3, 2)), jnp.float32)
+    for per_device in (2, 8):
+        check_against_simulation(rp.Replicator(2, 4, replicas_per_device=per_device), step, batches, state)
