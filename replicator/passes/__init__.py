@@ -10,6 +10,12 @@ from replicator.passes.bisect import bisect_passes as bisect_passes
 from replicator.passes.capture import CaptureCollectives as CaptureCollectives
 from replicator.passes.capture import CaptureError as CaptureError
 from replicator.passes.compress import CompressCommunication as CompressCommunication
+from replicator.passes.costmodel import PRESETS as PRESETS
+from replicator.passes.costmodel import Link as Link
+from replicator.passes.costmodel import Prediction as Prediction
+from replicator.passes.costmodel import Topology as Topology
+from replicator.passes.costmodel import calibrate as calibrate
+from replicator.passes.costmodel import predict as predict
 from replicator.passes.fuse_allreduce import FuseAllReduce as FuseAllReduce
 from replicator.passes.hierarchical import HierarchicalAllReduce as HierarchicalAllReduce
 from replicator.passes.invariance import CheckReplicaInvariance as CheckReplicaInvariance
@@ -25,6 +31,7 @@ from replicator.passes.verify import GraphInvariantError as GraphInvariantError
 from replicator.passes.verify import verify_graph as verify_graph
 
 __all__ = [
+    "PRESETS",
     "BisectReport",
     "CaptureCollectives",
     "CaptureError",
@@ -33,19 +40,24 @@ __all__ = [
     "FuseAllReduce",
     "GraphInvariantError",
     "HierarchicalAllReduce",
+    "Link",
     "LowerCollectives",
     "Lowered",
     "Pass",
     "PassResult",
     "Pipeline",
+    "Prediction",
     "ShardOptimizerUpdate",
     "Simplify",
     "Stage",
     "StepGraph",
+    "Topology",
     "analyze_invariance",
     "bisect_passes",
+    "calibrate",
     "count_primitives",
     "default_passes",
+    "predict",
     "rewrite_graph",
     "verify_graph",
 ]

@@ -34,7 +34,9 @@ and the ``'reduce_broadcast'`` tree costs what its busiest replica sends:
 ``B`` per tree level it sends in (``log2 N`` levels for a power of two). A
 broadcast is lowered as a masked all-reduce; ``replica_id`` sends nothing.
 Figures are per replica and per step; they do not include XLA's own
-scheduling.
+scheduling. For a model of *time*, ``report.predict(topology)`` costs every
+row with the alpha-beta model of :mod:`replicator.passes.costmodel` on a
+preset (``'gpu-nvlink-8'``, ...) or a calibrated :class:`Topology`.
 
 >>> repl = rp.Replicator(1, 8, passes=rp.Pipeline.default(all_reduce_algorithm="ring"))
 >>> report = repl.explain(lambda b: rp.all_sum(b), np.ones((8, 16), np.float32))
@@ -47,6 +49,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from replicator.passes.costmodel import Prediction, Topology
+from replicator.passes.costmodel import predict as _predict
 from replicator.passes.pipeline import Lowered, Pipeline
 from replicator.passes.records import CollectiveRecord
 
@@ -63,6 +67,8 @@ class CommunicationReport:
     rows: tuple[CollectiveRow, ...]
     num_replicas: int
     passes: tuple[str, ...]
+    #: Workers of the mesh (which link a collective over all replicas uses); ``None``: unknown.
+    num_workers: int | None = None
 
     @property
     def total_sent_bytes(self) -> float:
@@ -71,6 +77,14 @@ class CommunicationReport:
     @property
     def num_collectives(self) -> int:
         return sum(1 for r in self.rows if r.kind != "replica_id")
+
+    def predict(self, topology: str | Topology) -> Prediction:
+        """How long these collectives take on ``topology``: a preset name or a :class:`Topology`.
+
+        See :mod:`replicator.passes.costmodel` (the alpha-beta model, the
+        presets and their sources, ``calibrate``). ``print()`` the result.
+        """
+        return _predict(self, topology)
 
     def __str__(self) -> str:
         header = (
@@ -128,4 +142,6 @@ def communication_report(lowered: Lowered, pipeline: Pipeline) -> CommunicationR
     """
     final = lowered.final
     active = tuple(n for n in pipeline.names if n not in pipeline.disabled)
-    return CommunicationReport(tuple(final.collectives), final.context.num_replicas, active)
+    return CommunicationReport(
+        tuple(final.collectives), final.context.num_replicas, active, num_workers=final.context.num_workers
+    )
