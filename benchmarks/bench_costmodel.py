@@ -32,6 +32,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -70,6 +71,8 @@ import optax  # noqa: E402
 from timing import time_interleaved  # noqa: E402
 
 from replicator.passes import PRESETS, Topology, calibrate  # noqa: E402
+from replicator.passes.costmodel import collective_time  # noqa: E402
+from replicator.passes.records import CollectiveRecord  # noqa: E402
 from replicator.runtime.execution import sharded  # noqa: E402
 
 # -- (a) calibration ---------------------------------------------------------------------
@@ -90,18 +93,17 @@ def print_calibration(topologies: dict[str, Topology]) -> None:
     print("|---|---|---:|---:|---:|---:|")
     for label, topo in topologies.items():
         for m in topo.measurements:
-            link = getattr(topo, m.axis)
-            n = m.group_size
-            fit = 2 * (n - 1) * link.alpha_s + 2 * (n - 1) / n * m.nbytes * link.beta_s_per_byte
+            one_psum = CollectiveRecord("all_sum", m.axis, "native", "float32", m.nbytes, 1, (), "step", 0.0)
+            fit = collective_time(dataclasses.replace(one_psum, group_size=m.group_size), topo)
             print(
                 f"| {label} | {m.axis} | {m.nbytes} | {m.seconds * 1e6:.1f} | {fit * 1e6:.1f} | {fit / m.seconds:.2f} |"
             )
     topo = topologies.get("2x4")
     if topo is not None:
         print(
-            f"\n'cpu-emulated' preset figures: cores=Link(alpha_s={topo.cores.alpha_s:.3g}, "
-            f"beta_s_per_byte={topo.cores.beta_s_per_byte:.3g}), workers=Link(alpha_s={topo.workers.alpha_s:.3g}, "
-            f"beta_s_per_byte={topo.workers.beta_s_per_byte:.3g})"
+            f"\n'cpu-emulated' preset figures: cores={topo.cores!r}, workers={topo.workers!r}, "
+            f"p2p_cores={topo.p2p_cores!r}, p2p_workers={topo.p2p_workers!r}, "
+            f"native_latency={topo.native_latency!r}"
         )
 
 

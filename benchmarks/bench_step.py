@@ -21,7 +21,9 @@ the ring and tree algorithms, bf16 on the wire, hierarchical on 2 workers), and
 bucket sizes; not in the default list, run it with ``--workloads threshold``),
 and ``fold-mlpDxW`` (the ``N`` replicas on ``N``, ``2`` and ``1`` devices with
 ``replicas_per_device``, against hand-written ``vmap`` inside ``shard_map``;
-``--workloads fold-mlp64x32,fold-mlp16x128``).
+``--workloads fold-mlp64x32,fold-mlp16x128``), and ``auto-mlpDxW`` /
+``auto-allreduce`` (``Pipeline.default(auto=True, topology=--topology)``
+against each fixed setting it chooses among, on 2 x N/2).
 
 Also reported: time spent tracing + in our passes against XLA's compile time.
 
@@ -39,6 +41,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -54,6 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=512, help="global batch size")
     p.add_argument("--scaling", action="store_true", help="also time replicator/single on 1, 2, 4, ... replicas")
     p.add_argument("--plot", default=None, help="write the scaling plot here (PNG; needs matplotlib)")
+    p.add_argument("--topology", default="cpu-emulated", help="cost-model topology of the auto-* workloads")
     return p.parse_args(argv)
 
 
@@ -196,12 +200,19 @@ def replicator_variant(
             yield {"x": x, "y": y}
 
     state = [(params, TX.init(params))]
+    if options.get("auto"):
+        print(f"auto, mlp on {workers}x{n // workers}: {_auto_note(repl, replicator_step, input_fn, state[0])}")
 
     def run() -> object:
         state[0], out = repl.run(replicator_step, input_fn, state[0])
         return out["loss"]
 
     return run
+
+
+def _auto_note(repl: rp.Replicator, step: Callable, input_fn: Callable, state: object = None) -> str:
+    batch = next(iter(input_fn(repl.input_context(0))))
+    return repl.lower(step, batch, state).notes[0]
 
 
 def optimization_passes() -> list[str]:
@@ -270,6 +281,52 @@ def vmap_in_shard_map_variant(params: list[dict], width: int, batch: int, device
     return hand_runner(step, params, width, batch, NamedSharding(mesh, P()), NamedSharding(mesh, P("d")))
 
 
+#: The fixed settings ``auto`` chooses among (each one option away from the default).
+FIXED_SETTINGS: dict[str, dict] = {
+    "default": {},
+    "ring": {"all_reduce_algorithm": "ring"},
+    "tree": {"all_reduce_algorithm": "reduce_broadcast"},
+    "hierarchical": {"hierarchical": True},
+    "fusion 1 MiB": {"fuse_threshold_bytes": 1 << 20},
+    "fusion 64 KiB": {"fuse_threshold_bytes": 64 << 10},
+    "fusion off": {"disable": ("fuse-allreduce",)},
+    "zero": {"shard_optimizer": True},
+}
+
+
+def auto_variants(workload: str, batch: int, n: int, topology: str) -> dict[str, Runner]:
+    """``Pipeline.default(auto=True)`` against every fixed setting it chooses among, on 2 x n/2."""
+    workers = 2 if n % 2 == 0 and n >= 4 else 1
+    variants: dict[str, Runner] = {}
+    if workload == "allreduce":
+        runners = allreduce_variants(n, only_replicator=True)
+        for name, options in FIXED_SETTINGS.items():
+            if name != "zero":  # no optimizer state
+                variants[f"fixed: {name}"] = runners(workers=workers, **options)
+        variants["auto"] = runners(workers=workers, auto=True, topology=topology)
+        return variants
+    depth, width = (int(v) for v in workload.removeprefix("mlp").split("x"))
+    params = mlp_init(depth, width)
+    variants["single"] = single_variant(params, width, batch)
+    for name, options in FIXED_SETTINGS.items():
+        options = dict(options)
+        disable = tuple(options.pop("disable", ()))
+        variants[f"fixed: {name}"] = replicator_variant(params, width, batch, n, disable, workers=workers, **options)
+    variants["auto"] = replicator_variant(params, width, batch, n, workers=workers, auto=True, topology=topology)
+    return variants
+
+
+def print_auto_table(title: str, medians: dict[str, float]) -> None:
+    fixed = {k: v for k, v in medians.items() if k.startswith("fixed: ")}
+    best = min(fixed, key=fixed.get)
+    print(f"\n### {title}\n")
+    print("| variant | median step (ms) | ratio to the best fixed setting |")
+    print("|---|---:|---:|")
+    for name, t in medians.items():
+        mark = " (best fixed)" if name == best else ""
+        print(f"| {name}{mark} | {t * 1e3:.2f} | {t / fixed[best]:.2f}x |")
+
+
 # -- the fusion threshold ------------------------------------------------------------
 
 #: (depth, width, global batch): 0.25 MiB of gradients in 32 tensors, and 8 MiB in 16.
@@ -294,7 +351,8 @@ def threshold_variants(n: int, depth: int, width: int, batch: int) -> dict[str, 
 N_TENSORS, TENSOR_SIZE = 50, 1000
 
 
-def allreduce_variants(n: int) -> dict[str, Runner]:
+def allreduce_variants(n: int, only_replicator: bool = False) -> Any:
+    """The 50-all-reduce variants; with ``only_replicator``, the factory of replicator runners."""
     mesh = Mesh(np.array(jax.devices()[:n]), ("d",))
     shard = NamedSharding(mesh, P("d"))
     x = jax.device_put(np.ones((n, N_TENSORS, TENSOR_SIZE), np.float32), shard)
@@ -324,7 +382,12 @@ def allreduce_variants(n: int) -> dict[str, Runner]:
             while True:
                 yield {"x": placed}
 
+        if options.get("auto"):
+            print(f"auto, {N_TENSORS} all-reduces on {workers}x{n // workers}: {_auto_note(repl, repl_step, input_fn)}")
         return lambda: repl.run(repl_step, input_fn)
+
+    if only_replicator:
+        return repl_runner
 
     sep, flat = smap(separate), smap(flattened)
     return {
@@ -426,6 +489,10 @@ def main() -> None:
                     medians,
                     "single",
                 )
+        elif w.startswith("auto-"):
+            workload = w.removeprefix("auto-")
+            medians = time_interleaved(auto_variants(workload, ARGS.batch, n, ARGS.topology), ARGS.rounds, ARGS.steps)
+            print_auto_table(f"auto ({ARGS.topology}) against fixed settings, {workload} on 2x{n // 2}", medians)
         elif w.startswith("fold-"):
             depth, width = (int(v) for v in w.removeprefix("fold-mlp").split("x"))
             medians = time_interleaved(fold_variants(depth, width, ARGS.batch, n), ARGS.rounds, ARGS.steps)

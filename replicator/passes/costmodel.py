@@ -156,9 +156,25 @@ class Topology:
     workers: Link
     source: str
     measurements: tuple[Measurement, ...] = dataclasses.field(default=(), compare=False, repr=False)
+    #: Point-to-point messages (``ppermute``: the ``'ring'`` and ``'reduce_broadcast'``
+    #: lowerings) when they cost otherwise than the native collectives (``None``: the same).
+    #: On emulated CPU devices a native ``psum`` is one in-memory reduction while every
+    #: ``ppermute`` step is a separate exchange (measured by :func:`calibrate`).
+    p2p_cores: Link | None = None
+    p2p_workers: Link | None = None
+    #: How a native collective's latency grows: ``'ring'``, ``alpha`` per ring step (NCCL's
+    #: ring, ``2 (N-1)`` steps for an all-reduce); ``'one'``, one ``alpha`` per collective
+    #: (emulated CPU devices share memory: XLA reduces in one pass, whatever ``N``).
+    native_latency: str = "ring"
 
-    def link(self, group: str | None, num_workers: int | None = None) -> Link:
-        """The link a collective over ``group`` uses (``num_workers=None``: unknown, the slower link)."""
+    def link(self, group: str | None, num_workers: int | None = None, *, p2p: bool = False) -> Link:
+        """The link a collective over ``group`` uses (``num_workers=None``: unknown, the slower link);
+        ``p2p``: of the point-to-point messages of the ring and tree algorithms."""
+        if p2p:
+            messages = dataclasses.replace(
+                self, cores=self.p2p_cores or self.cores, workers=self.p2p_workers or self.workers
+            )
+            return dataclasses.replace(messages, p2p_cores=None, p2p_workers=None).link(group, num_workers)
         if group == "cores":
             return self.cores
         if group == "workers":
@@ -220,16 +236,24 @@ def collective_time(record: CollectiveRecord, topology: Topology | str, *, num_w
     if kind == "replica_id" or n <= 1:
         return 0.0
     link = topology.link(record.group, num_workers)
+    one = topology.native_latency == "one"
     if kind == "all_gather":
-        return all_gather_time(n, b, link)
+        return all_gather_time(n, b, link) - ((n - 2) * link.alpha_s if one else 0.0)
     if kind == "reduce_scatter":
-        return reduce_scatter_time(n, b, link)
+        return reduce_scatter_time(n, b, link) - ((n - 2) * link.alpha_s if one else 0.0)
     if kind not in ALL_REDUCE_KINDS:
         raise ValueError(f"collective_time: no cost formula for a collective of kind {kind!r}.")
     if record.algorithm == "reduce_broadcast":
-        return tree_allreduce_time(n, b, link)
-    if record.algorithm in ("ring", "native"):
-        return ring_allreduce_time(n, b, link)
+        return tree_allreduce_time(n, b, topology.link(record.group, num_workers, p2p=True))
+    if record.algorithm == "ring":
+        return ring_allreduce_time(n, b, topology.link(record.group, num_workers, p2p=True))
+    if record.algorithm == "native":
+        # Several operands (an unfused all_sum of a list) are one all-reduce each: a latency term per
+        # operand, the bytes once (the ring and tree lowerings pack them into one buffer first).
+        k = max(1, getattr(record, "operands", 1))
+        if topology.native_latency == "one":
+            return k * link.alpha_s + 2 * (n - 1) / n * b * link.beta_s_per_byte
+        return (k - 1) * ring_allreduce_time(n, 0.0, link) + ring_allreduce_time(n, b, link)
     raise ValueError(
         f"collective_time: unknown algorithm {record.algorithm!r} for {kind}; "
         f"the model knows 'native', 'ring' and 'reduce_broadcast'."
@@ -351,10 +375,13 @@ _NVLINK_LINK = Link.from_bandwidth(3.4e-6, 450e9)
 PRESETS: dict[str, Topology] = {
     "cpu-emulated": Topology(
         "cpu-emulated",
-        cores=Link(alpha_s=1.93e-5, beta_s_per_byte=1.41e-9),  # 19.3 us, 0.708 GB/s
-        workers=Link(alpha_s=5.25e-5, beta_s_per_byte=1.76e-9),  # 52.5 us, 0.568 GB/s
-        source="calibrate(2, 4) on 8 emulated CPU devices, 2 host cores, JAX 0.10.2: "
-        "python benchmarks/bench_costmodel.py (the 2x4 rows of its calibration table)",
+        cores=Link(alpha_s=7.48e-5, beta_s_per_byte=1.488e-9),  # 74.8 us per psum, 0.672 GB/s
+        workers=Link(alpha_s=8.24e-5, beta_s_per_byte=1.848e-9),  # 82.4 us per psum, 0.541 GB/s
+        source="rp.passes.calibrate(2, 4) on 8 emulated CPU devices, 2 host cores, JAX 0.10.2 "
+        "(python benchmarks/bench_costmodel.py prints the same calibration)",
+        p2p_cores=Link(alpha_s=1.42e-4, beta_s_per_byte=1.789e-9),  # 142 us per ppermute, 0.559 GB/s
+        p2p_workers=Link(alpha_s=1.27e-4, beta_s_per_byte=1.976e-9),  # 127 us per ppermute, 0.506 GB/s
+        native_latency="one",
     ),
     "gpu-nvlink-8": Topology(
         "gpu-nvlink-8",
@@ -404,15 +431,24 @@ def get_topology(topology: Topology | str) -> Topology:
 # ----------------------------------------------------------------------------
 
 
-def fit_link(points: Iterable[tuple[int, float, float]]) -> Link:
-    """Fit ``alpha, beta >= 0`` of the ring formula to ``(N, B, seconds)`` points.
+def fit_link(points: Iterable[tuple[int, float, float]], *, formula: str = "ring") -> Link:
+    """Fit ``alpha, beta >= 0`` of the ring formula to ``(N, B, seconds)`` points
+    (``formula='message'``: of one point-to-point message, ``alpha + B beta``;
+    ``'one'``: one latency per all-reduce, ``alpha + 2 (N-1)/N B beta``).
 
     Least squares on relative error (each equation divided by its measured
     time, so that the small, latency-bound sizes count as much as the large
     ones), with non-negative coefficients: if the unconstrained fit makes one
     negative, it is set to 0 and the other refitted alone.
     """
-    rows = [(2.0 * (n - 1), 2.0 * (n - 1) / n * b, t) for n, b, t in points if n > 1 and t > 0]
+    if formula not in ("ring", "message", "one"):
+        raise ValueError(f"fit_link: formula must be 'ring', 'message' or 'one', got {formula!r}.")
+    if formula == "ring":
+        rows = [(2.0 * (n - 1), 2.0 * (n - 1) / n * b, t) for n, b, t in points if n > 1 and t > 0]
+    elif formula == "one":  # one latency per all-reduce, the ring's bytes
+        rows = [(1.0, 2.0 * (n - 1) / n * b, t) for n, b, t in points if n > 1 and t > 0]
+    else:
+        rows = [(1.0, float(b), t) for n, b, t in points if n > 1 and t > 0]
     if len(rows) < 2:
         raise ValueError(
             f"fit_link: need at least 2 positive measurements over groups of more than 1 replica, got {len(rows)}."
@@ -462,6 +498,10 @@ def calibrate(
         size is measured at least once).
       name: the topology's name (default ``'calibrated WxC'``).
 
+    It also times chains of ``lax.ppermute`` shifts (one message per replica)
+    and fits ``alpha + B beta`` per message: the ``p2p`` links, which cost the
+    ``'ring'`` and ``'reduce_broadcast'`` lowerings.
+
     Returns:
       A :class:`Topology` with the fitted links and, in ``measurements``, the
       median time per psum of each axis and size.
@@ -488,12 +528,13 @@ def calibrate(
         )
     spec = P("workers", "cores")
 
-    def program(axis: str, count: int):
+    def program(axis: str, count: int, kind: str = "psum"):
         scale = 1.0 / shape[axis]
+        shift = [(i, (i + 1) % shape[axis]) for i in range(shape[axis])]
 
         def body(x):
             for _ in range(count):
-                x = lax.psum(x, axis) * scale
+                x = lax.psum(x, axis) * scale if kind == "psum" else lax.ppermute(x, axis, shift) * 0.5
             return x
 
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
@@ -504,34 +545,61 @@ def calibrate(
         return time.perf_counter() - t0
 
     cases = []
-    for axis in axes:
-        for size in sizes:
-            x = jax.device_put(
-                np.ones((shape["workers"], shape["cores"], size // 4), np.float32), NamedSharding(mesh, spec)
-            )
-            short, long = program(axis, 1), program(axis, chain + 1)
-            for f in (short, long):  # compile and warm up
-                run_once(f, x)
-                run_once(f, x)
-            cases.append((axis, size, short, long, x, []))
+    for kind in ("psum", "ppermute"):
+        for axis in axes:
+            for size in sizes:
+                x = jax.device_put(
+                    np.ones((shape["workers"], shape["cores"], size // 4), np.float32), NamedSharding(mesh, spec)
+                )
+                short, long = program(axis, 1, kind), program(axis, chain + 1, kind)
+                for f in (short, long):  # compile and warm up
+                    run_once(f, x)
+                    run_once(f, x)
+                cases.append((kind, axis, size, short, long, x, []))
     start = time.perf_counter()
     for r in range(repeats):
-        for _, _, short, long, x, samples in cases if r % 2 == 0 else reversed(cases):
+        for _, _, _, short, long, x, samples in cases if r % 2 == 0 else reversed(cases):
             samples.append((run_once(long, x) - run_once(short, x)) / chain)
         if time.perf_counter() - start > time_budget_s:
             break
-    measurements = tuple(
-        Measurement(axis, shape[axis], size, statistics.median(samples)) for axis, size, *_, samples in cases
-    )
-    links = {
-        axis: fit_link((m.group_size, m.nbytes, m.seconds) for m in measurements if m.axis == axis) for axis in axes
+    measured = {
+        kind: tuple(
+            Measurement(axis, shape[axis], size, statistics.median(samples))
+            for k, axis, size, *_, samples in cases
+            if k == kind
+        )
+        for kind in ("psum", "ppermute")
     }
-    cores = links.get("cores", links.get("workers"))
-    workers = links.get("workers", cores)
+
+    def fitted(kind: str, formula: str) -> tuple[Link, Link]:
+        links = {
+            axis: fit_link(
+                ((m.group_size, m.nbytes, m.seconds) for m in measured[kind] if m.axis == axis), formula=formula
+            )
+            for axis in axes
+        }
+        cores = links.get("cores", links.get("workers"))
+        return cores, links.get("workers", cores)
+
+    # Emulated CPU devices share one memory: a psum costs one latency whatever N (measured:
+    # about 100 us over 2 replicas and over 8), not one per ring step.
+    native_latency = "one" if mesh.devices.flat[0].platform == "cpu" else "ring"
+    cores, workers = fitted("psum", native_latency)
+    p2p_cores, p2p_workers = fitted("ppermute", "message")
+    measurements = measured["psum"]
     label = name or f"calibrated {shape['workers']}x{shape['cores']}"
     platform = mesh.devices.flat[0].platform
     source = (
         f"calibrate({shape['workers']}, {shape['cores']}) on {mesh.devices.size} {platform} device(s), "
         f"sizes {sizes} B, median of {len(cases[0][-1])} run(s)"
     )
-    return Topology(label, cores, workers, source, measurements)
+    return Topology(
+        label,
+        cores,
+        workers,
+        source,
+        measurements,
+        p2p_cores=p2p_cores,
+        p2p_workers=p2p_workers,
+        native_latency=native_latency,
+    )

@@ -407,4 +407,5 @@ class LowerCollectives(Pass):
             sent_bytes=estimated_sent_bytes(emitted, graph.context.axis_sizes),
             emitted_bytes=emitted_bytes(emitted),
             group_size=graph.context.group_size(eqn.params.get("group")),
+            operands=max(1, len(eqn.invars)),
         )

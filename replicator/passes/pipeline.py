@@ -115,6 +115,8 @@ class Lowered:
     """Every stage of a step through the pipeline; ``str()`` prints them all."""
 
     stages: tuple[Stage, ...]
+    #: What the pipeline wants a reader to know (``auto=True``: the options it chose and why).
+    notes: tuple[str, ...] = ()
 
     @property
     def traced(self) -> StepGraph:
@@ -192,10 +194,24 @@ class Pipeline:
         verify: bool | None = None,
         validate: bool | None = None,
         dump_dir: str | os.PathLike | None = None,
+        auto: bool = False,
+        topology: Any = "cpu-emulated",
         **options: Any,
     ) -> Pipeline:
-        """The default passes with ``options`` (see :func:`default_passes`)."""
-        return cls(default_passes(**options), disable=disable, verify=verify, validate=validate, dump_dir=dump_dir)
+        """The default passes with ``options`` (see :func:`default_passes`).
+
+        With ``auto=True``, fusion buckets, ZeRO, hierarchical all-reduce and
+        the all-reduce algorithm are chosen for each compiled step by the
+        communication cost model on ``topology`` (a preset name or a
+        calibrated :class:`~replicator.passes.costmodel.Topology`):
+        :class:`~replicator.passes.auto.AutoPipeline`.
+        """
+        settings = dict(disable=disable, verify=verify, validate=validate, dump_dir=dump_dir)
+        if auto:
+            from replicator.passes.auto import AutoPipeline
+
+            return AutoPipeline(topology, options=options, **settings)
+        return cls(default_passes(**options), **settings)
 
     @property
     def names(self) -> list[str]:

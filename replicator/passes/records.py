@@ -80,6 +80,8 @@ class CollectiveRecord:
       emitted_bytes: the operand bytes of the mesh collectives emitted
         (:func:`emitted_bytes`).
       group_size: ``N``.
+      operands: the arrays the placeholder reduces at once (an unfused
+        ``all_sum`` of a list has one per leaf; a fused bucket has one).
     """
 
     kind: str
@@ -93,6 +95,7 @@ class CollectiveRecord:
     sent_bytes: float
     emitted_bytes: int = 0
     group_size: int = 1
+    operands: int = 1
 
 
 # ----------------------------------------------------------------------------

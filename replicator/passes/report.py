@@ -69,6 +69,8 @@ class CommunicationReport:
     passes: tuple[str, ...]
     #: Workers of the mesh (which link a collective over all replicas uses); ``None``: unknown.
     num_workers: int | None = None
+    #: The pipeline's notes (``auto=True``: the options it chose and why).
+    notes: tuple[str, ...] = ()
 
     @property
     def total_sent_bytes(self) -> float:
@@ -122,7 +124,7 @@ class CommunicationReport:
             f"{self.num_collectives} collective(s) on {self.num_replicas} replicas; estimated "
             f"{_human(self.total_sent_bytes)} sent per replica per step. Passes: {', '.join(self.passes)}."
         )
-        return "\n".join([*table, summary])
+        return "\n".join([*table, summary, *self.notes])
 
 
 def _human(n: float) -> str:
@@ -141,7 +143,11 @@ def communication_report(lowered: Lowered, pipeline: Pipeline) -> CommunicationR
     the equation holding it), as recorded in the final graph.
     """
     final = lowered.final
-    active = tuple(n for n in pipeline.names if n not in pipeline.disabled)
+    active = tuple(s.name for s in lowered.stages[1:])  # the passes that ran (auto: the chosen ones)
     return CommunicationReport(
-        tuple(final.collectives), final.context.num_replicas, active, num_workers=final.context.num_workers
+        tuple(final.collectives),
+        final.context.num_replicas,
+        active,
+        num_workers=final.context.num_workers,
+        notes=lowered.notes,
     )

@@ -190,18 +190,57 @@ def test_calibrate_measures_both_axes_quickly_and_fits_its_own_measurements(n_de
         assert link.alpha_s > 0 or link.beta_s_per_byte > 0
     assert {(m.axis, m.group_size) for m in topo.measurements} == {("cores", c), ("workers", w)}
     assert topo.name == f"calibrated {w}x{c}" and "calibrate" in topo.source
-    # The fitted ring formula reproduces every measurement within a factor of 4 (a loaded 2-core
-    # machine is noisy; the fit is on relative error, so no size is sacrificed to another).
-    for m in topo.measurements:
-        link = topo.cores if m.axis == "cores" else topo.workers
-        model = 2 * (m.group_size - 1) * link.alpha_s + 2 * (m.group_size - 1) / m.group_size * m.nbytes * (
-            link.beta_s_per_byte
-        )
-        assert m.seconds / 4 <= model <= 4 * m.seconds, (m, model)
+    # The fitted formula (on CPU devices one latency per psum) reproduces the measurements within a
+    # factor of 4: all of them but at most one per axis (two parameters fitted to three sizes timed
+    # on a loaded 2-core machine: one noisy point may pull the fit away from another).
+    for axis in ("cores", "workers"):
+        link = topo.cores if axis == "cores" else topo.workers
+        off = []
+        for m in (m for m in topo.measurements if m.axis == axis):
+            model = link.alpha_s + 2 * (m.group_size - 1) / m.group_size * m.nbytes * link.beta_s_per_byte
+            if not m.seconds / 4 <= model <= 4 * m.seconds:
+                off.append((m, model))
+        assert len(off) <= 1, off
     # the bigger payload takes longer on each axis
     for axis in ("cores", "workers"):
         times = [m.seconds for m in sorted(topo.measurements, key=lambda m: m.nbytes) if m.axis == axis]
         assert times[-1] > times[0]
+    # ppermute messages are measured too, into the p2p links of the ring and tree algorithms
+    for link in (topo.p2p_cores, topo.p2p_workers):
+        assert link is not None and link.alpha_s >= 0 and link.beta_s_per_byte >= 0
+    assert topo.native_latency == "one"  # CPU devices: one in-memory reduction per psum
+
+
+def test_ring_and_tree_are_costed_on_the_point_to_point_links():
+    p2p = Link(1e-4, 1e-9)  # messages cost 100 us, the native collective's steps 1 us
+    topo = Topology("p2p", cores=Link(1e-6, 1e-9), workers=Link(1e-5, 1e-8), source="tests", p2p_cores=p2p)
+    ring = collective_time(_record("all_sum", 8, 8000, "cores", "ring"), topo)
+    tree = collective_time(_record("all_sum", 8, 8000, "cores", "reduce_broadcast"), topo)
+    native = collective_time(_record("all_sum", 8, 8000, "cores", "native"), topo)
+    assert ring == pytest.approx(14 * 1e-4 + 14 / 8 * 8000 * 1e-9)
+    assert tree == pytest.approx(6 * (1e-4 + 8000 * 1e-9))
+    assert native == pytest.approx(14 * 1e-6 + 14 / 8 * 8000 * 1e-9)
+    # workers have no p2p link of their own: the collective link
+    assert collective_time(_record("all_sum", 2, 100, "workers", "ring"), topo) == pytest.approx(2 * 1e-5 + 100 * 1e-8)
+
+
+def test_one_latency_per_native_collective_on_shared_memory_devices():
+    flat = Topology("cpu", cores=Link(1e-4, 1e-9), workers=Link(1e-4, 1e-9), source="tests", native_latency="one")
+    assert collective_time(_record("all_sum", 8, 8000), flat, num_workers=1) == pytest.approx(1e-4 + 14 / 8 * 8e-6)
+    assert collective_time(_record("all_gather", 8, 800), flat, num_workers=1) == pytest.approx(1e-4 + 7 * 8e-7)
+    assert collective_time(_record("reduce_scatter", 8, 800), flat, num_workers=1) == pytest.approx(1e-4 + 7 / 8 * 8e-7)
+    assert PRESETS["cpu-emulated"].native_latency == "one" and PRESETS["gpu-nvlink-8"].native_latency == "ring"
+
+
+def test_an_unfused_all_sum_of_several_arrays_pays_latency_per_operand(n_devices):
+    repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(disable=["fuse-allreduce"]))
+    report = repl.explain(lambda b: rp.all_sum([b * i for i in range(5)]), np.ones((n_devices, 4), np.float32))
+    (row,) = report.rows
+    assert row.operands == 5
+    n = n_devices
+    alpha, beta = TOPO.cores.alpha_s, TOPO.cores.beta_s_per_byte
+    want = 5 * 2 * (n - 1) * alpha + 2 * (n - 1) / n * row.nbytes * beta
+    assert collective_time(row, TOPO, num_workers=1) == pytest.approx(want)
 
 
 def test_calibrate_rejects_a_single_size():

@@ -1,0 +1,144 @@
+"""``Pipeline.default(auto=True)``: pass options chosen per graph by the communication cost model.
+
+For each step it compiles, an :class:`AutoPipeline` runs the default passes
+under several option settings and keeps the one whose collectives the cost
+model (:mod:`replicator.passes.costmodel`) predicts fastest on its topology.
+The search is coordinate-wise from the default setting (one option changed
+at a time, a change kept when it is predicted faster), over:
+
+* ``all_reduce_algorithm``: ``'native'``, ``'ring'``, ``'reduce_broadcast'``;
+* ``hierarchical``: on or off (meshes with several workers and cores);
+* fusion: buckets of 64 MiB (the default), 1 MiB, 64 KiB, or off;
+* ``shard_optimizer`` (ZeRO-1): on or off.
+
+Only communication is modelled: a setting that changes compute (ZeRO's
+sharded update) or precision (``compress`` is never tried) is judged by its
+collectives alone, and ties keep the default. The choice and the predicted
+times are in ``Lowered.notes`` and in ``explain``'s report.
+
+>>> repl = rp.Replicator(2, 4, passes=rp.Pipeline.default(auto=True, topology="gpu-hosts-100gbe"))
+>>> report = repl.explain(lambda b: rp.all_sum(b), np.ones((8, 4), np.float32))
+>>> "auto (gpu-hosts-100gbe)" in str(report)
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from replicator.passes.base import StepGraph
+from replicator.passes.fold import FoldLayout
+from replicator.passes.pipeline import Lowered, Pipeline, default_passes
+
+__all__ = ["AutoPipeline", "SEARCH"]
+
+FUSION = "fuse-allreduce"
+
+#: The options tried, in order, each as (name, values other than the default).
+SEARCH: tuple[tuple[str, tuple[Any, ...]], ...] = (
+    ("all_reduce_algorithm", ("ring", "reduce_broadcast")),
+    ("hierarchical", (True,)),
+    ("fusion", (1 << 20, 64 << 10, None)),  # bucket bytes; None: fusion off
+    ("shard_optimizer", (True,)),
+)
+
+
+class AutoPipeline(Pipeline):
+    """The default passes, their options chosen per graph (see the module docstring).
+
+    Args:
+      topology: a preset name of :data:`~replicator.passes.costmodel.PRESETS`
+        or a :class:`~replicator.passes.costmodel.Topology` (``calibrate()``).
+      options: fixed options of :func:`default_passes` (not searched).
+      disable, verify, validate, dump_dir: as for :class:`Pipeline`.
+    """
+
+    def __init__(
+        self,
+        topology: Any,
+        *,
+        options: dict | None = None,
+        disable: Iterable[str] = (),
+        verify: bool | None = None,
+        validate: bool | None = None,
+        dump_dir: str | os.PathLike | None = None,
+    ):
+        from replicator.passes.costmodel import get_topology
+
+        self.topology = get_topology(topology)
+        self.options = dict(options or {})
+        fixed = set(self.options) & {name for name, _ in SEARCH}
+        if fixed:
+            raise ValueError(
+                f"Pipeline.default(auto=True) chooses {sorted(fixed)} itself; drop them, or use auto=False to fix them."
+            )
+        self._settings = dict(disable=tuple(disable), verify=verify, validate=validate, dump_dir=dump_dir)
+        super().__init__(default_passes(**self.options), **self._settings)
+
+    def key(self) -> tuple:
+        return (*super().key(), "auto", repr(self.topology))
+
+    def __repr__(self) -> str:
+        return f"Pipeline(auto, topology={self.topology.name!r})"
+
+    def _pipeline(self, setting: dict) -> Pipeline:
+        options = dict(self.options)
+        disable = list(self._settings["disable"])
+        for name, value in setting.items():
+            if name == "fusion":
+                if value is None:
+                    disable.append(FUSION)
+                else:
+                    options["fuse_threshold_bytes"] = value
+            else:
+                options[name] = value
+        settings = {**self._settings, "disable": disable}
+        return Pipeline(default_passes(**options), **settings)
+
+    def predicted_seconds(self, final: StepGraph) -> float:
+        """The cost model's time for the collectives of a lowered graph."""
+        from replicator.passes.costmodel import collective_time
+
+        workers = final.context.num_workers
+        return sum(collective_time(r, self.topology, num_workers=workers) for r in final.collectives)
+
+    def run(self, graph: StepGraph, *, fold: FoldLayout | None = None) -> Lowered:
+        ctx = graph.context
+        tried: list[tuple[dict, float]] = []
+
+        def attempt(setting: dict) -> tuple[Lowered, float]:
+            lowered = self._pipeline(setting).run(graph, fold=fold)
+            seconds = self.predicted_seconds(lowered.final)
+            tried.append((setting, seconds))
+            return lowered, seconds
+
+        setting: dict = {}
+        best, best_s = attempt(setting)
+        for name, values in SEARCH:
+            if name == "hierarchical" and (ctx.num_workers == 1 or ctx.cores_per_worker == 1):
+                continue
+            for value in values:
+                trial = {**setting, name: value}
+                lowered, seconds = attempt(trial)
+                if seconds < best_s * (1 - 1e-6):  # strictly faster: ties keep the default
+                    best, best_s, setting = lowered, seconds, trial
+        note = (
+            f"auto ({self.topology.name}): chose {_describe(setting)}, predicted {best_s * 1e6:.1f} us of "
+            f"communication per step; tried {len(tried)} settings (default: {tried[0][1] * 1e6:.1f} us)"
+        )
+        return dataclasses.replace(best, notes=(*best.notes, note))
+
+
+def _describe(setting: dict) -> str:
+    if not setting:
+        return "the defaults"
+    parts = []
+    for name, value in setting.items():
+        if name == "fusion":
+            parts.append("fusion off" if value is None else f"fusion buckets of {value} bytes")
+        else:
+            parts.append(f"{name}={value!r}")
+    return ", ".join(parts)
