@@ -276,3 +276,35 @@ def test_summands_that_are_results_of_other_collectives_fold_too():
     state = jnp.asarray(rng.normal(size=(3, 2)), jnp.float32)
     for per_device in (2, 8):
         check_against_simulation(rp.Replicator(2, 4, replicas_per_device=per_device), step, batches, state)
+
+
+def test_checkpoints_move_between_folded_and_unfolded_runs(tmp_path):
+    """ZeRO state saved from 8 replicas on 2 devices, restored on 8 devices, trains on like the uninterrupted run."""
+    step, state0, batches = _adam_problem(64, steps=4)
+    zero = rp.Pipeline.default(shard_optimizer=True, shard_optimizer_min_bytes=0)
+    rows = [jax.tree.map(lambda a: a.reshape(2, -1, *a.shape[1:]), b) for b in batches]
+
+    def input_fn_from(k):
+        def input_fn(ctx):
+            for b in rows[k:]:
+                yield jax.tree.map(lambda a: a[ctx.worker_id], b)
+
+        return input_fn
+
+    def train(repl, state, first, last):
+        feed = input_fn_from(first)
+        for _ in range(first, last):
+            state, _ = repl.run(step, feed, state)
+        return state
+
+    uninterrupted = train(rp.Replicator(2, 4, passes=zero), state0, 0, 4)
+    folded = rp.Replicator(2, 4, replicas_per_device=4, passes=zero)
+    half = train(folded, state0, 0, 2)
+    assert folded.lower(step, jax.tree.map(lambda a: a[0], rows[0]), state0).final.sharded_state
+    rp.save_checkpoint(tmp_path, 2, half)
+    _, restored, _ = rp.restore_checkpoint(tmp_path, state0)
+    resumed = train(rp.Replicator(2, 4, passes=zero), restored, 2, 4)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(resumed), jax.tree.leaves(uninterrupted), strict=True):
+        np.testing.assert_allclose(
+            np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path)
+        )
