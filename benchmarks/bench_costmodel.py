@@ -15,6 +15,17 @@ interleaved round by round, ``benchmarks/timing.py``). Workloads:
 
 1 x N workloads are predicted with the 1 x 8 calibration, 2 x 4 ones with the 2 x 4 one.
 
+(a, two processes) With ``--processes 2`` the script re-launches itself with
+``python -m replicator.launch`` as 2 worker processes of 4 emulated CPU
+devices each (gloo), so that the ``'workers'`` axis of the 2 x 4 mesh crosses
+the process boundary. Every worker calibrates the mesh (``calibrate(2, 4)``),
+then times ``50 x 1000`` fused, unfused, ``ring``, ``tree`` and fused
+``+hierarchical``, and ``mlp16x128 all_mean``, with and without their
+collectives, round by round; each worker feeds its own part of the batch.
+Worker 0 prints the calibration and the table, predicted with this
+calibration, and the prediction of the single-process ``cpu-emulated`` preset
+for comparison. Part (b) is not run in this mode.
+
 (b) The BigGAN configuration of ``examples/gan.py --config biggan512`` (workers
 = replicas / 8 x 8 cores, global batch 2048, batch norm over each worker's
 cores, generator and discriminator of width 128), traced by ``explain`` with
@@ -27,6 +38,8 @@ Usage::
     python benchmarks/bench_costmodel.py                   # (a) and (b), plot to benchmarks/results/
     python benchmarks/bench_costmodel.py --calibrate-only  # the figures of the 'cpu-emulated' preset
     python benchmarks/bench_costmodel.py --skip-measure    # (b) only
+    python benchmarks/bench_costmodel.py --processes 2     # (a) on 2 processes x 4 devices
+    python benchmarks/bench_costmodel.py --processes 2 --rounds 1 --steps 2 --repeats 1  # a smoke test
 """
 
 from __future__ import annotations
@@ -35,6 +48,7 @@ import argparse
 import dataclasses
 import os
 import statistics
+import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -46,7 +60,17 @@ import replicator as rp  # noqa: E402
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--devices", type=int, default=8, help="emulated CPU devices")
+    p.add_argument("--devices", type=int, default=8, help="emulated CPU devices (in all processes)")
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="run (a) as a job of this many processes (python -m replicator.launch), devices split evenly",
+    )
+    p.add_argument(
+        "--max-time", type=float, default=1800.0, help="with --processes: stop the job after this many seconds"
+    )
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one process of such a job
     p.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the median is reported")
     p.add_argument("--steps", type=int, default=10, help="steps timed per variant per round")
     p.add_argument("--repeats", type=int, default=7, help="calibration: timed runs per size")
@@ -61,8 +85,61 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+# Worker processes: give up on a silent peer after this long (the launcher's default, 10 s, is
+# short for a loaded 2-core machine); stop the job when no worker moved for this long while one
+# waits for another.
+HEARTBEAT_TIMEOUT_S, STEP_TIMEOUT_S = 60, 120
+
+
+def launch_processes(args: argparse.Namespace) -> int:
+    """Run (a) as a job of ``args.processes`` worker processes; returns the launcher's exit code.
+
+    Worker 0's lines go to stdout without their prefix (the tables); the
+    other workers' lines and gloo's connection messages go to stderr.
+
+    Every wait is bounded: the launcher stops the job after ``--max-time``
+    seconds, a dead worker is noticed after :data:`HEARTBEAT_TIMEOUT_S`, a
+    stalled one after :data:`STEP_TIMEOUT_S`.
+    """
+    if args.processes < 2 or args.devices % args.processes:
+        raise SystemExit(f"--processes {args.processes} must be >= 2 and divide --devices {args.devices}.")
+    command = [
+        *(sys.executable, "-m", "replicator.launch"),
+        *("--num-workers", str(args.processes), "--cores-per-worker", str(args.devices // args.processes)),
+        *("--max-time", f"{args.max_time:g}", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)),
+        *("--step-timeout", str(STEP_TIMEOUT_S)),
+        *(os.path.abspath(__file__), "--worker"),
+        *("--rounds", str(args.rounds), "--steps", str(args.steps), "--repeats", str(args.repeats)),
+        *(["--calibrate-only"] if args.calibrate_only else []),
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("REPLICATOR_", "SLURM_", "OMPI_"))}
+    proc = subprocess.Popen(command, env=env, cwd=os.path.join(HERE, ".."), stdout=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # ends when the launcher exits (bounded by --max-time)
+            ours = line.removeprefix("[worker 0] ")
+            # gloo's threads print their connection messages at once: pieces of lines, mixed
+            noise = ours is line or "[Gloo]" in ours or "connected peer ranks" in ours
+            print(line if noise else ours, end="", file=sys.stderr if noise else sys.stdout, flush=True)
+        return proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:  # interrupted: the launcher stops its workers on SIGTERM
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
 ARGS = parse_args()
-rp.force_cpu_devices(ARGS.devices)
+if ARGS.processes > 1 and not ARGS.worker:
+    sys.exit(launch_processes(ARGS))
+if ARGS.worker:
+    from replicator.runtime import distributed  # noqa: E402
+
+    INFO = distributed.initialize()  # before JAX starts: the launcher's settings, gloo collectives
+else:
+    INFO = None
+    rp.force_cpu_devices(ARGS.devices)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -127,14 +204,24 @@ def allreduce_local(batch):  # the same step without its collectives
 def allreduce_case(workers: int, cores: int, **options):
     """(runner with collectives, runner without, report) for the 50 x 1000 workload."""
     devices = jax.devices()[: workers * cores]
+    shape = (N_TENSORS, TENSOR_SIZE)
 
     def make(step, pipeline):
         repl = rp.Replicator(workers, cores, passes=pipeline, devices=devices)
-        placed = jax.device_put(np.ones((workers * cores, N_TENSORS, TENSOR_SIZE), np.float32), sharded(repl.mesh))
+        if jax.process_count() == 1:
+            placed = jax.device_put(np.ones((workers * cores, *shape), np.float32), sharded(repl.mesh))
 
-        def input_fn(ctx):
-            while True:
-                yield {"x": placed}
+            def input_fn(ctx):
+                while True:
+                    yield {"x": placed}
+
+        else:
+
+            def input_fn(ctx):  # this worker's own rows, placed once as its part of the global batch
+                mine = np.full((cores, *shape), ctx.worker_id + 1.0, np.float32)
+                placed = jax.make_array_from_process_local_data(sharded(repl.mesh), mine, (workers * cores, *shape))
+                while True:
+                    yield {"x": placed}
 
         return repl, input_fn, (lambda: repl.run(step, input_fn))
 
@@ -178,12 +265,13 @@ def mlp_local(state, batch):
     return mlp_step(state, batch, reduce=False)
 
 
-def mlp_case(n: int):
-    devices = jax.devices()[:n]
-    rng = np.random.default_rng(1)
-    pool = [{k: rng.normal(size=(BATCH, WIDTH)).astype(np.float32) for k in ("x", "y")} for _ in range(4)]
+def mlp_case(workers: int, cores: int):
+    """(runner with collectives, runner without, report) for Adam on the 16 x 128 MLP, global batch 512."""
+    devices = jax.devices()[: workers * cores]
 
-    def input_fn(ctx):
+    def input_fn(ctx):  # each worker its own pool, its share of the global batch
+        rng = np.random.default_rng(1 + ctx.worker_id)
+        pool = [{k: rng.normal(size=(BATCH, WIDTH)).astype(np.float32) for k in ("x", "y")} for _ in range(4)]
         rows = ctx.worker_batch_size(BATCH)
         i = 0
         while True:
@@ -191,7 +279,7 @@ def mlp_case(n: int):
             i += 1
 
     def make(step, pipeline):
-        repl = rp.Replicator(1, n, passes=pipeline, devices=devices)
+        repl = rp.Replicator(workers, cores, passes=pipeline, devices=devices)
         params = mlp_params()
         state = [(params, TX.init(params))]
 
@@ -212,7 +300,7 @@ def mlp_case(n: int):
 
 def measure(topologies: dict[str, Topology]) -> None:
     counts = [k for k in (1, 2, 4, 8) if k <= jax.device_count()]
-    cases = {}  # label -> (devices, mesh, with, without, report, topology)
+    cases = {}  # (devices, label) -> (mesh, with, without, report, topology)
     for n in counts:
         flat = topologies["1x8"]
         for label, options in (
@@ -222,27 +310,55 @@ def measure(topologies: dict[str, Topology]) -> None:
             ("50 x 1000 tree", {"all_reduce_algorithm": "reduce_broadcast"}),
         ):
             cases[(n, label)] = (f"1x{n}", *allreduce_case(1, n, **options), flat)
-        cases[(n, "mlp16x128 all_mean")] = (f"1x{n}", *mlp_case(n), flat)
+        cases[(n, "mlp16x128 all_mean")] = (f"1x{n}", *mlp_case(1, n), flat)
     if 8 in counts:
         two = topologies["2x4"]
         cases[(8, "2x4 fused")] = ("2x4", *allreduce_case(2, 4), two)
         cases[(8, "2x4 fused +hierarchical")] = ("2x4", *allreduce_case(2, 4, hierarchical=True), two)
+    print_table(cases, time_rounds(cases), "Predicted vs measured communication")
+
+
+def measure_processes(topology: Topology, workers: int, cores: int) -> None:
+    """(a) on a mesh whose workers are processes; worker 0 prints the table."""
+    cases = {}
+    for label, options in (
+        ("50 x 1000 fused", {}),
+        ("50 x 1000 unfused", {"disable": ["fuse-allreduce"]}),
+        ("50 x 1000 ring", {"all_reduce_algorithm": "ring"}),
+        ("50 x 1000 tree", {"all_reduce_algorithm": "reduce_broadcast"}),
+        ("50 x 1000 fused +hierarchical", {"hierarchical": True}),
+    ):
+        cases[(workers * cores, label)] = (f"{workers}x{cores}", *allreduce_case(workers, cores, **options), topology)
+    cases[(workers * cores, "mlp16x128 all_mean")] = (f"{workers}x{cores}", *mlp_case(workers, cores), topology)
+    rounds = time_rounds(cases)  # every worker runs the same steps; worker 0's clock is reported
+    if jax.process_index() == 0:
+        title = f"Predicted vs measured communication, {workers} processes x {cores} devices (gloo)"
+        print_table(cases, rounds, title, compare="cpu-emulated")
+
+
+def time_rounds(cases: dict) -> list[dict[str, float]]:
+    """Seconds per step of each case with and without its collectives, one dict per round."""
     variants = {}
     for (n, label), (_, with_comm, without, *_rest) in cases.items():
         variants[f"{n}|{label}|with"] = with_comm
         variants[f"{n}|{label}|without"] = without
     # One interleaved round at a time, so that each round gives a paired difference
     # (with - without) measured a few seconds apart: drift in the machine's load cancels.
-    rounds = [time_interleaved(variants, 1, ARGS.steps) for _ in range(ARGS.rounds)]
+    return [time_interleaved(variants, 1, ARGS.steps) for _ in range(ARGS.rounds)]
+
+
+def print_table(cases: dict, rounds: list[dict[str, float]], title: str, compare: str | None = None) -> None:
+    """The markdown table; ``compare``: a preset whose prediction is an extra last column."""
     print(
-        f"\n### Predicted vs measured communication ({ARGS.rounds} interleaved rounds x {ARGS.steps} steps, "
+        f"\n### {title} ({ARGS.rounds} interleaved rounds x {ARGS.steps} steps, "
         "medians; measured comm = median over rounds of (with - without), p25-p75 in brackets)\n"
     )
+    extra = f" predicted by '{compare}' (ms) |" if compare else ""
     print(
         "| devices | mesh | workload | collectives | predicted (ms) | step with (ms) | step without (ms) "
-        "| measured comm (ms) | measured / predicted |"
+        "| measured comm (ms) | measured / predicted |" + extra
     )
-    print("|---:|---|---|---:|---:|---:|---:|---|---:|")
+    print("|---:|---|---|---:|---:|---:|---:|---|---:|" + ("---:|" if compare else ""))
     for (n, label), (mesh, _, _, report, topo) in cases.items():
         pred = report.predict(topo).total_s
         with_ts = [r[f"{n}|{label}|with"] for r in rounds]
@@ -251,10 +367,11 @@ def measure(topologies: dict[str, Topology]) -> None:
         comm = statistics.median(diffs)
         p25, _, p75 = statistics.quantiles(diffs, n=4) if len(diffs) > 1 else (comm, comm, comm)
         ratio = f"{comm / pred:.2f}" if pred > 0 else "-"
+        cell = f" {report.predict(compare).total_s * 1e3:.3f} |" if compare else ""
         print(
             f"| {n} | {mesh} | {label} | {report.num_collectives} | {pred * 1e3:.3f} "
             f"| {statistics.median(with_ts) * 1e3:.2f} | {statistics.median(without_ts) * 1e3:.2f} "
-            f"| {comm * 1e3:.3f} [{p25 * 1e3:.2f}, {p75 * 1e3:.2f}] | {ratio} |"
+            f"| {comm * 1e3:.3f} [{p25 * 1e3:.2f}, {p75 * 1e3:.2f}] | {ratio} |" + cell
         )
 
 
@@ -344,7 +461,25 @@ def biggan(plot: str) -> None:
     print(f"\nplot written to {os.path.relpath(plot)}")
 
 
+def main_worker() -> None:
+    """One process of a ``--processes`` job: calibrate the job's mesh, then (a) on it."""
+    workers, cores = INFO.num_workers, INFO.cores_per_worker
+    if jax.process_index() == 0:
+        print(
+            f"# cost model benchmark: {workers} processes x {cores} emulated CPU devices (gloo), "
+            f"{os.cpu_count()} host cores, jax {jax.__version__}"
+        )
+    topology = calibrate(workers, cores, repeats=ARGS.repeats)  # the same figures on every worker
+    if jax.process_index() == 0:
+        print_calibration({f"{workers}x{cores} ({workers} processes)": topology})
+    if not ARGS.calibrate_only:
+        measure_processes(topology, workers, cores)
+
+
 def main() -> None:
+    if INFO is not None:
+        main_worker()
+        return
     n = jax.device_count()
     print(f"# cost model benchmark: {n} emulated CPU devices, {os.cpu_count()} host cores, jax {jax.__version__}")
     if not ARGS.skip_measure:

@@ -12,6 +12,7 @@ multiprocess'``. Measured times are printed (see them with ``-s``).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -32,6 +33,7 @@ from replicator.runtime.mesh import _rows_by_process
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = Path(__file__).resolve().parent / "multiproc" / "train.py"
+CALIBRATE = Path(__file__).resolve().parent / "multiproc" / "calibrate_worker.py"
 STEPS = 20
 JOB_TIMEOUT_S = 120  # no multi-process test may take longer, whatever goes wrong
 
@@ -222,10 +224,10 @@ def launcher(*options: str) -> list[str]:
     return [sys.executable, "-m", "replicator.launch", *options]
 
 
-def run_job(*options: str, train_args: tuple[str, ...] = (), timeout: float = JOB_TIMEOUT_S):
-    """Run one launcher; returns (completed process, the time it ended)."""
+def run_job(*options: str, train_args: tuple[str, ...] = (), timeout: float = JOB_TIMEOUT_S, script: Path = TRAIN):
+    """Run one launcher of ``script`` (default ``train.py``); returns (completed process, the time it ended)."""
     proc = subprocess.run(
-        [*launcher(*options), str(TRAIN), *train_args],
+        [*launcher(*options), str(script), *train_args],
         env=job_env(),
         cwd=ROOT,
         capture_output=True,
@@ -346,6 +348,21 @@ class TestTwoProcesses:
             assert got["invariant_sum_all"] == sum(range(2 * cores))
             if cores > 1:
                 assert f"replica(s) {mine[1:]} differ from replica {mine[0]}" in str(got["varying_error"])
+
+    def test_calibrate_across_two_processes_gives_every_worker_the_same_figures(self, tmp_path, n_devices):
+        # The 'workers' axis crosses the process boundary; process 0's clock and medians decide.
+        if n_devices % 2 or n_devices < 4:
+            pytest.skip(f"{n_devices} devices do not split into 2 workers of 2 or more cores")
+        proc, _ = run_job(
+            "--num-workers", "2", "--cores-per-worker", str(n_devices // 2),
+            train_args=("--out", str(tmp_path)), script=CALIBRATE,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-5000:]
+        got = [json.loads((tmp_path / f"w{w}_topology.json").read_text()) for w in (0, 1)]
+        assert got[0] == got[1]
+        sizes = {(m["axis"], m["group_size"]) for m in got[0]["measurements"]}
+        assert sizes == {("cores", n_devices // 2), ("workers", 2)}
+        assert f"calibrate(2, {n_devices // 2}) on {n_devices} cpu device(s)" in got[0]["source"]
 
     def test_folded_replicas_across_two_processes(self, tmp_path, n_devices):
         # 2 processes x n/4 devices, 2 replicas per device: the same 2 x n/2 replicas as above.

@@ -508,6 +508,7 @@ def calibrate(
     """
     import jax  # the runtime layer is above the passes: import it only to measure
     from jax import lax
+    from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -556,16 +557,25 @@ def calibrate(
                     run_once(f, x)
                     run_once(f, x)
                 cases.append((kind, axis, size, short, long, x, []))
+    # A mesh over several processes: every process must run the same programs, so process 0's
+    # clock ends the repeats, and its medians are everyone's (the same topology on every worker).
+    across = jax.process_count() > 1 and len({d.process_index for d in mesh.devices.flat}) > 1
     start = time.perf_counter()
     for r in range(repeats):
         for _, _, _, short, long, x, samples in cases if r % 2 == 0 else reversed(cases):
             samples.append((run_once(long, x) - run_once(short, x)) / chain)
-        if time.perf_counter() - start > time_budget_s:
+        over = time.perf_counter() - start > time_budget_s
+        if across:
+            over = bool(multihost_utils.broadcast_one_to_all(np.asarray(over)))
+        if over:
             break
+    medians = [statistics.median(case[-1]) for case in cases]
+    if across:
+        medians = [float(t) for t in multihost_utils.broadcast_one_to_all(np.asarray(medians))]
     measured = {
         kind: tuple(
-            Measurement(axis, shape[axis], size, statistics.median(samples))
-            for k, axis, size, *_, samples in cases
+            Measurement(axis, shape[axis], size, seconds)
+            for (k, axis, size, *_), seconds in zip(cases, medians, strict=True)
             if k == kind
         )
         for kind in ("psum", "ppermute")
