@@ -229,6 +229,13 @@ class Replicator:
 
     # -- tracing and compiling -----------------------------------------------
 
+    def _pipeline_key(self) -> tuple:
+        """``self.pipeline.key()``, computed once per pipeline object (it is on every step's path)."""
+        cached = getattr(self, "_cached_pipeline_key", None)
+        if cached is None or cached[0] is not self.pipeline:
+            cached = self._cached_pipeline_key = (self.pipeline, self.pipeline.key())
+        return cached[1]
+
     def _compile(self, step_fn: Callable, state: PyTree | None, batch: PyTree) -> CompiledStep:
         """Trace + rewrite ``step_fn`` for a worker batch like ``batch`` (cached).
 
@@ -244,7 +251,7 @@ class Replicator:
             shape, dtype = _signature(leaf)
             batch_sigs.append(((shape[0] // c, *shape[1:]), dtype))
         state_sigs = tuple(_state_signature(leaf, state_def, i) for i, leaf in enumerate(state_leaves))
-        key = (step_fn, has_state, state_def, state_sigs, batch_def, tuple(batch_sigs), self.pipeline.key())
+        key = (step_fn, has_state, state_def, state_sigs, batch_def, tuple(batch_sigs), self._pipeline_key())
         compiled = self._compiled.get(key)
         if compiled is not None:
             self._compiled.move_to_end(key)

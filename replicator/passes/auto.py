@@ -3,18 +3,23 @@
 For each step it compiles, an :class:`AutoPipeline` runs the default passes
 under several option settings and keeps the one whose collectives the cost
 model (:mod:`replicator.passes.costmodel`) predicts fastest on its topology.
-The search is coordinate-wise from the default setting (one option changed
-at a time, a change kept when it is predicted faster), over:
+The search is a steepest descent from the default setting: each round tries
+every setting one option away from the current one and moves to the fastest
+while it is predicted strictly faster (so ZeRO is weighed against the
+defaults, not only after another option was fixed), over:
 
 * ``all_reduce_algorithm``: ``'native'``, ``'ring'``, ``'reduce_broadcast'``;
 * ``hierarchical``: on or off (meshes with several workers and cores);
 * fusion: buckets of 64 MiB (the default), 1 MiB, 64 KiB, or off;
 * ``shard_optimizer`` (ZeRO-1): on or off.
 
-Only communication is modelled: a setting that changes compute (ZeRO's
-sharded update) or precision (``compress`` is never tried) is judged by its
-collectives alone, and ties keep the default. The choice and the predicted
-times are in ``Lowered.notes`` and in ``explain``'s report.
+Each setting is judged by the predicted time of its collectives plus, when
+the topology has a compute model (every preset does;
+:mod:`replicator.passes.computemodel`), the predicted time of the graph's own
+work: ZeRO's sharded update does ``1/N`` of the optimizer's element-wise work,
+fusion adds the copies that pack its buckets. ``compress`` (a precision
+change) is never tried, and ties keep the default. The choice and the
+predicted times are in ``Lowered.notes`` and in ``explain``'s report.
 
 >>> repl = rp.Replicator(2, 4, passes=rp.Pipeline.default(auto=True, topology="gpu-hosts-100gbe"))
 >>> report = repl.explain(lambda b: rp.all_sum(b), np.ones((8, 4), np.float32))
@@ -99,11 +104,19 @@ class AutoPipeline(Pipeline):
         return Pipeline(default_passes(**options), **settings)
 
     def predicted_seconds(self, final: StepGraph) -> float:
-        """The cost model's time for the collectives of a lowered graph."""
+        """The cost model's time for a lowered graph: its collectives, plus its own work if the topology has a compute model."""
+        communication, compute = self.predicted_parts(final)
+        return communication + compute
+
+    def predicted_parts(self, final: StepGraph) -> tuple[float, float]:
+        """(communication, compute) seconds of a lowered graph (compute 0 without a compute model)."""
+        from replicator.passes.computemodel import compute_time
         from replicator.passes.costmodel import collective_time
 
         workers = final.context.num_workers
-        return sum(collective_time(r, self.topology, num_workers=workers) for r in final.collectives)
+        communication = sum(collective_time(r, self.topology, num_workers=workers) for r in final.collectives)
+        compute = compute_time(final.jaxpr.jaxpr, self.topology.compute) if self.topology.compute else 0.0
+        return communication, compute
 
     def run(self, graph: StepGraph, *, fold: FoldLayout | None = None) -> Lowered:
         ctx = graph.context
@@ -115,21 +128,49 @@ class AutoPipeline(Pipeline):
             tried.append((setting, seconds))
             return lowered, seconds
 
+        names = [n for n, _ in SEARCH if n != "hierarchical" or (ctx.num_workers > 1 and ctx.cores_per_worker > 1)]
         setting: dict = {}
         best, best_s = attempt(setting)
-        for name, values in SEARCH:
-            if name == "hierarchical" and (ctx.num_workers == 1 or ctx.cores_per_worker == 1):
-                continue
-            for value in values:
-                trial = {**setting, name: value}
+        seen = {_key(setting)}
+        # Steepest descent over single-option changes: each round tries every setting one option
+        # away from the current one and moves to the fastest, while that is strictly faster.
+        while True:
+            step = None
+            for trial in _neighbours(setting, names):
+                if _key(trial) in seen:
+                    continue
+                seen.add(_key(trial))
                 lowered, seconds = attempt(trial)
-                if seconds < best_s * (1 - 1e-6):  # strictly faster: ties keep the default
-                    best, best_s, setting = lowered, seconds, trial
+                if seconds < best_s * (1 - 1e-6) and (step is None or seconds < step[2]):
+                    step = (trial, lowered, seconds)
+            if step is None:  # ties keep the current setting (the default, first)
+                break
+            setting, best, best_s = step
+        communication, compute = self.predicted_parts(best.final)
+        work = f" + {compute * 1e6:.1f} us of compute" if self.topology.compute else ""
         note = (
-            f"auto ({self.topology.name}): chose {_describe(setting)}, predicted {best_s * 1e6:.1f} us of "
-            f"communication per step; tried {len(tried)} settings (default: {tried[0][1] * 1e6:.1f} us)"
+            f"auto ({self.topology.name}): chose {_describe(setting)}, predicted {communication * 1e6:.1f} us of "
+            f"communication{work} per step; tried {len(tried)} settings (default: {tried[0][1] * 1e6:.1f} us)"
         )
         return dataclasses.replace(best, notes=(*best.notes, note))
+
+
+def _key(setting: dict) -> tuple:
+    return tuple(sorted(setting.items(), key=lambda item: item[0]))
+
+
+def _neighbours(setting: dict, names: list[str]) -> Iterable[dict]:
+    """Every setting that differs from ``setting`` in one option (absent: the default value)."""
+    values = dict(SEARCH)
+    for name in names:
+        if name in setting:
+            yield {k: v for k, v in setting.items() if k != name}
+        for value in values[name]:
+            if setting.get(name, _DEFAULT) != value:
+                yield {**setting, name: value}
+
+
+_DEFAULT = object()
 
 
 def _describe(setting: dict) -> str:

@@ -68,6 +68,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from replicator.core.primitives import REDUCE_OPS
+from replicator.passes.computemodel import Compute, agreed, calibrate_compute
 from replicator.passes.records import CollectiveRecord
 
 if TYPE_CHECKING:
@@ -166,6 +167,10 @@ class Topology:
     #: ring, ``2 (N-1)`` steps for an all-reduce); ``'one'``, one ``alpha`` per collective
     #: (emulated CPU devices share memory: XLA reduces in one pass, whatever ``N``).
     native_latency: str = "ring"
+    #: One device's speed at the step's own work (:mod:`~replicator.passes.computemodel`),
+    #: for choices that trade communication for compute (``Pipeline.default(auto=True)``);
+    #: ``None``: communication only.
+    compute: Compute | None = None
 
     def link(self, group: str | None, num_workers: int | None = None, *, p2p: bool = False) -> Link:
         """The link a collective over ``group`` uses (``num_workers=None``: unknown, the slower link);
@@ -186,7 +191,8 @@ class Topology:
         return self.workers if num_workers > 1 else self.cores
 
     def __str__(self) -> str:
-        return f"{self.name}: cores {self.cores}; workers {self.workers} ({self.source})"
+        compute = f"; compute {self.compute}" if self.compute else ""
+        return f"{self.name}: cores {self.cores}; workers {self.workers}{compute} ({self.source})"
 
 
 # ----------------------------------------------------------------------------
@@ -345,6 +351,15 @@ _NVLINK = (
     "(H100 NVLink 4: 900 GB/s bidirectional per GPU = 450 GB/s each way)"
 )
 _NVLINK_LINK = Link.from_bandwidth(3.4e-6, 450e9)
+_H100 = "https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM: 3.35 TB/s HBM3, 989 TFLOPS dense bf16)"
+#: An unfused element-wise op streams its float32 operand and result through HBM: 8 bytes.
+_H100_COMPUTE = Compute(8 / 3.35e12, 1 / 989e12, source=_H100)
+
+#: The 'cpu-emulated' preset's compute (``python benchmarks/bench_costmodel.py --calibrate-only``):
+#: one element-wise op per element, and one flop of a float32 matrix product, on each of 8
+#: emulated devices running at once on 2 host cores.
+COMPUTE_ELEMENT_S = 7.0e-10  # 1.4 G element-ops/s per device
+COMPUTE_FLOP_S = 1.29e-10  # 7.8 GFLOP/s per device
 
 #: Named topologies. Every figure comes from a public source (also listed in
 #: ``docs/COSTMODEL.md``):
@@ -382,12 +397,14 @@ PRESETS: dict[str, Topology] = {
         p2p_cores=Link(alpha_s=1.42e-4, beta_s_per_byte=1.789e-9),  # 142 us per ppermute, 0.559 GB/s
         p2p_workers=Link(alpha_s=1.27e-4, beta_s_per_byte=1.976e-9),  # 127 us per ppermute, 0.506 GB/s
         native_latency="one",
+        compute=Compute(COMPUTE_ELEMENT_S, COMPUTE_FLOP_S, source="calibrate_compute on 8 emulated CPU devices"),
     ),
     "gpu-nvlink-8": Topology(
         "gpu-nvlink-8",
         cores=_NVLINK_LINK,
         workers=_NVLINK_LINK,
         source=f"8 x H100 SXM on NVSwitch; bandwidth {_NVLINK}; latency {_NCCL_TUNING}",
+        compute=_H100_COMPUTE,
     ),
     "gpu-hosts-100gbe": Topology(
         "gpu-hosts-100gbe",
@@ -395,6 +412,7 @@ PRESETS: dict[str, Topology] = {
         workers=Link.from_bandwidth(9.6e-6, 12.5e9),
         source=f"NVLink inside a host ({_NVLINK}); 100 Gb/s Ethernet per GPU between hosts "
         f"(12.5 GB/s); latency {_NCCL_TUNING}",
+        compute=_H100_COMPUTE,
     ),
     "tpu-v3-pod": Topology(
         "tpu-v3-pod",
@@ -402,6 +420,8 @@ PRESETS: dict[str, Topology] = {
         workers=Link.from_bandwidth(1e-6, 340e12 / 2048),
         source="ICI: 1 us per hop (https://jax-ml.github.io/scaling-book/sharding/); all-reduce bandwidth "
         "340 TB/s per 1024-chip (2048-core) pod (https://cloud.google.com/tpu/docs/v3)",
+        # Per core, half a chip: 900 GB/s of HBM2 and 123 TFLOPS (bf16) per chip (same page).
+        compute=Compute(8 / 450e9, 1 / 61.5e12, source="https://cloud.google.com/tpu/docs/v3"),
     ),
 }
 
@@ -477,6 +497,7 @@ def calibrate(
     chain: int = 4,
     time_budget_s: float = 60.0,
     name: str | None = None,
+    compute: bool = True,
 ) -> Topology:
     """Measure ``alpha`` and ``beta`` of each mesh axis on the machine at hand.
 
@@ -500,7 +521,9 @@ def calibrate(
 
     It also times chains of ``lax.ppermute`` shifts (one message per replica)
     and fits ``alpha + B beta`` per message: the ``p2p`` links, which cost the
-    ``'ring'`` and ``'reduce_broadcast'`` lowerings.
+    ``'ring'`` and ``'reduce_broadcast'`` lowerings; and, unless
+    ``compute=False``, the devices' element-wise and matrix-product speed
+    (:func:`~replicator.passes.computemodel.calibrate_compute`).
 
     Returns:
       A :class:`Topology` with the fitted links and, in ``measurements``, the
@@ -508,7 +531,6 @@ def calibrate(
     """
     import jax  # the runtime layer is above the passes: import it only to measure
     from jax import lax
-    from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -558,20 +580,14 @@ def calibrate(
                     run_once(f, x)
                 cases.append((kind, axis, size, short, long, x, []))
     # A mesh over several processes: every process must run the same programs, so process 0's
-    # clock ends the repeats, and its medians are everyone's (the same topology on every worker).
-    across = jax.process_count() > 1 and len({d.process_index for d in mesh.devices.flat}) > 1
+    # clock ends the repeats, and its medians are everyone's (the same topology on every worker; computemodel.agreed).
     start = time.perf_counter()
     for r in range(repeats):
         for _, _, _, short, long, x, samples in cases if r % 2 == 0 else reversed(cases):
             samples.append((run_once(long, x) - run_once(short, x)) / chain)
-        over = time.perf_counter() - start > time_budget_s
-        if across:
-            over = bool(multihost_utils.broadcast_one_to_all(np.asarray(over)))
-        if over:
+        if agreed(mesh, [time.perf_counter() - start > time_budget_s])[0]:
             break
-    medians = [statistics.median(case[-1]) for case in cases]
-    if across:
-        medians = [float(t) for t in multihost_utils.broadcast_one_to_all(np.asarray(medians))]
+    medians = agreed(mesh, [statistics.median(case[-1]) for case in cases])
     measured = {
         kind: tuple(
             Measurement(axis, shape[axis], size, seconds)
@@ -612,4 +628,5 @@ def calibrate(
         p2p_cores=p2p_cores,
         p2p_workers=p2p_workers,
         native_latency=native_latency,
+        compute=calibrate_compute(mesh, repeats=repeats) if compute else None,
     )

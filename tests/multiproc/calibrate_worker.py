@@ -32,5 +32,6 @@ figures = {
     "links": {k: dataclasses.asdict(getattr(topo, k)) for k in ("cores", "workers", "p2p_cores", "p2p_workers")},
     "measurements": [dataclasses.asdict(m) for m in topo.measurements],
     "source": topo.source,
+    "compute": dataclasses.asdict(topo.compute),  # process 0's, as the links
 }
 (Path(args.out) / f"w{info.worker_id}_topology.json").write_text(json.dumps(figures))
