@@ -27,10 +27,10 @@ All-reduces are ``all_sum``, ``all_mean``, ``all_max`` and ``all_min``.
 Which link: a :class:`Topology` has one link per mesh axis. A collective over
 ``'cores'`` uses ``cores``, over ``'workers'`` uses ``workers``. A collective
 over all replicas (``group=None``) spans both: with more than one worker its
-ring crosses the workers link, which paces every step, so it is costed with
-``workers`` for all ``N`` replicas (an upper bound where the cores link is
-faster: the hops inside a worker are cheaper); with one worker it is costed
-with ``cores``. ``hierarchical-allreduce`` exists to avoid exactly this: its
+ring crosses both links and the slower one paces every step, so it is costed
+for all ``N`` replicas with the larger ``alpha`` and the larger ``beta`` of
+the two (``workers`` on every preset; an upper bound: the hops on the faster
+link are cheaper); with one worker it is costed with ``cores``. ``hierarchical-allreduce`` exists to avoid exactly this: its
 three rows cost a reduce-scatter and an all-gather on ``cores`` and an
 all-reduce of ``B / cores`` bytes on ``workers``.
 
@@ -186,9 +186,12 @@ class Topology:
             return self.workers
         if group is not None:
             raise ValueError(f"unknown replica group {group!r}; expected None (all replicas), 'cores' or 'workers'.")
-        if num_workers is None:
-            return max(self.cores, self.workers, key=lambda link: (link.beta_s_per_byte, link.alpha_s))
-        return self.workers if num_workers > 1 else self.cores
+        if num_workers is not None and num_workers <= 1:
+            return self.cores
+        # Over both axes (or an unknown number of workers): paced by the slower link, per term.
+        return Link(
+            max(self.cores.alpha_s, self.workers.alpha_s), max(self.cores.beta_s_per_byte, self.workers.beta_s_per_byte)
+        )
 
     def __str__(self) -> str:
         compute = f"; compute {self.compute}" if self.compute else ""
