@@ -175,12 +175,20 @@ def print_calibration(topologies: dict[str, Topology]) -> None:
             print(
                 f"| {label} | {m.axis} | {m.nbytes} | {m.seconds * 1e6:.1f} | {fit * 1e6:.1f} | {fit / m.seconds:.2f} |"
             )
+    print("\ncompute (`calibrate_compute`, every device at once):\n")
+    for label, topo in topologies.items():
+        if topo.compute is not None:
+            c = topo.compute
+            print(
+                f"- {label}: {c.seconds_per_element * 1e9:.3f} ns per element-wise op, "
+                f"{c.seconds_per_flop * 1e9:.4f} ns per matrix-product flop ({c})"
+            )
     topo = topologies.get("2x4")
     if topo is not None:
         print(
             f"\n'cpu-emulated' preset figures: cores={topo.cores!r}, workers={topo.workers!r}, "
             f"p2p_cores={topo.p2p_cores!r}, p2p_workers={topo.p2p_workers!r}, "
-            f"native_latency={topo.native_latency!r}"
+            f"native_latency={topo.native_latency!r}, compute={topo.compute!r}"
         )
 
 
