@@ -130,6 +130,33 @@ class TestProgressRecord:
         record = progress.read_progress(str(tmp_path / "p.json"))
         assert record["phase"] == "exited" and record["code"] == 3 and record["steps_started"] == 1
 
+    def test_a_slow_periodic_write_never_replaces_the_exit_record(self, tmp_path, monkeypatch):
+        # The writer thread snapshots the record, then is slow to rename its file; the script
+        # exits meanwhile. Its exit record must be the file left (it once was not: the launcher
+        # then saw no exit code).
+        import threading
+
+        monkeypatch.setattr(progress, "_STATE", progress._State())
+        monkeypatch.setattr(progress, "_PATH", str(tmp_path / "p.json"))
+        in_rename, exiting = threading.Event(), threading.Event()
+        real_replace = os.replace
+
+        def slow_replace(src, dst):
+            if threading.current_thread().name == "slow-writer":
+                in_rename.set()
+                exiting.wait(timeout=1.0)  # with the fix, mark_exited waits for this write instead
+            real_replace(src, dst)
+
+        monkeypatch.setattr(progress.os, "replace", slow_replace)
+        writer = threading.Thread(target=progress._write, name="slow-writer")
+        writer.start()
+        assert in_rename.wait(timeout=10)
+        progress.mark_exited(7)
+        exiting.set()
+        writer.join(timeout=10)
+        record = progress.read_progress(str(tmp_path / "p.json"))
+        assert record["phase"] == "exited" and record["code"] == 7, record
+
     def test_unreadable_records_are_none(self, tmp_path):
         (tmp_path / "bad.json").write_text("{")
         (tmp_path / "list.json").write_text("[1]")

@@ -187,19 +187,26 @@ def position(record: dict[str, Any]) -> int:
     return 10 * steps + PHASES.get(name, 0)
 
 
+#: Held from taking a snapshot to renaming its file: the writer thread and ``mark_exited``
+#: write one after the other, so an older snapshot never replaces a newer file (the exit
+#: code once vanished that way on a loaded machine).
+_WRITE_LOCK = threading.Lock()
+
+
 def _write() -> None:
     path = _PATH
     if path is None:
         return
-    with _STATE.lock:
-        text = json.dumps(_STATE.record())
-    try:
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".progress-", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except OSError:  # the launcher's directory is gone: nobody reads it any more
-        pass
+    with _WRITE_LOCK:
+        with _STATE.lock:
+            text = json.dumps(_STATE.record())
+        try:
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".progress-", suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except OSError:  # the launcher's directory is gone: nobody reads it any more
+            pass
 
 
 def _writer_loop() -> None:
