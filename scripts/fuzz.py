@@ -10,6 +10,9 @@ Usage::
     python scripts/fuzz.py --programs 2000 --seed 0
     python scripts/fuzz.py --programs 50 --variants default,zero
     python scripts/fuzz.py --only 1234 --variants zero       # one program again
+
+Ctrl-C or SIGTERM stops a long run after the program under way and prints the
+summary of what it checked (a second signal stops at once).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import signal
 import sys
 import time
 
@@ -46,15 +50,36 @@ def main(argv: list[str] | None = None) -> int:
     executions: collections.Counter = collections.Counter()
     failures = []
     start = time.time()
-    for n, seed in enumerate(seeds, 1):
-        for outcome in run_program(seed, variants, stats=executions):
-            checked[outcome.variant] += 1
-            if not outcome.ok:
-                failures.append(outcome)
-                print(outcome, flush=True)
-        if n % 10 == 0:
-            print(f"... {n} programs, {len(failures)} failures, {time.time() - start:.0f} s", flush=True)
-    print(f"\nchecked {len(seeds)} programs x {len(MESHES)} meshes in {time.time() - start:.0f} s")
+    done, stopped = 0, ""
+    stop: list[int] = []
+
+    def request_stop(signum, frame) -> None:
+        if stop:  # a second signal: stop now
+            raise KeyboardInterrupt
+        stop.append(signum)
+        print("stopping after the program under way (signal again to stop now)", flush=True)
+
+    # Ctrl-C or SIGTERM ends a long run after the program under way, with the summary so far.
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    print(f"fuzzing {len(seeds)} programs from seed {seeds[0]}, variants {variants}, meshes {MESHES}", flush=True)
+    try:
+        for n, seed in enumerate(seeds, 1):
+            for outcome in run_program(seed, variants, stats=executions):
+                checked[outcome.variant] += 1
+                if not outcome.ok:
+                    failures.append(outcome)
+                    print(outcome, flush=True)
+            done = n
+            if n % 10 == 0:
+                print(f"... {n} programs, {len(failures)} failures, {time.time() - start:.0f} s", flush=True)
+            if stop:
+                stopped = " (stopped by a signal)"
+                break
+    except KeyboardInterrupt:
+        stopped = " (stopped by a second signal; the runs of the program under way are counted below)"
+    seen = f"seeds {seeds[0]}..{seeds[0] + done - 1}" if done else "none complete"
+    print(f"\nchecked {done} programs ({seen}) x {len(MESHES)} meshes in {time.time() - start:.0f} s{stopped}")
     print(
         f"  {executions['runs']} variant runs executed {executions['graphs']} distinct final graphs "
         "(variants whose passes produced an identical graph share its execution)"
