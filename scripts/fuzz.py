@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [args.only] if args.only is not None else range(args.seed, args.seed + args.programs)
     checked: collections.Counter = collections.Counter()
     executions: collections.Counter = collections.Counter()
+    sensitive: collections.Counter = collections.Counter()
     failures = []
     start = time.time()
     done, stopped = 0, ""
@@ -67,6 +68,13 @@ def main(argv: list[str] | None = None) -> int:
         for n, seed in enumerate(seeds, 1):
             for outcome in run_program(seed, variants, stats=executions):
                 checked[outcome.variant] += 1
+                if outcome.order_sensitive:
+                    sensitive[outcome.variant] += 1
+                    print(
+                        f"{outcome} (passes within the reference's rounding sensitivity; base comparison: "
+                        f"{outcome.order_sensitive})",
+                        flush=True,
+                    )
                 if not outcome.ok:
                     failures.append(outcome)
                     print(outcome, flush=True)
@@ -87,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     for v in variants:
         bad = [f for f in failures if f.variant == v]
         crashes = sum(1 for f in bad if f.error)
-        print(f"  {v:<14} {checked[v]:>6} runs  {len(bad) - crashes:>4} mismatches  {crashes:>4} crashes")
+        print(
+            f"  {v:<14} {checked[v]:>6} runs  {len(bad) - crashes:>4} mismatches  {crashes:>4} crashes"
+            f"  {sensitive[v]:>4} within the reference's rounding sensitivity"
+        )
     reference_errors = [f for f in failures if f.variant == "reference"]
     if reference_errors:
         print(f"  reference errors (generator bugs): {len(reference_errors)}")

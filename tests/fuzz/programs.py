@@ -115,11 +115,31 @@ class PerReplica:
 class Stacked:
     """Ops for all replicas at once: a leading replica axis on every value."""
 
-    def __init__(self, workers: int, cores: int, wire_dtype: Any = None):
+    def __init__(self, workers: int, cores: int, wire_dtype: Any = None, order: str | None = None):
         self.W, self.C, self.R = workers, cores, workers * cores
         # With a wire dtype, f32 sums and means over 2 or more replicas round every
         # replica's operand and the sum to it, as ``compress-communication`` does.
         self.wire_dtype = wire_dtype
+        # With an order ('forward' or 'reverse'), sums over replicas add the members one
+        # at a time in that order (XLA's reduction order otherwise); with 'jitter', each
+        # member is first moved by about 2 float32 ulps (alternately up and down): how much
+        # a program's results depend on the rounding of a float32 sum.
+        self.order = order
+
+    def _add_members(self, g):
+        """``sum(g, axis=1, keepdims=True)`` in :attr:`order`."""
+        if self.order is None:
+            return jnp.sum(g, axis=1, keepdims=True)
+        if self.order == "jitter" and jnp.issubdtype(g.dtype, jnp.floating):
+            signs = np.where(np.arange(g.shape[1]) % 2 == 0, 1.0, -1.0).reshape(1, -1, *([1] * (g.ndim - 2)))
+            return jnp.sum(g * jnp.asarray(1.0 + signs * 2.0**-22, g.dtype), axis=1, keepdims=True)
+        if self.order == "jitter":
+            return jnp.sum(g, axis=1, keepdims=True)
+        members = range(g.shape[1]) if self.order == "forward" else reversed(range(g.shape[1]))
+        total = None
+        for m in members:
+            total = g[:, m : m + 1] if total is None else total + g[:, m : m + 1]
+        return total
 
     def local(self, fn: Callable, *args: Any) -> Any:
         return jax.vmap(fn)(*args)
@@ -149,7 +169,7 @@ class Stacked:
         g = self._grouped(x, group)
         rounded = self.wire_dtype is not None and x.dtype == jnp.float32 and g.shape[1] >= 2
         wire = (lambda a: a.astype(self.wire_dtype).astype(x.dtype)) if rounded else (lambda a: a)
-        r = wire(jnp.sum(wire(g), axis=1, keepdims=True))
+        r = wire(self._add_members(wire(g)))
         r = r / g.shape[1] if mean else r
         return self._ungrouped(jnp.broadcast_to(r, g.shape), group)
 
@@ -182,7 +202,7 @@ class Stacked:
     def _reduce_scatter(self, x, group):
         g = self._grouped(x, group)  # (G, M, n, ...)
         m = g.shape[1]
-        total = jnp.sum(g, axis=1)  # (G, n, ...)
+        total = self._add_members(g)[:, 0]  # (G, n, ...)
         chunks = total.reshape(g.shape[0], m, g.shape[2] // m, *g.shape[3:])
         return self._ungrouped(chunks, group)
 
