@@ -181,7 +181,7 @@ def test_prediction_of_a_lowered_step_is_the_sum_of_hand_formulas(n_devices):
 def test_calibrate_measures_both_axes_quickly_and_fits_its_own_measurements(n_devices):
     w, c = _two_level(n_devices)
     t0 = time.perf_counter()
-    topo = calibrate(w, c, sizes=(1024, 64 * 1024, 512 * 1024), repeats=3, chain=2, time_budget_s=20)
+    topo = calibrate(w, c, sizes=(1024, 64 * 1024, 512 * 1024), repeats=5, chain=4, time_budget_s=20)
     elapsed = time.perf_counter() - t0
     assert elapsed < 90, f"calibrate took {elapsed:.0f} s"
     for link in (topo.cores, topo.workers):
