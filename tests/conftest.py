@@ -2,23 +2,11 @@
 
 The device count defaults to 8 and can be changed with REPLICATOR_TEST_DEVICES;
 tests are written in terms of ``jax.device_count()``.
-
-The tests compile a thousand small programs and run each a few times, so XLA's
-optimizations cost more than they save: they are switched off (the suite takes
-about two thirds of the time; the Flax ImageNet port 15 s instead of 40 s).
-``REPLICATOR_TEST_XLA_OPT=1`` keeps XLA's defaults; flags already in ``XLA_FLAGS``
-come after these and win.
 """
 
 import os
 
-FAST_COMPILE_FLAGS = (
-    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
-)
-if os.environ.get("REPLICATOR_TEST_XLA_OPT") != "1":  # before JAX starts its backend
-    os.environ["XLA_FLAGS"] = f"{FAST_COMPILE_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
-
-import replicator as rp  # noqa: E402
+import replicator as rp
 
 # Every pipeline in the tests checks the graph invariants after every pass.
 os.environ.setdefault("REPLICATOR_VERIFY", "1")
