@@ -23,6 +23,7 @@ import pytest
 from replicator.runtime import distributed, launch
 from replicator.runtime.distributed import status
 from replicator.runtime.launch import LaunchError
+from replicator.runtime.mesh import with_device_count
 
 ROOT = Path(__file__).resolve().parent.parent
 TOY = str(Path(__file__).resolve().parent / "multiproc" / "toy_worker.py")
@@ -146,7 +147,7 @@ class TestLocalJobs:
             assert f"[worker {w}] note from worker {w}" in err.splitlines()
             assert f"[worker {w}] {distributed.ENV_NUM_WORKERS}=2" in lines
             assert f"[worker {w}] {distributed.ENV_CORES_PER_WORKER}=3" in lines
-            assert f"[worker {w}] XLA_FLAGS=--xla_force_host_platform_device_count=3" in lines
+            assert f"[worker {w}] XLA_FLAGS={with_device_count(os.environ['XLA_FLAGS'], 3)}" in lines  # others kept
         coordinators = {line.split("=", 1)[1] for line in lines if distributed.ENV_COORDINATOR in line}
         assert len(coordinators) == 1 and re.fullmatch(r"127\.0\.0\.1:\d+", coordinators.pop())
         assert all(re.match(r"\[(worker \d|launcher)\] ", line) for line in lines + err.splitlines())
