@@ -17,9 +17,14 @@ UNKNOWN_LOCATION = "<unknown location>"
 __all__ = [
     "UNKNOWN_LOCATION",
     "backends_initialized",
+    "callback_function",
     "custom_vmap_call_primitive",
     "exclude_from_user_frames",
     "extend_axis_env",
+    "jit_inlined_by_jax",
+    "named_axis_effect_type",
+    "reduce_scatter_primitive",
+    "scan_operand_counts",
     "user_source_line",
 ]
 
@@ -84,3 +89,29 @@ def named_axis_effect_type() -> type:
 def callback_function(params: dict) -> Any:
     """The user's function of a ``pure_callback`` equation (``None`` if this JAX stores it otherwise)."""
     return getattr(params.get("callback"), "callback_func", None)
+
+
+def scan_operand_counts(params: dict) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a ``scan`` equation.
+
+    JAX 0.10 stores both as integer params; 0.12 stores the operand structure as
+    flat trees ``ft_in = (consts, carry, xs)``. The body's inputs are ordered
+    consts, carry, xs and its outputs carry, ys in both.
+    """
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
+def jit_inlined_by_jax(params: dict) -> bool:
+    """Whether a ``jit`` equation's author asked for it to be inlined (``jax.jit(f, inline=True)``).
+
+    JAX 0.10 inlined such calls while tracing (they never reach a jaxpr) and
+    stores ``inline`` as a bool; 0.11+ keeps them in the jaxpr with
+    ``inline=Inline.JAX_LATE`` (``True``) or ``Inline.JAX_EARLY``.
+    """
+    inline = params.get("inline", False)
+    if isinstance(inline, bool):
+        return inline
+    return getattr(inline, "name", "") in ("JAX_EARLY", "JAX_LATE")

@@ -15,9 +15,11 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.extend.core import ClosedJaxpr
 
 from replicator.core.context import ReplicaContext, replica_context
 from replicator.core.graph import StepGraph
+from replicator.core.inline_calls import inline_marked_calls
 
 __all__ = ["TracedStep", "UnboundAxisNameError", "is_array_leaf", "leaf_paths", "trace_step"]
 
@@ -198,6 +200,9 @@ def trace_step(
             if match is None:
                 raise
             raise UnboundAxisNameError(match["name"], context) from None
+    inlined = inline_marked_calls(closed.jaxpr)
+    if inlined is not closed.jaxpr:
+        closed = ClosedJaxpr(inlined, closed.consts)
     graph = StepGraph(
         jaxpr=closed,
         context=context,

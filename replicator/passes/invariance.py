@@ -44,7 +44,13 @@ from typing import Any
 from jax.extend.core import Jaxpr, JaxprEqn, Literal, Primitive, Var
 from jax.extend.core import primitives as jax_primitives
 
-from replicator._jax_compat import UNKNOWN_LOCATION, callback_function, custom_vmap_call_primitive, user_source_line
+from replicator._jax_compat import (
+    UNKNOWN_LOCATION,
+    callback_function,
+    custom_vmap_call_primitive,
+    scan_operand_counts,
+    user_source_line,
+)
 from replicator.core.callbacks import is_invariant_callback
 from replicator.core.context import group_axes
 from replicator.core.primitives import (
@@ -301,7 +307,7 @@ RULES[jax_primitives.while_p] = _while_rule
 
 def _scan_rule(analysis: VarianceAnalysis, eqn: JaxprEqn, ins: list[Variance]) -> list[Variance]:
     p = eqn.params
-    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    n_consts, n_carry = scan_operand_counts(p)
     consts, carry, xs = ins[:n_consts], list(ins[n_consts : n_consts + n_carry]), ins[n_consts + n_carry :]
     body = open_jaxpr(p["jaxpr"])
 

@@ -78,6 +78,7 @@ from typing import Any
 from jax import lax
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Var
 
+from replicator._jax_compat import scan_operand_counts
 from replicator.core.context import ReplicaContext
 from replicator.core.primitives import (
     PLACEHOLDERS,
@@ -122,7 +123,7 @@ def _sub_variances(eqn: JaxprEqn, ins: list[Variance], outs: list[Variance]) -> 
             id(open_jaxpr(p["body_jaxpr"])): list(ins[nc : nc + nb]) + outs,
         }
     if name == "scan":
-        n_consts, n_carry = p["num_consts"], p["num_carry"]
+        n_consts, n_carry = scan_operand_counts(p)
         # The first results of a scan are its fixpoint carry.
         body_ins = list(ins[:n_consts]) + outs[:n_carry] + list(ins[n_consts + n_carry :])
         return {id(open_jaxpr(p["jaxpr"])): body_ins}
