@@ -21,6 +21,7 @@ __all__ = [
     "custom_vmap_call_primitive",
     "exclude_from_user_frames",
     "extend_axis_env",
+    "fast_compile_xla_flags",
     "jit_inlined_by_jax",
     "named_axis_effect_type",
     "reduce_scatter_primitive",
@@ -115,3 +116,22 @@ def jit_inlined_by_jax(params: dict) -> bool:
     if isinstance(inline, bool):
         return inline
     return getattr(inline, "name", "") in ("JAX_EARLY", "JAX_LATE")
+
+
+def fast_compile_xla_flags() -> list[str]:
+    """XLA flags that trade the compiled code's speed for compile time (tests, the fuzzer).
+
+    ``--xla_cpu_use_fusion_emitters`` exists in the XLA of jaxlib 0.10 but not in
+    0.11+, where an unknown flag aborts the process: the list depends on the
+    installed jaxlib, read without starting JAX's backend.
+    """
+    flags = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
+    if _jaxlib_version() < (0, 11):
+        flags.append("--xla_cpu_use_fusion_emitters=false")
+    return flags
+
+
+def _jaxlib_version() -> tuple[int, ...]:
+    from importlib.metadata import version
+
+    return tuple(int(part) for part in version("jaxlib").split(".")[:2])

@@ -2,14 +2,27 @@
 
 The device count defaults to 8 and can be changed with REPLICATOR_TEST_DEVICES;
 tests are written in terms of ``jax.device_count()``.
+
+XLA compiles with its optimizations off (``_jax_compat.fast_compile_xla_flags``):
+most of the suite's time is compilation of small programs, and every test
+compares numbers against a reference with a tolerance, which holds either way.
+``REPLICATOR_TEST_XLA_DEFAULTS=1`` keeps XLA's defaults; flags already in
+``XLA_FLAGS`` are kept. Worker processes that tests start inherit the setting.
 """
 
 import os
 
 import replicator as rp
+from replicator._jax_compat import fast_compile_xla_flags
 
 # Every pipeline in the tests checks the graph invariants after every pass.
 os.environ.setdefault("REPLICATOR_VERIFY", "1")
+
+if os.environ.get("REPLICATOR_TEST_XLA_DEFAULTS") != "1":
+    _user_flags = os.environ.get("XLA_FLAGS", "").split()
+    _given = {f.split("=")[0] for f in _user_flags}
+    _fast = [f for f in fast_compile_xla_flags() if f.split("=")[0] not in _given]
+    os.environ["XLA_FLAGS"] = " ".join([*_fast, *_user_flags])
 
 rp.force_cpu_devices(int(os.environ.get("REPLICATOR_TEST_DEVICES", "8")))
 
