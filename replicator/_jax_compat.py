@@ -27,6 +27,7 @@ __all__ = [
     "reduce_scatter_primitive",
     "scan_operand_counts",
     "user_source_line",
+    "with_fast_compile_flags",
 ]
 
 
@@ -129,6 +130,17 @@ def fast_compile_xla_flags() -> list[str]:
     if _jaxlib_version() < (0, 11):
         flags.append("--xla_cpu_use_fusion_emitters=false")
     return flags
+
+
+def with_fast_compile_flags(xla_flags: str) -> str:
+    """``xla_flags`` with :func:`fast_compile_xla_flags` added where it does not set them already.
+
+    >>> with_fast_compile_flags("--xla_backend_optimization_level=2").split()[0]
+    '--xla_llvm_disable_expensive_passes=true'
+    """
+    given = {f.split("=")[0] for f in xla_flags.split()}
+    fast = [f for f in fast_compile_xla_flags() if f.split("=")[0] not in given]
+    return " ".join([*fast, *xla_flags.split()])
 
 
 def _jaxlib_version() -> tuple[int, ...]:

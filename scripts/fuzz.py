@@ -11,6 +11,9 @@ Usage::
     python scripts/fuzz.py --programs 50 --variants default,zero
     python scripts/fuzz.py --only 1234 --variants zero       # one program again
 
+XLA compiles with its optimizations off (``_jax_compat.fast_compile_xla_flags``, as in
+the tests); ``REPLICATOR_FUZZ_XLA_DEFAULTS=1`` keeps XLA's defaults.
+
 Ctrl-C or SIGTERM stops a long run after the program under way and prints the
 summary of what it checked (a second signal stops at once).
 """
@@ -28,7 +31,12 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 import replicator as rp  # noqa: E402
+from replicator._jax_compat import with_fast_compile_flags  # noqa: E402
 
+# Both sides of every comparison compile with XLA's optimizations off (cheaper
+# compilation; REPLICATOR_FUZZ_XLA_DEFAULTS=1 keeps XLA's defaults).
+if os.environ.get("REPLICATOR_FUZZ_XLA_DEFAULTS") != "1":
+    os.environ["XLA_FLAGS"] = with_fast_compile_flags(os.environ.get("XLA_FLAGS", ""))
 rp.force_cpu_devices(8)
 
 from tests.fuzz.differential import MESHES, VARIANTS, run_program  # noqa: E402

@@ -13,16 +13,13 @@ compares numbers against a reference with a tolerance, which holds either way.
 import os
 
 import replicator as rp
-from replicator._jax_compat import fast_compile_xla_flags
+from replicator._jax_compat import with_fast_compile_flags
 
 # Every pipeline in the tests checks the graph invariants after every pass.
 os.environ.setdefault("REPLICATOR_VERIFY", "1")
 
 if os.environ.get("REPLICATOR_TEST_XLA_DEFAULTS") != "1":
-    _user_flags = os.environ.get("XLA_FLAGS", "").split()
-    _given = {f.split("=")[0] for f in _user_flags}
-    _fast = [f for f in fast_compile_xla_flags() if f.split("=")[0] not in _given]
-    os.environ["XLA_FLAGS"] = " ".join([*_fast, *_user_flags])
+    os.environ["XLA_FLAGS"] = with_fast_compile_flags(os.environ.get("XLA_FLAGS", ""))
 
 rp.force_cpu_devices(int(os.environ.get("REPLICATOR_TEST_DEVICES", "8")))
 
