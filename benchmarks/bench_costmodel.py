@@ -1,6 +1,6 @@
 """The communication cost model against measurement, and BigGAN's predicted communication.
 
-(a) Calibrate (``rp.passes.calibrate``) the emulated CPU mesh as 1 x 8 and 2 x 4,
+(a) Calibrate (``rp.tools.calibrate``) the emulated CPU mesh as 1 x 8 and 2 x 4,
 then for each workload on 1, 2, 4 and 8 devices compare the model's predicted
 communication time (``Replicator.explain(...).predict(calibrated)``) with the
 measured one: the median step time with the collectives minus the median step
@@ -8,7 +8,7 @@ time of the same step without them (same devices, same inputs; variants
 interleaved round by round, ``benchmarks/timing.py``). Workloads:
 
 * ``50 x 1000 fused``    50 ``all_sum``s of 1000 floats, default pipeline (one fused bucket)
-* ``50 x 1000 unfused``  the same with ``fuse-allreduce`` disabled (50 collectives)
+* ``50 x 1000 unfused``  the same with ``fuse-collectives`` disabled (50 collectives)
 * ``ring`` / ``tree``    the fused bucket lowered as a ring / a binary tree (``all_reduce_algorithm``)
 * ``2xC`` / ``2xC +hier``  two workers, flat and with ``hierarchical-allreduce`` (8 devices)
 * ``mlp16x128``          Adam on a 16 x 128 MLP, ``rp.all_mean`` of the gradients (global batch 512)
@@ -147,16 +147,17 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from timing import time_interleaved  # noqa: E402
 
-from replicator.passes import PRESETS, Topology, calibrate  # noqa: E402
-from replicator.passes.costmodel import collective_time  # noqa: E402
-from replicator.passes.records import CollectiveRecord  # noqa: E402
+from replicator.core.graph import CollectiveRecord  # noqa: E402
+from replicator.cost.collectives import collective_time  # noqa: E402
+from replicator.cost.topology import PRESETS, Topology  # noqa: E402
 from replicator.runtime.execution import sharded  # noqa: E402
+from replicator.tools.calibrate import calibrate  # noqa: E402
 
 # -- (a) calibration ---------------------------------------------------------------------
 
 
 def print_calibration(topologies: dict[str, Topology]) -> None:
-    print("\n### Calibrated links (`rp.passes.calibrate`)\n")
+    print("\n### Calibrated links (`rp.tools.calibrate`)\n")
     print("| mesh | axis | N | alpha (us) | bandwidth (GB/s) |")
     print("|---|---|---:|---:|---:|")
     for label, topo in topologies.items():
@@ -313,7 +314,7 @@ def measure(topologies: dict[str, Topology]) -> None:
         flat = topologies["1x8"]
         for label, options in (
             ("50 x 1000 fused", {}),
-            ("50 x 1000 unfused", {"disable": ["fuse-allreduce"]}),
+            ("50 x 1000 unfused", {"disable": ["fuse-collectives"]}),
             ("50 x 1000 ring", {"all_reduce_algorithm": "ring"}),
             ("50 x 1000 tree", {"all_reduce_algorithm": "reduce_broadcast"}),
         ):
@@ -331,7 +332,7 @@ def measure_processes(topology: Topology, workers: int, cores: int) -> None:
     cases = {}
     for label, options in (
         ("50 x 1000 fused", {}),
-        ("50 x 1000 unfused", {"disable": ["fuse-allreduce"]}),
+        ("50 x 1000 unfused", {"disable": ["fuse-collectives"]}),
         ("50 x 1000 ring", {"all_reduce_algorithm": "ring"}),
         ("50 x 1000 tree", {"all_reduce_algorithm": "reduce_broadcast"}),
         ("50 x 1000 fused +hierarchical", {"hierarchical": True}),

@@ -11,6 +11,8 @@ Write a step for one device, call cross-replica placeholders (``all_mean``,
 """
 
 from replicator import _jax_compat
+from replicator import cost as cost  # rp.cost: topologies, time models, the report, auto
+from replicator import tools as tools  # rp.tools: calibrate, bisect_passes, translation validation
 from replicator.api import CompiledStep as CompiledStep
 from replicator.api import Replicator as Replicator
 from replicator.core import primitives as primitives  # rp.primitives.PLACEHOLDERS, the placeholder primitives
@@ -96,6 +98,7 @@ __all__ = [
     "broadcast",
     "broadcast_state",
     "build_mesh",
+    "cost",
     "cross_replica_batch_norm",
     "distributed",
     "force_cpu_devices",
@@ -110,5 +113,6 @@ __all__ = [
     "restore_checkpoint",
     "save_checkpoint",
     "select_tree",
+    "tools",
     "wrap_optimizer",
 ]

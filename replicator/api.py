@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -31,10 +30,18 @@ import jax
 import numpy as np
 
 from replicator.core.context import ReplicaContext, normalize_axis_names
-from replicator.core.tracing import TracedStep, is_array_leaf, leaf_paths, trace_step
-from replicator.passes.fold import FoldLayout, fold_layout, fold_lowered
-from replicator.passes.pipeline import Lowered, Pipeline
-from replicator.passes.report import CommunicationReport, communication_report
+from replicator.core.layout import FoldLayout, fold_layout
+from replicator.core.tracing import (
+    TracedStep,
+    is_array_leaf,
+    leaf_paths,
+    leaf_signature,
+    signature_spec,
+    trace_step,
+)
+from replicator.cost.report import CommunicationReport, communication_report
+from replicator.passes.fold import fold_lowered
+from replicator.pipeline.pipeline import Lowered, Pipeline
 from replicator.runtime.consistency import check_replicas_agree
 from replicator.runtime.distributed import progress
 from replicator.runtime.distributed.startup import check_initialized_under_launcher
@@ -58,24 +65,6 @@ class CompiledStep:
     runs: int = 0  # the first run compiles it (XLA), as part of the call
 
 
-@functools.cache
-def _canonical(dtype: Any) -> Any:
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # e.g. typed PRNG keys
-        return dtype
-    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
-
-
-def _signature(x: Any) -> tuple[tuple[int, ...], np.dtype]:
-    """Shape and canonical dtype of an array, number or spec (weak types ignored)."""
-    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray)):
-        return tuple(x.shape), _canonical(x.dtype)
-    return tuple(np.shape(x)), _canonical(np.result_type(x))
-
-
-def _spec(signature: tuple[tuple[int, ...], np.dtype]) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(*signature)
-
-
 #: Compiled steps kept per Replicator (least recently used dropped first).
 MAX_COMPILED_STEPS = 64
 #: Warn when a step has been compiled this many times already for one cause.
@@ -93,7 +82,7 @@ class _Static(tuple):
 def _state_signature(leaf: Any, treedef: Any, index: int) -> Any:
     """Shape and dtype of an array leaf; a non-array leaf (an Equinox module's function) is static."""
     if is_array_leaf(leaf):
-        signature = _signature(leaf)
+        signature = leaf_signature(leaf)
         if isinstance(leaf, int):  # a Python int becomes the default integer dtype (int32 without x64)
             info = np.iinfo(signature[1])
             if not info.min <= leaf <= info.max:
@@ -119,7 +108,7 @@ def _leaf_path(treedef: Any, index: int) -> str:
 
 
 def _state_spec(signature: Any) -> Any:
-    return signature[0] if isinstance(signature, _Static) else _spec(signature)
+    return signature[0] if isinstance(signature, _Static) else signature_spec(signature)
 
 
 class Replicator:
@@ -248,7 +237,7 @@ class Replicator:
         c = self.cores_per_worker
         batch_sigs = []
         for leaf in batch_leaves:
-            shape, dtype = _signature(leaf)
+            shape, dtype = leaf_signature(leaf)
             batch_sigs.append(((shape[0] // c, *shape[1:]), dtype))
         state_sigs = tuple(_state_signature(leaf, state_def, i) for i, leaf in enumerate(state_leaves))
         key = (step_fn, has_state, state_def, state_sigs, batch_def, tuple(batch_sigs), self._pipeline_key())
@@ -260,7 +249,7 @@ class Replicator:
                 self._warn_if_retracing(key)
                 check_worker_batch(batch, c, 0)
                 state_specs = state_def.unflatten([_state_spec(s) for s in state_sigs]) if has_state else None
-                batch_specs = batch_def.unflatten([_spec(s) for s in batch_sigs])
+                batch_specs = batch_def.unflatten([signature_spec(s) for s in batch_sigs])
                 traced = trace_step(step_fn, state_specs, batch_specs, self.context)
                 self.trace_count += 1
                 lowered = self.pipeline.run(traced.graph, fold=self.fold)
@@ -324,7 +313,7 @@ class Replicator:
           state: as for :meth:`run`.
 
         Returns:
-          A :class:`~replicator.passes.report.CommunicationReport`; ``print()`` it.
+          A :class:`~replicator.cost.report.CommunicationReport`; ``print()`` it.
         """
         batch = input_fn_or_batch
         if callable(input_fn_or_batch):
@@ -332,7 +321,7 @@ class Replicator:
                 batch = next(iter(input_fn_or_batch(self.input_context(self.local_workers[0]))))
             except StopIteration:
                 raise ValueError("explain: input_fn yielded no batch to trace the step with.") from None
-        return communication_report(self.lower(step_fn, batch, state), self.pipeline)
+        return communication_report(self.lower(step_fn, batch, state))
 
     def broadcast_state(self, state: PyTree) -> PyTree:
         """Replica 0's (process 0's) ``state`` on every replica, placed on the mesh.

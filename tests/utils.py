@@ -31,9 +31,10 @@ import pytest
 from jax import lax
 
 import replicator as rp
+from replicator.core.jaxprs import inline_function
 from replicator.core.primitives import all_reduce_p
 from replicator.passes import Pass, Pipeline, default_passes
-from replicator.passes.base import inline_function, rewrite_graph
+from replicator.pipeline.contract import rewrite_graph
 
 # -- the vmap reference --------------------------------------------------------------------
 

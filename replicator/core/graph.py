@@ -8,17 +8,13 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping
 
 from jax.extend.core import ClosedJaxpr, Var
 
 from replicator.core.context import ReplicaContext
 
-if TYPE_CHECKING:
-    from replicator.passes.records import CollectiveRecord, Origin
-
-__all__ = ["StepGraph"]
+__all__ = ["CollectiveRecord", "Origin", "StepGraph"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,13 +42,13 @@ class StepGraph:
     sharded_state: frozenset[int] = frozenset()
     #: One record per placeholder that ``lower-collectives`` lowered: kind,
     #: group, algorithm, wire dtype, payload and emitted bytes
-    #: (:class:`~replicator.passes.records.CollectiveRecord`); empty before
+    #: (:class:`CollectiveRecord`); empty before
     #: lowering. The communication report counts from it.
     collectives: tuple[CollectiveRecord, ...] = ()
     #: For placeholders that a pass made out of others (fused buckets,
     #: compressed or hierarchical all-reduces), keyed by the new placeholder's
     #: first result: how many of the user's tensors it carries, and their
-    #: source lines (:class:`~replicator.passes.records.Origin`).
+    #: source lines (:class:`Origin`).
     collective_origins: Mapping[Var, Origin] = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -68,3 +64,57 @@ class StepGraph:
 
     def __str__(self) -> str:
         return str(self.jaxpr)
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """The user's tensors a placeholder carries: how many, and the source line of each collective."""
+
+    tensors: int
+    sources: tuple[str, ...]
+
+    @staticmethod
+    def merge(origins: Iterable[Origin]) -> Origin:
+        origins = list(origins)
+        return Origin(sum(o.tensors for o in origins), tuple(s for o in origins for s in o.sources))
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveRecord:
+    """One placeholder collective as ``lower-collectives`` lowered it.
+
+    Attributes:
+      kind: the placeholder, e.g. ``'all_mean'``, ``'all_gather'``, ``'replica_id'``.
+      group: the replica group (``None``: all replicas, ``'cores'``, ``'workers'``).
+      algorithm: the lowering (``'native'``, ``'ring'``, ``'reduce_broadcast'``).
+      dtype: the payload's dtype(s) on the wire, ``/``-joined.
+      nbytes: the payload of one replica: the placeholder's operand bytes.
+      tensors: the user's tensors it carries (a fused bucket carries several).
+      sources: the user's source line of each collective it carries.
+      region: where it is: ``'step'``, then ``/<primitive>@<equation>.<sub-jaxpr>``
+        per nesting level (:func:`~replicator.core.jaxprs.iter_regions`).
+      sent_bytes: estimated bytes one replica sends per step: the
+        bandwidth-optimal cost of each emitted mesh collective over its ``N``
+        replicas (all-reduce ``2 (N-1)/N B``, all-gather ``(N-1) B``,
+        reduce-scatter ``(N-1)/N B``, ``B`` its operand bytes), and for
+        ``ppermute`` the bytes sent by the busiest replica, counted from the
+        permutation (times the loop trip count).
+      emitted_bytes: the operand bytes of the mesh collectives emitted
+        (:func:`emitted_bytes`).
+      group_size: ``N``.
+      operands: the arrays the placeholder reduces at once (an unfused
+        ``all_sum`` of a list has one per leaf; a fused bucket has one).
+    """
+
+    kind: str
+    group: str | None
+    algorithm: str
+    dtype: str
+    nbytes: int
+    tensors: int
+    sources: tuple[str, ...]
+    region: str
+    sent_bytes: float
+    emitted_bytes: int = 0
+    group_size: int = 1
+    operands: int = 1

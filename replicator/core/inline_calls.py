@@ -22,6 +22,7 @@ from typing import Any
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Var
 
 from replicator._jax_compat import jit_inlined_by_jax
+from replicator.core.jaxprs import map_subjaxprs
 
 __all__ = ["inline_marked_calls"]
 
@@ -35,8 +36,9 @@ def inline_marked_calls(jaxpr: Jaxpr) -> Jaxpr:
     for eqn in jaxpr.eqns:
         if any(isinstance(v, Var) and v in env for v in eqn.invars):
             eqn = eqn.replace(invars=[_read(env, v) for v in eqn.invars])
-        eqn, sub_changed = _map_bodies(eqn)
-        changed |= sub_changed
+        mapped = map_subjaxprs(eqn, inline_marked_calls)
+        changed |= mapped is not eqn
+        eqn = mapped
         body = _inlinable_body(eqn)
         if body is None:
             eqns.append(eqn)
@@ -74,25 +76,3 @@ def _inlinable_body(eqn: JaxprEqn) -> Jaxpr | None:
             return None
         body = body.jaxpr
     return body if not body.constvars else None
-
-
-def _map_bodies(eqn: JaxprEqn) -> tuple[JaxprEqn, bool]:
-    """``eqn`` with :func:`inline_marked_calls` applied to the sub-jaxprs in its params."""
-
-    def one(value: Any) -> Any:
-        if isinstance(value, ClosedJaxpr):
-            new = inline_marked_calls(value.jaxpr)
-            return value if new is value.jaxpr else ClosedJaxpr(new, value.consts)
-        if isinstance(value, Jaxpr):
-            return inline_marked_calls(value)
-        if isinstance(value, tuple) and any(isinstance(v, (Jaxpr, ClosedJaxpr)) for v in value):
-            items = [one(v) for v in value]
-            if all(a is b for a, b in zip(items, value, strict=True)):
-                return value
-            return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-        return value
-
-    params = {k: one(v) for k, v in eqn.params.items()}
-    if all(params[k] is eqn.params[k] for k in params):
-        return eqn, False
-    return eqn.replace(params=params), True

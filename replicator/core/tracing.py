@@ -9,6 +9,7 @@ placeholder equation in the graph.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +22,16 @@ from replicator.core.context import ReplicaContext, replica_context
 from replicator.core.graph import StepGraph
 from replicator.core.inline_calls import inline_marked_calls
 
-__all__ = ["TracedStep", "UnboundAxisNameError", "is_array_leaf", "leaf_paths", "trace_step"]
+__all__ = [
+    "TracedStep",
+    "UnboundAxisNameError",
+    "canonical_dtype",
+    "is_array_leaf",
+    "leaf_paths",
+    "leaf_signature",
+    "signature_spec",
+    "trace_step",
+]
 
 PyTree = Any
 _UNBOUND_AXIS = re.compile(r"unbound axis name: (?P<name>[^\s.]+)")
@@ -60,6 +70,24 @@ class TracedStep:
     def rebuild_state(self, arrays: list) -> PyTree:
         """The state pytree from the graph's new array leaves and the static leaves."""
         return self.state_treedef.unflatten(_merge(arrays, self.static_state, self.state_treedef.num_leaves))
+
+
+@functools.cache
+def canonical_dtype(dtype: Any) -> Any:
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # e.g. typed PRNG keys
+        return dtype
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+
+
+def leaf_signature(x: Any) -> tuple[tuple[int, ...], np.dtype]:
+    """Shape and canonical dtype of an array, number or spec (weak types ignored)."""
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray)):
+        return tuple(x.shape), canonical_dtype(x.dtype)
+    return tuple(np.shape(x)), canonical_dtype(np.result_type(x))
+
+
+def signature_spec(signature: tuple[tuple[int, ...], np.dtype]) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(*signature)
 
 
 def is_array_leaf(x: Any) -> bool:

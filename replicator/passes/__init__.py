@@ -1,63 +1,88 @@
-"""Rewrite passes over the per-replica step graph, and the pipeline that runs them."""
+"""The rewrite passes (``StepGraph -> StepGraph``) and, re-exported for convenience,
+the pipeline that runs them and the analyses they use.
 
-from replicator.passes.base import Pass as Pass
-from replicator.passes.base import PassResult as PassResult
-from replicator.passes.base import StepGraph as StepGraph
-from replicator.passes.base import count_primitives as count_primitives
-from replicator.passes.base import rewrite_graph as rewrite_graph
-from replicator.passes.bisect import BisectReport as BisectReport
-from replicator.passes.bisect import bisect_passes as bisect_passes
+``rp.passes.calibrate``, ``PRESETS``, ``Topology``, ``Link``, ``Prediction``,
+``predict``, ``bisect_passes`` and ``BisectReport`` moved to :mod:`replicator.cost`
+and :mod:`replicator.tools`; the old names still work, with a ``DeprecationWarning``.
+"""
+
+import importlib
+import warnings
+from typing import Any
+
+from replicator.analysis.invariance import analyze as analyze_invariance
+from replicator.core.graph import StepGraph as StepGraph
+from replicator.core.jaxprs import count_primitives as count_primitives
 from replicator.passes.capture import CaptureCollectives as CaptureCollectives
 from replicator.passes.capture import CaptureError as CaptureError
+from replicator.passes.check_invariance import CheckReplicaInvariance as CheckReplicaInvariance
 from replicator.passes.compress import CompressCommunication as CompressCommunication
-from replicator.passes.costmodel import PRESETS as PRESETS
-from replicator.passes.costmodel import Link as Link
-from replicator.passes.costmodel import Prediction as Prediction
-from replicator.passes.costmodel import Topology as Topology
-from replicator.passes.costmodel import calibrate as calibrate
-from replicator.passes.costmodel import predict as predict
-from replicator.passes.fuse_allreduce import FuseAllReduce as FuseAllReduce
+from replicator.passes.defaults import default_passes as default_passes
+from replicator.passes.fold import FoldReplicas as FoldReplicas
+from replicator.passes.fuse_collectives import FuseAllReduce as FuseAllReduce
+from replicator.passes.fuse_collectives import FuseCollectives as FuseCollectives
 from replicator.passes.hierarchical import HierarchicalAllReduce as HierarchicalAllReduce
-from replicator.passes.invariance import CheckReplicaInvariance as CheckReplicaInvariance
-from replicator.passes.invariance import analyze as analyze_invariance
 from replicator.passes.lower_collectives import LowerCollectives as LowerCollectives
-from replicator.passes.pipeline import Lowered as Lowered
-from replicator.passes.pipeline import Pipeline as Pipeline
-from replicator.passes.pipeline import Stage as Stage
-from replicator.passes.pipeline import default_passes as default_passes
 from replicator.passes.shard_optimizer import ShardOptimizerUpdate as ShardOptimizerUpdate
 from replicator.passes.simplify import Simplify as Simplify
-from replicator.passes.verify import GraphInvariantError as GraphInvariantError
-from replicator.passes.verify import verify_graph as verify_graph
+from replicator.pipeline.contract import Pass as Pass
+from replicator.pipeline.contract import PassResult as PassResult
+from replicator.pipeline.contract import rewrite_graph as rewrite_graph
+from replicator.pipeline.pipeline import Lowered as Lowered
+from replicator.pipeline.pipeline import Pipeline as Pipeline
+from replicator.pipeline.pipeline import Stage as Stage
+from replicator.pipeline.verify import GraphInvariantError as GraphInvariantError
+from replicator.pipeline.verify import verify_graph as verify_graph
+
+#: Names that moved out of ``rp.passes`` (resolved on first use, with a warning):
+#: the cost models and the tools sit above the passes.
+MOVED: dict[str, str] = {
+    "PRESETS": "replicator.cost.topology",
+    "Link": "replicator.cost.topology",
+    "Topology": "replicator.cost.topology",
+    "Prediction": "replicator.cost.collectives",
+    "predict": "replicator.cost.collectives",
+    "calibrate": "replicator.tools.calibrate",
+    "BisectReport": "replicator.tools.bisect",
+    "bisect_passes": "replicator.tools.bisect",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in MOVED:
+        raise AttributeError(f"module 'replicator.passes' has no attribute {name!r}")
+    home = MOVED[name]
+    public = home.rsplit(".", 1)[0]  # rp.cost / rp.tools
+    warnings.warn(
+        f"replicator.passes.{name} moved: use {public.replace('replicator', 'rp')}.{name} ({home}).",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(home), name)
+
 
 __all__ = [
-    "PRESETS",
-    "BisectReport",
     "CaptureCollectives",
     "CaptureError",
     "CheckReplicaInvariance",
     "CompressCommunication",
+    "FoldReplicas",
     "FuseAllReduce",
+    "FuseCollectives",
     "GraphInvariantError",
     "HierarchicalAllReduce",
-    "Link",
     "LowerCollectives",
     "Lowered",
     "Pass",
     "PassResult",
     "Pipeline",
-    "Prediction",
     "ShardOptimizerUpdate",
     "Simplify",
     "Stage",
     "StepGraph",
-    "Topology",
     "analyze_invariance",
-    "bisect_passes",
-    "calibrate",
     "count_primitives",
     "default_passes",
-    "predict",
     "rewrite_graph",
     "verify_graph",
 ]

@@ -48,16 +48,11 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn
 
 from replicator._jax_compat import reduce_scatter_primitive, user_source_line
 from replicator.core.context import REPLICA_AXES, ReplicaContext, group_axes
+from replicator.core.graph import StepGraph
+from replicator.core.jaxprs import inline_function, recompute_named_axis_effects
 from replicator.core.primitives import all_gather_p, all_reduce_p, reduce_scatter_p, replica_id_p
 from replicator.errors import ReplicationError
-from replicator.passes.base import (
-    Pass,
-    PassResult,
-    StepGraph,
-    inline_function,
-    recompute_named_axis_effects,
-    rewrite_graph,
-)
+from replicator.pipeline.contract import Pass, PassResult, rewrite_graph
 
 __all__ = ["CaptureCollectives", "CaptureError"]
 

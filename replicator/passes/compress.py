@@ -3,7 +3,7 @@
 Halves the bytes a sum or mean all-reduce moves, at the cost of precision
 (the idea of Horovod's ``Compression.fp16`` and of bf16 gradient all-reduce
 in large-scale training). Off by default: it is not in
-:func:`~replicator.passes.default_passes`; insert it after ``fuse-allreduce``
+:func:`~replicator.passes.default_passes`; insert it after ``fuse-collectives``
 (so that it casts the fused buckets) and before ``hierarchical-allreduce`` and
 ``lower-collectives``. On placeholders it rewrites::
 
@@ -85,7 +85,7 @@ Example (``rp.Pipeline.default(compress=True)`` does the same; or
 
 >>> from replicator.passes import CompressCommunication, default_passes
 >>> passes = default_passes()
->>> at = [p.name for p in passes].index("fuse-allreduce") + 1
+>>> at = [p.name for p in passes].index("fuse-collectives") + 1
 >>> passes.insert(at, CompressCommunication())
 >>> repl = rp.Replicator(1, 8, passes=rp.Pipeline(passes))
 >>> report = repl.explain(lambda b: rp.all_mean(b), np.ones((8, 4), np.float32))
@@ -104,10 +104,12 @@ import numpy as np
 from jax import lax
 from jax.extend.core import JaxprEqn
 
+from replicator.analysis.records import origin_of, pass_on_origin
 from replicator.core.context import GROUPS
+from replicator.core.graph import StepGraph
+from replicator.core.jaxprs import inline_function
 from replicator.core.primitives import all_reduce_p
-from replicator.passes.base import Pass, PassResult, StepGraph, inline_function, rewrite_graph
-from replicator.passes.records import origin_of, pass_on_origin
+from replicator.pipeline.contract import Pass, PassResult, rewrite_graph
 
 __all__ = ["CompressCommunication", "error_bound", "has_bound"]
 

@@ -55,7 +55,7 @@ does. Tests just outside (``tests/passes/test_hierarchical.py``):
 ``test_zero_size_operands_are_left_alone``, ``test_min_bytes``; against numpy:
 ``test_integer_sums_wrap_and_means_match_numpy``.
 
-Run it after ``fuse-allreduce`` (it then splits the fused buckets, one
+Run it after ``fuse-collectives`` (it then splits the fused buckets, one
 rewrite per bucket) and before ``lower-collectives``. It recurses into every
 sub-jaxpr (``cond`` branches, ``scan``/``while`` bodies, ``jit``, ``remat``,
 custom-derivative calls) and never moves a collective across a control-flow
@@ -83,11 +83,13 @@ import numpy as np
 from jax import lax
 from jax.extend.core import JaxprEqn
 
+from replicator.analysis.records import origin_of, pass_on_origin
+from replicator.core.buffers import nbytes, per_dtype_buffers
 from replicator.core.context import CORES, WORKERS, ReplicaContext
+from replicator.core.graph import StepGraph
+from replicator.core.jaxprs import inline_function
 from replicator.core.primitives import all_gather_p, all_reduce_p, reduce_scatter_p
-from replicator.passes.base import Pass, PassResult, StepGraph, inline_function, rewrite_graph
-from replicator.passes.buffers import nbytes, per_dtype_buffers
-from replicator.passes.records import origin_of, pass_on_origin
+from replicator.pipeline.contract import Pass, PassResult, rewrite_graph
 
 __all__ = ["HierarchicalAllReduce", "hierarchical_all_reduce"]
 

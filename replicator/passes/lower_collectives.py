@@ -93,7 +93,11 @@ import numpy as np
 from jax import lax
 from jax.extend.core import JaxprEqn, Primitive
 
+from replicator.analysis.records import emitted_bytes, estimated_sent_bytes, origin_of
+from replicator.core.buffers import nbytes, per_dtype_buffers
 from replicator.core.context import group_axes
+from replicator.core.graph import CollectiveRecord, StepGraph
+from replicator.core.jaxprs import inline_function, iter_regions
 from replicator.core.primitives import (
     PLACEHOLDERS,
     all_gather_p,
@@ -103,9 +107,7 @@ from replicator.core.primitives import (
     reduce_scatter_p,
     replica_id_p,
 )
-from replicator.passes.base import Pass, PassResult, StepGraph, inline_function, iter_regions, rewrite_graph
-from replicator.passes.buffers import nbytes, per_dtype_buffers
-from replicator.passes.records import CollectiveRecord, emitted_bytes, estimated_sent_bytes, origin_of
+from replicator.pipeline.contract import Pass, PassResult, rewrite_graph
 
 __all__ = [
     "ALGORITHMS",
@@ -167,7 +169,7 @@ def _per_buffer(xs: tuple, op: str, group: str | None, group_size: int, reduce_b
     """All-reduce ``xs`` with ``reduce_buffer``, one flat buffer per dtype.
 
     The operands of each ``(dtype, weak_type)`` are flattened and concatenated
-    into one 1-D buffer (:func:`~replicator.passes.buffers.per_dtype_buffers`;
+    into one 1-D buffer (:func:`~replicator.core.buffers.per_dtype_buffers`;
     booleans carried as int32), ``reduce_buffer(buffer, axes, group_size,
     combine)`` reduces it over the group, and the result is cut back into the
     operands' shapes. ``mean`` divides the sum by the group size, as the

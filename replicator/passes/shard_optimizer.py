@@ -11,7 +11,7 @@ all it stores), then all-gather the new parameters.
 ``v``, and others later rebuild ``v`` by all-gathering every replica's chunk,
 *only if* ``v`` is identical on every replica (so that the chunks of
 different replicas are chunks of one value). The pass proves this with the
-replica-variance analysis (:mod:`replicator.passes.invariance`, state enters
+replica-variance analysis (:mod:`replicator.analysis.invariance`, state enters
 identical, batch data and ``replica_id()`` vary):
 
 * ``g = all_sum/all_mean(x)`` over *all* replicas, for a floating-point leaf
@@ -69,11 +69,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 
+from replicator.analysis.invariance import InvarianceInfo, analyze
+from replicator.core.buffers import nbytes
+from replicator.core.graph import StepGraph
+from replicator.core.jaxprs import inline_function, merge_effects
 from replicator.core.primitives import all_gather_p, all_reduce_p, reduce_scatter_p, replica_id_p
 from replicator.errors import ReplicationError
-from replicator.passes.base import Pass, PassResult, StepGraph, inline_function, merge_effects
-from replicator.passes.buffers import nbytes
-from replicator.passes.invariance import InvarianceInfo, analyze
+from replicator.pipeline.contract import Pass, PassResult
 
 __all__ = ["DEFAULT_MIN_TENSOR_BYTES", "ELEMENTWISE", "ShardOptimizerUpdate"]
 

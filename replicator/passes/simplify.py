@@ -10,7 +10,7 @@ rewrites, each switchable in the constructor:
   computed twice in one region is computed once; the second's results are
   the first's.
 * ``invariant``: a collective of a value that is already identical on every
-  replica of its group (see :mod:`replicator.passes.invariance`) becomes
+  replica of its group (see :mod:`replicator.analysis.invariance`) becomes
   local code: ``all_sum(x) -> x * N``; ``all_mean/all_max/all_min(x) -> x``;
   ``broadcast(x) -> x``; ``all_gather(x)`` -> ``N`` copies stacked (or, tiled,
   concatenated) along ``axis``; ``reduce_scatter(x)`` -> ``N *`` this replica's
@@ -29,7 +29,7 @@ rewrites, each switchable in the constructor:
   region, so both compute the same value whatever lies between them (effects
   cannot change a variable).
 * ``invariant``: the operand is proven identical along every live axis of the
-  collective's group by :class:`~replicator.passes.invariance.VarianceAnalysis`,
+  collective's group by :class:`~replicator.analysis.invariance.VarianceAnalysis`,
   run on the whole step (replicated state invariant, sharded state and batch
   varying). Inside a sub-jaxpr only when the analysis has a rule for its
   container (``cond``, ``while``, ``scan``, the calls of ``CALL_PARAMS``),
@@ -79,7 +79,10 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Var
 
 from replicator._jax_compat import scan_operand_counts
+from replicator.analysis.invariance import INVARIANT, Variance, VarianceAnalysis, variance_of
 from replicator.core.context import ReplicaContext
+from replicator.core.graph import StepGraph
+from replicator.core.jaxprs import CALL_PARAMS, inline_function, map_subjaxprs, merge_effects, open_jaxpr
 from replicator.core.primitives import (
     PLACEHOLDERS,
     all_gather_p,
@@ -89,17 +92,7 @@ from replicator.core.primitives import (
     replica_id_p,
 )
 from replicator.errors import DivergentControlFlowError, UnanalyzableStepError
-from replicator.passes.base import (
-    CALL_PARAMS,
-    Pass,
-    PassResult,
-    StepGraph,
-    inline_function,
-    map_subjaxprs,
-    merge_effects,
-    open_jaxpr,
-)
-from replicator.passes.invariance import INVARIANT, Variance, VarianceAnalysis, variance_of
+from replicator.pipeline.contract import Pass, PassResult
 
 __all__ = ["Simplify"]
 

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from replicator.core.context import REPLICA_AXES
 from replicator.core.graph import StepGraph
-from replicator.passes.fold import FoldLayout
+from replicator.core.layout import FoldLayout
 
 __all__ = ["build_executable", "place_batch", "place_state", "sharded", "spans_processes"]
 

@@ -2,7 +2,7 @@
 
 ``python -m replicator.launch --num-workers 2 --cores-per-worker C
 tests/multiproc/calibrate_worker.py --out DIR`` runs
-``rp.passes.calibrate(2, C)`` in every worker, over the mesh whose ``'workers'``
+``rp.tools.calibrate(2, C)`` in every worker, over the mesh whose ``'workers'``
 axis crosses the process boundary, and writes what it fitted to
 ``DIR/w{I}_topology.json``: every worker must get the same figures.
 """
@@ -24,7 +24,7 @@ p.add_argument("--out", required=True)
 args = p.parse_args()
 
 info = distributed.initialize()
-from replicator.passes import calibrate  # noqa: E402
+from replicator.tools.calibrate import calibrate  # noqa: E402
 
 # Payloads large enough that one psum stands out of the noise of a loaded machine.
 topo = calibrate(info.num_workers, info.cores_per_worker, sizes=(256 * 2**10, 2**20, 4 * 2**20), repeats=3, chain=2)

@@ -18,9 +18,9 @@ from jax import lax
 from utils import check_against_simulation, worker_batches
 
 import replicator as rp
+from replicator.core.jaxprs import iter_eqns
 from replicator.core.primitives import all_reduce_p
 from replicator.passes import LowerCollectives, Pipeline, count_primitives, default_passes, verify_graph
-from replicator.passes.base import iter_eqns
 from replicator.passes.lower_collectives import ALGORITHMS, LOWERINGS, lower_all_reduce
 
 from .workloads import input_fn_from, mlp_batch, mlp_params, mlp_step

@@ -10,8 +10,8 @@ import pytest
 from utils import check_against_simulation
 
 import replicator as rp
-from replicator.passes.auto import AutoPipeline
-from replicator.passes.costmodel import Link, Topology
+from replicator.cost.auto import AutoPipeline
+from replicator.cost.topology import Link, Topology
 
 # Two made-up machines: messages cost a lot and bytes nothing, or the reverse.
 LATENCY_BOUND = Topology("latency-bound", cores=Link(1e-3, 1e-15), workers=Link(1e-3, 1e-15), source="test")

@@ -1,4 +1,4 @@
-"""bisect_passes and ``python -m replicator.passes.bisect`` name the first optional pass that changes a result."""
+"""bisect_passes and ``python -m replicator.tools.bisect`` name the first optional pass that changes a result."""
 
 import os
 
@@ -8,8 +8,9 @@ import pytest
 from utils import check_against_simulation, small_inputs, small_step, wrong_pipeline
 
 import replicator as rp
-from replicator.passes import Pipeline, bisect_passes
-from replicator.passes.bisect import main
+from replicator.bisect import main
+from replicator.passes import Pipeline
+from replicator.tools.bisect import bisect_passes
 
 from .workloads import input_fn_from, mlp_batch, mlp_params, mlp_step
 
@@ -21,7 +22,7 @@ def test_bisect_names_the_first_pass_that_changes_the_result(n_devices):
     batch, state = small_inputs(n_devices)
     report = bisect_passes(repl, small_step, batch, state)
     assert report.culprit == "double-first-all-sum"
-    assert report.passes == ("simplify", "double-first-all-sum", "fuse-allreduce")
+    assert report.passes == ("simplify", "double-first-all-sum", "fuse-collectives")
     assert "double-first-all-sum" in str(report) and "outputs['total']" in str(report)
     assert "disable=['double-first-all-sum']" in str(report)
     assert bisect_passes(rp.Replicator(1, n_devices), small_step, batch, state).culprit is None
@@ -37,7 +38,7 @@ def test_bisect_takes_an_input_fn_specs_and_every_optional_pass(repl2d):
     assert report.passes == (
         "simplify",
         "shard-optimizer-update",
-        "fuse-allreduce",
+        "fuse-collectives",
         "compress-communication",
         "hierarchical-allreduce",
     )

@@ -7,10 +7,11 @@ import pytest
 from jax import lax
 
 import replicator as rp
-from replicator.passes.base import iter_eqns, iter_regions, merge_effects
-from replicator.passes.buffers import nbytes, pack, per_dtype_buffers, unpack
-from replicator.passes.fuse_allreduce import fusion_report
-from replicator.passes.records import Origin, emitted_bytes, origin_of
+from replicator.analysis.records import emitted_bytes, origin_of
+from replicator.core.buffers import nbytes, pack, per_dtype_buffers, unpack
+from replicator.core.graph import Origin
+from replicator.core.jaxprs import iter_eqns, iter_regions, merge_effects
+from replicator.passes.fuse_collectives import fusion_report
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.int8, jnp.bfloat16, np.bool_])
@@ -99,7 +100,7 @@ def test_origins_follow_fused_and_compressed_buckets(repl):
 
     batch = {"x": np.ones((n, 4), np.float32), "y": np.ones((n, 2), np.float32)}
     lowered = rp.Replicator(1, n, passes=rp.Pipeline.default(compress=True)).lower(step, batch)
-    fused = lowered.after("fuse-allreduce")
+    fused = lowered.after("fuse-collectives")
     placeholders = [e for e in iter_eqns(fused.jaxpr.jaxpr) if e.primitive.name == "rp.all_reduce"]
     carried = sorted(origin_of(e, fused.collective_origins).tensors for e in placeholders)
     assert carried == [1, 2]  # the two means in one bucket; the sum alone, kept as written

@@ -17,6 +17,7 @@ import pytest
 from utils import simulate
 
 import replicator as rp
+from replicator.core.jaxprs import iter_eqns
 from replicator.passes import (
     CompressCommunication,
     HierarchicalAllReduce,
@@ -25,7 +26,6 @@ from replicator.passes import (
     default_passes,
     verify_graph,
 )
-from replicator.passes.base import iter_eqns
 from replicator.passes.compress import error_bound
 
 ALL_REDUCE = "rp.all_reduce"
@@ -39,9 +39,9 @@ def _gamma(n: int, u: float) -> float:
 
 
 def _passes(*extra) -> list:
-    """The default passes with ``extra`` right after fuse-allreduce."""
+    """The default passes with ``extra`` right after fuse-collectives."""
     passes = default_passes()
-    at = [p.name for p in passes].index("fuse-allreduce") + 1
+    at = [p.name for p in passes].index("fuse-collectives") + 1
     passes[at:at] = list(extra)
     return passes
 

@@ -11,10 +11,11 @@ from jax import lax
 from utils import check_against_simulation
 
 import replicator as rp
-from replicator.passes.auto import SEARCH, AutoPipeline
-from replicator.passes.computemodel import Compute, calibrate_compute, compute_time
-from replicator.passes.costmodel import PRESETS, Link, Topology
+from replicator.cost.auto import SEARCH, AutoPipeline
+from replicator.cost.compute import Compute, compute_time
+from replicator.cost.topology import PRESETS, Link, Topology
 from replicator.runtime.mesh import build_mesh
+from replicator.tools.calibrate import calibrate_compute
 
 # One second per element-wise op on one element, one millisecond per flop: counts read directly.
 COUNT = Compute(seconds_per_element=1.0, seconds_per_flop=1e-3, source="test")

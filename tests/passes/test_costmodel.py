@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 import replicator as rp
-from replicator.passes import PRESETS, Link, Topology, calibrate
-from replicator.passes.costmodel import collective_time, fit_link, get_topology
-from replicator.passes.records import CollectiveRecord
+from replicator.core.graph import CollectiveRecord
+from replicator.cost.collectives import collective_time
+from replicator.cost.topology import PRESETS, Link, Topology, get_topology
+from replicator.tools.calibrate import calibrate, fit_link
 
 #: Distinct links, so that a test sees which one was used: cores 1 us + 1 ns/B, workers 10 us + 10 ns/B.
 TOPO = Topology("test", cores=Link(1e-6, 1e-9), workers=Link(1e-5, 1e-8), source="tests")
@@ -233,7 +234,7 @@ def test_one_latency_per_native_collective_on_shared_memory_devices():
 
 
 def test_an_unfused_all_sum_of_several_arrays_pays_latency_per_operand(n_devices):
-    repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(disable=["fuse-allreduce"]))
+    repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(disable=["fuse-collectives"]))
     report = repl.explain(lambda b: rp.all_sum([b * i for i in range(5)]), np.ones((n_devices, 4), np.float32))
     (row,) = report.rows
     assert row.operands == 5

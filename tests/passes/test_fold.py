@@ -29,8 +29,8 @@ from utils import (
 )
 
 import replicator as rp
+from replicator.core.layout import FoldError, FoldLayout, fold_layout
 from replicator.passes import count_primitives
-from replicator.passes.fold import FoldError, FoldLayout, fold_layout
 
 # (workers, cores, replicas_per_device): cores folded on a 2 x 2 device mesh, whole
 # workers folded (2 x 1 devices: 4 each; 1 x 1: all 8), and 16 replicas on 8 devices.
@@ -200,7 +200,7 @@ def test_replica_invariant_work_runs_once_per_device():
 
 
 def _all_eqns(jaxpr):
-    from replicator.passes.base import iter_eqns
+    from replicator.core.jaxprs import iter_eqns
 
     return iter_eqns(jaxpr)
 
@@ -245,7 +245,7 @@ def test_a_fused_bucket_is_summed_over_the_fold_before_it_is_packed():
 
 def test_translation_validation_runs_folded(monkeypatch):
     """validate=True runs each pass's graph folded too, on the folded device mesh."""
-    from replicator.passes import validate
+    from replicator.tools import validate
 
     meshes = []
 

@@ -15,6 +15,7 @@ from jax import lax
 from utils import check_against_simulation, worker_batches
 
 import replicator as rp
+from replicator.core.jaxprs import iter_eqns
 from replicator.passes import (
     HierarchicalAllReduce,
     LowerCollectives,
@@ -23,7 +24,6 @@ from replicator.passes import (
     default_passes,
     verify_graph,
 )
-from replicator.passes.base import iter_eqns
 
 from .workloads import input_fn_from, mlp_batch, mlp_params, mlp_step
 
@@ -34,7 +34,7 @@ RTOL, ATOL = 2e-6, 1e-6
 def _pipeline(algorithm: str = "native", **config) -> Pipeline:
     """The default passes with the hierarchical pass right before lowering."""
     passes = default_passes()
-    assert [p.name for p in passes[-2:]] == ["fuse-allreduce", "lower-collectives"]
+    assert [p.name for p in passes[-2:]] == ["fuse-collectives", "lower-collectives"]
     passes[-1:] = [HierarchicalAllReduce(**config), LowerCollectives(algorithms={"all_reduce": algorithm})]
     return Pipeline(passes, verify=True)
 
@@ -124,10 +124,10 @@ def test_fused_gradients_become_one_hierarchical_reduce(repl2d):
     batch = mlp_batch(cores)(np.random.default_rng(1))
     lowered = _replicator(workers, cores).lower(mlp_step, batch, state)
     names = [s.name for s in lowered.stages]
-    assert names.index("fuse-allreduce") < names.index("hierarchical-allreduce") < names.index("lower-collectives")
-    # fuse-allreduce leaves one f32 mean (gradients and loss), one int32 sum (the
+    assert names.index("fuse-collectives") < names.index("hierarchical-allreduce") < names.index("lower-collectives")
+    # fuse-collectives leaves one f32 mean (gradients and loss), one int32 sum (the
     # sum of a constant was simplified away) and the max, which is not hierarchical.
-    fused = lowered.after("fuse-allreduce")
+    fused = lowered.after("fuse-collectives")
     kinds = sorted((e.params["op"], str(e.invars[0].aval.dtype), len(e.invars)) for e in _eqns(fused, ALL_REDUCE))
     assert kinds == [("max", "bool", 1), ("mean", "float32", 1), ("sum", "int32", 1)]
     after = lowered.after("hierarchical-allreduce")

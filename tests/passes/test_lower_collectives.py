@@ -8,9 +8,9 @@ from jax import lax
 from utils import check_against_simulation
 
 import replicator as rp
+from replicator.core.jaxprs import iter_eqns
 from replicator.core.primitives import PLACEHOLDERS
 from replicator.passes import LowerCollectives, Pipeline, count_primitives, verify_graph
-from replicator.passes.base import iter_eqns
 
 PLACEHOLDER_NAMES = sorted(p.name for p in PLACEHOLDERS)
 

@@ -6,7 +6,7 @@ from jax.extend.core import Var
 
 import replicator as rp
 from replicator.passes import Pass, PassResult, Pipeline, default_passes
-from replicator.passes.pipeline import DUMP_ENV
+from replicator.pipeline.pipeline import DUMP_ENV
 
 
 def _batch(n):
@@ -37,7 +37,7 @@ def test_default_pipeline_order():
         "capture-collectives",
         "check-replica-invariance",
         "simplify",
-        "fuse-allreduce",
+        "fuse-collectives",
         "lower-collectives",
     ]
     everything = Pipeline.default(hierarchical=True, compress=True, all_reduce_algorithm="ring", shard_optimizer=True)
@@ -46,7 +46,7 @@ def test_default_pipeline_order():
         "check-replica-invariance",
         "simplify",
         "shard-optimizer-update",
-        "fuse-allreduce",
+        "fuse-collectives",
         "compress-communication",
         "hierarchical-allreduce",
         "lower-collectives",
@@ -140,16 +140,16 @@ class TestOrder:
     """The pipeline rejects an order in which a pass would silently do nothing."""
 
     def test_a_placeholder_pass_after_lowering_is_rejected_naming_both(self):
-        from replicator.passes import FuseAllReduce, LowerCollectives
+        from replicator.passes import FuseCollectives, LowerCollectives
 
-        with pytest.raises(ValueError, match="'fuse-allreduce' works on placeholders.*after 'lower-collectives'"):
-            Pipeline([LowerCollectives(), FuseAllReduce()])
+        with pytest.raises(ValueError, match="'fuse-collectives' works on placeholders.*after 'lower-collectives'"):
+            Pipeline([LowerCollectives(), FuseCollectives()])
 
     def test_fusion_before_zero_is_rejected_naming_both(self):
-        from replicator.passes import FuseAllReduce, LowerCollectives, ShardOptimizerUpdate
+        from replicator.passes import FuseCollectives, LowerCollectives, ShardOptimizerUpdate
 
-        with pytest.raises(ValueError, match="'fuse-allreduce' must run after 'shard-optimizer-update'"):
-            Pipeline([FuseAllReduce(), ShardOptimizerUpdate(), LowerCollectives()])
+        with pytest.raises(ValueError, match="'fuse-collectives' must run after 'shard-optimizer-update'"):
+            Pipeline([FuseCollectives(), ShardOptimizerUpdate(), LowerCollectives()])
 
     def test_a_pass_for_lowered_graphs_may_follow_lowering(self):
         from replicator.passes import LowerCollectives
@@ -168,3 +168,18 @@ class TestOrder:
             for hierarchical in (False, True):
                 for compress in (False, True):
                     Pipeline.default(shard_optimizer=zero, hierarchical=hierarchical, compress=compress)
+
+
+def test_names_that_moved_out_of_rp_passes_still_resolve_with_a_warning():
+    import replicator.cost
+    import replicator.tools
+
+    for name, home in (
+        ("calibrate", replicator.tools),
+        ("Topology", replicator.cost),
+        ("bisect_passes", replicator.tools),
+    ):
+        with pytest.warns(DeprecationWarning, match=f"replicator.passes.{name} moved"):
+            assert getattr(rp.passes, name) is getattr(home, name)
+    with pytest.raises(AttributeError):
+        rp.passes.no_such_name  # noqa: B018

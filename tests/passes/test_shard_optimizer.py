@@ -21,7 +21,7 @@ def _with_zero(**kwargs) -> Pipeline:
     if "shard-optimizer-update" in names:
         passes[names.index("shard-optimizer-update")] = ShardOptimizerUpdate(**kwargs)
     else:
-        passes.insert(names.index("fuse-allreduce"), ShardOptimizerUpdate(**kwargs))
+        passes.insert(names.index("fuse-collectives"), ShardOptimizerUpdate(**kwargs))
     return Pipeline(passes, verify=True)
 
 
@@ -99,7 +99,7 @@ def test_graph_reduce_scatters_gradients_and_gathers_parameters(n_devices):
     mu_nu = [i for i, p in enumerate(after.state_paths) if ".mu" in p or ".nu" in p]
     assert sorted(after.sharded_state) == mu_nu and len(mu_nu) == 2 * n_tensors
     verify_graph(after, lowered=False)
-    fused = lowered.after("fuse-allreduce")
+    fused = lowered.after("fuse-collectives")
     assert count_primitives(fused.jaxpr, PLACEHOLDERS) == {
         "rp.all_reduce": 1,
         "rp.reduce_scatter": 1,

@@ -10,9 +10,9 @@ from jax.extend.core import DropVar, Var
 from utils import check_against_simulation
 
 import replicator as rp
+from replicator.core.jaxprs import iter_eqns
 from replicator.core.primitives import PLACEHOLDERS
 from replicator.passes import Pipeline, Simplify, count_primitives, default_passes, verify_graph
-from replicator.passes.base import iter_eqns
 
 # With a single replica every value is replica-invariant: nothing here would be kept.
 pytestmark = pytest.mark.skipif(jax.device_count() < 2, reason="needs at least two replicas")
@@ -506,7 +506,7 @@ class TestPass:
         assert count_primitives(lowered.after("simplify").jaxpr, [ALL_REDUCE]) == {ALL_REDUCE: 1}
         assert count_primitives(lowered.final.jaxpr, ["psum"]) == {"psum": 1}
         # Without simplify (and without fusion, which would merge them) both stay.
-        off = rp.Replicator(1, n_devices, passes=Pipeline(disable=["simplify", "fuse-allreduce"])).lower(
+        off = rp.Replicator(1, n_devices, passes=Pipeline(disable=["simplify", "fuse-collectives"])).lower(
             step, _batch(n_devices)
         )
         assert count_primitives(off.final.jaxpr, ["psum"]) == {"psum": 2}

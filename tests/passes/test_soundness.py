@@ -233,7 +233,7 @@ def test_replica_id_inside_custom_vmap_makes_state_divergent(repl):
 
 def test_unknown_higher_order_primitive_is_assumed_to_vary(repl, monkeypatch):
     """Without a rule for ``custom_vmap_call``, the default still sees the replica_id inside."""
-    from replicator.passes.invariance import RULES
+    from replicator.analysis.invariance import RULES
 
     monkeypatch.delitem(RULES, custom_vmap_call_primitive())
 
@@ -257,7 +257,7 @@ def _mean_inside_vmap(axis_size, in_batched, x):
 
 
 def test_collective_inside_unknown_higher_order_primitive_is_rejected(repl, monkeypatch):
-    from replicator.passes.invariance import RULES
+    from replicator.analysis.invariance import RULES
 
     def step(w, batch):
         return w + _mean_inside(batch["x"].sum()), {}
@@ -310,7 +310,7 @@ def test_zero_reduce_scatters_and_all_gathers_are_fused(n_devices):
     assert len(zero.sharded_state) == 24  # mu and nu of 12 tensors
     names = ["rp.all_reduce", "rp.reduce_scatter", "rp.all_gather"]
     assert count_primitives(zero.jaxpr, names) == {"rp.reduce_scatter": 12, "rp.all_gather": 12}
-    assert count_primitives(lowered.after("fuse-allreduce").jaxpr, names) == {
+    assert count_primitives(lowered.after("fuse-collectives").jaxpr, names) == {
         "rp.reduce_scatter": 1,
         "rp.all_gather": 1,
     }

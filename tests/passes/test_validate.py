@@ -10,11 +10,13 @@ import pytest
 from jax import lax
 
 import replicator as rp
+from replicator.core.graph import StepGraph
+from replicator.core.jaxprs import inline_function
 from replicator.core.primitives import all_reduce_p
 from replicator.passes import Pass, PassResult, Pipeline, default_passes
-from replicator.passes.base import StepGraph, inline_function, rewrite_graph
-from replicator.passes.validate import GraphRunner, compare_results
-from replicator.passes.verify import GraphInvariantError, verify_graph
+from replicator.pipeline.contract import rewrite_graph
+from replicator.pipeline.verify import GraphInvariantError, verify_graph
+from replicator.tools.validate import GraphRunner, compare_results
 
 
 class DoubleFirstAllSum(Pass):

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["check_same_across_workers"]
+__all__ = ["check_same_across_workers", "from_process0"]
 
 
 def _digest(x: np.ndarray) -> np.ndarray:
@@ -57,3 +57,22 @@ def check_same_across_workers(values: Sequence[Any], names: Sequence[str], *, wh
             f"{what} differs between workers: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''} "
             f"on worker(s) {procs} is not what worker 0 has. {fix}"
         )
+
+
+def from_process0(values: Any) -> Any:
+    """Process 0's ``values`` (a pytree of host arrays or numbers) on every process; one collective.
+
+    In a single process it returns ``values`` unchanged (no collective). Every
+    process must call it with values of the same structure, shapes and dtypes.
+    Numbers come back as Python numbers.
+    """
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+
+    out = multihost_utils.broadcast_one_to_all(jax.tree.map(np.asarray, values))
+    return jax.tree.map(
+        lambda new, old: new.item() if np.ndim(old) == 0 and not isinstance(old, np.ndarray) else np.asarray(new),
+        out,
+        values,
+    )

@@ -3,7 +3,7 @@
 A :class:`Pipeline` runs its passes in order on a :class:`StepGraph` and keeps
 every intermediate graph (a :class:`Stage`) so users can see what each pass
 did. Around each pass it can run the invariant checks of
-:mod:`replicator.passes.verify` (``verify=True``), write the graph before and
+:mod:`replicator.pipeline.verify` (``verify=True``), write the graph before and
 after each pass into a directory (``dump_dir=`` or the environment variable
 ``REPLICATOR_DUMP_DIR``), and skip passes by name (``disable=``). A pass
 that fails is re-raised naming it and the passes that ran before it.
@@ -20,77 +20,70 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Iterable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from replicator.core.graph import StepGraph
+from replicator.core.layout import FoldLayout
 from replicator.errors import PassError, ReplicationError
-from replicator.passes.base import Pass, StepGraph
-from replicator.passes.capture import CaptureCollectives
-from replicator.passes.compress import CompressCommunication
-from replicator.passes.fold import FoldLayout
-from replicator.passes.fuse_allreduce import DEFAULT_MAX_TENSOR_BYTES, DEFAULT_THRESHOLD_BYTES, FuseAllReduce
-from replicator.passes.hierarchical import HierarchicalAllReduce
-from replicator.passes.invariance import CheckReplicaInvariance
-from replicator.passes.lower_collectives import LowerCollectives
-from replicator.passes.shard_optimizer import DEFAULT_MIN_TENSOR_BYTES, ShardOptimizerUpdate
-from replicator.passes.simplify import Simplify
-from replicator.passes.validate import GraphRunner, compare_results, validate_from_env
-from replicator.passes.verify import GraphInvariantError, check_defined, verify_graph
+from replicator.pipeline.contract import Pass
+from replicator.pipeline.verify import GraphInvariantError, check_defined, verify_graph
 
-__all__ = ["DUMP_ENV", "VERIFY_ENV", "Lowered", "Pipeline", "Stage", "default_passes"]
+__all__ = ["DUMP_ENV", "HOOKS", "VALIDATE_ENV", "VERIFY_ENV", "Hooks", "Lowered", "Pipeline", "Stage"]
 
 DUMP_ENV = "REPLICATOR_DUMP_DIR"
 VERIFY_ENV = "REPLICATOR_VERIFY"
+VALIDATE_ENV = "REPLICATOR_VALIDATE"
 
 
-def _flag_from_env(name: str) -> bool:
+def flag_from_env(name: str) -> bool:
+    """Whether the environment variable ``name`` is set to a true value (``1``, ``true``, ``yes``, ``on``)."""
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def default_passes(
-    *,
-    shard_optimizer: bool = False,
-    shard_optimizer_min_bytes: int = DEFAULT_MIN_TENSOR_BYTES,
-    hierarchical: bool = False,
-    compress: bool = False,
-    all_reduce_algorithm: str = "native",
-    fuse_threshold_bytes: int = DEFAULT_THRESHOLD_BYTES,
-    fuse_max_tensor_bytes: int | None = DEFAULT_MAX_TENSOR_BYTES,
-) -> list[Pass]:
-    """The default pipeline, in order, with its optional passes switched.
+@dataclasses.dataclass
+class Hooks:
+    """What the layers above the pipeline plug in when ``replicator`` is imported.
 
-    Raw ``lax`` collectives become placeholders first (``capture-collectives``);
-    checks run next so their errors point at the collectives the user wrote;
-    optimizations work on placeholders; lowering comes last. The defaults
-    were chosen by ``benchmarks/bench_step.py`` (see BENCHMARKS.md).
+    The pipeline knows no concrete pass and runs nothing itself; these are set
+    once, by the module that owns each (importing ``replicator`` imports all):
 
-    Args:
-      shard_optimizer: ZeRO-1 (``shard-optimizer-update``): reduce-scatter
-        gradients, update and store element-wise optimizer state in 1/N chunks.
-        Off by default: it divides optimizer-state memory by N but was not
-        faster on every workload measured (BENCHMARKS.md).
-      shard_optimizer_min_bytes: with ``shard_optimizer``, smaller gradients
-        and state leaves stay whole.
-      hierarchical: ``hierarchical-allreduce`` over ('workers', 'cores').
-      compress: ``compress-communication``: f32 all-reduce payloads as bf16.
-      all_reduce_algorithm: ``'native'``, ``'ring'`` or ``'reduce_broadcast'``.
-      fuse_threshold_bytes: the largest fused all-reduce bucket.
-      fuse_max_tensor_bytes: larger tensors are not fused (``None``: all are).
-
-    Example::
-
-        repl = rp.Replicator(2, 4, passes=rp.Pipeline(default_passes(hierarchical=True)))
+    Attributes:
+      default_passes: ``(**options) -> list[Pass]``, :func:`replicator.passes.defaults.default_passes`.
+      auto_pipeline: ``(topology, *, options, **settings) -> Pipeline``,
+        :class:`replicator.cost.auto.AutoPipeline`.
+      graph_runner: ``(graph, *, fold) -> runner`` whose ``run(graph)`` executes a
+        graph on fixed inputs, :class:`replicator.tools.validate.GraphRunner`.
+      compare_results: ``(before, after, graph, pass_name, *, exact)``, raising
+        :class:`~replicator.errors.MiscompileError`, :func:`replicator.tools.validate.compare_results`.
     """
-    passes: list[Pass] = [CaptureCollectives(), CheckReplicaInvariance(), Simplify()]
-    if shard_optimizer:
-        passes.append(ShardOptimizerUpdate(min_tensor_bytes=shard_optimizer_min_bytes))
-    passes.append(FuseAllReduce(threshold_bytes=fuse_threshold_bytes, max_tensor_bytes=fuse_max_tensor_bytes))
-    if compress:
-        passes.append(CompressCommunication())
-    if hierarchical:
-        passes.append(HierarchicalAllReduce())
-    passes.append(LowerCollectives(algorithms={"all_reduce": all_reduce_algorithm}))
-    return passes
+
+    default_passes: Callable[..., list[Pass]] | None = None
+    auto_pipeline: Callable[..., Pipeline] | None = None
+    graph_runner: Callable[..., Any] | None = None
+    compare_results: Callable[..., None] | None = None
+
+    def get(self, name: str) -> Callable[..., Any]:
+        hook = getattr(self, name)
+        if hook is None:  # only if a lower module is used without `import replicator`
+            raise RuntimeError(f"the pipeline's '{name}' hook is not set: `import replicator` first.")
+        return hook
+
+
+HOOKS = Hooks()
+
+#: Old pass names that still work (with a ``DeprecationWarning``) in ``disable=`` and ``Lowered.after``.
+RENAMED_PASSES: dict[str, str] = {"fuse-allreduce": "fuse-collectives"}
+
+
+def current_pass_name(name: str) -> str:
+    """``name``, or the new name of a renamed pass (with a ``DeprecationWarning``)."""
+    if name in RENAMED_PASSES:
+        new = RENAMED_PASSES[name]
+        warnings.warn(f"the pass '{name}' is now named '{new}'; use the new name.", DeprecationWarning, stacklevel=3)
+        return new
+    return name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +123,7 @@ class Lowered:
 
     def after(self, pass_name: str) -> StepGraph:
         """The graph right after the pass named ``pass_name``."""
+        pass_name = current_pass_name(pass_name)
         for stage in self.stages:
             if stage.name == pass_name:
                 return stage.graph
@@ -143,16 +137,16 @@ class Pipeline:
     """An ordered list of passes, itself usable like one pass.
 
     Args:
-      passes: the passes in order (default: :func:`default_passes`).
+      passes: the passes in order (default: :func:`replicator.passes.defaults.default_passes`).
       disable: names of passes to skip; required passes cannot be skipped.
       verify: run the invariant checks before the first and after every pass
         (default: the ``REPLICATOR_VERIFY`` environment variable; the test
         suite sets it). Off otherwise: the type-check costs about as much as
-        tracing and all passes together (:mod:`replicator.passes.verify`).
+        tracing and all passes together (:mod:`replicator.pipeline.verify`).
         Without it, every pass is still checked not to read an undefined
         variable. A broken graph raises
-        :class:`~replicator.passes.verify.GraphInvariantError` naming the pass.
-      validate: translation validation (:mod:`replicator.passes.validate`):
+        :class:`~replicator.pipeline.verify.GraphInvariantError` naming the pass.
+      validate: translation validation (:mod:`replicator.tools.validate`):
         execute the graph before and after every pass on random inputs and
         raise :class:`~replicator.errors.MiscompileError` if a result changed
         (default: the ``REPLICATOR_VALIDATE`` environment variable).
@@ -169,12 +163,12 @@ class Pipeline:
         validate: bool | None = None,
         dump_dir: str | os.PathLike | None = None,
     ):
-        self.passes = list(default_passes() if passes is None else passes)
+        self.passes = list(HOOKS.get("default_passes")() if passes is None else passes)
         for p in self.passes:
             if not isinstance(p, Pass):
                 raise TypeError(f"Pipeline: {p!r} is not a replicator.passes.Pass instance.")
         names = [p.name for p in self.passes]
-        self.disabled = frozenset(disable)
+        self.disabled = frozenset(current_pass_name(name) for name in disable)
         unknown = self.disabled - set(names)
         if unknown:
             raise ValueError(f"Pipeline(disable=...): no pass named {sorted(unknown)}; the passes are {names}.")
@@ -182,8 +176,8 @@ class Pipeline:
         required = [p.name for p in self.passes if p.required and p.name in self.disabled]
         if required:
             raise ValueError(f"Pipeline: pass {required} is required for the step to run and cannot be disabled.")
-        self.verify = _flag_from_env(VERIFY_ENV) if verify is None else bool(verify)
-        self.validate = validate_from_env() if validate is None else bool(validate)
+        self.verify = flag_from_env(VERIFY_ENV) if verify is None else bool(verify)
+        self.validate = flag_from_env(VALIDATE_ENV) if validate is None else bool(validate)
         self.dump_dir = dump_dir if dump_dir is not None else os.environ.get(DUMP_ENV) or None
 
     @classmethod
@@ -198,20 +192,18 @@ class Pipeline:
         topology: Any = "cpu-emulated",
         **options: Any,
     ) -> Pipeline:
-        """The default passes with ``options`` (see :func:`default_passes`).
+        """The default passes with ``options`` (see :func:`replicator.passes.defaults.default_passes`).
 
         With ``auto=True``, fusion buckets, ZeRO, hierarchical all-reduce and
         the all-reduce algorithm are chosen for each compiled step by the
         communication cost model on ``topology`` (a preset name or a
-        calibrated :class:`~replicator.passes.costmodel.Topology`):
-        :class:`~replicator.passes.auto.AutoPipeline`.
+        calibrated :class:`~replicator.cost.collectives.Topology`):
+        :class:`~replicator.cost.auto.AutoPipeline`.
         """
         settings = dict(disable=disable, verify=verify, validate=validate, dump_dir=dump_dir)
         if auto:
-            from replicator.passes.auto import AutoPipeline
-
-            return AutoPipeline(topology, options=options, **settings)
-        return cls(default_passes(**options), **settings)
+            return HOOKS.get("auto_pipeline")(topology, options=options, **settings)
+        return cls(HOOKS.get("default_passes")(**options), **settings)
 
     @property
     def names(self) -> list[str]:
@@ -229,7 +221,8 @@ class Pipeline:
         """Every pass in order on ``graph``; ``fold``: how replicas sit on devices (for ``validate``)."""
         stages = [Stage("traced", graph, False)]
         ran: list[str] = []
-        runner = GraphRunner(graph, fold=fold) if self.validate else None
+        lowered = False  # a pass that lowers the placeholders ran
+        runner = HOOKS.get("graph_runner")(graph, fold=fold) if self.validate else None
         results = runner.run(graph) if runner else None
         if self.verify:
             try:
@@ -245,7 +238,7 @@ class Pipeline:
                 if result.graph is not graph:  # an unchanged graph was checked already
                     check_defined(result.graph)
                     if self.verify:
-                        verify_graph(result.graph, lowered=isinstance(p, LowerCollectives) or _lowered(ran))
+                        verify_graph(result.graph, lowered=p.lowers or lowered)
             except GraphInvariantError as e:
                 raise GraphInvariantError(
                     f"pass '{p.name}' (after {ran or 'no other pass'}) produced a broken graph: {e}\n"
@@ -263,10 +256,11 @@ class Pipeline:
                 ) from e
             if runner is not None and result.graph is not graph:  # even if it says unchanged
                 new_results = runner.run(result.graph)
-                compare_results(results, new_results, graph, p.name, exact=p.exact)
+                HOOKS.get("compare_results")(results, new_results, graph, p.name, exact=p.exact)
                 results = new_results
             graph = result.graph
             ran.append(p.name)
+            lowered = lowered or p.lowers
             stages.append(Stage(p.name, graph, result.changed))
             self._dump(index, p.name, "after", graph)
         return Lowered(tuple(stages))
@@ -304,7 +298,3 @@ def _check_order(passes: Sequence[Pass]) -> None:
         if p.lowers:
             lowering = p
     return None
-
-
-def _lowered(ran: list[str]) -> bool:
-    return LowerCollectives.name in ran

@@ -1,11 +1,12 @@
-"""``fuse-allreduce``: combine independent collectives into one per bucket.
+"""``fuse-collectives``: combine independent collectives into one per bucket.
 
-Despite its name, the pass fuses three kinds of collective: all-reduces
+The pass fuses three kinds of collective: all-reduces
 (``rp.all_sum``/``rp.all_mean``/..., with the ``ops`` chosen) and, with
 ``scatter_gather=True`` (the default), reduce-scatters along axis 0 and tiled
 all-gathers along axis 0 (those that ``shard-optimizer-update`` emits, one
-per tensor). Each kind is bucketed separately. The name stays, since users
-disable the pass by it (``Pipeline.default(disable=["fuse-allreduce"])``).
+per tensor). Each kind is bucketed separately. It used to be called
+``fuse-allreduce`` (class ``FuseAllReduce``); both old names still work, with a
+``DeprecationWarning``.
 
 Many small collectives are much slower than one big one (Horovod's *Tensor
 Fusion*, PyTorch DDP's gradient buckets, XLA's all-reduce combiner; figures in
@@ -71,7 +72,7 @@ reduce-scatter's leaf ``(a, ...)`` viewed as ``(N, a/N * ...)`` puts chunk
 ``r`` in row ``r``, which replica ``r`` keeps; a gather's row ``r`` is replica
 ``r``'s chunk), and the result is the same up to the order in which the
 backend adds the ``N`` values of one element (integers: exactly).
-Tests just outside (``tests/passes/test_fuse_allreduce.py``): dependent
+Tests just outside (``tests/passes/test_fuse_collectives.py``): dependent
 all-reduces, also through a ``jit``/``cond``/``scan``; mixed dtypes; weak and
 strong types; different groups; ops not chosen; reduce-scatters off axis 0
 and untiled all-gathers; effects; collectives in different regions.
@@ -79,7 +80,7 @@ and untiled all-gathers; effects; collectives in different regions.
 Example: two gradients and a loss, averaged one by one, travel as one all-reduce
 (it is in the default pipeline; ``fusion_report`` lists the planned buckets):
 
->>> from replicator.passes.fuse_allreduce import fusion_report
+>>> from replicator.passes.fuse_collectives import fusion_report
 >>> def step(batch):
 ...     return rp.all_mean(batch["a"]), rp.all_mean(batch["b"]), rp.all_mean(batch["a"].sum())
 >>> batch = {"a": np.ones((8, 4, 4), np.float32), "b": np.ones((8, 4), np.float32)}
@@ -94,6 +95,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -101,21 +103,22 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Var
 
 from replicator._jax_compat import user_source_line
+from replicator.analysis.records import origin_of, pass_on_origin
+from replicator.core.buffers import nbytes, pack, per_dtype_buffers, unpack
 from replicator.core.context import ReplicaContext
+from replicator.core.graph import Origin, StepGraph
+from replicator.core.jaxprs import inline_function, map_subjaxprs, merge_effects, region_name
 from replicator.core.primitives import REDUCE_OPS, all_gather_p, all_reduce_p, reduce_scatter_p
-from replicator.passes.base import (
-    Pass,
-    PassResult,
-    StepGraph,
-    inline_function,
-    map_subjaxprs,
-    merge_effects,
-    region_name,
-)
-from replicator.passes.buffers import nbytes, pack, per_dtype_buffers, unpack
-from replicator.passes.records import Origin, origin_of, pass_on_origin
+from replicator.pipeline.contract import Pass, PassResult
 
-__all__ = ["DEFAULT_MAX_TENSOR_BYTES", "DEFAULT_THRESHOLD_BYTES", "Bucket", "FuseAllReduce", "fusion_report"]
+__all__ = [
+    "DEFAULT_MAX_TENSOR_BYTES",
+    "DEFAULT_THRESHOLD_BYTES",
+    "Bucket",
+    "FuseAllReduce",
+    "FuseCollectives",
+    "fusion_report",
+]
 
 Atom = Any  # Var | Literal
 BucketKey = tuple  # (kind, op, group, group_size, dtype, weak_type)
@@ -243,7 +246,7 @@ class _Window:
 
     def __init__(
         self,
-        fuser: FuseAllReduce,
+        fuser: FuseCollectives,
         context: ReplicaContext,
         region: str,
         report: list[Bucket],
@@ -367,13 +370,12 @@ class _Window:
                 self.env[member.outvar] = atom
 
 
-class FuseAllReduce(Pass):
+class FuseCollectives(Pass):
     """Fuse independent all-reduces, and reduce-scatters and all-gathers, into buckets.
 
     Not only all-reduces: with ``scatter_gather`` (the default) the
     reduce-scatters and tiled all-gathers along axis 0 are bucketed too, each
-    kind in buckets of its own. The class and the pass name ``'fuse-allreduce'``
-    keep their historical names.
+    kind in buckets of its own.
 
     Args:
       threshold_bytes: the most bytes one fused collective carries; a bucket
@@ -386,7 +388,7 @@ class FuseAllReduce(Pass):
         (``None``: fuse every size).
     """
 
-    name = "fuse-allreduce"
+    name = "fuse-collectives"
     #: ZeRO's reduce-scatters and all-gathers are fused only if they exist already.
     run_after = ("shard-optimizer-update",)
 
@@ -399,24 +401,24 @@ class FuseAllReduce(Pass):
         max_tensor_bytes: int | None = DEFAULT_MAX_TENSOR_BYTES,
     ):
         if isinstance(threshold_bytes, bool) or not isinstance(threshold_bytes, (int, np.integer)):
-            raise TypeError(f"FuseAllReduce: threshold_bytes must be an int, got {threshold_bytes!r}.")
+            raise TypeError(f"FuseCollectives: threshold_bytes must be an int, got {threshold_bytes!r}.")
         if threshold_bytes <= 0:
-            raise ValueError(f"FuseAllReduce: threshold_bytes must be positive, got {threshold_bytes}.")
+            raise ValueError(f"FuseCollectives: threshold_bytes must be positive, got {threshold_bytes}.")
         if isinstance(ops, str):
             ops = (ops,)
         unknown = [op for op in ops if op not in REDUCE_OPS]
         if unknown:
-            raise ValueError(f"FuseAllReduce: unknown ops {unknown}; choose from {list(REDUCE_OPS)}.")
+            raise ValueError(f"FuseCollectives: unknown ops {unknown}; choose from {list(REDUCE_OPS)}.")
         self.threshold_bytes = int(threshold_bytes)
         self.ops = tuple(dict.fromkeys(ops))
         self.scatter_gather = bool(scatter_gather)
         if max_tensor_bytes is not None and (isinstance(max_tensor_bytes, bool) or max_tensor_bytes < 0):
-            raise ValueError(f"FuseAllReduce: max_tensor_bytes must be None or >= 0, got {max_tensor_bytes!r}.")
+            raise ValueError(f"FuseCollectives: max_tensor_bytes must be None or >= 0, got {max_tensor_bytes!r}.")
         self.max_tensor_bytes = None if max_tensor_bytes is None else int(max_tensor_bytes)
 
     def __repr__(self) -> str:
         return (
-            f"FuseAllReduce(threshold_bytes={self.threshold_bytes}, ops={self.ops!r}, "
+            f"{type(self).__name__}(threshold_bytes={self.threshold_bytes}, ops={self.ops!r}, "
             f"scatter_gather={self.scatter_gather}, max_tensor_bytes={self.max_tensor_bytes})"
         )
 
@@ -480,19 +482,31 @@ class FuseAllReduce(Pass):
         ), True
 
 
-def fusion_report(graph: StepGraph, fuser: FuseAllReduce | None = None) -> list[Bucket]:
+def fusion_report(graph: StepGraph, fuser: FuseCollectives | None = None) -> list[Bucket]:
     """The all-reduce buckets of ``graph`` (with placeholders), region by region.
 
-    On a graph that ``fuse-allreduce`` already rewrote, every bucket is one
+    On a graph that ``fuse-collectives`` already rewrote, every bucket is one
     existing collective (``fused=False``) and the report lists the collectives
     that will run.
 
     Args:
       graph: a step graph before ``lower-collectives``.
-      fuser: the pass configuration to plan with (default: ``FuseAllReduce()``).
+      fuser: the pass configuration to plan with (default: ``FuseCollectives()``).
 
     Returns:
       One :class:`Bucket` per collective the fused graph has, in program order
       within each region (sub-regions are listed before the region holding them).
     """
-    return (fuser if fuser is not None else FuseAllReduce()).plan(graph)
+    return (fuser if fuser is not None else FuseCollectives()).plan(graph)
+
+
+class FuseAllReduce(FuseCollectives):
+    """Deprecated: the old name of :class:`FuseCollectives` (it fuses more than all-reduces)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        warnings.warn(
+            "FuseAllReduce is deprecated: use FuseCollectives (the pass is now named 'fuse-collectives').",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        super().__init__(*args, **kwargs)

@@ -16,9 +16,8 @@ The helpers here do the bookkeeping of rewriting jaxprs:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
@@ -28,8 +27,6 @@ from replicator.core.graph import StepGraph
 
 __all__ = [
     "CALL_PARAMS",
-    "Pass",
-    "PassResult",
     "StepGraph",
     "count_primitives",
     "inline_function",
@@ -40,7 +37,6 @@ __all__ = [
     "open_jaxpr",
     "region_name",
     "recompute_named_axis_effects",
-    "rewrite_graph",
     "rewrite_jaxpr",
     "sub_jaxprs",
 ]
@@ -59,41 +55,6 @@ CALL_PARAMS: dict[str, str] = {
     "custom_vmap_call": "call",
 }
 EqnRule = Callable[[JaxprEqn], "tuple[list[JaxprEqn], list[Atom]] | None"]
-
-
-@dataclasses.dataclass(frozen=True)
-class PassResult:
-    graph: StepGraph
-    changed: bool
-
-
-class Pass:
-    """A named, pure graph-to-graph rewrite. Subclasses set ``name`` and ``run``.
-
-    Configuration goes in the constructor; ``run`` must not mutate its input.
-    """
-
-    name: ClassVar[str] = "unnamed-pass"
-    #: A pass that must run for the step to execute (cannot be disabled).
-    required: ClassVar[bool] = False
-    #: False for a pass that changes precision on purpose (translation
-    #: validation then allows a bf16-sized difference).
-    exact: ClassVar[bool] = True
-    #: The pass works on placeholders: it must come before the pass that
-    #: lowers them (a pipeline that puts it after raises when it is built).
-    needs_placeholders: ClassVar[bool] = True
-    #: The pass replaces the placeholders by mesh collectives.
-    lowers: ClassVar[bool] = False
-    #: The pass must come before the library's passes (``capture-collectives``).
-    first: ClassVar[bool] = False
-    #: Names of passes that, when in the same pipeline, must run before this one.
-    run_after: ClassVar[tuple[str, ...]] = ()
-
-    def run(self, graph: StepGraph) -> PassResult:
-        raise NotImplementedError
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
 
 
 # ----------------------------------------------------------------------------
@@ -237,15 +198,6 @@ def rewrite_jaxpr(jaxpr: Jaxpr, rule: EqnRule) -> tuple[Jaxpr, bool]:
         outvars=[read(v) for v in jaxpr.outvars],
         effects=merge_effects(new_eqns),
     ), True
-
-
-def rewrite_graph(graph: StepGraph, rule: EqnRule) -> PassResult:
-    """:func:`rewrite_jaxpr` on a step graph's top-level jaxpr."""
-    closed = graph.jaxpr
-    new, changed = rewrite_jaxpr(closed.jaxpr, rule)
-    if not changed:
-        return PassResult(graph, False)
-    return PassResult(graph.with_jaxpr(ClosedJaxpr(new, closed.consts)), True)
 
 
 def inline_function(

@@ -27,7 +27,7 @@ bugs that make data-parallel jobs hang or silently diverge:
 Example: the state is invariant, the batch varies along both mesh axes, and
 an all-reduce over ``'cores'`` leaves it varying along ``'workers'`` only:
 
->>> from replicator.passes.invariance import analyze
+>>> from replicator.analysis.invariance import analyze
 >>> def step(state, batch):
 ...     return state, (state * 2, batch, rp.all_sum(batch, group="cores"))
 >>> graph = rp.Replicator(2, 4).lower(step, np.ones((4, 3), np.float32), np.float32(1)).traced
@@ -53,6 +53,8 @@ from replicator._jax_compat import (
 )
 from replicator.core.callbacks import is_invariant_callback
 from replicator.core.context import group_axes
+from replicator.core.graph import StepGraph
+from replicator.core.jaxprs import iter_eqns, open_jaxpr, sub_jaxprs
 from replicator.core.primitives import (
     PLACEHOLDERS,
     all_gather_p,
@@ -62,14 +64,12 @@ from replicator.core.primitives import (
     reduce_scatter_p,
     replica_id_p,
 )
-from replicator.errors import DivergentControlFlowError, DivergentStateError, UnanalyzableStepError
-from replicator.passes.base import Pass, PassResult, StepGraph, iter_eqns, open_jaxpr, sub_jaxprs
+from replicator.errors import DivergentControlFlowError, UnanalyzableStepError
 
 __all__ = [
     "INVARIANT",
     "OPAQUE_PRIMITIVES",
     "RULES",
-    "CheckReplicaInvariance",
     "InvarianceInfo",
     "Variance",
     "VarianceAnalysis",
@@ -357,53 +357,3 @@ def analyze(graph: StepGraph) -> InvarianceInfo:
     ins = state + [both] * graph.num_batch
     outs, env = analysis.run(graph.jaxpr.jaxpr, ins)
     return InvarianceInfo(variance=env, output_variance=tuple(outs))
-
-
-def _producer(jaxpr: Jaxpr, var: Any) -> JaxprEqn | None:
-    for eqn in jaxpr.eqns:
-        if any(o is var for o in eqn.outvars):
-            return eqn
-    return None
-
-
-class CheckReplicaInvariance(Pass):
-    """Reject divergent control flow around collectives and divergent state.
-
-    Changes nothing; raises :class:`DivergentControlFlowError` or
-    :class:`DivergentStateError` with the user's source line and a fix.
-    """
-
-    name = "check-replica-invariance"
-
-    def run(self, graph: StepGraph) -> PassResult:
-        info = analyze(graph)
-        jaxpr = graph.jaxpr.jaxpr
-        for index, (path, var, variance) in enumerate(
-            zip(
-                graph.state_paths,
-                jaxpr.outvars[: graph.num_state],
-                info.output_variance[: graph.num_state],
-                strict=True,
-            )
-        ):
-            if variance and index not in graph.sharded_state:
-                producer = _producer(jaxpr, var)
-                where = f" (last computed at {user_source_line(producer.source_info)})" if producer else ""
-                opaque = sorted({e.primitive.name for e in iter_eqns(jaxpr) if e.primitive.name in OPAQUE_PRIMITIVES})
-                sources = "batch data, replica_id()" + (f", or the results of {', '.join(opaque)}" if opaque else "")
-                callback_fix = (
-                    " If a jax.pure_callback in the step is a pure function of its inputs, declare it with "
-                    "rp.invariant_callback(fn): its result then varies only as its inputs do."
-                    if "pure_callback" in opaque
-                    else ""
-                )
-                raise DivergentStateError(
-                    f"{path} enters the step identical on every replica but would leave it "
-                    f"different between replicas{where}: it depends on per-replica values "
-                    f"({sources}) along mesh axes {tuple(sorted(variance))}. "
-                    f"The replicas' copies would silently drift apart.\n"
-                    f"Fix: average what updates it across replicas, e.g. "
-                    f"grads = rp.all_mean(grads) before the update (or wrap the optimizer), "
-                    f"or return the per-replica value as an output instead of state.{callback_fix}"
-                )
-        return PassResult(graph, False)

@@ -1,4 +1,4 @@
-"""fuse-allreduce: independent all-reduces share one collective per bucket.
+"""fuse-collectives: independent all-reduces share one collective per bucket.
 
 Graph-level checks count ``rp.all_reduce`` equations before and after the pass
 (and ``psum`` after lowering) and type-check every rewritten graph; numeric
@@ -26,10 +26,10 @@ from replicator.passes import (
     count_primitives,
     verify_graph,
 )
-from replicator.passes.fuse_allreduce import (
+from replicator.passes.fuse_collectives import (
     DEFAULT_MAX_TENSOR_BYTES,
     DEFAULT_THRESHOLD_BYTES,
-    FuseAllReduce,
+    FuseCollectives,
     fusion_report,
 )
 
@@ -38,7 +38,7 @@ N_LAYERS, WIDTH = 8, 4
 
 
 def _pipeline(**kwargs) -> Pipeline:
-    return Pipeline([CheckReplicaInvariance(), FuseAllReduce(**kwargs), LowerCollectives()], verify=True)
+    return Pipeline([CheckReplicaInvariance(), FuseCollectives(**kwargs), LowerCollectives()], verify=True)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def fused_repl(n_devices):
 @pytest.fixture(scope="module")
 def plain_repl(n_devices):
     """The default pipeline without fusion: graphs with one all-reduce per leaf (graph tests only)."""
-    return rp.Replicator(1, n_devices, passes=Pipeline(disable=["fuse-allreduce"]))
+    return rp.Replicator(1, n_devices, passes=Pipeline(disable=["fuse-collectives"]))
 
 
 def _count(jaxpr, name=ALL_REDUCE) -> int:
@@ -68,7 +68,7 @@ def _size(eqn) -> int:
 def _fuse(graph, **kwargs):
     """Run the pass on ``graph``; check it is pure and the result type-checks."""
     text = str(graph.jaxpr)
-    result = FuseAllReduce(**kwargs).run(graph)
+    result = FuseCollectives(**kwargs).run(graph)
     assert str(graph.jaxpr) == text
     verify_graph(result.graph, lowered=False)
     return result
@@ -167,11 +167,11 @@ def test_fused_pipeline_lowers_to_one_psum(fused_repl, n_devices):
     assert [s.name for s in lowered.stages] == [
         "traced",
         "check-replica-invariance",
-        "fuse-allreduce",
+        "fuse-collectives",
         "lower-collectives",
     ]
     assert lowered.stages[2].changed
-    assert _count(lowered.after("fuse-allreduce").jaxpr) == 1
+    assert _count(lowered.after("fuse-collectives").jaxpr) == 1
     assert _count(lowered.final.jaxpr, "psum") == 1
     assert _count(lowered.final.jaxpr, ALL_REDUCE) == 0
 
@@ -215,7 +215,7 @@ def test_threshold_splits_into_buckets(repl, threshold, bucket_sizes):
     assert result.changed == (len(bucket_sizes) < 8)
     if not result.changed:
         assert result.graph is graph
-    plan = fusion_report(graph, FuseAllReduce(threshold_bytes=threshold))
+    plan = fusion_report(graph, FuseCollectives(threshold_bytes=threshold))
     assert [b.num_operands for b in plan] == bucket_sizes
     assert all(b.nbytes <= max(threshold, 64) for b in plan)
     assert _count(_lower_and_check(result.graph).jaxpr, "psum") == len(bucket_sizes)
@@ -452,7 +452,7 @@ def test_fusion_report_lists_bucket_membership(plain_repl, n_devices):
     )
     assert bucket.num_operands == MLP_LEAVES and bucket.nbytes == 4 * MLP_FLOATS
     assert sorted(bucket.shapes) == sorted([(WIDTH, WIDTH)] * N_LAYERS + [(WIDTH,)] * N_LAYERS + [()])
-    assert all("test_fuse_allreduce.py" in s for s in bucket.sources)
+    assert all("test_fuse_collectives.py" in s for s in bucket.sources)
     # Each operand names its own collective: the per-leaf gradient means (one line), then the loss's mean.
     lines, start = inspect.getsourcelines(_mlp_step)
     grads_line = start + next(i for i, t in enumerate(lines) if "rp.all_mean(g)" in t)
@@ -462,20 +462,20 @@ def test_fusion_report_lists_bucket_membership(plain_repl, n_devices):
 
 
 def test_repr_names_the_configuration_and_bad_configs_raise():
-    assert repr(FuseAllReduce()) == (
-        f"FuseAllReduce(threshold_bytes={DEFAULT_THRESHOLD_BYTES}, ops=('sum', 'mean'), scatter_gather=True, "
+    assert repr(FuseCollectives()) == (
+        f"FuseCollectives(threshold_bytes={DEFAULT_THRESHOLD_BYTES}, ops=('sum', 'mean'), scatter_gather=True, "
         f"max_tensor_bytes={DEFAULT_MAX_TENSOR_BYTES})"
     )
     assert _pipeline(scatter_gather=False).key() != _pipeline().key()
-    assert FuseAllReduce.name == "fuse-allreduce" and not FuseAllReduce.required
+    assert FuseCollectives.name == "fuse-collectives" and not FuseCollectives.required
     assert _pipeline().key() != _pipeline(threshold_bytes=1024).key()
     assert _pipeline(ops=("sum",)).key() != _pipeline().key()
     with pytest.raises(ValueError, match="positive"):
-        FuseAllReduce(threshold_bytes=0)
+        FuseCollectives(threshold_bytes=0)
     with pytest.raises(TypeError, match="int"):
-        FuseAllReduce(threshold_bytes=1.5)
+        FuseCollectives(threshold_bytes=1.5)
     with pytest.raises(ValueError, match="unknown ops"):
-        FuseAllReduce(ops=("sum", "prod"))
+        FuseCollectives(ops=("sum", "prod"))
 
 
 def test_one_pytree_all_reduce_is_flattened_into_one_buffer(fused_repl, n_devices):
@@ -495,7 +495,7 @@ def test_one_pytree_all_reduce_is_flattened_into_one_buffer(fused_repl, n_device
     (fused,) = _top_level(result.graph.jaxpr.jaxpr)
     assert len(fused.invars) == 1 and _size(fused) == sum(math.prod(s) for s in shapes)
     assert _count(_lower_and_check(result.graph).jaxpr, "psum") == 1
-    assert not FuseAllReduce().run(result.graph).changed
+    assert not FuseCollectives().run(result.graph).changed
     _compare_runs(fused_repl, step, [batch])
 
 
@@ -523,13 +523,13 @@ def test_tensors_above_max_tensor_bytes_keep_their_own_collective(n_devices):
 
     repl = rp.Replicator(1, n_devices, passes=_pipeline())
     graph = _traced(repl, step, {"x": np.ones(n_devices, np.float32)})
-    fused = FuseAllReduce(max_tensor_bytes=1024).run(graph).graph
+    fused = FuseCollectives(max_tensor_bytes=1024).run(graph).graph
     sizes = sorted(_size(e) for e in _top_level(fused.jaxpr.jaxpr))
     assert sizes == [6, 64 * 64, 64 * 64]  # the two small ones share a bucket
-    everything = FuseAllReduce(max_tensor_bytes=None).run(graph).graph
+    everything = FuseCollectives(max_tensor_bytes=None).run(graph).graph
     assert [_size(e) for e in _top_level(everything.jaxpr.jaxpr)] == [2 * 64 * 64 + 6]
     with pytest.raises(ValueError, match="max_tensor_bytes"):
-        FuseAllReduce(max_tensor_bytes=-1)
+        FuseCollectives(max_tensor_bytes=-1)
 
 
 # ----------------------------------------------------------------------------
@@ -542,7 +542,7 @@ def _assert_left_alone(graph, **kwargs):
     result = _fuse(graph, **kwargs)
     assert not result.changed and result.graph is graph
     assert count_primitives(result.graph.jaxpr) == before
-    assert fusion_report(graph, FuseAllReduce(**kwargs)) == fusion_report(result.graph, FuseAllReduce(**kwargs))
+    assert fusion_report(graph, FuseCollectives(**kwargs)) == fusion_report(result.graph, FuseCollectives(**kwargs))
 
 
 def test_weak_and_strong_types_stay_apart(repl):

@@ -8,9 +8,9 @@ collectives the user wrote it carries (a fused bucket carries several) and
 from which lines, and an *estimate* of the bytes each replica sends per step.
 
 The report guesses nothing from pass names: every row is a
-:class:`~replicator.passes.records.CollectiveRecord` that the passes left in
+:class:`~replicator.core.graph.CollectiveRecord` that the passes left in
 the lowered graph (:attr:`StepGraph.collectives
-<replicator.core.graph.StepGraph>`). So a bucket split by ``fuse-allreduce``'s
+<replicator.core.graph.StepGraph>`). So a bucket split by ``fuse-collectives``'s
 ``threshold_bytes`` or a tensor kept alone by its ``max_tensor_bytes`` is its
 own row, ``compress-communication``'s all-reduces show their bfloat16 bytes,
 ``hierarchical-allreduce`` shows its three steps (a reduce-scatter and an
@@ -35,7 +35,7 @@ and the ``'reduce_broadcast'`` tree costs what its busiest replica sends:
 broadcast is lowered as a masked all-reduce; ``replica_id`` sends nothing.
 Figures are per replica and per step; they do not include XLA's own
 scheduling. For a model of *time*, ``report.predict(topology)`` costs every
-row with the alpha-beta model of :mod:`replicator.passes.costmodel` on a
+row with the alpha-beta model of :mod:`replicator.cost.collectives` on a
 preset (``'gpu-nvlink-8'``, ...) or a calibrated :class:`Topology`.
 
 >>> repl = rp.Replicator(1, 8, passes=rp.Pipeline.default(all_reduce_algorithm="ring"))
@@ -49,22 +49,20 @@ from __future__ import annotations
 
 import dataclasses
 
-from replicator.passes.costmodel import Prediction, Topology
-from replicator.passes.costmodel import predict as _predict
-from replicator.passes.pipeline import Lowered, Pipeline
-from replicator.passes.records import CollectiveRecord
+from replicator.core.graph import CollectiveRecord
+from replicator.cost.collectives import Prediction
+from replicator.cost.collectives import predict as _predict
+from replicator.cost.topology import Topology
+from replicator.pipeline.pipeline import Lowered
 
-__all__ = ["CollectiveRow", "CommunicationReport", "communication_report"]
-
-#: One row of the report: the record ``lower-collectives`` left for one collective.
-CollectiveRow = CollectiveRecord
+__all__ = ["CommunicationReport", "communication_report"]
 
 
 @dataclasses.dataclass(frozen=True)
 class CommunicationReport:
     """The collectives of one compiled step; ``str()`` is a table."""
 
-    rows: tuple[CollectiveRow, ...]
+    rows: tuple[CollectiveRecord, ...]
     num_replicas: int
     passes: tuple[str, ...]
     #: Workers of the mesh (which link a collective over all replicas uses); ``None``: unknown.
@@ -83,7 +81,7 @@ class CommunicationReport:
     def predict(self, topology: str | Topology) -> Prediction:
         """How long these collectives take on ``topology``: a preset name or a :class:`Topology`.
 
-        See :mod:`replicator.passes.costmodel` (the alpha-beta model, the
+        See :mod:`replicator.cost.collectives` (the alpha-beta model, the
         presets and their sources, ``calibrate``). ``print()`` the result.
         """
         return _predict(self, topology)
@@ -135,7 +133,7 @@ def _human(n: float) -> str:
     raise AssertionError  # pragma: no cover
 
 
-def communication_report(lowered: Lowered, pipeline: Pipeline) -> CommunicationReport:
+def communication_report(lowered: Lowered) -> CommunicationReport:
     """The report for a step that went through ``pipeline``.
 
     One row per collective that ``lower-collectives`` lowered, in the order

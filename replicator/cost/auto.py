@@ -2,7 +2,7 @@
 
 For each step it compiles, an :class:`AutoPipeline` runs the default passes
 under several option settings and keeps the one whose collectives the cost
-model (:mod:`replicator.passes.costmodel`) predicts fastest on its topology.
+model (:mod:`replicator.cost.collectives`) predicts fastest on its topology.
 The search is a steepest descent from the default setting: each round tries
 every setting one option away from the current one and moves to the fastest
 while it is predicted strictly faster (so ZeRO is weighed against the
@@ -15,7 +15,7 @@ defaults, not only after another option was fixed), over:
 
 Each setting is judged by the predicted time of its collectives plus, when
 the topology has a compute model (every preset does;
-:mod:`replicator.passes.computemodel`), the predicted time of the graph's own
+:mod:`replicator.cost.compute`), the predicted time of the graph's own
 work: ZeRO's sharded update does ``1/N`` of the optimizer's element-wise work,
 fusion adds the copies that pack its buckets. ``compress`` (a precision
 change) is never tried, and ties keep the default. The choice and the
@@ -34,13 +34,14 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from replicator.passes.base import StepGraph
-from replicator.passes.fold import FoldLayout
-from replicator.passes.pipeline import Lowered, Pipeline, default_passes
+from replicator.core.graph import StepGraph
+from replicator.core.layout import FoldLayout
+from replicator.passes.defaults import default_passes
+from replicator.pipeline.pipeline import HOOKS, Lowered, Pipeline
 
 __all__ = ["AutoPipeline", "SEARCH"]
 
-FUSION = "fuse-allreduce"
+FUSION = "fuse-collectives"
 
 #: The options tried, in order, each as (name, values other than the default).
 SEARCH: tuple[tuple[str, tuple[Any, ...]], ...] = (
@@ -55,8 +56,8 @@ class AutoPipeline(Pipeline):
     """The default passes, their options chosen per graph (see the module docstring).
 
     Args:
-      topology: a preset name of :data:`~replicator.passes.costmodel.PRESETS`
-        or a :class:`~replicator.passes.costmodel.Topology` (``calibrate()``).
+      topology: a preset name of :data:`~replicator.cost.collectives.PRESETS`
+        or a :class:`~replicator.cost.collectives.Topology` (``calibrate()``).
       options: fixed options of :func:`default_passes` (not searched).
       disable, verify, validate, dump_dir: as for :class:`Pipeline`.
     """
@@ -71,7 +72,7 @@ class AutoPipeline(Pipeline):
         validate: bool | None = None,
         dump_dir: str | os.PathLike | None = None,
     ):
-        from replicator.passes.costmodel import get_topology
+        from replicator.cost.topology import get_topology
 
         self.topology = get_topology(topology)
         self.options = dict(options or {})
@@ -110,8 +111,8 @@ class AutoPipeline(Pipeline):
 
     def predicted_parts(self, final: StepGraph) -> tuple[float, float]:
         """(communication, compute) seconds of a lowered graph (compute 0 without a compute model)."""
-        from replicator.passes.computemodel import compute_time
-        from replicator.passes.costmodel import collective_time
+        from replicator.cost.collectives import collective_time
+        from replicator.cost.compute import compute_time
 
         workers = final.context.num_workers
         communication = sum(collective_time(r, self.topology, num_workers=workers) for r in final.collectives)
@@ -183,3 +184,6 @@ def _describe(setting: dict) -> str:
         else:
             parts.append(f"{name}={value!r}")
     return ", ".join(parts)
+
+
+HOOKS.auto_pipeline = AutoPipeline

@@ -29,7 +29,6 @@ Example::
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,18 +37,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from replicator.core.graph import StepGraph
+from replicator.core.jaxprs import iter_eqns
+from replicator.core.layout import FoldLayout
 from replicator.core.primitives import PLACEHOLDERS
 from replicator.errors import MiscompileError
-from replicator.passes.base import StepGraph, iter_eqns
-from replicator.passes.fold import FoldLayout, FoldReplicas
+from replicator.passes.fold import FoldReplicas
+from replicator.pipeline.pipeline import HOOKS
 
-__all__ = ["VALIDATE_ENV", "GraphRunner", "compare_results", "validate_from_env"]
-
-VALIDATE_ENV = "REPLICATOR_VALIDATE"
-
-
-def validate_from_env() -> bool:
-    return os.environ.get(VALIDATE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+__all__ = ["GraphRunner", "compare_results"]
 
 
 def _random_leaf(rng: np.random.Generator, dtype: Any, shape: tuple[int, ...]) -> Any:
@@ -203,6 +199,10 @@ def _how_to_report(pass_name: str) -> str:
     return (
         f"\nThe pass miscompiled this step. Work around it with Pipeline(disable=['{pass_name}']) "
         f"(or its Pipeline.default option); please report the step with the graphs around the pass "
-        f"(REPLICATOR_DUMP_DIR=dir) and the report of rp.passes.bisect_passes(repl, step_fn, input_fn, state) "
+        f"(REPLICATOR_DUMP_DIR=dir) and the report of rp.tools.bisect_passes(repl, step_fn, input_fn, state) "
         f"(or python -m replicator.bisect)."
     )
+
+
+HOOKS.graph_runner = GraphRunner
+HOOKS.compare_results = compare_results

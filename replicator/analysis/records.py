@@ -6,7 +6,7 @@ the placeholder's kind, group, lowering algorithm, the dtype and bytes of its
 payload as it goes on the wire (after ``compress-communication``: bfloat16),
 and the bytes of the mesh collectives it emitted, counted from the emitted
 equations. The passes that replace placeholders by others
-(``fuse-allreduce``, ``compress-communication``, ``hierarchical-allreduce``)
+(``fuse-collectives``, ``compress-communication``, ``hierarchical-allreduce``)
 pass on, in :attr:`StepGraph.collective_origins`, how many of the user's
 tensors each new placeholder carries and from which source lines
 (:class:`Origin`), so that a fused bucket's row still names them.
@@ -19,83 +19,21 @@ equation, the bytes of its operands, times the trip count of every enclosing
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
 from jax.extend.core import Jaxpr, JaxprEqn, Var
 
 from replicator._jax_compat import user_source_line
+from replicator.core.buffers import nbytes
+from replicator.core.graph import Origin
+from replicator.core.jaxprs import sub_jaxprs
 from replicator.core.primitives import PLACEHOLDERS
-from replicator.passes.base import sub_jaxprs
-from replicator.passes.buffers import nbytes
 
-__all__ = [
-    "MESH_REDUCTIONS",
-    "CollectiveRecord",
-    "Origin",
-    "emitted_bytes",
-    "estimated_sent_bytes",
-    "origin_of",
-    "pass_on_origin",
-]
+__all__ = ["MESH_REDUCTIONS", "emitted_bytes", "estimated_sent_bytes", "origin_of", "pass_on_origin"]
 
 #: Mesh collectives whose operands are all-reduced.
 MESH_REDUCTIONS = frozenset(["psum", "pmax", "pmin"])
 _COUNTED = MESH_REDUCTIONS | {"all_gather", "reduce_scatter", "ppermute"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Origin:
-    """The user's tensors a placeholder carries: how many, and the source line of each collective."""
-
-    tensors: int
-    sources: tuple[str, ...]
-
-    @staticmethod
-    def merge(origins: Iterable[Origin]) -> Origin:
-        origins = list(origins)
-        return Origin(sum(o.tensors for o in origins), tuple(s for o in origins for s in o.sources))
-
-
-@dataclasses.dataclass(frozen=True)
-class CollectiveRecord:
-    """One placeholder collective as ``lower-collectives`` lowered it.
-
-    Attributes:
-      kind: the placeholder, e.g. ``'all_mean'``, ``'all_gather'``, ``'replica_id'``.
-      group: the replica group (``None``: all replicas, ``'cores'``, ``'workers'``).
-      algorithm: the lowering (``'native'``, ``'ring'``, ``'reduce_broadcast'``).
-      dtype: the payload's dtype(s) on the wire, ``/``-joined.
-      nbytes: the payload of one replica: the placeholder's operand bytes.
-      tensors: the user's tensors it carries (a fused bucket carries several).
-      sources: the user's source line of each collective it carries.
-      region: where it is: ``'step'``, then ``/<primitive>@<equation>.<sub-jaxpr>``
-        per nesting level (:func:`~replicator.passes.base.iter_regions`).
-      sent_bytes: estimated bytes one replica sends per step: the
-        bandwidth-optimal cost of each emitted mesh collective over its ``N``
-        replicas (all-reduce ``2 (N-1)/N B``, all-gather ``(N-1) B``,
-        reduce-scatter ``(N-1)/N B``, ``B`` its operand bytes), and for
-        ``ppermute`` the bytes sent by the busiest replica, counted from the
-        permutation (times the loop trip count).
-      emitted_bytes: the operand bytes of the mesh collectives emitted
-        (:func:`emitted_bytes`).
-      group_size: ``N``.
-      operands: the arrays the placeholder reduces at once (an unfused
-        ``all_sum`` of a list has one per leaf; a fused bucket has one).
-    """
-
-    kind: str
-    group: str | None
-    algorithm: str
-    dtype: str
-    nbytes: int
-    tensors: int
-    sources: tuple[str, ...]
-    region: str
-    sent_bytes: float
-    emitted_bytes: int = 0
-    group_size: int = 1
-    operands: int = 1
 
 
 # ----------------------------------------------------------------------------

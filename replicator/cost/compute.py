@@ -1,11 +1,11 @@
 """Compute cost model: a rough time for a step graph's own work, without its collectives.
 
-The communication model (:mod:`replicator.passes.costmodel`) sees only
+The communication model (:mod:`replicator.cost.collectives`) sees only
 collectives. Some pass options trade communication for compute or the other
 way round: ``shard-optimizer-update`` (ZeRO-1) makes every device update
 ``1/N`` of the parameters at the price of an all-gather, and fusion adds the
 copies that pack and unpack its buckets. :class:`AutoPipeline
-<replicator.passes.auto.AutoPipeline>` adds this model's time to the
+<replicator.cost.auto.AutoPipeline>` adds this model's time to the
 communication time when its topology has a :class:`Compute`.
 
 The model is a count, per device, over the equations of the lowered graph:
@@ -22,7 +22,7 @@ every other equation                       output elements ``x seconds_per_eleme
 Sub-graphs: a call counts its body once, ``scan`` its body ``length`` times,
 ``while`` its body and condition once (the trip count is not in the graph),
 ``cond`` its most expensive branch. ``seconds_per_element`` is the cost of
-one element-wise operation inside a loop XLA fused (what :func:`calibrate_compute`
+one element-wise operation inside a loop XLA fused (what :func:`~replicator.tools.calibrate.calibrate_compute`
 measures), so a chain of ``k`` element-wise equations on ``n`` elements costs
 ``k n seconds_per_element`` whether or not XLA fuses it. What it does not
 model: memory traffic that fusion saves or a layout change costs, the overlap
@@ -39,15 +39,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
-import time
 
 import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn
 
-from replicator.passes.base import CALL_PARAMS, open_jaxpr, sub_jaxprs
+from replicator.core.jaxprs import CALL_PARAMS, open_jaxpr, sub_jaxprs
 
-__all__ = ["Compute", "agreed", "calibrate_compute", "compute_time", "equation_time"]
+__all__ = ["Compute", "compute_time", "equation_time"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,83 +148,3 @@ def equation_time(eqn: JaxprEqn, compute: Compute) -> float:
 def compute_time(jaxpr: Jaxpr, compute: Compute) -> float:
     """The model's seconds for every equation of ``jaxpr`` on one device."""
     return sum(equation_time(eqn, compute) for eqn in jaxpr.eqns)
-
-
-def agreed(mesh, values: list) -> list:
-    """Process 0's ``values`` on every process of a mesh that spans several (else ``values``).
-
-    Measurements differ between processes; every process must run the same
-    programs and choose the same pass options, so they all take process 0's.
-    """
-    import jax
-
-    if jax.process_count() == 1 or len({d.process_index for d in mesh.devices.flat}) == 1:
-        return values
-    from jax.experimental import multihost_utils
-
-    return [v.item() for v in multihost_utils.broadcast_one_to_all(np.asarray(values))]
-
-
-def calibrate_compute(
-    mesh,
-    *,
-    elements: int = 1 << 18,
-    matmul: int = 256,
-    chain: int = 8,
-    repeats: int = 5,
-    time_budget_s: float = 20.0,
-) -> Compute:
-    """Measure :class:`Compute` on every device of ``mesh`` at once (devices that share host cores share them here too).
-
-    Two jitted ``shard_map`` programs per kind, one with ``chain`` more
-    operations than the other; the difference of their median times over the
-    extra operations: ``x = x * 0.999 + y_i`` on ``elements`` floats per device,
-    each ``y_i`` a different array (2 element-wise operations per element,
-    one operand read from memory, as in an optimizer's update), and ``x @ x.T``
-    on ``matmul x matmul`` float32 matrices (``2 matmul**3`` flops).
-    """
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    axes = tuple(mesh.axis_names)
-    spec = P(axes)
-    devices = mesh.devices.size
-
-    def program(kind: str, count: int):
-        def body(x, ys):
-            for i in range(count):
-                x = x * 0.999 + ys[i] if kind == "element" else (x @ x.T) * (1.0 / matmul)
-            return x
-
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=spec, check_vma=False))
-
-    def run_once(f, args) -> float:
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        return time.perf_counter() - t0
-
-    def put(shape: tuple[int, ...], value: float):
-        return jax.device_put(np.full(shape, value, np.float32), NamedSharding(mesh, spec))
-
-    cases = []
-    for kind, shape in (("element", (devices * elements,)), ("matmul", (devices * matmul, matmul))):
-        ys = [put(shape, 1e-3 * i) for i in range(chain + 1)] if kind == "element" else []
-        args = (put(shape, 0.5), ys)
-        short, long = program(kind, 1), program(kind, chain + 1)
-        for f in (short, long):
-            run_once(f, args)
-        cases.append((kind, short, long, args, []))
-    start = time.perf_counter()
-    for _ in range(repeats):
-        for _, short, long, args, samples in cases:
-            samples.append(max(run_once(long, args) - run_once(short, args), 0.0) / chain)
-        if agreed(mesh, [time.perf_counter() - start > time_budget_s])[0]:
-            break
-    medians = agreed(mesh, [statistics.median(samples) for *_, samples in cases])
-    per_op = {kind: median for (kind, *_), median in zip(cases, medians, strict=True)}
-    return Compute(
-        seconds_per_element=per_op["element"] / (2 * elements),
-        seconds_per_flop=per_op["matmul"] / (2.0 * matmul**3),
-        source=f"calibrate_compute on {devices} {mesh.devices.flat[0].platform} device(s) at once",
-    )

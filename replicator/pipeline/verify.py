@@ -17,7 +17,7 @@ the pass that produced the graph. Example (a graph whose result is a variable
 nothing defines):
 
 >>> from jax.extend.core import ClosedJaxpr, Var
->>> from replicator.passes.verify import GraphInvariantError, verify_graph
+>>> from replicator.pipeline.verify import GraphInvariantError, verify_graph
 >>> graph = rp.Replicator(1, 8).lower(lambda b: rp.all_sum(b), np.ones((8, 3), np.float32)).traced
 >>> jaxpr = graph.jaxpr.jaxpr
 >>> broken = jaxpr.replace(outvars=[Var(jaxpr.outvars[0].aval), *jaxpr.outvars[1:]])
@@ -34,9 +34,10 @@ from jax.extend.core import Jaxpr, Var, check_jaxpr
 
 from replicator._jax_compat import extend_axis_env
 from replicator.core.context import REPLICA_AXES
+from replicator.core.graph import StepGraph
+from replicator.core.jaxprs import iter_eqns, sub_jaxprs
 from replicator.core.primitives import PLACEHOLDERS
 from replicator.errors import PassError
-from replicator.passes.base import StepGraph, iter_eqns, sub_jaxprs
 
 __all__ = ["GraphInvariantError", "check_defined", "verify_graph"]
 

@@ -2,14 +2,14 @@
 
 Several rewrites move many tensors through one collective: they flatten the
 tensors, concatenate them into one buffer, communicate it, and slice the
-result back into the tensors' shapes (``fuse-allreduce``'s buckets,
+result back into the tensors' shapes (``fuse-collectives``'s buckets,
 ``hierarchical-allreduce``'s chunks, the ``'ring'`` and ``'reduce_broadcast'``
 all-reduces of ``lower-collectives``). :func:`pack` and :func:`unpack` are that
 bookkeeping; :func:`per_dtype_buffers` does it for operands of mixed dtypes.
 They are plain ``lax`` code, called inside the functions that
-:func:`~replicator.passes.base.inline_function` traces.
+:func:`~replicator.core.jaxprs.inline_function` traces.
 
->>> from replicator.passes.buffers import pack, unpack
+>>> from replicator.core.buffers import pack, unpack
 >>> xs = [jnp.ones((2, 3)), jnp.arange(4.0)]
 >>> buf, sizes = pack(xs)
 >>> buf.shape, sizes
@@ -34,7 +34,7 @@ __all__ = ["nbytes", "pack", "per_dtype_buffers", "unpack"]
 def nbytes(aval: Any) -> int:
     """The bytes of an array (or abstract value) with a NumPy dtype: elements times itemsize.
 
-    >>> from replicator.passes.buffers import nbytes
+    >>> from replicator.core.buffers import nbytes
     >>> nbytes(jax.ShapeDtypeStruct((4, 4), jnp.bfloat16))
     32
     """

@@ -1,0 +1,65 @@
+"""The default pipeline's passes, in order, with its optional passes switched."""
+
+from __future__ import annotations
+
+from replicator.passes.capture import CaptureCollectives
+from replicator.passes.check_invariance import CheckReplicaInvariance
+from replicator.passes.compress import CompressCommunication
+from replicator.passes.fuse_collectives import DEFAULT_MAX_TENSOR_BYTES, DEFAULT_THRESHOLD_BYTES, FuseCollectives
+from replicator.passes.hierarchical import HierarchicalAllReduce
+from replicator.passes.lower_collectives import LowerCollectives
+from replicator.passes.shard_optimizer import DEFAULT_MIN_TENSOR_BYTES, ShardOptimizerUpdate
+from replicator.passes.simplify import Simplify
+from replicator.pipeline.contract import Pass
+from replicator.pipeline.pipeline import HOOKS
+
+__all__ = ["default_passes"]
+
+
+def default_passes(
+    *,
+    shard_optimizer: bool = False,
+    shard_optimizer_min_bytes: int = DEFAULT_MIN_TENSOR_BYTES,
+    hierarchical: bool = False,
+    compress: bool = False,
+    all_reduce_algorithm: str = "native",
+    fuse_threshold_bytes: int = DEFAULT_THRESHOLD_BYTES,
+    fuse_max_tensor_bytes: int | None = DEFAULT_MAX_TENSOR_BYTES,
+) -> list[Pass]:
+    """The default pipeline, in order, with its optional passes switched.
+
+    Raw ``lax`` collectives become placeholders first (``capture-collectives``);
+    checks run next so their errors point at the collectives the user wrote;
+    optimizations work on placeholders; lowering comes last. The defaults
+    were chosen by ``benchmarks/bench_step.py`` (see BENCHMARKS.md).
+
+    Args:
+      shard_optimizer: ZeRO-1 (``shard-optimizer-update``): reduce-scatter
+        gradients, update and store element-wise optimizer state in 1/N chunks.
+        Off by default: it divides optimizer-state memory by N but was not
+        faster on every workload measured (BENCHMARKS.md).
+      shard_optimizer_min_bytes: with ``shard_optimizer``, smaller gradients
+        and state leaves stay whole.
+      hierarchical: ``hierarchical-allreduce`` over ('workers', 'cores').
+      compress: ``compress-communication``: f32 all-reduce payloads as bf16.
+      all_reduce_algorithm: ``'native'``, ``'ring'`` or ``'reduce_broadcast'``.
+      fuse_threshold_bytes: the largest fused all-reduce bucket.
+      fuse_max_tensor_bytes: larger tensors are not fused (``None``: all are).
+
+    Example::
+
+        repl = rp.Replicator(2, 4, passes=rp.Pipeline(default_passes(hierarchical=True)))
+    """
+    passes: list[Pass] = [CaptureCollectives(), CheckReplicaInvariance(), Simplify()]
+    if shard_optimizer:
+        passes.append(ShardOptimizerUpdate(min_tensor_bytes=shard_optimizer_min_bytes))
+    passes.append(FuseCollectives(threshold_bytes=fuse_threshold_bytes, max_tensor_bytes=fuse_max_tensor_bytes))
+    if compress:
+        passes.append(CompressCommunication())
+    if hierarchical:
+        passes.append(HierarchicalAllReduce())
+    passes.append(LowerCollectives(algorithms={"all_reduce": all_reduce_algorithm}))
+    return passes
+
+
+HOOKS.default_passes = default_passes
