@@ -8,7 +8,7 @@ back every step) on 8 replicas three ways:
 * ``1 proc 2x4``   one process, ``Replicator(2, 4)`` (the same mesh as below)
 * ``2 procs x 4``  two processes of 4 emulated CPU devices each, collectives over gloo,
   started by ``python -m replicator.launch``; also with ``hierarchical-allreduce``
-  on (``+hier``), with ``fuse-allreduce`` off (``-fuse``), and with
+  on (``+hier``), with ``fuse-collectives`` off (``-fuse``), and with
   ``shard-optimizer-update`` explicitly on (``zero``) and off (``no-zero``)
 
 for two MLPs: ``small`` (4 -> 16 -> 16 -> 1, batch 64: all overhead) and ``wide``
@@ -162,7 +162,7 @@ def step_times(args: argparse.Namespace) -> None:
         "2 procs zero": [*multi, "--pipeline", json.dumps({"shard_optimizer": True})],
         "2 procs no-zero": [*multi, "--pipeline", json.dumps({"shard_optimizer": False})],
         "2 procs +hier": [*multi, "--pipeline", json.dumps({"hierarchical": True})],
-        "2 procs -fuse": [*multi, "--pipeline", json.dumps({"disable": ["fuse-allreduce"]})],
+        "2 procs -fuse": [*multi, "--pipeline", json.dumps({"disable": ["fuse-collectives"]})],
     }
     rounds: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     for _ in range(args.rounds):  # interleaved, so that machine noise hits every variant alike

@@ -289,7 +289,7 @@ FIXED_SETTINGS: dict[str, dict] = {
     "hierarchical": {"hierarchical": True},
     "fusion 1 MiB": {"fuse_threshold_bytes": 1 << 20},
     "fusion 64 KiB": {"fuse_threshold_bytes": 64 << 10},
-    "fusion off": {"disable": ("fuse-allreduce",)},
+    "fusion off": {"disable": ("fuse-collectives",)},
     "zero": {"shard_optimizer": True},
 }
 
@@ -394,7 +394,7 @@ def allreduce_variants(n: int, only_replicator: bool = False) -> Any:
         "50 psums (shard_map)": lambda: sep(x),
         "1 flattened psum (shard_map)": lambda: flat(x),
         "replicator all_sum (fused)": repl_runner(),
-        "replicator -fuse-allreduce": repl_runner(("fuse-allreduce",)),
+        "replicator -fuse-collectives": repl_runner(("fuse-collectives",)),
         "replicator ring": repl_runner(all_reduce_algorithm="ring"),
         "replicator reduce+broadcast (tree)": repl_runner(all_reduce_algorithm="reduce_broadcast"),
         "replicator bf16 on the wire": repl_runner(compress=True),

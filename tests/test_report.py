@@ -66,11 +66,11 @@ def test_zero_rows_reduce_scatter_gradients_and_gather_parameters(n_devices):
 
 
 def test_without_fusion_each_user_collective_is_a_row(n_devices):
-    repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(disable=["fuse-allreduce"], shard_optimizer=False))
+    repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(disable=["fuse-collectives"], shard_optimizer=False))
     report = repl.explain(_step, _batch(n_devices), _params())
     assert [r.kind for r in report.rows] == ["all_mean", "all_gather", "all_mean"]
     assert report.rows[0].tensors == len(_params())
-    assert "fuse-allreduce" not in report.passes
+    assert "fuse-collectives" not in report.passes
 
 
 def test_explain_draws_from_a_fresh_input_iterator(repl):

@@ -31,7 +31,7 @@ VARIANTS: dict[str, dict] = {
     "compress": {"compress": True},
     "ring": {"all_reduce_algorithm": "ring"},
     "tree": {"all_reduce_algorithm": "reduce_broadcast"},
-    "no-fusion": {"disable": ["fuse-allreduce"]},
+    "no-fusion": {"disable": ["fuse-collectives"]},
     "no-simplify": {"disable": ["simplify"]},
     # The same program written with lax collectives over the axis name 'batch' (as for jax.pmap),
     # run with Replicator(axis_name='batch'): capture-collectives makes them placeholders.
