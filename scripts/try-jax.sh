@@ -7,7 +7,7 @@
 #   bash scripts/try-jax.sh 0.11.2 [pytest args]
 #
 # The project's declared range (pyproject.toml) is not enforced here, so a release
-# above it can be tried before the range is widened. See docs/COMPATIBILITY.md.
+# above it can be tried before the range is widened. See docs/reference/compatibility.md.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VERSION="${1:?usage: scripts/try-jax.sh VERSION [pytest args]}"

@@ -1,7 +1,9 @@
-"""The examples in the docs run: README.md and docs/*.md code blocks, and docstring doctests.
+"""The examples in the docs run: the code blocks of the markdown pages, and docstring doctests.
 
-Markdown: the ```python blocks of a file run in order, as one script, in a fresh
-process with 8 emulated CPU devices (as a reader would paste them). An HTML
+Markdown (README.md, CONTRIBUTING.md, BENCHMARKS.md and every docs/**/*.md): the
+```python blocks of a file run in order, as one script, in a fresh process with 8
+emulated CPU devices (as a reader would paste them); a block sees the names defined by
+the blocks before it in the same file, not those of another file. An HTML
 comment steers a block without showing up on the rendered page:
 
 * ``<!-- doctest: skip -->`` before a block: the next python block is not run (a fragment
@@ -33,7 +35,12 @@ import pytest
 import replicator as rp
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MARKDOWN = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+MARKDOWN = [
+    ROOT / "README.md",
+    ROOT / "CONTRIBUTING.md",
+    ROOT / "BENCHMARKS.md",
+    *sorted((ROOT / "docs").rglob("*.md")),
+]
 DIRECTIVE = re.compile(r"^<!-- doctest: (?P<what>skip|assert) ?(?P<arg>.*?) ?-->$")
 
 
@@ -71,30 +78,77 @@ def python_blocks(text: str) -> list[Block]:
     return blocks
 
 
+def _relative(path: pathlib.Path) -> str:
+    """The path from the repository root, e.g. ``docs/guide/passes.md``."""
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+
+
 def script_for(path: pathlib.Path) -> str:
     """One script running the file's blocks in order; comments name the source lines."""
+    name = _relative(path)
     parts = []
     for block in python_blocks(path.read_text()):
         if block.skip:
             continue
-        parts.append(f"# {path.name}:{block.line}\n{block.code}\n")
+        parts.append(f"# {name}:{block.line}\n{block.code}\n")
         for line, expr in block.asserts:
-            parts.append(f"assert {expr}, {f'{path.name}:{line}: {expr}'!r}\n")
+            parts.append(f"assert {expr}, {f'{name}:{line}: {expr}'!r}\n")
     return "\n".join(parts)
 
 
-@pytest.mark.parametrize("path", MARKDOWN, ids=[p.name for p in MARKDOWN])
+@pytest.mark.parametrize("path", MARKDOWN, ids=[_relative(p) for p in MARKDOWN])
 def test_markdown_code_blocks_run(path, tmp_path):
     script = script_for(path)
     if not script:
-        pytest.skip(f"{path.name} has no python blocks")
+        pytest.skip(f"{_relative(path)} has no python blocks")
     (tmp_path / "doc_blocks.py").write_text(script)
     flags = "--xla_force_host_platform_device_count=8"
     env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, "doc_blocks.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
-    assert proc.returncode == 0, f"{path.name}'s code blocks failed:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, f"{_relative(path)}'s code blocks failed:\n{proc.stderr[-4000:]}"
+
+
+LINK = re.compile(r"\[[^\]]*\]\((?P<target>[^)\s]+)\)")
+
+
+def _anchors(text: str) -> set[str]:
+    """GitHub's anchors for the headings of a markdown text (outside code blocks)."""
+    anchors, fenced = set(), False
+    for line in text.splitlines():
+        if line.strip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return anchors
+
+
+def _links(text: str) -> list[str]:
+    """The link targets of a markdown text, outside code blocks and inline code."""
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    prose = re.sub(r"`[^`\n]*`", "", prose)
+    return [m["target"] for m in LINK.finditer(prose)]
+
+
+LINKED_PAGES = sorted({*MARKDOWN, *(ROOT / "benchmarks" / "results").glob("*.md")})
+
+
+@pytest.mark.parametrize("path", LINKED_PAGES, ids=[_relative(p) for p in LINKED_PAGES])
+def test_markdown_links_resolve(path):
+    # Every relative link of a page names a file of the repository, and a heading there.
+    broken = []
+    for target in _links(path.read_text()):
+        if re.match(r"^[a-z]+:", target):
+            continue  # https:, mailto:
+        file, _, anchor = target.partition("#")
+        dest = (path.parent / file).resolve() if file else path
+        if not dest.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest.read_text()):
+            broken.append(f"{target}: no heading #{anchor} in {_relative(dest)}")
+    assert not broken, f"{_relative(path)}: broken links: {broken}"
 
 
 def test_directives_are_parsed():

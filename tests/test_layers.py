@@ -23,9 +23,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("replicator.cost",),
     ("replicator.runtime",),
     ("replicator.tools",),
+    ("replicator.launch",),  # the supervisor of a multi-process job
     ("replicator.training",),  # optim, nn, precision (used inside steps), checkpoint
     ("replicator.api",),
-    ("replicator.training.loop", "replicator.launch"),  # the Trainer drives a Replicator; the supervisor
+    ("replicator.training.loop",),  # the Trainer drives a Replicator
     ("replicator", "replicator.bisect", "replicator.__main__"),  # the public surface and command lines
 ]
 

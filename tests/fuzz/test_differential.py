@@ -127,8 +127,8 @@ def test_a_sum_that_cancels_widens_the_tolerance_only_where_the_reference_is_tha
     spec = random_spec(40113, 8)
     state_e, _ = order_sensitivity(spec, 2, 4)
     w = np.asarray(state_e["params"]["w"])
-    # There it is above 5e-4 (5.7e-3 with XLA's defaults, 7e-4 with the fast-compile flags of
-    # the README's "Development"); elsewhere below 1e-4 (Adam's second step moves by a few ulps).
+    # There it is above 5e-4 (5.7e-3 with XLA's defaults, 7e-4 with the fast-compile flags that
+    # tests/conftest.py sets); elsewhere below 1e-4 (Adam's second step moves by a few ulps).
     assert w[4, 3] > 5e-4 and np.delete(w.ravel(), 4 * w.shape[1] + 3).max() < 1e-4, w
     outcome = check(spec, "fold8", (2, 4))
     assert outcome.ok and "['params']['w']" in outcome.order_sensitive, str(outcome)
