@@ -192,7 +192,7 @@ def _died(stdout: str) -> float:
 
 
 def failure_times() -> None:
-    from replicator.runtime.launch import free_port
+    from replicator.launch import free_port
 
     print("\nfailure detection (launcher defaults: --kill-grace 5, --heartbeat-timeout 10), seconds")
     with tempfile.TemporaryDirectory() as out:

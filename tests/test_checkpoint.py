@@ -29,12 +29,12 @@ from replicator.training.checkpoint import (
     save_checkpoint,
 )
 from replicator.training.checkpoint import files as ckpt_files
-from replicator.training.checkpoint import manager as ckpt_manager
+from replicator.training.checkpoint import manifest as ckpt_manifest
 
 
 def _reseal(path, manifest):
     """Write ``manifest`` with a fresh digest, as a forger (or a test) who knows the format would."""
-    manifest["manifest_sha256"] = ckpt_manager.manifest_digest(manifest)
+    manifest["manifest_sha256"] = ckpt_manifest.manifest_digest(manifest)
     (path / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -138,7 +138,7 @@ class TestRoundTrip:
         assert sorted(p.name for p in path.iterdir()) == ["arrays.npz", "manifest.json"]
         manifest = json.loads((path / "manifest.json").read_text())
         assert manifest["format"] == "replicator-checkpoint" and manifest["version"] == 2
-        assert manifest["manifest_sha256"] == ckpt_manager.manifest_digest(manifest)
+        assert manifest["manifest_sha256"] == ckpt_manifest.manifest_digest(manifest)
         assert manifest["step"] == 12 and manifest["extra"] == {"input_position": 12}
         assert manifest["arrays_sha256"] == hashlib.sha256((path / "arrays.npz").read_bytes()).hexdigest()
         assert manifest["leaves"] == [

@@ -14,7 +14,7 @@ import pytest
 
 from replicator.training.checkpoint import CheckpointError, CheckpointManager, restore_checkpoint, save_checkpoint
 from replicator.training.checkpoint import files as ckpt_files
-from replicator.training.checkpoint import manager as ckpt_manager
+from replicator.training.checkpoint import manifest as ckpt_manifest
 
 STATE = {"w": jnp.arange(3.0), "b": jnp.float32(0.5)}
 
@@ -24,7 +24,7 @@ def _manifest(path):
 
 
 def _reseal(path, manifest):
-    manifest["manifest_sha256"] = ckpt_manager.manifest_digest(manifest)
+    manifest["manifest_sha256"] = ckpt_manifest.manifest_digest(manifest)
     (path / "manifest.json").write_text(json.dumps(manifest))
 
 

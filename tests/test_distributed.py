@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 
 import replicator as rp
+from replicator.launch import free_port
 from replicator.runtime import distributed
 from replicator.runtime.distributed import startup, status
-from replicator.runtime.launch import free_port
 from replicator.runtime.mesh import _rows_by_process
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from replicator.launch.watchdog import STALL_EXIT_CODE
 from replicator.runtime.distributed import START_TIMEOUT_EXIT_CODE
-from replicator.runtime.watchdog import STALL_EXIT_CODE
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "multiproc" / "fault_worker.py"

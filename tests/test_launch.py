@@ -20,9 +20,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from replicator.runtime import distributed, launch
+from replicator import launch
+from replicator.launch import LaunchError, blame, cli, processes
+from replicator.runtime import distributed
 from replicator.runtime.distributed import status
-from replicator.runtime.launch import LaunchError
 from replicator.runtime.mesh import with_device_count
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,7 +67,7 @@ class TestCommandLine:
         ],
     )
     def test_options_end_at_the_script(self, argv, options, command):
-        assert launch._split_argv(argv, launch._parser()) == (options, command)
+        assert cli._split_argv(argv, cli._parser()) == (options, command)
 
     def test_worker_env(self):
         base = {"XLA_FLAGS": "--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=8", "KEEP": "1"}
@@ -231,11 +232,11 @@ class TestStatusFiles:
         assert status.write_status(str(tmp_path / "missing"), 0, kind="exception", message="x") is None
 
     @staticmethod
-    def worker(tmp_path, worker_id: int, rc: int, ended: float, **report) -> launch._Worker:
+    def worker(tmp_path, worker_id: int, rc: int, ended: float, **report) -> processes.Worker:
         if report:
             status.write_status(str(tmp_path), worker_id, kind="exception", **report)
         proc = SimpleNamespace(returncode=rc, pid=0)
-        return launch._Worker(worker_id, proc, 0.0, [], str(tmp_path), str(tmp_path / "none.json"), ended=ended)
+        return processes.Worker(worker_id, proc, 0.0, [], str(tmp_path), str(tmp_path / "none.json"), ended=ended)
 
     def test_blame_the_first_real_failure_not_its_echoes(self, tmp_path):
         # Worker 2 raised first; worker 0's collective broke because of it (a runtime error,
@@ -246,10 +247,10 @@ class TestStatusFiles:
             self.worker(tmp_path, 1, -signal.SIGABRT, 1.5),
             self.worker(tmp_path, 2, 1, 2.0, exception_type="ValueError", message="bad batch\nmore"),
         ]  # fmt: skip
-        first = min(workers, key=launch._blame_order)
+        first = min(workers, key=blame.blame_order)
         assert first.worker_id == 2
-        assert launch._error_summary(first) == "ValueError: bad batch"
-        assert launch._error_summary(workers[1]) is None
+        assert blame.error_summary(first) == "ValueError: bad batch"
+        assert blame.error_summary(workers[1]) is None
 
     def test_a_killed_worker_is_blamed_before_its_peers_errors(self, tmp_path):
         workers = [
@@ -257,14 +258,14 @@ class TestStatusFiles:
                         runtime_error=True, first_failure=True),
             self.worker(tmp_path, 1, -signal.SIGKILL, 1.2),
         ]  # fmt: skip
-        assert min(workers, key=launch._blame_order).worker_id == 1
+        assert min(workers, key=blame.blame_order).worker_id == 1
 
     def test_the_first_reported_failure_wins(self, tmp_path):
         workers = [
             self.worker(tmp_path, 0, 1, 1.0, exception_type="ValueError", message="a", first_failure=False),
             self.worker(tmp_path, 1, 1, 1.1, exception_type="ValueError", message="b", first_failure=True),
         ]
-        assert min(workers, key=launch._blame_order).worker_id == 1
+        assert min(workers, key=blame.blame_order).worker_id == 1
 
 
 class TestOtherModes:

@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from replicator.runtime import launch, watchdog
+from replicator import launch
+from replicator.launch import watchdog
 from replicator.runtime.distributed import bootstrap, progress
 
 NOW = 1_000_000.0

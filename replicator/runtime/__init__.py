@@ -2,6 +2,6 @@
 
 Takes the lowered graph from :mod:`replicator.passes` and runs it under
 ``jit(shard_map(...))`` on the local devices, or on every process of a
-multi-host job (:mod:`replicator.runtime.distributed`,
-:mod:`replicator.runtime.launch`).
+multi-host job (:mod:`replicator.runtime.distributed`, the worker side; the
+supervisor that starts the workers is :mod:`replicator.launch`).
 """

@@ -52,50 +52,20 @@ the same values), :mod:`~replicator.runtime.distributed.outputs` (reading
 outputs on the host).
 """
 
+from replicator.runtime.distributed import startup
 from replicator.runtime.distributed.agreement import check_same_across_workers
 from replicator.runtime.distributed.outputs import gather_outputs, local_outputs, replica_invariant
-from replicator.runtime.distributed.startup import (
-    DEFAULT_HEARTBEAT_TIMEOUT_S,
-    DEFAULT_SHUTDOWN_TIMEOUT_S,
-    DEFAULT_START_TIMEOUT_S,
-    ENV_COORDINATOR,
-    ENV_CORES_PER_WORKER,
-    ENV_HEARTBEAT_TIMEOUT,
-    ENV_NUM_WORKERS,
-    ENV_SHUTDOWN_TIMEOUT,
-    ENV_START_TIMEOUT,
-    ENV_WORKER_ID,
-    START_TIMEOUT_EXIT_CODE,
-    WorkerInfo,
-    cluster_environment,
-    cluster_rank,
-    initialize,
-    is_initialized,
-    shutdown,
-)
+
+# The job's settings (the REPLICATOR_* variables, the default timeouts), initialize() and
+# shutdown(): startup's public names, listed once, in startup.__all__.
+from replicator.runtime.distributed.startup import *  # noqa: F403
 from replicator.runtime.distributed.status import ENV_STATUS_DIR
 
 __all__ = [
-    "DEFAULT_HEARTBEAT_TIMEOUT_S",
-    "DEFAULT_SHUTDOWN_TIMEOUT_S",
-    "DEFAULT_START_TIMEOUT_S",
-    "ENV_CORES_PER_WORKER",
-    "ENV_COORDINATOR",
-    "ENV_HEARTBEAT_TIMEOUT",
-    "ENV_NUM_WORKERS",
-    "ENV_SHUTDOWN_TIMEOUT",
-    "ENV_START_TIMEOUT",
+    *startup.__all__,
     "ENV_STATUS_DIR",
-    "ENV_WORKER_ID",
-    "START_TIMEOUT_EXIT_CODE",
-    "WorkerInfo",
     "check_same_across_workers",
-    "cluster_environment",
-    "cluster_rank",
     "gather_outputs",
-    "initialize",
-    "is_initialized",
     "local_outputs",
     "replica_invariant",
-    "shutdown",
 ]

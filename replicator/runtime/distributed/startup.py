@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import socket
 import sys
 import threading
 from collections.abc import Mapping
@@ -44,6 +45,7 @@ __all__ = [
     "check_initialized_under_launcher",
     "cluster_environment",
     "cluster_rank",
+    "free_port",
     "initialize",
     "is_initialized",
     "shutdown",
@@ -145,6 +147,13 @@ def _timeout(value: float | None, env: str, default: float, what: str) -> float:
     if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{what} must be a positive number of seconds, got {value!r}.")
     return float(value)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (the OS picks it), e.g. for a local job's coordinator."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def _check_address(address: str) -> tuple[str, int]:

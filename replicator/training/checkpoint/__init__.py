@@ -5,7 +5,7 @@ One directory per step holds the arrays (``arrays.npz``, read with
 lock on the directory (one writer at a time); restores check the manifest's
 digest, its field types, and the tree paths, shapes, dtypes and sha256 against
 the target state (``fallback=True``: the newest intact checkpoint). The format
-and the multi-process rules are in ``docs/CHECKPOINTS.md``.
+and the multi-process rules are in ``docs/guide/checkpoints.md``.
 
 >>> import tempfile
 >>> directory = tempfile.mkdtemp()
@@ -22,8 +22,9 @@ and the multi-process rules are in ``docs/CHECKPOINTS.md``.
 [20, 30]
 
 Modules: :mod:`~.encoding` (leaves <-> stored arrays), :mod:`~.files`
-(durable file I/O), :mod:`~.manager` (:class:`CheckpointManager` and the
-functions), :mod:`~.agreement` (multi-process save and restore).
+(durable file I/O), :mod:`~.manifest` (the manifest's format, digest and
+checks), :mod:`~.manager` (:class:`CheckpointManager`, the commit protocol,
+and the functions), :mod:`~.agreement` (multi-process save and restore).
 """
 
 from __future__ import annotations

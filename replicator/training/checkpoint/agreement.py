@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from replicator.runtime.distributed.agreement import check_same_across_workers, from_process0
 from replicator.training.checkpoint.encoding import CheckpointError
 
 MESSAGE_BYTES = 2048  # of process 0's error, sent to the other processes when its save fails
@@ -12,8 +13,6 @@ MESSAGE_BYTES = 2048  # of process 0's error, sent to the other processes when i
 
 def check_same_checkpoint(what_was_read: str) -> None:
     """Check that every process read the same checkpoint (or failed the same way); one collective."""
-    from replicator.runtime.distributed import check_same_across_workers
-
     try:
         check_same_across_workers(
             [what_was_read],
@@ -38,17 +37,15 @@ def agree_on_save(error: Exception | None, final: str) -> None:
     raises on every process if it failed: process 0 its own exception, the
     others a :class:`CheckpointError` that quotes it).
     """
-    from jax.experimental import multihost_utils
-
     text = np.zeros(MESSAGE_BYTES, np.uint8)
     if error is not None:
         raw = f"{type(error).__name__}: {error}".encode()[:MESSAGE_BYTES]
         text[: len(raw)] = np.frombuffer(raw, np.uint8)
-    failed, text = multihost_utils.broadcast_one_to_all((np.int32(error is not None), text))
+    failed, text = from_process0((np.int32(error is not None), text))
     if jax.process_index() == 0:
         if error is not None:
             raise error
         return
-    if int(failed):
-        message = np.asarray(text).tobytes().rstrip(b"\0").decode(errors="replace")
+    if failed:
+        message = text.tobytes().rstrip(b"\0").decode(errors="replace")
         raise CheckpointError(f"process 0 failed to save the checkpoint {final}: {message}")

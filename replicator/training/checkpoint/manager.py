@@ -1,11 +1,14 @@
-"""The checkpoint manager: one ``step_<N>/`` directory per checkpoint, saved atomically.
+"""The checkpoint manager: one ``step_<N>/`` directory per checkpoint, committed atomically.
 
-See ``docs/CHECKPOINTS.md`` for the format and the guarantees.
+The commit protocol (the directory's lock, a temporary directory renamed into
+place, moving aside a checkpoint being replaced, pruning) and reading a
+checkpoint back. What a checkpoint's files hold is
+:mod:`~replicator.training.checkpoint.manifest`'s. See
+``docs/guide/checkpoints.md`` for the format and the guarantees.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -20,36 +23,21 @@ import numpy as np
 from replicator.runtime.distributed import progress
 from replicator.training.checkpoint import agreement, encoding, files
 from replicator.training.checkpoint.encoding import CheckpointError
+from replicator.training.checkpoint.manifest import (
+    ARRAYS_FILE,
+    MANIFEST_FILE,
+    DamagedCheckpoint,
+    build_manifest,
+    parse_manifest,
+)
 
 PyTree = Any
 
-FORMAT = "replicator-checkpoint"
-FORMAT_VERSION = 2  # 2: the manifest carries manifest_sha256; version 1 (without it) is still read
-READABLE_VERSIONS = (1, 2)
-DIGEST_FIELD = "manifest_sha256"
 LOCK_FILE = ".lock"
-ARRAYS_FILE = "arrays.npz"
-MANIFEST_FILE = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp-"
 _OLD_PREFIX = ".replaced-"  # a checkpoint being overwritten by one of the same step
 _OLD_DIR = re.compile(r"^\.replaced-step_(\d+)-[0-9a-f]+$")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_STORED_AS = ("uint8", "uint16", "uint32", "uint64")
-
-
-class _Damaged(CheckpointError):
-    """A checkpoint whose files fail verification (as opposed to one that does not fit the target)."""
-
-
-def manifest_digest(manifest: Mapping[str, Any]) -> str:
-    """The sha256 of a manifest's canonical JSON: every field but the digest itself (and ``path``).
-
-    The manifest holds ``arrays_sha256``, so the digest covers the arrays too.
-    """
-    content = {k: v for k, v in manifest.items() if k not in (DIGEST_FIELD, "path")}
-    text = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class CheckpointManager:
@@ -136,7 +124,7 @@ class CheckpointManager:
         process with the same state. Leaves sharded over several processes
         are gathered on every process, process 0 writes, and every process
         returns once the checkpoint is committed (see *Multi-process jobs* in
-        ``docs/CHECKPOINTS.md``).
+        ``docs/guide/checkpoints.md``).
 
         Args:
           step: the training step, a non-negative int.
@@ -258,19 +246,7 @@ class CheckpointManager:
         os.mkdir(tmp)
         try:
             files.write_arrays(os.path.join(tmp, ARRAYS_FILE), arrays)
-            arrays_path = os.path.join(tmp, ARRAYS_FILE)
-            manifest = {
-                "format": FORMAT,
-                "version": FORMAT_VERSION,
-                "step": step,
-                "extra": extra_json,
-                "arrays_file": ARRAYS_FILE,
-                "arrays_sha256": files.sha256(arrays_path),
-                "arrays_bytes": os.path.getsize(arrays_path),
-                "treedef": str(treedef),
-                "leaves": leaves,
-            }
-            manifest[DIGEST_FIELD] = manifest_digest(manifest)
+            manifest = build_manifest(tmp, step, extra_json, treedef, leaves)
             files.write_text(os.path.join(tmp, MANIFEST_FILE), json.dumps(manifest, indent=1) + "\n")
             files.fsync_dir(tmp)
             old = None
@@ -325,7 +301,7 @@ class CheckpointManager:
             wrong type.
         """
         step, path = self._checkpoint_path(step)
-        return _parse_manifest(path, step, self.all_steps)
+        return parse_manifest(path, step, self.all_steps)
 
     def _checkpoint_path(self, step: int | None) -> tuple[int, str]:
         if step is None:
@@ -406,7 +382,7 @@ class CheckpointManager:
         for step in reversed(steps):
             try:
                 result = self._read(target_flat, step)
-            except _Damaged as e:
+            except DamagedCheckpoint as e:
                 broken.append(f"step {step}: {e}")
                 continue
             for message in broken:
@@ -433,14 +409,14 @@ class CheckpointManager:
         try:
             digest = files.sha256(arrays_path)
         except FileNotFoundError:
-            raise _Damaged(f"checkpoint {path} lacks {manifest['arrays_file']}; it is damaged.") from None
+            raise DamagedCheckpoint(f"checkpoint {path} lacks {manifest['arrays_file']}; it is damaged.") from None
         except OSError as e:
-            raise _Damaged(f"checkpoint {path}: cannot read {manifest['arrays_file']} ({e}).") from None
+            raise DamagedCheckpoint(f"checkpoint {path}: cannot read {manifest['arrays_file']} ({e}).") from None
         if digest != manifest["arrays_sha256"]:
             size = os.path.getsize(arrays_path)
             expected = manifest.get("arrays_bytes")
             how = f"{size} bytes, {expected} when saved" if expected is not None else f"{size} bytes"
-            raise _Damaged(
+            raise DamagedCheckpoint(
                 f"checkpoint {path}: {manifest['arrays_file']} is truncated or corrupt ({how}; sha256 differs "
                 f"from the manifest). Restore an earlier step with step= (steps: {self.all_steps()}), or the "
                 f"newest intact one with fallback=True."
@@ -452,13 +428,13 @@ class CheckpointManager:
                     array = npz[f"a{i}"]
                     stored = encoding.stored_dtype(entry)
                     if array.dtype != np.dtype(stored):
-                        raise _Damaged(
+                        raise DamagedCheckpoint(
                             f"checkpoint {path}: array {i} (state{entry['path']}) is stored as {array.dtype}, "
                             f"its manifest says {stored}; the checkpoint is damaged."
                         )
                     leaf = encoding.decode(array, entry)
                     if tuple(leaf.shape) != tuple(entry["shape"]):
-                        raise _Damaged(
+                        raise DamagedCheckpoint(
                             f"checkpoint {path}: array {i} (state{entry['path']}) has shape {leaf.shape}, its "
                             f"manifest says {tuple(entry['shape'])}; the checkpoint is damaged."
                         )
@@ -466,100 +442,8 @@ class CheckpointManager:
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001 - whatever np.load makes of a bad file
-            raise _Damaged(f"checkpoint {path}: cannot read {manifest['arrays_file']} ({e}).") from None
+            raise DamagedCheckpoint(f"checkpoint {path}: cannot read {manifest['arrays_file']} ({e}).") from None
         return manifest, leaves
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _parse_manifest(path: str, step: int | None, all_steps: Any) -> dict[str, Any]:
-    """Read, verify and type-check the manifest of the checkpoint directory ``path`` (of ``step``)."""
-    manifest_path = os.path.join(path, MANIFEST_FILE)
-
-    def other_steps() -> str:
-        return f"Restore another step with step= (steps: {all_steps()}), or the newest intact one with fallback=True."
-
-    if not os.path.isdir(path):
-        raise _Damaged(
-            f"{path!r} is a file, not a checkpoint directory (a stray file named like one); remove or rename it."
-        )
-    try:
-        with open(manifest_path, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
-        raise _Damaged(f"{path!r} has no {MANIFEST_FILE}: it is not a replicator checkpoint.") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise _Damaged(f"{manifest_path} is not valid JSON ({e}); the checkpoint is damaged. {other_steps()}") from None
-    except OSError as e:
-        raise _Damaged(f"cannot read {manifest_path} ({e}).") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise _Damaged(
-            f"{manifest_path} is not a replicator checkpoint manifest (format "
-            f"{manifest.get('format') if isinstance(manifest, dict) else None!r}, expected {FORMAT!r})."
-        )
-    version = manifest.get("version")
-    if type(version) is not int or version not in READABLE_VERSIONS:
-        raise CheckpointError(
-            f"{path} has checkpoint format version {version!r}; this replicator reads versions "
-            f"{', '.join(map(str, READABLE_VERSIONS))}. Use the replicator version that wrote it."
-        )
-    if version >= 2:  # version 1 manifests have no digest: only their arrays are checked
-        recorded = manifest.get(DIGEST_FIELD)
-        if not isinstance(recorded, str):
-            raise _Damaged(
-                f"{manifest_path} lacks its {DIGEST_FIELD} (a version {version} manifest has one); it was modified "
-                f"or corrupted. {other_steps()}"
-            )
-        if manifest_digest(manifest) != recorded:
-            raise _Damaged(
-                f"{manifest_path} was modified or corrupted after it was saved: the sha256 of its content differs "
-                f"from its {DIGEST_FIELD}. Checkpoint files must not be edited; {other_steps()}"
-            )
-
-    def bad(field: str, value: Any, expected: str) -> CheckpointError:
-        return _Damaged(
-            f"{manifest_path}: {field} is {value!r} ({type(value).__name__}), expected {expected}; the checkpoint "
-            f"is damaged. {other_steps()}"
-        )
-
-    missing = {"step", "extra", "arrays_file", "arrays_sha256", "leaves"} - manifest.keys()
-    if missing:
-        raise _Damaged(f"{manifest_path} lacks {sorted(missing)}; the checkpoint is damaged. {other_steps()}")
-    if not _is_int(manifest["step"]):
-        raise bad("step", manifest["step"], "a non-negative int")
-    if step is not None and manifest["step"] != step:
-        raise _Damaged(
-            f"{manifest_path} says step {manifest['step']} but its directory is of step {step}; the checkpoint "
-            f"was renamed or damaged. {other_steps()}"
-        )
-    if not isinstance(manifest["extra"], dict):
-        raise bad("extra", manifest["extra"], "a JSON object")
-    arrays_file = manifest["arrays_file"]
-    if not isinstance(arrays_file, str) or not arrays_file or os.path.basename(arrays_file) != arrays_file:
-        raise bad("arrays_file", arrays_file, "a file name")
-    if not isinstance(manifest["arrays_sha256"], str) or not _SHA256.match(manifest["arrays_sha256"]):
-        raise bad("arrays_sha256", manifest["arrays_sha256"], "64 lowercase hex digits")
-    if "arrays_bytes" in manifest and not _is_int(manifest["arrays_bytes"]):
-        raise bad("arrays_bytes", manifest["arrays_bytes"], "a non-negative int")
-    if "treedef" in manifest and not isinstance(manifest["treedef"], str):
-        raise bad("treedef", manifest["treedef"], "a string")
-    leaves = manifest["leaves"]
-    if not isinstance(leaves, list):
-        raise bad("leaves", leaves, "a list")
-    for i, entry in enumerate(leaves):
-        if not isinstance(entry, dict) or not {"path", "shape", "dtype"} <= entry.keys():
-            raise _Damaged(f"{manifest_path}: leaf {i} lacks path, shape or dtype; the checkpoint is damaged.")
-        for field in ("path", "dtype", "key_impl"):
-            if field in entry and not isinstance(entry[field], str):
-                raise bad(f"leaves[{i}].{field}", entry[field], "a string")
-        if not isinstance(entry["shape"], list) or not all(_is_int(d) for d in entry["shape"]):
-            raise bad(f"leaves[{i}].shape", entry["shape"], "a list of non-negative ints")
-        if "stored_as" in entry and entry["stored_as"] not in _STORED_AS:
-            raise bad(f"leaves[{i}].stored_as", entry["stored_as"], f"one of {list(_STORED_AS)}")
-    manifest["path"] = path
-    return manifest
 
 
 def save_checkpoint(

@@ -19,7 +19,7 @@ longer finish:
   evaluation on every worker is not a stall).
 
 It only reads the records (files the workers write); the launcher calls it
-every :data:`POLL_S` seconds.
+every :data:`DIAGNOSE_INTERVAL_S` seconds.
 
 >>> import time
 >>> now = time.time()
@@ -38,10 +38,12 @@ import dataclasses
 from typing import Any
 
 from replicator.runtime.distributed import progress
+from replicator.runtime.distributed.startup import START_TIMEOUT_EXIT_CODE
 
 __all__ = [
     "DEFAULT_COMPILE_TIMEOUT_S",
     "DEFAULT_STEP_TIMEOUT_S",
+    "DIAGNOSE_INTERVAL_S",
     "NEVER_JOINED_EXIT_CODE",
     "STALL_EXIT_CODE",
     "Verdict",
@@ -49,13 +51,15 @@ __all__ = [
     "diagnose",
 ]
 
-POLL_S = 0.5
+#: How often the launcher reads the workers' progress records and calls :func:`diagnose`:
+#: a verdict needs seconds of silence, so it is read less often than exits are polled.
+DIAGNOSE_INTERVAL_S = 0.5
 DEFAULT_STEP_TIMEOUT_S = 20.0
 DEFAULT_COMPILE_TIMEOUT_S = 600.0
 #: The launcher's exit code when the watchdog stops a job (a stall, or a worker that left early).
 STALL_EXIT_CODE = 76
-#: The exit code when a worker ended before joining (the same as a start-up timeout, EX_TEMPFAIL).
-NEVER_JOINED_EXIT_CODE = 75
+#: The exit code when a worker ended before joining: the same as a start-up timeout (EX_TEMPFAIL).
+NEVER_JOINED_EXIT_CODE = START_TIMEOUT_EXIT_CODE
 
 
 @dataclasses.dataclass(frozen=True)

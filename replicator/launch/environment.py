@@ -1,0 +1,113 @@
+"""What the launcher gives a worker: its command line, its environment, a coordinator's port.
+
+A worker runs through the bootstrap (:func:`worker_command`) with the job's
+settings in ``REPLICATOR_*`` variables (:func:`worker_env`), which
+:func:`replicator.runtime.distributed.initialize` reads. :class:`LaunchError`
+is the error for bad launcher arguments.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import sys
+from collections.abc import Sequence
+
+from replicator.runtime.distributed import bootstrap, progress, startup, status
+from replicator.runtime.distributed.startup import free_port
+from replicator.runtime.mesh import with_device_count
+
+__all__ = ["LaunchError", "check_port_free", "free_port", "worker_command", "worker_env"]
+
+
+class LaunchError(ValueError):
+    """Bad launcher arguments; the message says what to pass."""
+
+
+def check_port_free(address: str) -> None:
+    """Raise :class:`LaunchError` if worker 0 could not open the coordinator's port ``HOST:PORT`` here.
+
+    Checked on the host that runs worker 0, before any worker starts: JAX's own
+    error for a port in use ("Failed to start RPC server") names no port. A
+    host that is not one of this machine's addresses is not checked.
+    """
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server does: TIME_WAIT is no conflict
+            s.bind((host, int(port)))
+    except socket.gaierror:
+        return  # a host name this machine cannot resolve: worker 0 runs elsewhere (JAX will say if not)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise LaunchError(
+                f"the coordinator's port {port} on {host} is already in use (another job, or one that has not "
+                f"ended yet); pass another port, e.g. --coordinator {host}:{free_port(host)}, or leave "
+                f"--coordinator out for a local job (a free port is chosen)."
+            ) from None
+        if e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+            return  # not an address of this machine: worker 0 runs elsewhere
+        raise LaunchError(f"cannot open the coordinator's port {address}: {e}.") from None
+
+
+def worker_command(args: Sequence[str], module: str | None = None) -> list[str]:
+    """The command line of a worker that runs ``script.py args`` (or ``-m module args``) through the bootstrap.
+
+    The bootstrap (:mod:`~replicator.runtime.distributed.bootstrap`) makes the
+    worker die with the launcher, report its progress and exit code, and
+    print its stacks on ``SIGUSR1``.
+    """
+    entry = [bootstrap.__file__, "-m", module] if module else [bootstrap.__file__]
+    return [sys.executable, "-u", *entry, *args]
+
+
+def worker_env(
+    base: dict[str, str],
+    *,
+    coordinator: str | None,
+    num_workers: int | None,
+    worker_id: int | None,
+    cores_per_worker: int | None,
+    start_timeout_s: float,
+    heartbeat_timeout_s: float,
+    shutdown_timeout_s: float,
+    status_dir: str | None = None,
+    progress_file: str | None = None,
+) -> dict[str, str]:
+    """The environment of one worker: ``base`` plus the job's settings.
+
+    Args:
+      base: the environment to start from.
+      coordinator, num_workers, worker_id, cores_per_worker: the job's
+        settings (None: unset, e.g. under SLURM).
+      start_timeout_s, heartbeat_timeout_s, shutdown_timeout_s: the timeouts.
+      status_dir: where the worker writes its status file (None: nowhere).
+      progress_file: where the worker writes its progress record (None: nowhere).
+
+    Returns:
+      A new environment dict.
+    """
+    env = dict(base)
+    for name, value in (
+        (startup.ENV_COORDINATOR, coordinator),
+        (startup.ENV_NUM_WORKERS, num_workers),
+        (startup.ENV_WORKER_ID, worker_id),
+        (startup.ENV_CORES_PER_WORKER, cores_per_worker),
+        (status.ENV_STATUS_DIR, status_dir),
+        (progress.ENV_PROGRESS_FILE, progress_file),
+    ):
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = str(value)
+    env[startup.ENV_START_TIMEOUT] = f"{start_timeout_s:g}"
+    env[startup.ENV_HEARTBEAT_TIMEOUT] = f"{heartbeat_timeout_s:g}"
+    env[startup.ENV_SHUTDOWN_TIMEOUT] = f"{shutdown_timeout_s:g}"
+    if cores_per_worker is not None:
+        env["XLA_FLAGS"] = with_device_count(env.get("XLA_FLAGS", ""), cores_per_worker)
+    env["PYTHONUNBUFFERED"] = "1"  # lines reach the launcher as they are printed
+    env[bootstrap.ENV_LAUNCHER_PID] = str(os.getpid())  # the worker dies with this process
+    return env

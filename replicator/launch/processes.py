@@ -1,0 +1,143 @@
+"""The workers' processes: starting them, copying their output with prefixes, stopping them.
+
+Each worker runs in its own process group, so that signalling it reaches what
+it started; its output is copied line by line with a ``[worker I] `` prefix
+(the launcher's own lines get ``[launcher] ``). Stopping is ``SIGTERM``, then
+``SIGKILL`` after a grace period (JAX catches ``SIGTERM``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+from typing import IO, Any
+
+from replicator.runtime.distributed import progress
+from replicator.runtime.distributed.status import read_status
+
+__all__ = ["DEFAULT_KILL_GRACE_S", "EXIT_POLL_S", "Output", "Worker", "signal_group", "start", "stop"]
+
+DEFAULT_KILL_GRACE_S = 5.0
+#: How often the launcher looks whether its workers exited: while it supervises them (a failure
+#: is acted on within this), and while it waits for stopped ones to die.
+EXIT_POLL_S = 0.05
+
+
+@dataclasses.dataclass
+class Worker:
+    """One worker process of the job, as the launcher follows it."""
+
+    worker_id: int
+    proc: subprocess.Popen
+    started: float
+    threads: list[threading.Thread]  # output pumps
+    status_dir: str
+    progress_file: str
+    ended: float | None = None  # when it exited (set by its waiter thread: exact, for ordering)
+    _status: dict[str, Any] | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode if self.ended is not None else None
+
+    @property
+    def status(self) -> dict[str, Any] | None:
+        """The status file it wrote (read once it has exited), or None."""
+        if self._status is None and self.ended is not None:
+            self._status = read_status(self.status_dir, self.worker_id)
+        return self._status
+
+    @property
+    def progress(self) -> dict[str, Any] | None:
+        """Its latest progress record (None: none yet, or not run through the bootstrap)."""
+        return progress.read_progress(self.progress_file)
+
+
+class Output:
+    """Prefixed, line-atomic copies of the workers' output."""
+
+    def __init__(self, stdout: IO[str], stderr: IO[str]):
+        self.stdout, self.stderr = stdout, stderr
+        self.lock = threading.Lock()
+
+    def write(self, stream: IO[str], text: str) -> None:
+        with self.lock:
+            try:
+                stream.write(text)
+                stream.flush()
+            except (OSError, ValueError):  # our own output closed: keep draining the pipes
+                pass
+
+    def launcher(self, message: str) -> None:
+        self.write(self.stderr, f"[launcher] {message}\n")
+
+
+def _pump(pipe: IO[bytes], prefix: str, output: Output, stream: IO[str]) -> None:
+    for raw in iter(pipe.readline, b""):
+        line = raw.decode(errors="replace").rstrip("\r\n")
+        output.write(stream, f"{prefix}{line}\n")
+    pipe.close()
+
+
+def start(
+    worker_id: int, command: Sequence[str], env: dict[str, str], output: Output, status_dir: str, progress_file: str
+) -> Worker:
+    """Start worker ``worker_id``'s process, the threads that copy its output, and one that notes its exit."""
+    proc = subprocess.Popen(
+        list(command),
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # its own process group: stopping it stops what it started
+    )
+    prefix = f"[worker {worker_id}] "
+    threads = [
+        threading.Thread(target=_pump, args=(proc.stdout, prefix, output, output.stdout), daemon=True),
+        threading.Thread(target=_pump, args=(proc.stderr, prefix, output, output.stderr), daemon=True),
+    ]
+    for t in threads:
+        t.start()
+    worker = Worker(worker_id, proc, time.monotonic(), threads, status_dir, progress_file)
+
+    def wait() -> None:
+        proc.wait()
+        worker.ended = time.monotonic()
+
+    threading.Thread(target=wait, daemon=True).start()
+    return worker
+
+
+def signal_group(worker: Worker, sig: int) -> None:
+    """Send ``sig`` to the worker's process group (nothing if it is gone)."""
+    try:
+        os.killpg(worker.proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop(workers: list[Worker], grace_s: float, output: Output) -> None:
+    """SIGTERM every live worker, SIGKILL those still alive after ``grace_s``."""
+    alive = [w for w in workers if w.ended is None]
+    if not alive:
+        return
+    output.launcher(f"stopping worker(s) {[w.worker_id for w in alive]}: SIGTERM, then SIGKILL after {grace_s:g} s")
+    for w in alive:
+        signal_group(w, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(w.ended is None for w in alive):
+        time.sleep(EXIT_POLL_S)
+    for w in alive:
+        if w.ended is None:
+            signal_group(w, signal.SIGKILL)
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline and any(w.ended is None for w in alive):
+        time.sleep(EXIT_POLL_S)
+    for w in alive:
+        if w.ended is None:  # unkillable (e.g. stuck in the kernel): stop waiting for it
+            output.launcher(f"worker {w.worker_id} (pid {w.proc.pid}) did not die after SIGKILL; leaving it")

@@ -1,0 +1,171 @@
+"""The manifest of a checkpoint: its format, fields, digest, and how a manifest is read and checked.
+
+A checkpoint directory holds :data:`ARRAYS_FILE` (the arrays) and
+:data:`MANIFEST_FILE`, a JSON object: ``format`` (:data:`FORMAT`),
+``version`` (:data:`FORMAT_VERSION`; :data:`READABLE_VERSIONS` are read),
+``step``, ``extra``, ``arrays_file``, ``arrays_sha256``, ``arrays_bytes``,
+``treedef``, ``leaves`` (one entry per leaf, see
+:func:`~replicator.training.checkpoint.encoding.entry`) and
+:data:`DIGEST_FIELD`, the sha256 of all the rest (:func:`manifest_digest`).
+How a checkpoint is committed is :mod:`~replicator.training.checkpoint.manager`'s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from replicator.training.checkpoint import files
+from replicator.training.checkpoint.encoding import CheckpointError
+
+__all__ = [
+    "ARRAYS_FILE",
+    "DIGEST_FIELD",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST_FILE",
+    "READABLE_VERSIONS",
+    "DamagedCheckpoint",
+    "build_manifest",
+    "manifest_digest",
+    "parse_manifest",
+]
+
+FORMAT = "replicator-checkpoint"
+FORMAT_VERSION = 2  # 2: the manifest carries manifest_sha256; version 1 (without it) is still read
+READABLE_VERSIONS = (1, 2)
+DIGEST_FIELD = "manifest_sha256"
+ARRAYS_FILE = "arrays.npz"
+MANIFEST_FILE = "manifest.json"
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_STORED_AS = ("uint8", "uint16", "uint32", "uint64")
+
+
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint whose files fail verification (as opposed to one that does not fit the target)."""
+
+
+def manifest_digest(manifest: Mapping[str, Any]) -> str:
+    """The sha256 of a manifest's canonical JSON: every field but the digest itself (and ``path``).
+
+    The manifest holds ``arrays_sha256``, so the digest covers the arrays too.
+    """
+    content = {k: v for k, v in manifest.items() if k not in (DIGEST_FIELD, "path")}
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def build_manifest(directory: str, step: int, extra: Any, treedef: Any, leaves: list[dict[str, Any]]) -> dict[str, Any]:
+    """The manifest, with its digest, of the checkpoint of ``step`` whose arrays are in ``directory``."""
+    arrays_path = os.path.join(directory, ARRAYS_FILE)
+    manifest = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "step": step,
+        "extra": extra,
+        "arrays_file": ARRAYS_FILE,
+        "arrays_sha256": files.sha256(arrays_path),
+        "arrays_bytes": os.path.getsize(arrays_path),
+        "treedef": str(treedef),
+        "leaves": leaves,
+    }
+    manifest[DIGEST_FIELD] = manifest_digest(manifest)
+    return manifest
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def parse_manifest(path: str, step: int | None, all_steps: Any) -> dict[str, Any]:
+    """Read, verify and type-check the manifest of the checkpoint directory ``path`` (of ``step``)."""
+    manifest_path = os.path.join(path, MANIFEST_FILE)
+
+    def other_steps() -> str:
+        return f"Restore another step with step= (steps: {all_steps()}), or the newest intact one with fallback=True."
+
+    if not os.path.isdir(path):
+        raise DamagedCheckpoint(
+            f"{path!r} is a file, not a checkpoint directory (a stray file named like one); remove or rename it."
+        )
+    try:
+        with open(manifest_path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise DamagedCheckpoint(f"{path!r} has no {MANIFEST_FILE}: it is not a replicator checkpoint.") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DamagedCheckpoint(
+            f"{manifest_path} is not valid JSON ({e}); the checkpoint is damaged. {other_steps()}"
+        ) from None
+    except OSError as e:
+        raise DamagedCheckpoint(f"cannot read {manifest_path} ({e}).") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise DamagedCheckpoint(
+            f"{manifest_path} is not a replicator checkpoint manifest (format "
+            f"{manifest.get('format') if isinstance(manifest, dict) else None!r}, expected {FORMAT!r})."
+        )
+    version = manifest.get("version")
+    if type(version) is not int or version not in READABLE_VERSIONS:
+        raise CheckpointError(
+            f"{path} has checkpoint format version {version!r}; this replicator reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}. Use the replicator version that wrote it."
+        )
+    if version >= 2:  # version 1 manifests have no digest: only their arrays are checked
+        recorded = manifest.get(DIGEST_FIELD)
+        if not isinstance(recorded, str):
+            raise DamagedCheckpoint(
+                f"{manifest_path} lacks its {DIGEST_FIELD} (a version {version} manifest has one); it was modified "
+                f"or corrupted. {other_steps()}"
+            )
+        if manifest_digest(manifest) != recorded:
+            raise DamagedCheckpoint(
+                f"{manifest_path} was modified or corrupted after it was saved: the sha256 of its content differs "
+                f"from its {DIGEST_FIELD}. Checkpoint files must not be edited; {other_steps()}"
+            )
+
+    def bad(field: str, value: Any, expected: str) -> CheckpointError:
+        return DamagedCheckpoint(
+            f"{manifest_path}: {field} is {value!r} ({type(value).__name__}), expected {expected}; the checkpoint "
+            f"is damaged. {other_steps()}"
+        )
+
+    missing = {"step", "extra", "arrays_file", "arrays_sha256", "leaves"} - manifest.keys()
+    if missing:
+        raise DamagedCheckpoint(f"{manifest_path} lacks {sorted(missing)}; the checkpoint is damaged. {other_steps()}")
+    if not _is_int(manifest["step"]):
+        raise bad("step", manifest["step"], "a non-negative int")
+    if step is not None and manifest["step"] != step:
+        raise DamagedCheckpoint(
+            f"{manifest_path} says step {manifest['step']} but its directory is of step {step}; the checkpoint "
+            f"was renamed or damaged. {other_steps()}"
+        )
+    if not isinstance(manifest["extra"], dict):
+        raise bad("extra", manifest["extra"], "a JSON object")
+    arrays_file = manifest["arrays_file"]
+    if not isinstance(arrays_file, str) or not arrays_file or os.path.basename(arrays_file) != arrays_file:
+        raise bad("arrays_file", arrays_file, "a file name")
+    if not isinstance(manifest["arrays_sha256"], str) or not _SHA256.match(manifest["arrays_sha256"]):
+        raise bad("arrays_sha256", manifest["arrays_sha256"], "64 lowercase hex digits")
+    if "arrays_bytes" in manifest and not _is_int(manifest["arrays_bytes"]):
+        raise bad("arrays_bytes", manifest["arrays_bytes"], "a non-negative int")
+    if "treedef" in manifest and not isinstance(manifest["treedef"], str):
+        raise bad("treedef", manifest["treedef"], "a string")
+    leaves = manifest["leaves"]
+    if not isinstance(leaves, list):
+        raise bad("leaves", leaves, "a list")
+    for i, entry in enumerate(leaves):
+        if not isinstance(entry, dict) or not {"path", "shape", "dtype"} <= entry.keys():
+            raise DamagedCheckpoint(f"{manifest_path}: leaf {i} lacks path, shape or dtype; the checkpoint is damaged.")
+        for field in ("path", "dtype", "key_impl"):
+            if field in entry and not isinstance(entry[field], str):
+                raise bad(f"leaves[{i}].{field}", entry[field], "a string")
+        if not isinstance(entry["shape"], list) or not all(_is_int(d) for d in entry["shape"]):
+            raise bad(f"leaves[{i}].shape", entry["shape"], "a list of non-negative ints")
+        if "stored_as" in entry and entry["stored_as"] not in _STORED_AS:
+            raise bad(f"leaves[{i}].stored_as", entry["stored_as"], f"one of {list(_STORED_AS)}")
+    manifest["path"] = path
+    return manifest
