@@ -43,3 +43,16 @@ def repl2d(n_devices: int) -> rp.Replicator:
     """Two workers (when the device count allows), to exercise both mesh axes."""
     workers = 2 if n_devices % 2 == 0 and n_devices >= 2 else 1
     return rp.Replicator(num_workers=workers, cores_per_worker=n_devices // workers)
+
+
+#: Modules whose tests take seconds each (whole examples, the Flax ImageNet port and
+#: ResNet training); with the ``multiprocess`` tests they are most of the suite's time.
+#: ``python -m pytest -m "not slow and not multiprocess"`` is the quick local subset;
+#: CI runs everything.
+SLOW_MODULES = {"test_examples.py", "test_flax_resnet.py", "test_ecosystem.py", "test_differential.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
