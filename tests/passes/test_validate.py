@@ -1,6 +1,6 @@
 """Translation validation (Pipeline(validate=True)) and the graph invariant checks, on deliberately wrong passes.
 
-The wrong pass and step here are shared with test_bisect.py (and its command-line test loads this file).
+The wrong pass, ``DoubleFirstAllSum``, lives in tests/utils.py, shared with test_bisect.py.
 """
 
 import jax
@@ -8,35 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from utils import DoubleFirstAllSum
 
 import replicator as rp
 from replicator.core.graph import StepGraph
 from replicator.core.jaxprs import inline_function
-from replicator.core.primitives import all_reduce_p
 from replicator.passes import Pass, PassResult, Pipeline, default_passes
 from replicator.pipeline.contract import rewrite_graph
 from replicator.pipeline.verify import GraphInvariantError, verify_graph
 from replicator.tools.validate import GraphRunner, compare_results
-
-
-class DoubleFirstAllSum(Pass):
-    """A wrong pass: the first all_sum's operand is doubled."""
-
-    name = "double-first-all-sum"
-
-    def run(self, graph):
-        done = []
-
-        def rule(eqn):
-            if done or eqn.primitive is not all_reduce_p or eqn.params["op"] != "sum":
-                return None
-            done.append(eqn)
-            params = eqn.params
-            return inline_function(
-                lambda x: all_reduce_p.bind(x * 2, **params), eqn.invars, context=graph.context, like=eqn
-            )
-
-        return rewrite_graph(graph, rule)
 
 
 def _step(state, batch):
