@@ -163,11 +163,27 @@ class TestOrder:
 
         assert Pipeline([LowerCollectives(), CountCollectives()]).names == ["lower-collectives", "count-collectives"]
 
-    def test_every_default_combination_is_in_order(self):
-        for zero in (False, True):
-            for hierarchical in (False, True):
-                for compress in (False, True):
-                    Pipeline.default(shard_optimizer=zero, hierarchical=hierarchical, compress=compress)
+    @pytest.mark.parametrize("zero", [False, True])
+    @pytest.mark.parametrize("hierarchical", [False, True])
+    @pytest.mark.parametrize("compress", [False, True])
+    def test_every_default_combination_is_in_order_and_its_reverse_is_rejected(self, zero, hierarchical, compress):
+        canonical = [
+            "capture-collectives",
+            "check-replica-invariance",
+            "simplify",
+            "shard-optimizer-update",
+            "fuse-collectives",
+            "compress-communication",
+            "hierarchical-allreduce",
+            "lower-collectives",
+        ]
+        off = {"shard-optimizer-update": not zero, "compress-communication": not compress}
+        off["hierarchical-allreduce"] = not hierarchical
+        pipe = Pipeline.default(shard_optimizer=zero, hierarchical=hierarchical, compress=compress)
+        assert pipe.names == [name for name in canonical if not off.get(name, False)]
+        # The same passes in reverse break the declared order (the check, not the list, says so).
+        with pytest.raises(ValueError, match="Pipeline: pass '.*' (must|works on placeholders)"):
+            Pipeline(list(reversed(pipe.passes)))
 
 
 def test_names_that_moved_out_of_rp_passes_still_resolve_with_a_warning():
