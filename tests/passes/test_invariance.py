@@ -125,9 +125,12 @@ class TestDivergentControlFlow:
     def test_reduced_predicate_is_accepted(self, repl):
         def step(b):
             pred = rp.all_max(b["x"].sum()) > 0
-            return lax.cond(pred, lambda: rp.all_sum(b["x"]), lambda: b["x"])
+            return pred, lax.cond(pred, lambda: rp.all_sum(b["x"]), lambda: b["x"])
 
-        repl.lower(step, _batch(repl.num_replicas))
+        # The predicate is proven identical everywhere; one branch's result still varies.
+        assert _output_variance(repl, step) == (frozenset(), frozenset({"cores"}))
+        final = repl.lower(step, _batch(repl.num_replicas)).final
+        assert rp.passes.count_primitives(final.jaxpr, ["cond", "pmax", "psum"]) == {"cond": 1, "pmax": 1, "psum": 1}
 
     def test_predicate_varying_across_workers_allows_collective_within_worker(self, repl2d):
         if repl2d.num_workers < 2:
@@ -137,7 +140,8 @@ class TestDivergentControlFlow:
             pred = rp.all_sum(b["x"].sum(), group="cores") > 0  # same within a worker
             return lax.cond(pred, lambda: rp.all_sum(b["x"], group="cores"), lambda: b["x"])
 
-        repl2d.lower(step, _batch(repl2d.num_replicas))
+        (out,) = _output_variance(repl2d, step)
+        assert out == BOTH  # the cores-sum branch is the same within a worker, the other branch varies
 
         def bad(b):
             pred = rp.all_sum(b["x"].sum(), group="cores") > 0
@@ -150,7 +154,10 @@ class TestDivergentControlFlow:
         def step(b):
             return lax.cond(b["x"][0, 0] > 0, lambda: rp.replica_id(), lambda: 0)
 
-        repl.lower(step, _batch(repl.num_replicas))
+        # replica_id is no collective (nothing waits for another replica): accepted, and it varies.
+        assert _output_variance(repl, step) == (frozenset({"cores"}),)
+        final = repl.lower(step, _batch(repl.num_replicas)).final
+        assert rp.passes.count_primitives(final.jaxpr, ["cond", "axis_index"])["cond"] == 1
 
 
 class TestDivergentState:
@@ -170,11 +177,18 @@ class TestDivergentState:
             g = jax.grad(lambda w: jnp.sum(b["x"] @ w))(s["w"])
             return {"w": s["w"] - rp.all_mean(g)}, {"per_replica": g}
 
-        repl.lower(step, _batch(repl.num_replicas), {"w": jnp.zeros(3)})
+        lowered = repl.lower(step, _batch(repl.num_replicas), {"w": jnp.zeros(3)})
+        # The new w is proven identical on every replica; the raw gradient output is not.
+        assert analyze_invariance(lowered.traced).output_variance == (frozenset(), frozenset({"cores"}))
 
     def test_disabling_the_check_lets_the_step_through(self, n_devices):
+        step = lambda s, b: (s + b["x"].sum(), {})  # noqa: E731 - the state would drift apart
+        with pytest.raises(rp.DivergentStateError):
+            rp.Replicator(1, n_devices).lower(step, _batch(n_devices), jnp.float32(0))
         r = rp.Replicator(1, n_devices, passes=Pipeline(disable=["check-replica-invariance"]))
-        r.lower(lambda s, b: (s + b["x"].sum(), {}), _batch(n_devices), jnp.float32(0))
+        lowered = r.lower(step, _batch(n_devices), jnp.float32(0))
+        assert "check-replica-invariance" not in [s.name for s in lowered.stages]
+        assert analyze_invariance(lowered.traced).output_variance == (frozenset({"cores"}),)
 
 
 # ----------------------------------------------------------------------------
