@@ -21,6 +21,7 @@ __all__ = [
     "custom_vmap_call_primitive",
     "exclude_from_user_frames",
     "extend_axis_env",
+    "extra_call_params",
     "fast_compile_xla_flags",
     "jit_inlined_by_jax",
     "named_axis_effect_type",
@@ -147,3 +148,13 @@ def _jaxlib_version() -> tuple[int, ...]:
     from importlib.metadata import version
 
     return tuple(int(part) for part in version("jaxlib").split(".")[:2])
+
+
+def extra_call_params() -> dict[str, str]:
+    """Call-like primitives (by name) that only some JAX versions have, and their callee param.
+
+    In JAX 0.12 ``closed_call_p`` and ``call_p`` are one primitive named
+    ``eval_jaxpr`` (callee in ``call_jaxpr``); 0.10 names them ``closed_call`` and
+    ``call``. Listing a name that this JAX lacks is harmless: no equation has it.
+    """
+    return {"eval_jaxpr": "call_jaxpr"}

@@ -187,6 +187,7 @@ class Replicator:
             raise ValueError(f"check_state_every must be a positive int or None, got {check_state_every!r}.")
         self.check_state_every = check_state_every
         self._steps_run = 0
+        self._cached_pipeline_key: tuple[Pipeline, tuple] | None = None
         self._in_flight: collections.deque = collections.deque()
         self._inputs: dict[Any, WorkerInputs] = {}
         self._compiled: collections.OrderedDict[Any, CompiledStep] = collections.OrderedDict()
@@ -220,7 +221,7 @@ class Replicator:
 
     def _pipeline_key(self) -> tuple:
         """``self.pipeline.key()``, computed once per pipeline object (it is on every step's path)."""
-        cached = getattr(self, "_cached_pipeline_key", None)
+        cached = self._cached_pipeline_key
         if cached is None or cached[0] is not self.pipeline:
             cached = self._cached_pipeline_key = (self.pipeline, self.pipeline.key())
         return cached[1]

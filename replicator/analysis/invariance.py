@@ -54,7 +54,7 @@ from replicator._jax_compat import (
 from replicator.core.callbacks import is_invariant_callback
 from replicator.core.context import group_axes
 from replicator.core.graph import StepGraph
-from replicator.core.jaxprs import iter_eqns, open_jaxpr, sub_jaxprs
+from replicator.core.jaxprs import CALL_PARAMS, iter_eqns, open_jaxpr, sub_jaxprs
 from replicator.core.primitives import (
     PLACEHOLDERS,
     all_gather_p,
@@ -332,17 +332,17 @@ def _call_rule(param: str) -> Rule:
     return rule
 
 
-for _p, _param in [
-    (jax_primitives.jit_p, "jaxpr"),
-    (jax_primitives.closed_call_p, "call_jaxpr"),
-    (jax_primitives.call_p, "call_jaxpr"),
-    (jax_primitives.remat_p, "jaxpr"),
-    (jax_primitives.custom_jvp_call_p, "call_jaxpr"),
-    (jax_primitives.custom_vjp_call_p, "call_jaxpr"),
-    (custom_vmap_call_primitive(), "call"),
-]:
-    if _p is not None:
-        RULES[_p] = _call_rule(_param)
+for _p in (
+    jax_primitives.jit_p,
+    jax_primitives.closed_call_p,
+    jax_primitives.call_p,
+    jax_primitives.remat_p,
+    jax_primitives.custom_jvp_call_p,
+    jax_primitives.custom_vjp_call_p,
+    custom_vmap_call_primitive(),
+):
+    if _p is not None:  # the callee's param: core.jaxprs.CALL_PARAMS, the one table of call-like primitives
+        RULES[_p] = _call_rule(CALL_PARAMS[_p.name])
 
 
 # -- the analysis and the pass -------------------------------------------------

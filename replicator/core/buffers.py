@@ -28,7 +28,12 @@ import jax
 import numpy as np
 from jax import lax
 
-__all__ = ["nbytes", "pack", "per_dtype_buffers", "unpack"]
+__all__ = ["is_floating", "nbytes", "pack", "per_dtype_buffers", "unpack"]
+
+
+def is_floating(dtype: Any, *, include_complex: bool = False) -> bool:
+    """Whether ``dtype`` is a floating-point type (bfloat16 included, which ``np.issubdtype`` misses)."""
+    return bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact if include_complex else jax.numpy.floating))
 
 
 def nbytes(aval: Any) -> int:

@@ -10,8 +10,10 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 __all__ = [
+    "axis_names",
     "GROUPS",
     "REPLICA_AXES",
     "ReplicaContext",
@@ -27,6 +29,11 @@ WORKERS = "workers"
 CORES = "cores"
 REPLICA_AXES: tuple[str, str] = (WORKERS, CORES)
 GROUPS: tuple[str | None, ...] = (None, CORES, WORKERS)
+
+
+def axis_names(value: Any) -> tuple:
+    """The axis names of a collective's ``axes``/``axis_name`` param: a name or a tuple of them, as a tuple."""
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
 
 def check_group(group: object, api_name: str) -> str | None:

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 
+from replicator._jax_compat import extra_call_params
 from replicator.core.context import ReplicaContext
 from replicator.core.graph import StepGraph
 
@@ -53,6 +54,7 @@ CALL_PARAMS: dict[str, str] = {
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",
     "custom_vmap_call": "call",
+    **extra_call_params(),  # names that differ between JAX versions
 }
 EqnRule = Callable[[JaxprEqn], "tuple[list[JaxprEqn], list[Atom]] | None"]
 

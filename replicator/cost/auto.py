@@ -55,6 +55,10 @@ SEARCH: tuple[tuple[str, tuple[Any, ...]], ...] = (
 class AutoPipeline(Pipeline):
     """The default passes, their options chosen per graph (see the module docstring).
 
+    ``passes`` and ``names`` are every pass it may choose (the default passes with
+    each searched option on); which of them ran for a step is in that step's
+    ``Lowered.stages`` and its ``notes``.
+
     Args:
       topology: a preset name of :data:`~replicator.cost.collectives.PRESETS`
         or a :class:`~replicator.cost.collectives.Topology` (``calibrate()``).
@@ -82,7 +86,8 @@ class AutoPipeline(Pipeline):
                 f"Pipeline.default(auto=True) chooses {sorted(fixed)} itself; drop them, or use auto=False to fix them."
             )
         self._settings = dict(disable=tuple(disable), verify=verify, validate=validate, dump_dir=dump_dir)
-        super().__init__(default_passes(**self.options), **self._settings)
+        candidates = default_passes(**self.options, hierarchical=True, shard_optimizer=True)
+        super().__init__(candidates, **self._settings)
 
     def key(self) -> tuple:
         return (*super().key(), "auto", repr(self.topology))
@@ -101,8 +106,10 @@ class AutoPipeline(Pipeline):
                     options["fuse_threshold_bytes"] = value
             else:
                 options[name] = value
-        settings = {**self._settings, "disable": disable}
-        return Pipeline(default_passes(**options), **settings)
+        passes = default_passes(**options)
+        present = {p.name for p in passes}  # the user may disable a candidate this setting leaves out
+        settings = {**self._settings, "disable": [name for name in disable if name in present]}
+        return Pipeline(passes, **settings)
 
     def predicted_seconds(self, final: StepGraph) -> float:
         """The cost model's time for a lowered graph: its collectives, plus its own work if the topology has a compute model."""

@@ -65,6 +65,7 @@ from typing import Any
 
 from replicator.core.graph import CollectiveRecord
 from replicator.core.primitives import REDUCE_OPS
+from replicator.cost.table import format_table
 from replicator.cost.topology import Link, Topology, get_topology
 
 __all__ = ["Prediction", "collective_time", "predict"]
@@ -140,7 +141,7 @@ def collective_time(record: CollectiveRecord, topology: Topology | str, *, num_w
     if record.algorithm == "native":
         # Several operands (an unfused all_sum of a list) are one all-reduce each: a latency term per
         # operand, the bytes once (the ring and tree lowerings pack them into one buffer first).
-        k = max(1, getattr(record, "operands", 1))
+        k = max(1, record.operands)
         if topology.native_latency == "one":
             return k * link.alpha_s + 2 * (n - 1) / n * b * link.beta_s_per_byte
         return (k - 1) * ring_allreduce_time(n, 0.0, link) + ring_allreduce_time(n, b, link)
@@ -172,7 +173,7 @@ class Prediction:
 
     def __str__(self) -> str:
         header = ("#", "kind", "group", "algorithm", "N", "bytes", "link", "predicted", "share")
-        lines = [header]
+        lines = []
         total = self.total_s
         for i, (r, t) in enumerate(zip(self.rows, self.seconds, strict=True)):
             link = "" if r.kind == "replica_id" or r.group_size <= 1 else _link_name(r.group, self.num_workers)
@@ -189,14 +190,11 @@ class Prediction:
                     f"{100 * t / total:.0f}%" if total > 0 else "-",
                 )
             )
-        widths = [max(len(line[c]) for line in lines) for c in range(len(header))]
-        table = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines]
-        table.insert(1, "  ".join("-" * w for w in widths))
         summary = (
             f"predicted communication per step: {_seconds(total)} on {self.num_replicas} replicas, "
             f"topology {self.topology.name} (cores {self.topology.cores}; workers {self.topology.workers})"
         )
-        return "\n".join([*table, summary])
+        return "\n".join([format_table(header, lines), summary])
 
 
 def _link_name(group: str | None, num_workers: int | None) -> str:

@@ -52,6 +52,7 @@ import dataclasses
 from replicator.core.graph import CollectiveRecord
 from replicator.cost.collectives import Prediction
 from replicator.cost.collectives import predict as _predict
+from replicator.cost.table import format_table
 from replicator.cost.topology import Topology
 from replicator.pipeline.pipeline import Lowered
 
@@ -99,7 +100,7 @@ class CommunicationReport:
             "region",
             "first source",
         )
-        lines = [header]
+        lines = []
         for i, r in enumerate(self.rows):
             lines.append(
                 (
@@ -115,14 +116,11 @@ class CommunicationReport:
                     r.sources[0] if r.sources else "",
                 )
             )
-        widths = [max(len(line[c]) for line in lines) for c in range(len(header))]
-        table = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines]
-        table.insert(1, "  ".join("-" * w for w in widths))
         summary = (
             f"{self.num_collectives} collective(s) on {self.num_replicas} replicas; estimated "
             f"{_human(self.total_sent_bytes)} sent per replica per step. Passes: {', '.join(self.passes)}."
         )
-        return "\n".join([*table, summary, *self.notes])
+        return "\n".join([format_table(header, lines), summary, *self.notes])
 
 
 def _human(n: float) -> str:

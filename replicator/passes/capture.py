@@ -44,12 +44,12 @@ from typing import Any
 
 import jax.extend.core.primitives as lax_primitives
 import jax.numpy as jnp
-from jax.extend.core import ClosedJaxpr, JaxprEqn
+from jax.extend.core import JaxprEqn
 
 from replicator._jax_compat import reduce_scatter_primitive, user_source_line
-from replicator.core.context import REPLICA_AXES, ReplicaContext, group_axes
+from replicator.core.context import REPLICA_AXES, ReplicaContext, axis_names, group_axes
 from replicator.core.graph import StepGraph
-from replicator.core.jaxprs import inline_function, recompute_named_axis_effects
+from replicator.core.jaxprs import inline_function
 from replicator.core.primitives import all_gather_p, all_reduce_p, reduce_scatter_p, replica_id_p
 from replicator.errors import ReplicationError
 from replicator.pipeline.contract import Pass, PassResult, rewrite_graph
@@ -62,10 +62,6 @@ _RENAMED = {lax_primitives.ppermute_p: "axis_name", lax_primitives.all_to_all_p:
 
 class CaptureError(ReplicationError):
     """A raw collective that cannot be expressed over the replica mesh."""
-
-
-def _names(value: Any) -> tuple:
-    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
 
 def _fail(eqn: JaxprEqn, why: str) -> CaptureError:
@@ -88,7 +84,7 @@ class CaptureCollectives(Pass):
         reduce_scatter_raw = reduce_scatter_primitive()
 
         def group_of(eqn: JaxprEqn, axes: Any) -> tuple[str | None, int]:
-            names = _names(axes)
+            names = axis_names(axes)
             if not all(isinstance(n, str) for n in names):
                 raise _fail(eqn, f"positional axes {names} are not replica axes")
             if eqn.params.get("axis_index_groups") is not None:
@@ -104,8 +100,8 @@ class CaptureCollectives(Pass):
             if prim in _REDUCE_OPS:
                 # Inside jax.vmap(axis_name=...), JAX turns the vmapped name into a positional axis:
                 # a local reduction over that array dimension, then the collective over the rest.
-                positional = tuple(a for a in _names(params["axes"]) if not isinstance(a, str))
-                named = tuple(a for a in _names(params["axes"]) if isinstance(a, str))
+                positional = tuple(a for a in axis_names(params["axes"]) if not isinstance(a, str))
+                named = tuple(a for a in axis_names(params["axes"]) if isinstance(a, str))
                 if not named:
                     return None  # only a local reduction
                 group, n = group_of(eqn, named)
@@ -142,17 +138,12 @@ class CaptureCollectives(Pass):
                 return _renamed(eqn, _RENAMED[prim], context)
             return None
 
-        result = rewrite_graph(graph, rule)
-        if not result.changed:
-            return result
-        closed = result.graph.jaxpr
-        jaxpr = recompute_named_axis_effects(closed.jaxpr)
-        return PassResult(result.graph.with_jaxpr(ClosedJaxpr(jaxpr, closed.consts)), True)
+        return rewrite_graph(graph, rule, recompute_effects=True)
 
 
 def _renamed(eqn: JaxprEqn, param: str, context: ReplicaContext) -> tuple[list[JaxprEqn], list] | None:
     """The equation re-bound with the user's axis names replaced by the mesh axes they stand for."""
-    names = _names(eqn.params[param])
+    names = axis_names(eqn.params[param])
     if all(n in REPLICA_AXES for n in names):
         return None
     try:

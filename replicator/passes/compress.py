@@ -95,7 +95,6 @@ Example (``rp.Pipeline.default(compress=True)`` does the same; or
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -104,12 +103,10 @@ import numpy as np
 from jax import lax
 from jax.extend.core import JaxprEqn
 
-from replicator.analysis.records import origin_of, pass_on_origin
 from replicator.core.context import GROUPS
 from replicator.core.graph import StepGraph
-from replicator.core.jaxprs import inline_function
 from replicator.core.primitives import all_reduce_p
-from replicator.pipeline.contract import Pass, PassResult, rewrite_graph
+from replicator.pipeline.contract import Pass, PassResult, replace_placeholders
 
 __all__ = ["CompressCommunication", "error_bound", "has_bound"]
 
@@ -241,21 +238,8 @@ class CompressCommunication(Pass):
         )
 
     def run(self, graph: StepGraph) -> PassResult:
-        origins = dict(graph.collective_origins)
-
-        def rule(eqn: JaxprEqn) -> tuple[list[JaxprEqn], list[Atom]] | None:
-            if not self.is_candidate(eqn):
-                return None
+        def lowering(eqn: JaxprEqn) -> Any:
             params = dict(eqn.params)
+            return lambda *xs: compressed_all_reduce(*xs, wire_dtype=self.wire_dtype, **params)
 
-            def fn(*xs: Any) -> list:
-                return compressed_all_reduce(*xs, wire_dtype=self.wire_dtype, **params)
-
-            eqns, outs = inline_function(fn, eqn.invars, context=graph.context, like=eqn)
-            origins.update(pass_on_origin(origin_of(eqn, graph.collective_origins), eqns))
-            return eqns, outs
-
-        result = rewrite_graph(graph, rule)
-        if not result.changed:
-            return result
-        return PassResult(dataclasses.replace(result.graph, collective_origins=origins), True)
+        return replace_placeholders(graph, self.is_candidate, lowering)

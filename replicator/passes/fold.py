@@ -66,12 +66,12 @@ import jax.extend.core.primitives as lax_primitives
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
+from jax.extend.core import JaxprEqn, Var
 
 from replicator._jax_compat import reduce_scatter_primitive
-from replicator.core.context import REPLICA_AXES
+from replicator.core.context import REPLICA_AXES, axis_names
 from replicator.core.graph import StepGraph
-from replicator.core.jaxprs import inline_function, iter_eqns, recompute_named_axis_effects
+from replicator.core.jaxprs import inline_function, iter_eqns
 from replicator.core.layout import FOLDED_AXES, FoldError, FoldLayout
 from replicator.pipeline.contract import Pass, PassResult, rewrite_graph
 
@@ -95,16 +95,12 @@ _AXIS_PARAM = {
 }
 
 
-def _names(value: Any) -> tuple:
-    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
-
-
 def _mesh_names(eqn: JaxprEqn) -> tuple[str, ...]:
     """The mesh axes an equation's params name (any param that holds axis names)."""
     found: list[str] = []
     for key in ("axes", "axis_name"):
         if key in eqn.params:
-            found += [n for n in _names(eqn.params[key]) if n in REPLICA_AXES]
+            found += [n for n in axis_names(eqn.params[key]) if n in REPLICA_AXES]
     return tuple(found)
 
 
@@ -290,16 +286,17 @@ class FoldReplicas(Pass):
             axes = _mesh_names(eqn)
             if not axes:
                 return None
-            names = _names(eqn.params.get("axes", eqn.params.get("axis_name")))
+            names = axis_names(eqn.params.get("axes", eqn.params.get("axis_name")))
             if eqn.params.get("axis_index_groups") is not None:
                 raise FoldError(f"fold-replicas: '{prim.name}' with axis_index_groups cannot be folded.")
             _check_device_major(layout, eqn, names)
-            env = layout.axis_env
+
+            def emit(fn: Any, atoms: Any) -> Any:  # the equation's replacement, traced on the folded mesh
+                return inline_function(fn, atoms, context=graph.context, like=eqn, axis_env=layout.axis_env)
+
             if prim is lax_primitives.axis_index_p:
                 expanded = layout.expand(names)
-                return inline_function(
-                    lambda: _linear_index(layout, expanded), [], context=graph.context, like=eqn, axis_env=env
-                )
+                return emit(lambda: _linear_index(layout, expanded), [])
             device_axes, folded_axes = _split(layout, names)
             if prim is lax_primitives.psum_p and folded_axes:
                 # Sum over the fold first: a fused bucket's tensors one by one, before they are
@@ -311,56 +308,25 @@ class FoldReplicas(Pass):
                 if len(atoms) == 1 and atoms[0] in concatenated:
                     pack, atoms = concatenated[atoms[0]].params, list(concatenated[atoms[0]].invars)
                 inputs, plan = summands(atoms)
-                return inline_function(
-                    lambda *xs: _sum_fold_then_devices(xs, plan, device_axes, folded_axes, pack),
-                    inputs,
-                    context=graph.context,
-                    like=eqn,
-                    axis_env=env,
-                )
+                return emit(lambda *xs: _sum_fold_then_devices(xs, plan, device_axes, folded_axes, pack), inputs)
             if prim in _REDUCTIONS:
                 params = {**eqn.params, _AXIS_PARAM[prim]: layout.expand(names)}
-                return inline_function(
-                    lambda *xs: prim.bind(*xs, **params), eqn.invars, context=graph.context, like=eqn, axis_env=env
-                )
+                return emit(lambda *xs: prim.bind(*xs, **params), eqn.invars)
             if prim is lax_primitives.all_gather_p:
                 p = eqn.params
-                return inline_function(
-                    lambda x: _all_gather(layout, x, names, p["all_gather_dimension"], p["tiled"]),
-                    eqn.invars,
-                    context=graph.context,
-                    like=eqn,
-                    axis_env=env,
-                )
+                return emit(lambda x: _all_gather(layout, x, names, p["all_gather_dimension"], p["tiled"]), eqn.invars)
             if prim is scatter_p and eqn.params.get("tiled"):
                 dim = eqn.params["scatter_dimension"]
-                return inline_function(
-                    lambda x: _reduce_scatter(layout, x, names, dim),
-                    eqn.invars,
-                    context=graph.context,
-                    like=eqn,
-                    axis_env=env,
-                )
+                return emit(lambda x: _reduce_scatter(layout, x, names, dim), eqn.invars)
             if prim is lax_primitives.ppermute_p:
                 perm = eqn.params["perm"]
-                return inline_function(
-                    lambda x: _ppermute(layout, x, names, perm),
-                    eqn.invars,
-                    context=graph.context,
-                    like=eqn,
-                    axis_env=env,
-                )
+                return emit(lambda x: _ppermute(layout, x, names, perm), eqn.invars)
             raise FoldError(
                 f"fold-replicas: '{prim.name}' over the mesh axes {axes} has no folded form, so this step cannot "
                 "run with several replicas per device. Run it with one replica per device (replicas_per_device=1)."
             )
 
-        result = rewrite_graph(graph, rule)
-        if not result.changed:
-            return result
-        closed = result.graph.jaxpr
-        jaxpr = recompute_named_axis_effects(closed.jaxpr)
-        return PassResult(result.graph.with_jaxpr(ClosedJaxpr(jaxpr, closed.consts)), True)
+        return rewrite_graph(graph, rule, recompute_effects=True)
 
 
 def fold_lowered(lowered: Lowered, layout: FoldLayout) -> Lowered:

@@ -75,7 +75,6 @@ Example (``rp.Pipeline.default(hierarchical=True)`` inserts it with
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
@@ -83,13 +82,11 @@ import numpy as np
 from jax import lax
 from jax.extend.core import JaxprEqn
 
-from replicator.analysis.records import origin_of, pass_on_origin
 from replicator.core.buffers import nbytes, per_dtype_buffers
 from replicator.core.context import CORES, WORKERS, ReplicaContext
 from replicator.core.graph import StepGraph
-from replicator.core.jaxprs import inline_function
 from replicator.core.primitives import all_gather_p, all_reduce_p, reduce_scatter_p
-from replicator.pipeline.contract import Pass, PassResult, rewrite_graph
+from replicator.pipeline.contract import Pass, PassResult, replace_placeholders
 
 __all__ = ["HierarchicalAllReduce", "hierarchical_all_reduce"]
 
@@ -172,21 +169,8 @@ class HierarchicalAllReduce(Pass):
         if context.num_workers == 1 or context.cores_per_worker == 1:
             return PassResult(graph, False)
 
-        origins = dict(graph.collective_origins)
-
-        def rule(eqn: JaxprEqn) -> tuple[list[JaxprEqn], list[Atom]] | None:
-            if not self.is_candidate(eqn):
-                return None
+        def lowering(eqn: JaxprEqn) -> Any:
             op = eqn.params["op"]
+            return lambda *xs: hierarchical_all_reduce(*xs, op=op, context=context)
 
-            def fn(*xs: Any) -> list:
-                return hierarchical_all_reduce(*xs, op=op, context=context)
-
-            eqns, outs = inline_function(fn, eqn.invars, context=context, like=eqn)
-            origins.update(pass_on_origin(origin_of(eqn, graph.collective_origins), eqns))
-            return eqns, outs
-
-        result = rewrite_graph(graph, rule)
-        if not result.changed:
-            return result
-        return PassResult(dataclasses.replace(result.graph, collective_origins=origins), True)
+        return replace_placeholders(graph, self.is_candidate, lowering)

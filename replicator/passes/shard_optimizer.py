@@ -70,7 +70,7 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 
 from replicator.analysis.invariance import InvarianceInfo, analyze
-from replicator.core.buffers import nbytes
+from replicator.core.buffers import is_floating, nbytes
 from replicator.core.graph import StepGraph
 from replicator.core.jaxprs import inline_function, merge_effects
 from replicator.core.primitives import all_gather_p, all_reduce_p, reduce_scatter_p, replica_id_p
@@ -102,10 +102,6 @@ def _chunkable(aval: Any, n: int) -> bool:
 
 def _chunk_shape(shape: tuple[int, ...], n: int) -> tuple[int, ...]:
     return (shape[0] // n, *shape[1:])
-
-
-def _is_float(aval: Any) -> bool:
-    return jnp.issubdtype(aval.dtype, jnp.floating)
 
 
 def _vars(atoms: Any) -> list[Var]:
@@ -150,7 +146,7 @@ def _scatter_picks(eqn: JaxprEqn, n: int, min_bytes: int) -> list[int]:
         for k, v in enumerate(eqn.invars)
         if isinstance(v, Var)
         and _chunkable(v.aval, n)
-        and _is_float(v.aval)
+        and is_floating(v.aval.dtype)
         and nbytes(v.aval) >= min_bytes
         and not isinstance(eqn.outvars[k], DropVar)
     ]

@@ -11,14 +11,16 @@ is built.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
-from jax.extend.core import ClosedJaxpr
+from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
 
-from replicator.core.graph import StepGraph
-from replicator.core.jaxprs import EqnRule, rewrite_jaxpr
+from replicator.analysis.records import origin_of, pass_on_origin
+from replicator.core.graph import Origin, StepGraph
+from replicator.core.jaxprs import EqnRule, inline_function, recompute_named_axis_effects, rewrite_jaxpr
 
-__all__ = ["Pass", "PassResult", "rewrite_graph"]
+__all__ = ["Pass", "PassResult", "replace_placeholders", "rewrite_graph"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +58,56 @@ class Pass:
         return f"{type(self).__name__}()"
 
 
-def rewrite_graph(graph: StepGraph, rule: EqnRule) -> PassResult:
-    """:func:`rewrite_jaxpr` on a step graph's top-level jaxpr."""
+def rewrite_graph(
+    graph: StepGraph,
+    rule: EqnRule,
+    *,
+    origins: Mapping[Var, Origin] | None = None,
+    recompute_effects: bool = False,
+) -> PassResult:
+    """:func:`~replicator.core.jaxprs.rewrite_jaxpr` on a step graph's top-level jaxpr: the tail of every rewrite pass.
+
+    Args:
+      graph: the graph to rewrite (not modified).
+      rule: called on each equation, callees first (see ``rewrite_jaxpr``).
+      origins: if given and something changed, the new graph's ``collective_origins``
+        (what each new placeholder carries, filled in by ``rule``).
+      recompute_effects: if something changed, recompute the named-axis effects of
+        calls and control flow from their rewritten bodies (a pass that renames or
+        removes raw collectives).
+
+    Returns:
+      ``PassResult(graph, False)`` if ``rule`` replaced nothing, else the new graph.
+    """
     closed = graph.jaxpr
     new, changed = rewrite_jaxpr(closed.jaxpr, rule)
     if not changed:
         return PassResult(graph, False)
-    return PassResult(graph.with_jaxpr(ClosedJaxpr(new, closed.consts)), True)
+    if recompute_effects:
+        new = recompute_named_axis_effects(new)
+    result = graph.with_jaxpr(ClosedJaxpr(new, closed.consts))
+    if origins is not None:
+        result = dataclasses.replace(result, collective_origins=dict(origins))
+    return PassResult(result, True)
+
+
+def replace_placeholders(
+    graph: StepGraph, is_candidate: Callable[[JaxprEqn], bool], lowering: Callable[[JaxprEqn], Callable[..., Any]]
+) -> PassResult:
+    """Replace each equation that ``is_candidate`` accepts by the equations of ``lowering(eqn)(*operands)``.
+
+    ``lowering(eqn)`` returns plain ``lax`` code (it may bind placeholders); each
+    placeholder it emits carries what the replaced one carried (its
+    :class:`~replicator.core.graph.Origin`), so the communication report still
+    names the user's tensors and lines.
+    """
+    origins = dict(graph.collective_origins)
+
+    def rule(eqn: JaxprEqn) -> tuple[list[JaxprEqn], list[Any]] | None:
+        if not is_candidate(eqn):
+            return None
+        eqns, outs = inline_function(lowering(eqn), eqn.invars, context=graph.context, like=eqn)
+        origins.update(pass_on_origin(origin_of(eqn, graph.collective_origins), eqns))
+        return eqns, outs
+
+    return rewrite_graph(graph, rule, origins=origins)

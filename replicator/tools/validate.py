@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from replicator.core.buffers import is_floating
 from replicator.core.graph import StepGraph
 from replicator.core.jaxprs import iter_eqns
 from replicator.core.layout import FoldLayout
@@ -147,10 +148,6 @@ def _given(what: str, leaves: Sequence[Any] | None, avals: list, shapes: list) -
     return leaves
 
 
-def _is_float(dtype: np.dtype) -> bool:
-    return bool(jnp.issubdtype(dtype, jnp.inexact))  # np.issubdtype misses bfloat16
-
-
 def _tolerance(reference: np.ndarray, dtype: np.dtype, exact: bool) -> float:
     """Absolute tolerance for a float leaf: relative to its largest finite magnitude (at least 1)."""
     scale = max(1.0, float(np.max(np.abs(reference[np.isfinite(reference)]), initial=0.0)))
@@ -170,7 +167,7 @@ def compare_results(
                 f"pass '{pass_name}' changed {path} from {b.dtype}{list(b.shape)} to {a.dtype}{list(a.shape)}."
                 + _how_to_report(pass_name)
             )
-        if not _is_float(b.dtype):
+        if not is_floating(b.dtype, include_complex=True):
             if not np.array_equal(a, b):
                 bad = int(np.sum(a != b))
                 first = int(np.argmax(a.ravel() != b.ravel()))

@@ -70,3 +70,15 @@ def test_the_compile_cache_tells_topologies_apart():
     a = rp.Pipeline.default(auto=True, topology=LATENCY_BOUND).key()
     b = rp.Pipeline.default(auto=True, topology=BANDWIDTH_BOUND).key()
     assert a != b and a != rp.Pipeline.default().key()
+
+
+def test_auto_names_every_pass_it_may_choose_and_lowered_names_those_that_ran(n_devices):
+    pipe = rp.Pipeline.default(auto=True)
+    assert "hierarchical-allreduce" in pipe.names and "shard-optimizer-update" in pipe.names
+    assert repr(pipe).startswith("Pipeline(auto")
+    # A candidate can be disabled even where the chosen setting leaves it out.
+    repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(auto=True, disable=["hierarchical-allreduce"]))
+    lowered = repl.lower(lambda b: rp.all_mean(b), np.ones((n_devices, 2), np.float32))
+    ran = [s.name for s in lowered.stages[1:]]
+    assert "hierarchical-allreduce" not in ran and ran[-1] == "lower-collectives"
+    assert any(note.startswith("auto (") for note in lowered.notes)

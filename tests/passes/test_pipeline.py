@@ -8,6 +8,18 @@ import replicator as rp
 from replicator.passes import Pass, PassResult, Pipeline, default_passes
 from replicator.pipeline.pipeline import DUMP_ENV
 
+#: Every pass of the default pipeline with every option on, in its order.
+EVERY_PASS = [
+    "capture-collectives",
+    "check-replica-invariance",
+    "simplify",
+    "shard-optimizer-update",
+    "fuse-collectives",
+    "compress-communication",
+    "hierarchical-allreduce",
+    "lower-collectives",
+]
+
 
 def _batch(n):
     return {"x": np.ones((n, 2), np.float32)}
@@ -41,16 +53,7 @@ def test_default_pipeline_order():
         "lower-collectives",
     ]
     everything = Pipeline.default(hierarchical=True, compress=True, all_reduce_algorithm="ring", shard_optimizer=True)
-    assert everything.names == [
-        "capture-collectives",
-        "check-replica-invariance",
-        "simplify",
-        "shard-optimizer-update",
-        "fuse-collectives",
-        "compress-communication",
-        "hierarchical-allreduce",
-        "lower-collectives",
-    ]
+    assert everything.names == EVERY_PASS
     assert everything.key() != Pipeline().key()
     assert "ring" in repr(everything.passes[-1])
 
@@ -167,20 +170,10 @@ class TestOrder:
     @pytest.mark.parametrize("hierarchical", [False, True])
     @pytest.mark.parametrize("compress", [False, True])
     def test_every_default_combination_is_in_order_and_its_reverse_is_rejected(self, zero, hierarchical, compress):
-        canonical = [
-            "capture-collectives",
-            "check-replica-invariance",
-            "simplify",
-            "shard-optimizer-update",
-            "fuse-collectives",
-            "compress-communication",
-            "hierarchical-allreduce",
-            "lower-collectives",
-        ]
         off = {"shard-optimizer-update": not zero, "compress-communication": not compress}
         off["hierarchical-allreduce"] = not hierarchical
         pipe = Pipeline.default(shard_optimizer=zero, hierarchical=hierarchical, compress=compress)
-        assert pipe.names == [name for name in canonical if not off.get(name, False)]
+        assert pipe.names == [name for name in EVERY_PASS if not off.get(name, False)]
         # The same passes in reverse break the declared order (the check, not the list, says so).
         with pytest.raises(ValueError, match="Pipeline: pass '.*' (must|works on placeholders)"):
             Pipeline(list(reversed(pipe.passes)))
