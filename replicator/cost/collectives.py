@@ -44,7 +44,7 @@ whose latency the GPU presets use), and loop trip counts: a collective inside
 a ``scan`` is one row and is counted once.
 
 Presets (:data:`PRESETS`; each figure's source is in the docstring of
-:data:`PRESETS` and in ``docs/COSTMODEL.md``), or measure the machine at hand
+:data:`PRESETS` and in ``docs/design/costmodel.md``), or measure the machine at hand
 with :func:`calibrate`:
 
 >>> report = rp.Replicator(2, 4).explain(lambda b: rp.all_sum(b), np.ones((4, 256), np.float32))

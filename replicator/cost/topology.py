@@ -156,7 +156,7 @@ COMPUTE_FLOP_S = 1.29e-10  # 7.8 GFLOP/s per device
 
 
 #: Named topologies. Every figure comes from a public source (also listed in
-#: ``docs/COSTMODEL.md``):
+#: ``docs/design/costmodel.md``):
 #:
 #: * ``'cpu-emulated'``: this repository's machine, 8 emulated CPU devices on 2
 #:   host cores (JAX 0.10.2), measured with

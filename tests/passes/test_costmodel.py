@@ -1,7 +1,7 @@
 """The communication cost model: alpha-beta formulas, presets, predictions of real steps, calibration.
 
 Expected times are written out by hand from the formulas in
-``replicator/passes/costmodel.py`` (numbers chosen so that each term is easy to
+``replicator/cost/collectives.py`` (numbers chosen so that each term is easy to
 check), never computed with the module's own helpers.
 """
 
