@@ -45,7 +45,7 @@ a ``scan`` is one row and is counted once.
 
 Presets (:data:`PRESETS`; each figure's source is in the docstring of
 :data:`PRESETS` and in ``docs/design/costmodel.md``), or measure the machine at hand
-with :func:`calibrate`:
+with :func:`replicator.tools.calibrate.calibrate`:
 
 >>> report = rp.Replicator(2, 4).explain(lambda b: rp.all_sum(b), np.ones((4, 256), np.float32))
 >>> prediction = report.predict("gpu-hosts-100gbe")
