@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -47,6 +48,7 @@ from replicator.runtime.distributed import progress
 from replicator.runtime.distributed.startup import check_initialized_under_launcher
 from replicator.runtime.execution import build_executable, place_batch, place_state
 from replicator.runtime.inputs import InputContext, WorkerInputs, check_input_fn, check_worker_batch
+from replicator.runtime.memory import compiled_memory
 from replicator.runtime.mesh import build_mesh
 from replicator.runtime.state import broadcast_state
 
@@ -257,6 +259,10 @@ class Replicator:
                 if self.fold.replicas_per_device > 1:
                     lowered = fold_lowered(lowered, self.fold)
                 executable = build_executable(lowered.final, self.mesh, donate_state=self.donate_state, fold=self.fold)
+                memory = functools.cache(
+                    functools.partial(compiled_memory, executable, traced.graph, lowered.final, self.mesh)
+                )
+                lowered = dataclasses.replace(lowered, memory_fn=memory)
                 compiled = CompiledStep(traced, lowered, executable)
                 self._compiled[key] = compiled
                 while len(self._compiled) > MAX_COMPILED_STEPS:

@@ -48,10 +48,13 @@ preset (``'gpu-nvlink-8'``, ...) or a calibrated :class:`Topology`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 from replicator.core.graph import CollectiveRecord
 from replicator.cost.collectives import Prediction
 from replicator.cost.collectives import predict as _predict
+from replicator.cost.memory import state_bytes_per_device
 from replicator.cost.table import format_table
 from replicator.cost.topology import Topology
 from replicator.pipeline.pipeline import Lowered
@@ -70,6 +73,16 @@ class CommunicationReport:
     num_workers: int | None = None
     #: The pipeline's notes (``auto=True``: the options it chose and why).
     notes: tuple[str, ...] = ()
+    #: Bytes of state one device stores between steps, predicted from the graph
+    #: (:func:`~replicator.cost.memory.state_bytes_per_device`); ``None``: unknown.
+    state_bytes: int | None = None
+    #: Compiles the step and returns its measured per-device memory (``Lowered.memory``);
+    #: called when the report is printed, or by :meth:`memory`.
+    memory_fn: Callable[[], Any] | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def memory(self) -> Any:
+        """Per-device memory of the compiled step (XLA's analysis; compiles it), or ``None`` if unknown."""
+        return self.memory_fn() if self.memory_fn is not None else None
 
     @property
     def total_sent_bytes(self) -> float:
@@ -120,7 +133,12 @@ class CommunicationReport:
             f"{self.num_collectives} collective(s) on {self.num_replicas} replicas; estimated "
             f"{_human(self.total_sent_bytes)} sent per replica per step. Passes: {', '.join(self.passes)}."
         )
-        return "\n".join([format_table(header, lines), summary, *self.notes])
+        memory = []
+        if self.state_bytes is not None:
+            memory.append(f"state per device (predicted from the graph): {_human(self.state_bytes)}")
+        if self.memory_fn is not None:
+            memory.append(str(self.memory()))
+        return "\n".join([format_table(header, lines), summary, *memory, *self.notes])
 
 
 def _human(n: float) -> str:
@@ -146,4 +164,6 @@ def communication_report(lowered: Lowered) -> CommunicationReport:
         active,
         num_workers=final.context.num_workers,
         notes=lowered.notes,
+        state_bytes=state_bytes_per_device(final),
+        memory_fn=lowered.memory_fn,
     )

@@ -110,6 +110,22 @@ class Lowered:
     stages: tuple[Stage, ...]
     #: What the pipeline wants a reader to know (``auto=True``: the options it chose and why).
     notes: tuple[str, ...] = ()
+    #: Compiles the final graph on its devices and returns its per-device memory; set by
+    #: ``Replicator.lower``, which knows the devices (the pipeline runs nothing).
+    memory_fn: Callable[[], Any] | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def memory(self) -> Any:
+        """Per-device bytes of the compiled step (a :class:`~replicator.runtime.memory.MemoryUsage`).
+
+        Compiles the step with XLA (as its first run would) and reads XLA's compiled
+        memory analysis: ``arguments``, ``outputs``, ``aliased``, ``temporaries`` and ``peak``.
+        """
+        if self.memory_fn is None:
+            raise ValueError(
+                "Lowered.memory(): this Lowered does not know its devices; use the one "
+                "Replicator.lower(step_fn, batch, state) returns."
+            )
+        return self.memory_fn()
 
     @property
     def traced(self) -> StepGraph:
