@@ -21,6 +21,8 @@ What it prints:
 
 * a check that the generator's batch norm on 8 replicas equals batch norm on
   the concatenated global batch on one device;
+* after training, a check that the losses and samples are finite and that every
+  device holds the same state, bit for bit;
 * the losses every ``--log-every`` steps (``rp.LoggingHook``) and, every
   ``--eval-every`` steps, sample quality: the fraction of 2000 samples within
   ``3 * MODE_STD`` of a mode ("high quality", about 0.99 for real data) and the
@@ -280,6 +282,22 @@ class SampleQuality(rp.Hook):
             self.measure(trainer)
 
 
+def leaves_that_differ_between_devices(state) -> list[str]:
+    """The replicated state leaves whose copies on the devices are not all the same, bit for bit.
+
+    Each step updates the state from all-reduced values only, so every device
+    (and every replica folded onto it) must end it holding the same state.
+    """
+    differ = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        if not leaf.sharding.is_fully_replicated:  # stored sharded on purpose: nothing to compare
+            continue
+        copies = [np.asarray(shard.data).tobytes() for shard in leaf.addressable_shards]
+        if any(copy != copies[0] for copy in copies[1:]):
+            differ.append(jax.tree_util.keystr(path))
+    return differ
+
+
 def save_png(path: str, points: np.ndarray, real: np.ndarray) -> str:
     """Write a scatter of generated (blue) over real (grey) points; returns how, or why not."""
     try:
@@ -468,8 +486,13 @@ def main(argv: list[str] | None = None) -> None:
     failures = []
     if not bn_diff < BN_TOLERANCE:
         failures.append(f"cross-replica batch norm differs from single-device batch norm by {bn_diff:.2e}")
+    if not all(np.isfinite(np.asarray(trainer.outputs[name])).all() for name in ("d_loss", "g_loss")):
+        failures.append("the last step's losses are not all finite")
     if not np.isfinite(final["points"]).all():
         failures.append("the generator's samples are not all finite")
+    differ = leaves_that_differ_between_devices(trainer.state)
+    if differ:
+        failures.append(f"the devices' copies of the state differ after training: {', '.join(differ)}")
     quality_checked = args.min_modes > 0 or args.min_quality > 0
     if final["covered"] < args.min_modes:
         failures.append(f"{final['covered']} modes covered < {args.min_modes}")
@@ -479,7 +502,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("FAIL: " + "; ".join(failures))
     over = "each worker's rows" if args.bn_group else "the global batch"
     print(f"PASS: cross-replica batch norm == single-device batch norm on {over} (max diff {bn_diff:.2e})")
-    print(f"PASS: {args.steps} training steps ran on {repl.num_replicas} replicas and every sample is finite")
+    print(
+        f"PASS: {args.steps} training steps on {repl.num_replicas} replicas: the losses and every sample are finite, "
+        f"the state is identical on all {args.devices} devices"
+    )
     if quality_checked:
         print(
             f"PASS: {final['covered']}/{MODES} modes covered (>= {args.min_modes}), "

@@ -70,6 +70,9 @@ def test_gan_runs_with_cross_replica_batch_norm(n_devices, tmp_path):
     out = run_example(*args, "--devices", str(n_devices), "--png", str(png), script="gan.py", timeout=180)
     assert out.splitlines()[-1] == "PASS", out
     assert re.search(r"^PASS: cross-replica batch norm == single-device batch norm", out, re.M), out
+    assert re.search(
+        rf"^PASS: 200 training steps on {n_devices} replicas: .* identical on all {n_devices}", out, re.M
+    ), out
     assert len(re.findall(r"^step (100|200)/200 .*d_loss [0-9.]+ .*g_loss -?[0-9.]+", out, re.M)) == 2, out
     assert len(re.findall(r"^samples step (100|200) +high quality [0-9.]+ +modes covered \d/8", out, re.M)) == 2, out
     if importlib.util.find_spec("matplotlib") or importlib.util.find_spec("PIL"):
@@ -84,7 +87,9 @@ def test_gan_biggan512_configuration_runs_folded(n_devices):
     per_device = 512 // n_devices
     assert f"512 replicas on {n_devices} devices ({per_device} per device), global batch 2048" in out, out
     assert re.search(r"^PASS: cross-replica batch norm == single-device batch norm on each worker's rows", out, re.M)
-    assert re.search(r"^PASS: 2 training steps ran on 512 replicas and every sample is finite$", out, re.M), out
+    finite = r"^PASS: 2 training steps on 512 replicas: the losses and every sample are finite, the state is identical"
+    finite += rf" on all {n_devices} devices$"
+    assert re.search(finite, out, re.M), out
     # A 2-step run cannot show sample quality: the example says so instead of passing a threshold of 0.
     assert re.search(r"^not checked: sample quality \(\d/8 modes covered", out, re.M), out
     assert "modes covered (>= 0)" not in out, out

@@ -47,14 +47,13 @@ from jax.extend.core import primitives as jax_primitives
 from replicator._jax_compat import (
     UNKNOWN_LOCATION,
     callback_function,
-    custom_vmap_call_primitive,
     scan_operand_counts,
     user_source_line,
 )
 from replicator.core.callbacks import is_invariant_callback
 from replicator.core.context import group_axes
 from replicator.core.graph import StepGraph
-from replicator.core.jaxprs import CALL_PARAMS, iter_eqns, open_jaxpr, sub_jaxprs
+from replicator.core.jaxprs import CALL_PRIMITIVES, iter_eqns, open_jaxpr, sub_jaxprs
 from replicator.core.primitives import (
     PLACEHOLDERS,
     all_gather_p,
@@ -332,17 +331,8 @@ def _call_rule(param: str) -> Rule:
     return rule
 
 
-for _p in (
-    jax_primitives.jit_p,
-    jax_primitives.closed_call_p,
-    jax_primitives.call_p,
-    jax_primitives.remat_p,
-    jax_primitives.custom_jvp_call_p,
-    jax_primitives.custom_vjp_call_p,
-    custom_vmap_call_primitive(),
-):
-    if _p is not None:  # the callee's param: core.jaxprs.CALL_PARAMS, the one table of call-like primitives
-        RULES[_p] = _call_rule(CALL_PARAMS[_p.name])
+for _p, _param in CALL_PRIMITIVES.items():
+    RULES[_p] = _call_rule(_param)
 
 
 # -- the analysis and the pass -------------------------------------------------

@@ -20,14 +20,16 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
-from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
+from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Primitive, Var
+from jax.extend.core import primitives as jax_primitives
 
-from replicator._jax_compat import extra_call_params
+from replicator._jax_compat import custom_vmap_call_primitive, extra_call_params
 from replicator.core.context import ReplicaContext
 from replicator.core.graph import StepGraph
 
 __all__ = [
     "CALL_PARAMS",
+    "CALL_PRIMITIVES",
     "StepGraph",
     "count_primitives",
     "inline_function",
@@ -44,18 +46,23 @@ __all__ = [
 
 Atom = Any  # Var | Literal
 
-#: Call-like primitives (by name) and the param holding the callee, whose
-#: inputs are the trailing operands of the equation.
-CALL_PARAMS: dict[str, str] = {
-    "jit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "call": "call_jaxpr",
-    "remat2": "jaxpr",
-    "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr",
-    "custom_vmap_call": "call",
-    **extra_call_params(),  # names that differ between JAX versions
+#: Call-like primitives and the param holding the callee, whose inputs are the
+#: trailing operands of the equation.
+CALL_PRIMITIVES: dict[Primitive, str] = {
+    p: param
+    for p, param in (
+        (jax_primitives.jit_p, "jaxpr"),
+        (jax_primitives.closed_call_p, "call_jaxpr"),
+        (jax_primitives.call_p, "call_jaxpr"),
+        (jax_primitives.remat_p, "jaxpr"),
+        (jax_primitives.custom_jvp_call_p, "call_jaxpr"),
+        (jax_primitives.custom_vjp_call_p, "call_jaxpr"),
+        (custom_vmap_call_primitive(), "call"),
+    )
+    if p is not None
 }
+#: :data:`CALL_PRIMITIVES` by primitive name (and the names that differ between JAX versions).
+CALL_PARAMS: dict[str, str] = {**{p.name: param for p, param in CALL_PRIMITIVES.items()}, **extra_call_params()}
 EqnRule = Callable[[JaxprEqn], "tuple[list[JaxprEqn], list[Atom]] | None"]
 
 

@@ -100,7 +100,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Var
+from jax.extend.core import DropVar, Jaxpr, JaxprEqn, Var
 
 from replicator._jax_compat import user_source_line
 from replicator.analysis.records import origin_of, pass_on_origin
@@ -447,13 +447,9 @@ class FuseCollectives(Pass):
 
     def _fuse_graph(self, graph: StepGraph) -> tuple[PassResult, list[Bucket]]:
         report: list[Bucket] = []
-        closed = graph.jaxpr
         origins = dict(graph.collective_origins)
-        new, changed = self._fuse_region(closed.jaxpr, graph.context, "step", report, origins)
-        if not changed:
-            return PassResult(graph, False), report
-        fused = dataclasses.replace(graph, jaxpr=ClosedJaxpr(new, closed.consts), collective_origins=origins)
-        return PassResult(fused, True), report
+        new, changed = self._fuse_region(graph.jaxpr.jaxpr, graph.context, "step", report, origins)
+        return PassResult.rewritten(graph, new, changed, origins=origins), report
 
     def _fuse_region(
         self, jaxpr: Jaxpr, context: ReplicaContext, region: str, report: list[Bucket], origins: dict[Var, Origin]

@@ -76,7 +76,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from jax import lax
-from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Var
+from jax.extend.core import DropVar, Jaxpr, JaxprEqn, Var
 
 from replicator._jax_compat import scan_operand_counts
 from replicator.analysis.invariance import INVARIANT, Variance, VarianceAnalysis, variance_of
@@ -366,7 +366,6 @@ class Simplify(Pass):
         return f"Simplify(dedup={self.dedup}, invariant={self.invariant}, dead={self.dead})"
 
     def run(self, graph: StepGraph) -> PassResult:
-        closed = graph.jaxpr
         analysis: VarianceAnalysis | None = None
         in_variance: list[Variance] | None = None
         if self.invariant:
@@ -375,12 +374,10 @@ class Simplify(Pass):
             state = [live if i in graph.sharded_state else INVARIANT for i in range(graph.num_state)]
             in_variance = state + [live] * graph.num_batch
             try:
-                analysis.run(closed.jaxpr, in_variance)
+                analysis.run(graph.jaxpr.jaxpr, in_variance)
             except (DivergentControlFlowError, UnanalyzableStepError):
                 # Variances are meaningless where replicas may take different paths,
                 # and unknown where the analysis cannot look into a sub-graph.
                 analysis, in_variance = None, None
-        new, changed = _Region(self, graph.context, analysis).run(closed.jaxpr, in_variance)
-        if not changed:
-            return PassResult(graph, False)
-        return PassResult(graph.with_jaxpr(ClosedJaxpr(new, closed.consts)), True)
+        new, changed = _Region(self, graph.context, analysis).run(graph.jaxpr.jaxpr, in_variance)
+        return PassResult.rewritten(graph, new, changed)

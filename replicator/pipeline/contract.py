@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
-from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var
 
 from replicator.analysis.records import origin_of, pass_on_origin
 from replicator.core.graph import Origin, StepGraph
@@ -27,6 +27,38 @@ __all__ = ["Pass", "PassResult", "replace_placeholders", "rewrite_graph"]
 class PassResult:
     graph: StepGraph
     changed: bool
+
+    @classmethod
+    def rewritten(
+        cls,
+        graph: StepGraph,
+        jaxpr: Jaxpr,
+        changed: bool,
+        *,
+        origins: Mapping[Var, Origin] | None = None,
+        recompute_effects: bool = False,
+    ) -> PassResult:
+        """The tail of every rewrite pass: ``graph`` with its top-level ``jaxpr`` rewritten.
+
+        Args:
+          graph: the graph the pass was given (not modified).
+          jaxpr: the rewritten top-level jaxpr (``graph``'s constants are kept).
+          changed: whether the rewrite replaced anything; if not, the result is
+            ``PassResult(graph, False)`` and the other arguments are ignored.
+          origins: the new graph's ``collective_origins`` (what each placeholder
+            carries, the new ones included).
+          recompute_effects: recompute the named-axis effects of calls and control
+            flow from their rewritten bodies (a pass that renames or removes raw
+            collectives).
+        """
+        if not changed:
+            return cls(graph, False)
+        if recompute_effects:
+            jaxpr = recompute_named_axis_effects(jaxpr)
+        result = graph.with_jaxpr(ClosedJaxpr(jaxpr, graph.jaxpr.consts))
+        if origins is not None:
+            result = dataclasses.replace(result, collective_origins=dict(origins))
+        return cls(result, True)
 
 
 class Pass:
@@ -58,37 +90,20 @@ class Pass:
         return f"{type(self).__name__}()"
 
 
-def rewrite_graph(
-    graph: StepGraph,
-    rule: EqnRule,
-    *,
-    origins: Mapping[Var, Origin] | None = None,
-    recompute_effects: bool = False,
-) -> PassResult:
-    """:func:`~replicator.core.jaxprs.rewrite_jaxpr` on a step graph's top-level jaxpr: the tail of every rewrite pass.
+def rewrite_graph(graph: StepGraph, rule: EqnRule, **options: Any) -> PassResult:
+    """:func:`~replicator.core.jaxprs.rewrite_jaxpr` on a step graph's top-level jaxpr, then :meth:`PassResult.rewritten`.
 
     Args:
       graph: the graph to rewrite (not modified).
       rule: called on each equation, callees first (see ``rewrite_jaxpr``).
-      origins: if given and something changed, the new graph's ``collective_origins``
-        (what each new placeholder carries, filled in by ``rule``).
-      recompute_effects: if something changed, recompute the named-axis effects of
-        calls and control flow from their rewritten bodies (a pass that renames or
-        removes raw collectives).
+      options: ``origins`` and ``recompute_effects``, as for :meth:`PassResult.rewritten`
+        (``rule`` may fill ``origins`` in as it goes: they are read after the rewrite).
 
     Returns:
       ``PassResult(graph, False)`` if ``rule`` replaced nothing, else the new graph.
     """
-    closed = graph.jaxpr
-    new, changed = rewrite_jaxpr(closed.jaxpr, rule)
-    if not changed:
-        return PassResult(graph, False)
-    if recompute_effects:
-        new = recompute_named_axis_effects(new)
-    result = graph.with_jaxpr(ClosedJaxpr(new, closed.consts))
-    if origins is not None:
-        result = dataclasses.replace(result, collective_origins=dict(origins))
-    return PassResult(result, True)
+    new, changed = rewrite_jaxpr(graph.jaxpr.jaxpr, rule)
+    return PassResult.rewritten(graph, new, changed, **options)
 
 
 def replace_placeholders(

@@ -138,10 +138,11 @@ class TestDivergentControlFlow:
 
         def step(b):
             pred = rp.all_sum(b["x"].sum(), group="cores") > 0  # same within a worker
-            return lax.cond(pred, lambda: rp.all_sum(b["x"], group="cores"), lambda: b["x"])
+            return pred, lax.cond(pred, lambda: rp.all_sum(b["x"], group="cores"), lambda: b["x"])
 
-        (out,) = _output_variance(repl2d, step)
-        assert out == BOTH  # the cores-sum branch is the same within a worker, the other branch varies
+        # The predicate varies along 'workers' only, so the 'cores' collective under it is accepted;
+        # the cond's result varies along both (the other branch is batch data).
+        assert _output_variance(repl2d, step) == (frozenset({"workers"}), BOTH)
 
         def bad(b):
             pred = rp.all_sum(b["x"].sum(), group="cores") > 0
@@ -152,10 +153,11 @@ class TestDivergentControlFlow:
 
     def test_replica_id_alone_under_varying_cond_is_fine(self, repl):
         def step(b):
-            return lax.cond(b["x"][0, 0] > 0, lambda: rp.replica_id(), lambda: 0)
+            return lax.cond(b["x"][0, 0] > 0, lambda: (rp.replica_id(), 1), lambda: (0, 2))
 
-        # replica_id is no collective (nothing waits for another replica): accepted, and it varies.
-        assert _output_variance(repl, step) == (frozenset({"cores"}),)
+        # replica_id is no collective (nothing waits for another replica): accepted. Both results
+        # vary: replica_id does, and which constant a replica returns depends on its batch.
+        assert _output_variance(repl, step) == (frozenset({"cores"}), frozenset({"cores"}))
         final = repl.lower(step, _batch(repl.num_replicas)).final
         assert rp.passes.count_primitives(final.jaxpr, ["cond", "axis_index"])["cond"] == 1
 

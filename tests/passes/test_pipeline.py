@@ -154,6 +154,13 @@ class TestOrder:
         with pytest.raises(ValueError, match="'fuse-collectives' must run after 'shard-optimizer-update'"):
             Pipeline([FuseCollectives(), ShardOptimizerUpdate(), LowerCollectives()])
 
+    def test_capture_after_a_library_pass_is_rejected_naming_both(self):
+        from replicator.passes import CaptureCollectives, LowerCollectives, Simplify
+
+        with pytest.raises(ValueError, match="'capture-collectives' must come before.*comes after 'simplify'"):
+            Pipeline([Simplify(), CaptureCollectives(), LowerCollectives()])
+        assert Pipeline([CaptureCollectives(), Simplify()]).names == ["capture-collectives", "simplify"]
+
     def test_a_pass_for_lowered_graphs_may_follow_lowering(self):
         from replicator.passes import LowerCollectives
 
@@ -174,9 +181,15 @@ class TestOrder:
         off["hierarchical-allreduce"] = not hierarchical
         pipe = Pipeline.default(shard_optimizer=zero, hierarchical=hierarchical, compress=compress)
         assert pipe.names == [name for name in EVERY_PASS if not off.get(name, False)]
-        # The same passes in reverse break the declared order (the check, not the list, says so).
-        with pytest.raises(ValueError, match="Pipeline: pass '.*' (must|works on placeholders)"):
-            Pipeline(list(reversed(pipe.passes)))
+        # The same passes in reverse break the declared order: the check names the first pass that
+        # lands after the lowering, and the lowering.
+        backwards = list(reversed(pipe.passes))
+        assert backwards[0].name == "lower-collectives"
+        with pytest.raises(ValueError) as err:
+            Pipeline(backwards)
+        assert str(err.value).startswith(
+            f"Pipeline: pass '{backwards[1].name}' works on placeholders but comes after 'lower-collectives'"
+        ), err.value
 
 
 def test_names_that_moved_out_of_rp_passes_still_resolve_with_a_warning():
