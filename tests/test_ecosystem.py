@@ -106,11 +106,16 @@ def equinox_step_and_state():
     return step, (model, bn_state)
 
 
-@pytest.mark.parametrize("mesh", [(1, 8), (2, 4)], ids=["1x8", "2x4"])
-def test_equinox_module_state_and_batch_norm_match_pmap_and_one_device(mesh):
+@pytest.mark.parametrize(
+    ("mesh", "zero_stage"), [((1, 8), 0), ((2, 4), 0), ((2, 4), 3)], ids=["1x8", "2x4", "2x4-zero3"]
+)
+def test_equinox_module_state_and_batch_norm_match_pmap_and_one_device(mesh, zero_stage):
     eqx = pytest.importorskip("equinox")
     step, state = equinox_step_and_state()
-    got, outs = replicated(step, state, mesh)
+    passes = rp.Pipeline.default(zero_stage=zero_stage, shard_optimizer_min_bytes=0)
+    got, outs = replicated(step, state, mesh, passes=passes)
+    # ZeRO-3 stores the first Linear's weight (8 x 3: its leading axis divides by 8) 1/8 per device
+    assert got[0].lin.weight.sharding.is_fully_replicated == (zero_stage == 0)
     # The whole module is the state: its str and bool fields are static and come back as they were.
     assert got[0].bn.axis_name == ("rows", "batch") and got[0].bn.inference is False
     params, static = eqx.partition(state, eqx.is_array)
@@ -159,10 +164,13 @@ def haiku_step_and_state():
     return step, (params, net_state, tx.init(params))
 
 
-@pytest.mark.parametrize("mesh", [(1, 8), (2, 4)], ids=["1x8", "2x4"])
-def test_haiku_cross_replica_batch_norm_matches_pmap_and_one_device(mesh):
+@pytest.mark.parametrize(
+    ("mesh", "zero_stage"), [((1, 8), 0), ((2, 4), 0), ((1, 8), 3)], ids=["1x8", "2x4", "1x8-zero3"]
+)
+def test_haiku_cross_replica_batch_norm_matches_pmap_and_one_device(mesh, zero_stage):
     step, state = haiku_step_and_state()
-    got, outs = replicated(step, state, mesh)
+    passes = rp.Pipeline.default(zero_stage=zero_stage, shard_optimizer_min_bytes=0)
+    got, outs = replicated(step, state, mesh, passes=passes)
     want8, outs8 = pmapped(step, state, 8)
     want1, _ = pmapped(step, state, 1)
     assert_close(got, want8, "vs pmap: ")

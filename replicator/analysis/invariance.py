@@ -41,6 +41,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jax import lax
 from jax.extend.core import Jaxpr, JaxprEqn, Literal, Primitive, Var
 from jax.extend.core import primitives as jax_primitives
 
@@ -270,6 +271,9 @@ def _cond_rule(analysis: VarianceAnalysis, eqn: JaxprEqn, ins: list[Variance]) -
     outs = [analysis.run(b, operands)[0] for b in branches]
     return [_union(vs) | predicate for vs in zip(*outs, strict=True)]
 
+
+# An optimization barrier passes each operand through unchanged (it only orders work).
+RULES[lax.optimization_barrier_p] = lambda a, eqn, ins: list(ins)
 
 RULES[jax_primitives.cond_p] = _cond_rule
 

@@ -18,6 +18,7 @@ __all__ = ["default_passes"]
 
 def default_passes(
     *,
+    zero_stage: int = 0,
     shard_optimizer: bool = False,
     shard_optimizer_min_bytes: int = DEFAULT_MIN_TENSOR_BYTES,
     hierarchical: bool = False,
@@ -34,7 +35,13 @@ def default_passes(
     were chosen by ``benchmarks/bench_step.py`` (see BENCHMARKS.md).
 
     Args:
-      shard_optimizer: ZeRO-1 (``shard-optimizer-update``): reduce-scatter
+      zero_stage: DeepSpeed ZeRO's stage (``shard-optimizer-update``): 0 none;
+        1 optimizer state stored 1/N per device; 2 also the reduced gradients
+        kept as 1/N shards (a global norm is computed on the shards); 3 also
+        the parameters stored 1/N per device and all-gathered for each use.
+        Each stage shards only what the variance analysis proves identical on
+        every replica (``explain`` says what stays replicated and why).
+      shard_optimizer: ``True`` is ``zero_stage=1`` (kept for existing code). ZeRO-1 (``shard-optimizer-update``): reduce-scatter
         gradients, update and store element-wise optimizer state in 1/N chunks.
         Off by default: it divides optimizer-state memory by N but was not
         faster on every workload measured (BENCHMARKS.md).
@@ -50,9 +57,13 @@ def default_passes(
 
         repl = rp.Replicator(2, 4, passes=rp.Pipeline(default_passes(hierarchical=True)))
     """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage!r}: ZeRO's stages are 0 (off), 1, 2 and 3.")
+    if shard_optimizer and zero_stage == 0:
+        zero_stage = 1
     passes: list[Pass] = [CaptureCollectives(), CheckReplicaInvariance(), Simplify()]
-    if shard_optimizer:
-        passes.append(ShardOptimizerUpdate(min_tensor_bytes=shard_optimizer_min_bytes))
+    if zero_stage:
+        passes.append(ShardOptimizerUpdate(min_tensor_bytes=shard_optimizer_min_bytes, stage=zero_stage))
     passes.append(FuseCollectives(threshold_bytes=fuse_threshold_bytes, max_tensor_bytes=fuse_max_tensor_bytes))
     if compress:
         passes.append(CompressCommunication())

@@ -336,4 +336,4 @@ def fold_lowered(lowered: Lowered, layout: FoldLayout) -> Lowered:
 
     result = FoldReplicas(layout).run(lowered.final)
     check_defined(result.graph)
-    return Lowered((*lowered.stages, Stage(FoldReplicas.name, result.graph, result.changed)))
+    return Lowered((*lowered.stages, Stage(FoldReplicas.name, result.graph, result.changed)), lowered.notes)

@@ -1,4 +1,4 @@
-"""``shard-optimizer-update``: ZeRO-1 on the per-replica graph.
+"""``shard-optimizer-update``: ZeRO stages 1, 2 and 3 on the per-replica graph.
 
 A data-parallel step usually all-reduces its gradients and then has *every*
 replica run the same element-wise optimizer update on the whole model, with a
@@ -41,8 +41,28 @@ returned unchanged if no state leaf ends up stored sharded (with
 ``shard_state=False``: if no state update ends up computed on chunks).
 
 Non-element-wise updates (e.g. ``clip_by_global_norm``'s reduction over all
-gradients) simply read gathered values. Only the top-level graph is
+gradients) simply read gathered values at stage 1. Only the top-level graph is
 rewritten (the state lives there).
+
+**Stage 2** also computes reductions over axis 0 (``reduce_sum``, ``reduce_max``,
+``reduce_min``) of a chunk of an invariant value on the chunk, and combines the
+partial results with an all-reduce: a global gradient norm then never rebuilds
+a whole reduced gradient. Precondition: the reduced value is proven invariant
+(so the chunks are chunks of one value and the partial results add up to it).
+
+**Stage 3** also stores *parameters* sharded: a floating-point state leaf of
+at least ``min_tensor_bytes`` whose leading axis divides by N, and whose new
+value is its old value or a chunk computed as above (so it is identical on
+every replica). Each equation that reads a parameter whole (the forward pass's
+matmul, the backward pass's) gets its own ``all_gather``, ordered after the
+equation's other operands, so that no whole copy lives from the forward pass
+to the backward pass (DeepSpeed's re-gather). An element-wise cast of the
+parameter (``w.astype(bfloat16)``) runs on the chunk, so the gather moves bf16.
+Leaves that stay replicated are listed, with the reason, in the pipeline's
+notes (``explain`` prints them). Parameters whose leading axis does not divide
+by N (a ``(3, 3, C, F)`` conv kernel, a ``(L, ...)`` stack of layers for
+``lax.scan`` with ``L`` not a multiple of N) stay replicated; a stack that is
+sharded is gathered whole before the ``scan``.
 
 Example: SGD with momentum; the momentum ``m`` is stored 1/8 per device, the
 weights ``w`` stay replicated (``shard_optimizer_min_bytes=0`` lets these
@@ -62,6 +82,7 @@ small leaves be sharded):
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -86,6 +107,9 @@ DEFAULT_MIN_TENSOR_BYTES = 64 * 2**10
 
 Atom = Any
 
+#: Reductions stage 2 computes on chunks, and the all-reduce that combines the partial results.
+REDUCTIONS: dict[str, str] = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min"}
+
 #: Primitives computed element by element (a chunk of the output needs only
 #: the same chunk of each same-shaped input; scalars broadcast).
 ELEMENTWISE = frozenset(
@@ -108,6 +132,18 @@ def _vars(atoms: Any) -> list[Var]:
     return [a for a in atoms if isinstance(a, Var) and not isinstance(a, DropVar)]
 
 
+def _after(c: Any, dep: Any) -> Any:
+    """``c`` itself, computed so that it depends on ``dep`` (CPU's XLA drops optimization barriers).
+
+    One row of ``c`` is read and written back at a row index made from ``dep``'s first
+    element (clamped into range, so any value is fine): an identity XLA does not fold.
+    """
+    flat = jnp.ravel(dep)
+    index = lax.bitcast_convert_type(flat[0], jnp.int32) if flat.dtype.itemsize == 4 else flat[0].astype(jnp.int32)
+    row = lax.dynamic_slice_in_dim(c, index, 1, axis=0)
+    return lax.dynamic_update_slice_in_dim(c, row, index, axis=0)
+
+
 # -- the plan: which equations run on chunks ------------------------------------------
 
 
@@ -125,10 +161,15 @@ class _Plan:
     scatter: dict[int, list[int]]
     chunked: set[int]
     sharded: set[int]
+    #: Stage 2: reductions over axis 0 of a chunk, computed as a partial
+    #: reduction of the chunk and an all-reduce of the partial results.
+    reduced: set[int] = dataclasses.field(default_factory=set)
+    #: Stage 3: parameters (state read by more than the chunked update) stored sharded.
+    params: set[int] = dataclasses.field(default_factory=set)
 
     def chunk_vars(self, jaxpr: Jaxpr) -> set[Var]:
-        """The vars that exist as chunks."""
-        out: set[Var] = set()
+        """The vars that exist as chunks (sharded parameters' inputs included)."""
+        out: set[Var] = {jaxpr.invars[i] for i in self.params}
         for i, picks in self.scatter.items():
             out.update(_vars(jaxpr.eqns[i].outvars[k] for k in picks))
         for i in self.chunked:
@@ -170,7 +211,30 @@ def _elementwise_ok(eqn: JaxprEqn, n: int, info: InvarianceInfo) -> bool:
     return True
 
 
-def _plan(graph: StepGraph, n: int, info: InvarianceInfo, shard_state: bool, min_bytes: int) -> _Plan:
+def _reduction_ok(eqn: JaxprEqn, n: int, info: InvarianceInfo) -> bool:
+    """Stage 2's precondition: a reduction over axis 0 (and maybe others) of an invariant, chunkable value.
+
+    Its result is then the all-reduce (:data:`REDUCTIONS`) of the same reduction
+    of each replica's chunk: every replica computes the same whole result.
+    """
+    if eqn.primitive.name not in REDUCTIONS or len(eqn.invars) != 1 or len(eqn.outvars) != 1 or eqn.effects:
+        return False
+    (x,), (out,) = eqn.invars, eqn.outvars
+    return (
+        isinstance(x, Var)
+        and not isinstance(out, DropVar)
+        and 0 in eqn.params.get("axes", ())
+        and _chunkable(x.aval, n)
+        and info.is_invariant(x)
+    )
+
+
+def _stage3_candidate(v: Var, n: int, min_bytes: int) -> bool:
+    """A state leaf that stage 3 may store sharded, if its update is computed on chunks."""
+    return _chunkable(v.aval, n) and is_floating(v.aval.dtype) and nbytes(v.aval) >= min_bytes
+
+
+def _plan(graph: StepGraph, n: int, info: InvarianceInfo, shard_state: bool, min_bytes: int, stage: int = 1) -> _Plan:
     jaxpr = graph.jaxpr.jaxpr
     eqns = jaxpr.eqns
     readers: dict[Var, list[int]] = {}
@@ -196,13 +260,28 @@ def _plan(graph: StepGraph, n: int, info: InvarianceInfo, shard_state: bool, min
         and all(r in eligible for r in readers[v])
     }
 
+    # Stage 3: parameters too, if their new value comes out of the chunked update.
+    params = (
+        {i for i, v in enumerate(state_in) if i not in graph.sharded_state and _stage3_candidate(v, n, min_bytes)}
+        if stage >= 3
+        else set()
+    )
+    reductions = {i for i, e in enumerate(eqns) if _reduction_ok(e, n, info)} if stage >= 2 else set()
+
     scatter = {i: picks for i, e in enumerate(eqns) if (picks := _scatter_picks(e, n, min_bytes))}
-    plan = _Plan(scatter=scatter, chunked=set(), sharded=set())
+    plan = _Plan(scatter=scatter, chunked=set(), sharded=set(), params=params)
     chunks = plan.chunk_vars(jaxpr)
     for i in sorted(eligible):
         if any(v in chunks or v in chunk_state for v in _vars(eqns[i].invars)):
             plan.chunked.add(i)
             chunks.update(_vars(eqns[i].outvars))
+
+    def param_kept(i: int, chunks: set[Var]) -> bool:
+        """Stage 3 stores parameter ``i`` sharded: its new value is its old one or a chunk nothing else returns."""
+        out = state_out[i]
+        if out is state_in[i]:
+            return True
+        return isinstance(out, Var) and out in chunks and in_outvars.get(out) == 1 and out not in state_in
 
     # Drop chunking that does not pay: a chunk that no chunked equation reads
     # and that is not stored as sharded state, made from no chunk (a slice and
@@ -223,11 +302,14 @@ def _plan(graph: StepGraph, n: int, info: InvarianceInfo, shard_state: bool, min
 
     while True:
         chunks = plan.chunk_vars(jaxpr)
+        plan.params = {i for i in plan.params if param_kept(i, chunks)}
+        chunks = plan.chunk_vars(jaxpr)
         plan.sharded = shardable(plan, chunks)
-        stored = {state_out[i] for i in plan.sharded}
+        plan.reduced = {i for i in reductions if eqns[i].invars[0] in chunks}
+        stored = {state_out[i] for i in plan.sharded | plan.params}
 
         def read_as_chunk(v: Var, stored: set = stored) -> bool:
-            return v in stored or any(r in plan.chunked for r in readers.get(v, []))
+            return v in stored or any(r in plan.chunked or r in plan.reduced for r in readers.get(v, []))
 
         drop = {
             i
@@ -257,6 +339,9 @@ class _Emitter:
     chunk: dict[Var, Atom] = dataclasses.field(default_factory=dict)  # var -> this replica's chunk
     chunk_only: set[Var] = dataclasses.field(default_factory=set)  # vars with no full value (yet)
     gathered: dict[Var, Atom] = dataclasses.field(default_factory=dict)
+    #: Stage 3: gather a chunk again for each equation that reads it whole, so that
+    #: no whole copy stays alive between its uses (the forward and the backward pass).
+    regather: bool = False
     _rid: Atom | None = None
 
     def replica_index(self) -> Atom:
@@ -271,16 +356,33 @@ class _Emitter:
         self.out.extend(eqns)
         return outs
 
-    def full(self, atom: Atom, like: JaxprEqn | None = None) -> Atom:
-        """The full value of ``atom``; all-gathers a chunk-only value once."""
+    def full(
+        self,
+        atom: Atom,
+        like: JaxprEqn | None = None,
+        gathered: dict[Var, Atom] | None = None,
+        after: list[Var] | None = None,
+    ) -> Atom:
+        """The full value of ``atom``; all-gathers a chunk-only value once (per ``gathered`` cache).
+
+        With ``after``, the gather reads the chunk through an ``optimization_barrier``
+        with those values and :func:`_after` the first: it cannot run before they
+        exist, and XLA cannot merge it with another gather of the same chunk (which
+        would keep the whole value alive from the forward pass to the backward pass).
+        """
         if not isinstance(atom, Var) or atom not in self.chunk_only:
             return atom
-        if atom not in self.gathered:
+        cache = self.gathered if gathered is None else gathered
+        if atom not in cache:
             n = self.n
-            (self.gathered[atom],) = self.emit(
-                lambda c: all_gather_p.bind(c, axis=0, tiled=True, group=None, group_size=n), [self.chunk[atom]], like
-            )
-        return self.gathered[atom]
+
+            def gather(c: Any, *deps: Any) -> Any:
+                if deps:
+                    c = _after(lax.optimization_barrier((c, *deps))[0], deps[0])
+                return all_gather_p.bind(c, axis=0, tiled=True, group=None, group_size=n)
+
+            (cache[atom],) = self.emit(gather, [self.chunk[atom], *(after or [])], like)
+        return cache[atom]
 
     def chunk_of(self, atom: Var, like: JaxprEqn) -> Atom:
         """This replica's chunk of an invariant full-shaped value (sliced locally if needed)."""
@@ -318,9 +420,33 @@ class _Emitter:
         self.chunk[outvar] = c
         self.chunk_only.add(outvar)
 
+    def reduce(self, eqn: JaxprEqn) -> None:
+        """Stage 2: the reduction of this replica's chunk, then the all-reduce of the partial results."""
+        (x,), (outvar,) = eqn.invars, eqn.outvars
+        partial = Var(outvar.aval)
+        self.out.append(eqn.replace(invars=[self.chunk_of(x, eqn)], outvars=[partial]))
+        op, n = REDUCTIONS[eqn.primitive.name], self.n
+        eqns, (whole,) = inline_function(
+            lambda p: all_reduce_p.bind(p, op=op, group=None, group_size=n),
+            [partial],
+            context=self.graph.context,
+            like=eqn,
+        )
+        (last,) = eqns  # the all-reduce writes the reduction's own result var
+        self.out.append(last.replace(outvars=[outvar if v is whole else v for v in last.outvars]))
+
     def keep(self, eqn: JaxprEqn) -> None:
         if any(isinstance(v, Var) and v in self.chunk_only for v in eqn.invars):
-            eqn = eqn.replace(invars=[self.full(v, eqn) for v in eqn.invars])
+            if self.regather:  # gathered for this equation only, once its other operands exist
+                here: dict[Var, Atom] = {}
+                deps = [
+                    v
+                    for v in dict.fromkeys(_vars(eqn.invars))
+                    if v not in self.chunk_only and math.prod(getattr(v.aval, "shape", (0,))) > 0
+                ]
+                eqn = eqn.replace(invars=[self.full(v, eqn, here, deps) for v in eqn.invars])
+            else:
+                eqn = eqn.replace(invars=[self.full(v, eqn) for v in eqn.invars])
         self.out.append(eqn)
 
 
@@ -333,19 +459,31 @@ class ShardOptimizerUpdate(Pass):
     Args:
       shard_state: store state leaves that only the chunked update reads
         sharded over the replicas (ZeRO-1's memory saving). With ``False``
-        they stay replicated and only the update work is split.
+        they stay replicated and only the update work is split (stage 1 only).
       min_tensor_bytes: gradients and state leaves smaller than this stay
         whole (all-reduced, replicated).
+      stage: ZeRO's stage. 1: optimizer state sharded. 2: also reductions of
+        the reduced gradients (a global norm) computed on chunks, so that no
+        whole reduced gradient is rebuilt. 3: also parameters stored sharded,
+        all-gathered for each equation that reads them whole.
     """
 
     name = "shard-optimizer-update"
 
-    def __init__(self, *, shard_state: bool = True, min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES):
+    def __init__(self, *, shard_state: bool = True, min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES, stage: int = 1):
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ShardOptimizerUpdate(stage={stage!r}): ZeRO's stage is 1, 2 or 3.")
+        if stage > 1 and not shard_state:
+            raise ValueError(f"ShardOptimizerUpdate(stage={stage}, shard_state=False): stages 2 and 3 shard state.")
         self.shard_state = bool(shard_state)
         self.min_tensor_bytes = int(min_tensor_bytes)
+        self.stage = stage
 
     def __repr__(self) -> str:
-        return f"ShardOptimizerUpdate(shard_state={self.shard_state}, min_tensor_bytes={self.min_tensor_bytes})"
+        return (
+            f"ShardOptimizerUpdate(shard_state={self.shard_state}, min_tensor_bytes={self.min_tensor_bytes}, "
+            f"stage={self.stage})"
+        )
 
     def run(self, graph: StepGraph) -> PassResult:
         n = graph.context.num_replicas
@@ -357,34 +495,61 @@ class ShardOptimizerUpdate(Pass):
             # The invariance check was disabled and the step is one it rejects:
             # nothing can be proven, so nothing is rewritten.
             return PassResult(graph, False)
-        plan = _plan(graph, n, info, self.shard_state, self.min_tensor_bytes)
+        plan = _plan(graph, n, info, self.shard_state, self.min_tensor_bytes, self.stage)
         jaxpr = graph.jaxpr.jaxpr
         chunks = plan.chunk_vars(jaxpr)
-        if self.shard_state and not plan.sharded:
-            # ZeRO-1 pays by storing optimizer state in 1/N: without any, a
+        notes = self._replicated_notes(graph, plan, n)
+        if self.shard_state and not (plan.sharded or plan.params):
+            # ZeRO pays by storing state in 1/N: without any, a
             # reduce-scatter + all-gather only replaces an all-reduce.
-            return PassResult(graph, False)
+            return PassResult(graph, False, notes)
         if not any(isinstance(v, Var) and v in chunks for v in jaxpr.outvars[: graph.num_state]):
             # No state update is computed on chunks: splitting would only add collectives.
-            return PassResult(graph, False)
-        return PassResult(self._emit(graph, plan), True)
+            return PassResult(graph, False, notes)
+        return PassResult(self._emit(graph, plan), True, notes)
+
+    def _replicated_notes(self, graph: StepGraph, plan: _Plan, n: int) -> tuple[str, ...]:
+        """Stage 3: why each floating-point state leaf of at least ``min_tensor_bytes`` stays replicated."""
+        if self.stage < 3:
+            return ()
+        notes = []
+        for i, v in enumerate(graph.jaxpr.jaxpr.invars[: graph.num_state]):
+            if i in plan.sharded or i in plan.params or i in graph.sharded_state:
+                continue
+            if not is_floating(v.aval.dtype) or nbytes(v.aval) < self.min_tensor_bytes:
+                continue
+            if not _chunkable(v.aval, n):
+                why = f"its leading axis {v.aval.shape[:1]} does not divide by the {n} replicas"
+            else:
+                why = (
+                    "its new value is not computed element by element from values the variance analysis "
+                    "proves identical on every replica"
+                )
+            notes.append(
+                f"ZeRO stage {self.stage}: {graph.state_paths[i]} {v.aval.str_short()} stays replicated: {why}"
+            )
+        return tuple(notes)
 
     def _emit(self, graph: StepGraph, plan: _Plan) -> StepGraph:
         jaxpr = graph.jaxpr.jaxpr
-        em = _Emitter(graph, graph.context.num_replicas)
+        em = _Emitter(graph, graph.context.num_replicas, regather=self.stage >= 3)
+        stored = plan.sharded | plan.params
         new_invars = list(jaxpr.invars)
-        for i in plan.sharded:
+        for i in stored:
             v = jaxpr.invars[i]
             new_invars[i] = em.chunk[v] = Var(v.aval.update(shape=_chunk_shape(v.aval.shape, em.n)))
+            em.chunk_only.add(v)
         for index, eqn in enumerate(jaxpr.eqns):
             if index in plan.scatter:
                 em.scatter(eqn, plan.scatter[index])
             elif index in plan.chunked:
                 em.elementwise(eqn)
+            elif index in plan.reduced:
+                em.reduce(eqn)
             else:
                 em.keep(eqn)
-        outvars = [em.chunk[a] if i in plan.sharded else em.full(a) for i, a in enumerate(jaxpr.outvars)]
+        outvars = [em.chunk[a] if i in stored else em.full(a) for i, a in enumerate(jaxpr.outvars)]
         eqns = em.prologue + em.out
         new = jaxpr.replace(invars=new_invars, eqns=eqns, outvars=outvars, effects=merge_effects(eqns))
-        sharded = frozenset(graph.sharded_state | plan.sharded)
+        sharded = frozenset(graph.sharded_state | stored)
         return dataclasses.replace(graph, jaxpr=ClosedJaxpr(new, graph.jaxpr.consts), sharded_state=sharded)

@@ -27,6 +27,8 @@ __all__ = ["Pass", "PassResult", "replace_placeholders", "rewrite_graph"]
 class PassResult:
     graph: StepGraph
     changed: bool
+    #: What the pass wants the user to know (``explain`` prints it), e.g. why it left something alone.
+    notes: tuple[str, ...] = ()
 
     @classmethod
     def rewritten(

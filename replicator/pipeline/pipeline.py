@@ -236,6 +236,7 @@ class Pipeline:
     def run(self, graph: StepGraph, *, fold: FoldLayout | None = None) -> Lowered:
         """Every pass in order on ``graph``; ``fold``: how replicas sit on devices (for ``validate``)."""
         stages = [Stage("traced", graph, False)]
+        notes: list[str] = []
         ran: list[str] = []
         lowered = False  # a pass that lowers the placeholders ran
         runner = HOOKS.get("graph_runner")(graph, fold=fold) if self.validate else None
@@ -275,11 +276,12 @@ class Pipeline:
                 HOOKS.get("compare_results")(results, new_results, graph, p.name, exact=p.exact)
                 results = new_results
             graph = result.graph
+            notes.extend(result.notes)
             ran.append(p.name)
             lowered = lowered or p.lowers
             stages.append(Stage(p.name, graph, result.changed))
             self._dump(index, p.name, "after", graph)
-        return Lowered(tuple(stages))
+        return Lowered(tuple(stages), tuple(notes))
 
     def _dump(self, index: int, name: str, when: str, graph: StepGraph) -> None:
         if not self.dump_dir:

@@ -27,6 +27,8 @@ from .programs import PerReplica, Spec, Stacked, global_batches, initial_state, 
 VARIANTS: dict[str, dict] = {
     "default": {},
     "zero": {"shard_optimizer": True, "shard_optimizer_min_bytes": 0},
+    "zero2": {"zero_stage": 2, "shard_optimizer_min_bytes": 0},
+    "zero3": {"zero_stage": 3, "shard_optimizer_min_bytes": 0},
     "hierarchical": {"hierarchical": True},
     "compress": {"compress": True},
     "ring": {"all_reduce_algorithm": "ring"},
@@ -41,6 +43,7 @@ VARIANTS: dict[str, dict] = {
     "fold2": {"replicas_per_device": 2},
     "fold8": {"replicas_per_device": 8},
     "fold4-zero": {"replicas_per_device": 4, "shard_optimizer": True, "shard_optimizer_min_bytes": 0},
+    "fold2-zero3": {"replicas_per_device": 2, "zero_stage": 3, "shard_optimizer_min_bytes": 0},
 }
 RAW_VARIANTS = {"lax"}
 MESHES = ((2, 4), (1, 8))

@@ -202,4 +202,4 @@ def test_nothing_to_do_without_gradient_all_reduce(repl):
     graph = repl.lower(lambda s, b: (s + 1.0, {}), {"x": np.ones(repl.num_replicas)}, jnp.zeros(4)).traced
     result = ShardOptimizerUpdate(min_tensor_bytes=0).run(graph)
     assert not result.changed and result.graph is graph
-    assert repr(ShardOptimizerUpdate()) == "ShardOptimizerUpdate(shard_state=True, min_tensor_bytes=65536)"
+    assert repr(ShardOptimizerUpdate()) == "ShardOptimizerUpdate(shard_state=True, min_tensor_bytes=65536, stage=1)"

@@ -1,0 +1,271 @@
+"""ZeRO stages 2 and 3 (``Pipeline.default(zero_stage=...)``): graph, numbers against one device, memory.
+
+The reference is the same step under ``jax.jit`` on one device with the global
+batch (``rp.all_mean`` is the identity there).
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import replicator as rp
+from replicator.cost.memory import state_bytes_per_device
+from replicator.passes import count_primitives
+from replicator.runtime.execution import build_executable
+
+WIDTH, DEPTH = 256, 4  # 256 KiB weights, over the default threshold; 1 KiB biases stay whole
+TOL = 5e-5
+
+
+def _params(rng, width=WIDTH, depth=DEPTH):
+    return [
+        {"w": (rng.normal(size=(width, width)) / np.sqrt(width)).astype(np.float32), "b": np.zeros(width, np.float32)}
+        for _ in range(depth)
+    ]
+
+
+def _loss(params, x, y, dtype=jnp.float32):
+    for layer in params:
+        x = jnp.tanh(x.astype(dtype) @ layer["w"].astype(dtype) + layer["b"].astype(dtype))
+    return jnp.mean((x.astype(jnp.float32) - y) ** 2)
+
+
+def _make_step(tx, loss=_loss, mean=None):
+    def step(state, batch):
+        average = mean or rp.all_mean  # looked up when called: the vmap simulation swaps it
+        params, opt = state
+        value, g = jax.value_and_grad(loss)(params, batch["x"], batch["y"])
+        g = average(g)
+        upd, opt = tx.update(g, opt, params)
+        return (optax.apply_updates(params, upd), opt), {"loss": average(value)}
+
+    return step
+
+
+def _batches(rows, steps=3, width=WIDTH):
+    rng = np.random.default_rng(1)
+    return [
+        {"x": rng.normal(size=(rows, width)).astype(np.float32), "y": rng.normal(size=(rows, width)).astype(np.float32)}
+        for _ in range(steps)
+    ]
+
+
+def _train(repl, step, state, batches):
+    def input_fn(ctx):
+        rows = len(batches[0]["x"]) // repl.num_workers
+        for b in batches:
+            yield jax.tree.map(lambda a: a[ctx.worker_id * rows : (ctx.worker_id + 1) * rows], b)
+
+    for _ in batches:
+        state, _ = repl.run(step, input_fn, state)
+    return state
+
+
+def _reference(tx, state, batches, loss=_loss):
+    step = jax.jit(_make_step(tx, loss, mean=lambda x: x))
+    for b in batches:
+        state, _ = step(state, b)
+    return state
+
+
+def _max_diff(a, b) -> float:
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def _lower(repl, step, state):
+    """The step lowered for one worker's batch of 4 rows per replica."""
+    return repl.lower(step, _batches(4 * repl.cores_per_worker, 1)[0], state)
+
+
+def _setup(tx=None):
+    tx = tx or optax.adam(1e-2)
+    params = _params(np.random.default_rng(0))
+    return tx, (params, tx.init(params))
+
+
+# -- options ----------------------------------------------------------------------------------
+
+
+def test_zero_stage_option_builds_the_pass_with_its_stage():
+    (p,) = [p for p in rp.Pipeline.default(zero_stage=3).passes if p.name == "shard-optimizer-update"]
+    assert p.stage == 3
+    (p,) = [p for p in rp.Pipeline.default(shard_optimizer=True).passes if p.name == "shard-optimizer-update"]
+    assert p.stage == 1
+    assert "shard-optimizer-update" not in rp.Pipeline.default(zero_stage=0).names
+    with pytest.raises(ValueError, match="stages are 0 .off., 1, 2 and 3"):
+        rp.Pipeline.default(zero_stage=4)
+
+
+# -- stage 3: parameters stored sharded --------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_three_adam_steps_equal_one_device(n_devices, stage):
+    tx, state = _setup()
+    batches = _batches(4 * n_devices)
+    repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(zero_stage=stage))
+    got = _train(repl, _make_step(tx), state, batches)
+    ref = _reference(tx, state, batches)
+    assert _max_diff(ref[0], state[0]) > 1e-3  # training moved the parameters: the check below can fail
+    assert _max_diff(got, ref) < TOL
+
+
+def test_stage3_stores_parameters_sharded_and_gathers_them_for_each_use(n_devices):
+    tx, state = _setup()
+    repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(zero_stage=3))
+    lowered = _lower(repl, _make_step(tx), state)
+    final = lowered.final
+    paths = [final.state_paths[i] for i in sorted(final.sharded_state)]
+    weights = [p for p in paths if p.endswith("['w']")]
+    assert len(weights) == 3 * DEPTH, paths  # w, Adam's mu and nu of every layer
+    assert not any(p.endswith("['b']") for p in paths), paths  # under the threshold
+    # every layer's w in the forward pass, and again in the backward pass (the first layer's
+    # input needs no gradient): 2 * DEPTH - 1 gathers, none merged by XLA
+    zero = lowered.after("shard-optimizer-update")
+    gathers = count_primitives(zero.jaxpr)["rp.all_gather"]
+    assert gathers == 2 * DEPTH - 1, count_primitives(zero.jaxpr)
+    hlo = _compiled_text(repl, lowered)
+    assert len(re.findall(r" all-gather(-start)?\(", hlo)) == gathers
+
+
+def _compiled_text(repl, lowered) -> str:
+    from jax.sharding import NamedSharding
+
+    from replicator.runtime.execution import sharded, state_spec
+
+    final, traced = lowered.final, lowered.traced
+    avals = [v.aval for v in traced.jaxpr.jaxpr.invars]
+    n = traced.num_state
+    state = [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(repl.mesh, state_spec(i, final.sharded_state)))
+        for i, a in enumerate(avals[:n])
+    ]
+    rows = traced.context.num_replicas
+    batch = [
+        jax.ShapeDtypeStruct((rows * a.shape[0], *a.shape[1:]), a.dtype, sharding=sharded(repl.mesh)) for a in avals[n:]
+    ]
+    return build_executable(final, repl.mesh).lower(state, batch).compile().as_text()
+
+
+def test_memory_per_device_falls_with_each_stage(n_devices):
+    tx, state = _setup()
+    whole = sum(np.asarray(x).nbytes for x in jax.tree.leaves(state))
+    usage, stored = {}, {}
+    for stage in (0, 1, 3):
+        repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(zero_stage=stage))
+        lowered = _lower(repl, _make_step(tx), state)
+        usage[stage], stored[stage] = lowered.memory(), state_bytes_per_device(lowered.final)
+    assert stored[0] == whole
+    # stage 1: mu and nu in 1/N; stage 3: the weights too (biases and counters stay whole)
+    weights = DEPTH * WIDTH * WIDTH * 4
+    assert stored[1] == whole - 2 * weights + 2 * weights // n_devices
+    assert stored[3] == whole - 3 * weights + 3 * weights // n_devices
+    # XLA's accounting: the state arguments shrink as predicted, and stage 3's temporaries
+    # hold one gathered weight at a time (and a few activations), not every weight
+    assert usage[0].peak > usage[1].peak > usage[3].peak
+    assert usage[3].arguments < usage[1].arguments < usage[0].arguments
+    assert usage[3].temporaries < 1.5 * WIDTH * WIDTH * 4, usage[3]
+
+
+def test_unsharded_parameter_stays_replicated_with_a_note(n_devices):
+    """A parameter whose update is not element-wise is left whole, and the pipeline says why."""
+    rng = np.random.default_rng(0)
+    state = {"w": rng.normal(size=(WIDTH, WIDTH)).astype(np.float32), "v": np.ones((WIDTH, WIDTH), np.float32)}
+
+    def step(s, b):
+        g = rp.all_mean(jax.grad(lambda w: jnp.sum(jnp.tanh(b["x"] @ w)))(s["w"]))
+        return {"w": s["w"] - 0.1 * g, "v": jnp.roll(s["v"], 1, axis=1) + 0.5}, {}
+
+    repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(zero_stage=3))
+    lowered = repl.lower(step, {"x": np.ones((2 * n_devices, WIDTH), np.float32)}, state)
+    paths = [lowered.final.state_paths[i] for i in lowered.final.sharded_state]
+    assert paths == ["state['w']"], paths
+    (note,) = [n for n in lowered.notes if "state['v']" in n]
+    assert "stays replicated" in note and "element by element" in note
+    assert "['v']" in str(repl.explain(step, {"x": np.ones((2 * n_devices, WIDTH), np.float32)}, state))
+
+
+def test_stage3_with_bf16_compute_gathers_in_bf16(n_devices):
+    tx, state = _setup(optax.sgd(5.0))  # Adam would turn bf16 roundings into steps of its learning rate
+
+    def bf16_loss(p, x, y):
+        return _loss(p, x, y, dtype=jnp.bfloat16)
+
+    repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(zero_stage=3))
+    zero = _lower(repl, _make_step(tx, bf16_loss), state).after("shard-optimizer-update")
+    gathered = [e.invars[0].aval.dtype for e in zero.jaxpr.jaxpr.eqns if e.primitive.name == "rp.all_gather"]
+    assert gathered and all(d == jnp.bfloat16 for d in gathered), gathered
+    batches = _batches(4 * n_devices)
+    got = _train(repl, _make_step(tx, bf16_loss), state, batches)
+    ref = _reference(tx, state, batches, bf16_loss)
+    moved = _max_diff(ref[0], state[0])
+    assert moved > 1e-2
+    # bf16 products (8 bits of mantissa) summed in another order: within 5% of how far training moved
+    assert _max_diff(got, ref) < 0.05 * moved, (_max_diff(got, ref), moved)
+
+
+def test_stage3_with_jax_checkpoint_and_clipping(n_devices):
+    tx, state = _setup(optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-2)))
+
+    def remat_loss(p, x, y):
+        for layer in p:
+            x = jax.checkpoint(lambda x, layer: jnp.tanh(x @ layer["w"] + layer["b"]))(x, layer)
+        return jnp.mean((x - y) ** 2)
+
+    batches = _batches(4 * n_devices)
+    repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(zero_stage=3))
+    got = _train(repl, _make_step(tx, remat_loss), state, batches)
+    assert _max_diff(got, _reference(tx, state, batches, remat_loss)) < TOL
+
+
+def test_stage2_computes_the_global_norm_on_shards(n_devices):
+    """clip_by_global_norm's sum of squares: partial sums and an all-reduce, no gathered gradient."""
+    tx, state = _setup(optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-2)))
+    counts = {}
+    for stage in (1, 2):
+        repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(zero_stage=stage))
+        counts[stage] = count_primitives(_lower(repl, _make_step(tx), state).after("shard-optimizer-update").jaxpr)
+    # stage 1 gathers each weight's squared gradient for the norm, and the new weights;
+    # stage 2 only the new weights
+    assert counts[1]["rp.all_gather"] == 2 * DEPTH
+    assert counts[2]["rp.all_gather"] == DEPTH
+    assert counts[2]["rp.all_reduce"] == counts[1]["rp.all_reduce"] + DEPTH
+    batches = _batches(4 * n_devices)
+    got = _train(repl, _make_step(tx), state, batches)
+    assert _max_diff(got, _reference(tx, state, batches)) < TOL
+
+
+@pytest.mark.parametrize(("workers", "per_device"), [(2, 1), (1, 2), (2, 2)])
+def test_stage3_on_a_2d_mesh_and_folded(n_devices, workers, per_device):
+    tx, state = _setup()
+    batches = _batches(4 * n_devices)
+    repl = rp.Replicator(
+        workers, n_devices // workers, replicas_per_device=per_device, passes=rp.Pipeline.default(zero_stage=3)
+    )
+    got = _train(repl, _make_step(tx), state, batches)
+    assert _max_diff(got, _reference(tx, state, batches)) < TOL
+    w = got[0][0]["w"]
+    assert not w.sharding.is_fully_replicated  # stored 1/N per device between steps
+    assert w.shape == (WIDTH, WIDTH)  # the global shape the user gave
+
+
+def test_gradient_accumulation_under_stage3(n_devices):
+    tx, state = _setup()
+    batches = _batches(4 * n_devices)
+
+    def step(state, batch):
+        params, opt = state
+        _, g = rp.accumulate_gradients(lambda p, m: _loss(p, m["x"], m["y"]), params, batch, 2)
+        upd, opt = tx.update(g, opt, params)
+        return (optax.apply_updates(params, upd), opt), {}
+
+    repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(zero_stage=3))
+    got = _train(repl, step, state, batches)
+    assert _max_diff(got, _reference(tx, state, batches)) < TOL
