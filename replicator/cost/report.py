@@ -48,13 +48,13 @@ preset (``'gpu-nvlink-8'``, ...) or a calibrated :class:`Topology`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from replicator.core.graph import CollectiveRecord
 from replicator.cost.collectives import Prediction
 from replicator.cost.collectives import predict as _predict
-from replicator.cost.memory import state_bytes_per_device
+from replicator.cost.memory import state_bytes_by_zero_stage, state_bytes_per_device
 from replicator.cost.table import format_table
 from replicator.cost.topology import Topology
 from replicator.pipeline.pipeline import Lowered
@@ -79,6 +79,8 @@ class CommunicationReport:
     #: Compiles the step and returns its measured per-device memory (``Lowered.memory``);
     #: called when the report is printed, or by :meth:`memory`.
     memory_fn: Callable[[], Any] | None = dataclasses.field(default=None, compare=False, repr=False)
+    #: The same prediction for each ZeRO stage 0-3 (:func:`~replicator.cost.memory.state_bytes_by_zero_stage`).
+    state_bytes_by_stage: Mapping[int, int] | None = None
 
     def memory(self) -> Any:
         """Per-device memory of the compiled step (XLA's analysis; compiles it), or ``None`` if unknown."""
@@ -136,6 +138,9 @@ class CommunicationReport:
         memory = []
         if self.state_bytes is not None:
             memory.append(f"state per device (predicted from the graph): {_human(self.state_bytes)}")
+        if self.state_bytes_by_stage:
+            stages = ", ".join(f"{k}: {_human(v)}" for k, v in sorted(self.state_bytes_by_stage.items()))
+            memory.append(f"state per device at each ZeRO stage (Pipeline.default(zero_stage=k), predicted): {stages}")
         if self.memory_fn is not None:
             memory.append(str(self.memory()))
         return "\n".join([format_table(header, lines), summary, *memory, *self.notes])
@@ -166,4 +171,17 @@ def communication_report(lowered: Lowered) -> CommunicationReport:
         notes=lowered.notes,
         state_bytes=state_bytes_per_device(final),
         memory_fn=lowered.memory_fn,
+        state_bytes_by_stage=_by_stage(lowered),
     )
+
+
+def _by_stage(lowered: Lowered) -> dict[int, int] | None:
+    """The state per device at each ZeRO stage, from the graph before any ZeRO stage ran."""
+    names = [s.name for s in lowered.stages]
+    before = names.index("shard-optimizer-update") - 1 if "shard-optimizer-update" in names else None
+    if before is None:
+        before = names.index("simplify") if "simplify" in names else 0
+    graph = lowered.stages[before].graph
+    if graph.sharded_state or graph.collectives:  # already sharded or lowered: not the graph the stages start from
+        return None
+    return state_bytes_by_zero_stage(graph)
