@@ -51,6 +51,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from dense import dense_layers, regression_batches  # noqa: E402
 from timing import time_interleaved  # noqa: E402
 
 Step = Callable  # (state, batch, all_mean, batch_norm) -> (state, loss)
@@ -61,18 +62,9 @@ Step = Callable  # (state, batch, all_mean, batch_norm) -> (state, loss)
 
 def mlp(depth: int, width: int, batch: int = 512):
     rng = np.random.default_rng(0)
-    params = [
-        {"w": (rng.normal(size=(width, width)) / np.sqrt(width)).astype(np.float32), "b": np.zeros(width, np.float32)}
-        for _ in range(depth)
-    ]
+    params = dense_layers(rng, depth, width)
     tx = optax.adam(1e-3)
-    batches = [
-        {
-            "x": rng.normal(size=(batch, width)).astype(np.float32),
-            "y": rng.normal(size=(batch, width)).astype(np.float32),
-        }
-        for _ in range(4)
-    ]
+    batches = regression_batches(rng, 4, batch, width)
 
     def step(state, b, mean, bn):
         del bn

@@ -52,6 +52,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from dense import dense_layers, regression_batches  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from timing import time_interleaved  # noqa: E402
@@ -64,18 +65,9 @@ MiB = 2.0**20
 def mlp(width: int, depth: int, batch: int):
     """An ``depth``-layer ``width x width`` tanh MLP with Adam (the issue's workload)."""
     rng = np.random.default_rng(0)
-    params = [
-        {"w": (rng.normal(size=(width, width)) / np.sqrt(width)).astype(np.float32), "b": np.zeros(width, np.float32)}
-        for _ in range(depth)
-    ]
+    params = dense_layers(rng, depth, width)
     tx = optax.adam(1e-3)
-    batches = [
-        {
-            "x": rng.normal(size=(batch, width)).astype(np.float32),
-            "y": rng.normal(size=(batch, width)).astype(np.float32),
-        }
-        for _ in range(3)
-    ]
+    batches = regression_batches(rng, 3, batch, width)
 
     def step(state, b, mean):
         params, opt = state
