@@ -17,10 +17,18 @@ def block(x: object) -> None:
     jax.block_until_ready(x)
 
 
-def time_interleaved(variants: dict[str, Callable[[], object]], rounds: int, steps: int) -> dict[str, float]:
-    """Median seconds per step of each variant, variants interleaved per round (order reversed every other round)."""
+def interleaved_samples(
+    variants: dict[str, Callable[[], object]],
+    rounds: int,
+    steps: int,
+    *,
+    warmup: int = 2,
+    max_in_flight: int | None = MAX_IN_FLIGHT,
+) -> dict[str, list[float]]:
+    """Seconds per step of each variant, one sample per round, variants interleaved (order reversed every
+    other round). ``max_in_flight``: steps a variant may run ahead of the host (None: blocks once a round)."""
     for run in variants.values():  # compile and warm up
-        for _ in range(2):
+        for _ in range(warmup):
             block(run())
     samples: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(rounds):
@@ -32,8 +40,15 @@ def time_interleaved(variants: dict[str, Callable[[], object]], rounds: int, ste
             in_flight: list[object] = []
             for _ in range(steps):
                 in_flight.append(run())
-                if len(in_flight) > MAX_IN_FLIGHT:
+                if max_in_flight is None:
+                    in_flight = in_flight[-1:]
+                elif len(in_flight) > max_in_flight:
                     block(in_flight.pop(0))
             block(in_flight)
             samples[name].append((time.perf_counter() - t0) / steps)
-    return {name: statistics.median(v) for name, v in samples.items()}
+    return samples
+
+
+def time_interleaved(variants: dict[str, Callable[[], object]], rounds: int, steps: int) -> dict[str, float]:
+    """Median seconds per step of each variant, variants interleaved per round (see :func:`interleaved_samples`)."""
+    return {name: statistics.median(v) for name, v in interleaved_samples(variants, rounds, steps).items()}

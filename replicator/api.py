@@ -24,6 +24,7 @@ import collections
 import dataclasses
 import functools
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -46,8 +47,16 @@ from replicator.pipeline.pipeline import Lowered, Pipeline
 from replicator.runtime.consistency import check_replicas_agree
 from replicator.runtime.distributed import progress
 from replicator.runtime.distributed.startup import check_initialized_under_launcher
-from replicator.runtime.execution import build_executable, place_batch, place_state
-from replicator.runtime.inputs import InputContext, WorkerInputs, check_input_fn, check_worker_batch
+from replicator.runtime.execution import build_executable, place_batch, place_state, spans_processes
+from replicator.runtime.inputs import (
+    Batch,
+    BatchChecker,
+    BatchSignature,
+    InputContext,
+    WorkerInputs,
+    check_input_fn,
+    check_worker_batch,
+)
 from replicator.runtime.memory import compiled_memory
 from replicator.runtime.mesh import build_mesh
 from replicator.runtime.state import broadcast_state
@@ -65,6 +74,9 @@ class CompiledStep:
     lowered: Lowered
     executable: Callable
     runs: int = 0  # the first run compiles it (XLA), as part of the call
+    #: Whether the new state it returns is laid out as ``place_state`` would place it (checked on the
+    #: first run), so that the next call may pass those arrays back as they are.
+    state_reusable: bool = False
 
 
 #: Compiled steps kept per Replicator (least recently used dropped first).
@@ -103,6 +115,77 @@ def _state_signature(leaf: Any, treedef: Any, index: int) -> Any:
             "strings); convert it to an array, or keep it out of the state (eqx.partition(model, eqx.is_array))."
         ) from None
     return _Static((leaf,))
+
+
+class _StateKey:
+    """The compile-cache key of a step's state: ``(has_state, treedef, leaf signatures)``, hashed once."""
+
+    __slots__ = ("_hash", "value")
+
+    def __init__(self, has_state: bool, treedef: Any, signatures: tuple):
+        self.value = (has_state, treedef, signatures)
+        self._hash = hash(self.value)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (
+            isinstance(other, _StateKey) and self._hash == other._hash and self.value == other.value
+        )
+
+
+_NO_STATE = _StateKey(False, None, ())
+
+
+def _state_key(state: PyTree | None) -> tuple[_StateKey, list, Any]:
+    """``(key, leaves, treedef)`` of a step's state; the checks of each leaf raise here."""
+    if state is None:
+        return _NO_STATE, [], None
+    leaves, treedef = jax.tree.flatten(state)
+    return (
+        _StateKey(True, treedef, tuple(_state_signature(leaf, treedef, i) for i, leaf in enumerate(leaves))),
+        leaves,
+        treedef,
+    )
+
+
+class _ReturnedState:
+    """The state the last ``run`` returned (arrays held weakly), recognized when it comes back as the next
+    call's state: its arrays are then on the mesh already and its key is known, so neither is worked out
+    again for every leaf."""
+
+    __slots__ = ("arrays", "key", "n", "sharded_state", "statics", "treedef")
+
+    def __init__(
+        self, key: _StateKey, treedef: Any, arrays: list, statics: tuple, n: int, sharded_state: frozenset[int]
+    ):
+        self.key, self.treedef, self.statics, self.n, self.sharded_state = key, treedef, statics, n, sharded_state
+        self.arrays = [weakref.ref(a) for a in arrays]
+
+    def match(self, leaves: list, treedef: Any) -> list | None:
+        """The array leaves of ``leaves`` if they are this state's, else None."""
+        if treedef != self.treedef or len(leaves) != self.n:
+            return None
+        if self.statics:
+            if any(leaves[i] is not value for i, value in self.statics):
+                return None
+            static = dict(self.statics)
+            leaves = [leaf for i, leaf in enumerate(leaves) if i not in static]
+        if len(leaves) != len(self.arrays) or any(
+            ref() is not leaf for ref, leaf in zip(self.arrays, leaves, strict=True)
+        ):
+            return None
+        return leaves
+
+
+def _merge_static(arrays: list, statics: tuple, n: int) -> list:
+    """All of the state's leaves: the step's new arrays with the static leaves at their places."""
+    if not statics:
+        return arrays
+    by_index = dict(statics)
+    it = iter(arrays)
+    return [by_index[i] if i in by_index else next(it) for i in range(n)]
 
 
 def _leaf_path(treedef: Any, index: int) -> str:
@@ -148,6 +231,22 @@ class Replicator:
         many executions with collectives over emulated devices are queued at
         once (reproduced with plain ``jit(shard_map(psum))``: 200 queued calls
         on 8 devices hang, 4 do not), so on CPU the queue is kept short.
+      prefetch: how many batches to draw from ``input_fn`` and place on the
+        devices ahead of their step (right after a step is dispatched, while
+        it runs); ``0``: none, each batch is drawn when its step starts.
+        ``None``: 1 on accelerators (GPU, TPU) in one process; 0 on CPU
+        devices (they are the host's own cores: there is no separate device
+        to overlap with; drawing ahead was slower or within noise in
+        ``benchmarks/host_overhead.py``) and on a mesh that spans processes
+        (the launcher's watchdog expects each process to draw its step's
+        batch within that step). Turn it off (here, or for one
+        ``input_fn`` with ``run(..., prefetch=0)``) when ``input_fn``'s
+        batches depend on what happens after a step returns (on its outputs,
+        or on a variable the loop sets between steps): a prefetched batch was
+        drawn before that. A prefetched batch takes device memory for one
+        more batch. Errors of ``input_fn`` are raised by the step whose batch
+        it was drawing, and :meth:`input_position` counts only batches steps
+        have taken.
     """
 
     def __init__(
@@ -162,6 +261,7 @@ class Replicator:
         axis_name: str | Mapping[str, str | None] | None = None,
         check_state_every: int | None = None,
         replicas_per_device: int = 1,
+        prefetch: int | None = None,
     ):
         axis_names = normalize_axis_names(axis_name)
         check_initialized_under_launcher()
@@ -188,11 +288,16 @@ class Replicator:
         if check_state_every is not None and (not isinstance(check_state_every, int) or check_state_every < 1):
             raise ValueError(f"check_state_every must be a positive int or None, got {check_state_every!r}.")
         self.check_state_every = check_state_every
+        if prefetch is None:
+            prefetch = 0 if spans_processes(self.mesh) or self.mesh.devices.flat[0].platform == "cpu" else 1
+        self.prefetch = _check_prefetch(prefetch)
         self._steps_run = 0
         self._cached_pipeline_key: tuple[Pipeline, tuple] | None = None
         self._in_flight: collections.deque = collections.deque()
         self._inputs: dict[Any, WorkerInputs] = {}
         self._compiled: collections.OrderedDict[Any, CompiledStep] = collections.OrderedDict()
+        self._checker = BatchChecker(self.cores_per_worker)
+        self._returned: _ReturnedState | None = None
         self._warned_retrace: set[str] = set()
         self.trace_count = 0
 
@@ -229,44 +334,44 @@ class Replicator:
         return cached[1]
 
     def _compile(self, step_fn: Callable, state: PyTree | None, batch: PyTree) -> CompiledStep:
-        """Trace + rewrite ``step_fn`` for a worker batch like ``batch`` (cached).
+        """Trace + rewrite ``step_fn`` for a worker batch like ``batch`` (cached)."""
+        state_key, _, _ = _state_key(state)
+        return self._lookup(step_fn, state_key, BatchSignature.of(batch, self.cores_per_worker), batch)
 
-        The cache key is cheap to build (it runs on every step): tree
-        structures and per-leaf (shape, canonical dtype).
+    def _lookup(
+        self, step_fn: Callable, state_key: _StateKey, batch_key: BatchSignature, batch: PyTree | None = None
+    ) -> CompiledStep:
+        """The compiled step for a state and batch signature: from the cache, or traced and rewritten now.
+
+        The key's parts hash in constant time (their hashes are computed once), as it is looked up on every
+        step. ``batch``: one worker's batch, checked before tracing (None: checked already).
         """
-        has_state = state is not None
-        state_leaves, state_def = jax.tree.flatten(state) if has_state else ([], None)
-        batch_leaves, batch_def = jax.tree.flatten(batch)
-        c = self.cores_per_worker
-        batch_sigs = []
-        for leaf in batch_leaves:
-            shape, dtype = leaf_signature(leaf)
-            batch_sigs.append(((shape[0] // c, *shape[1:]), dtype))
-        state_sigs = tuple(_state_signature(leaf, state_def, i) for i, leaf in enumerate(state_leaves))
-        key = (step_fn, has_state, state_def, state_sigs, batch_def, tuple(batch_sigs), self._pipeline_key())
+        key = (step_fn, state_key, batch_key, self._pipeline_key())
         compiled = self._compiled.get(key)
         if compiled is not None:
             self._compiled.move_to_end(key)
-        else:
-            with progress.phase("compiling"):
-                self._warn_if_retracing(key)
-                check_worker_batch(batch, c, 0)
-                state_specs = state_def.unflatten([_state_spec(s) for s in state_sigs]) if has_state else None
-                batch_specs = batch_def.unflatten([signature_spec(s) for s in batch_sigs])
-                traced = trace_step(step_fn, state_specs, batch_specs, self.context)
-                self.trace_count += 1
-                lowered = self.pipeline.run(traced.graph, fold=self.fold)
-                if self.fold.replicas_per_device > 1:
-                    lowered = fold_lowered(lowered, self.fold)
-                executable = build_executable(lowered.final, self.mesh, donate_state=self.donate_state, fold=self.fold)
-                memory = functools.cache(
-                    functools.partial(compiled_memory, executable, traced.graph, lowered.final, self.mesh)
-                )
-                lowered = dataclasses.replace(lowered, memory_fn=memory)
-                compiled = CompiledStep(traced, lowered, executable)
-                self._compiled[key] = compiled
-                while len(self._compiled) > MAX_COMPILED_STEPS:
-                    self._compiled.popitem(last=False)  # the least recently used
+            return compiled
+        with progress.phase("compiling"):
+            self._warn_if_retracing(key)
+            if batch is not None:
+                check_worker_batch(batch, self.cores_per_worker, 0)
+            has_state, state_def, state_sigs = state_key.value
+            state_specs = state_def.unflatten([_state_spec(s) for s in state_sigs]) if has_state else None
+            batch_specs = batch_key.treedef.unflatten([signature_spec(s) for s in batch_key.replica_leaves])
+            traced = trace_step(step_fn, state_specs, batch_specs, self.context)
+            self.trace_count += 1
+            lowered = self.pipeline.run(traced.graph, fold=self.fold)
+            if self.fold.replicas_per_device > 1:
+                lowered = fold_lowered(lowered, self.fold)
+            executable = build_executable(lowered.final, self.mesh, donate_state=self.donate_state, fold=self.fold)
+            memory = functools.cache(
+                functools.partial(compiled_memory, executable, traced.graph, lowered.final, self.mesh)
+            )
+            lowered = dataclasses.replace(lowered, memory_fn=memory)
+            compiled = CompiledStep(traced, lowered, executable)
+            self._compiled[key] = compiled
+            while len(self._compiled) > MAX_COMPILED_STEPS:
+                self._compiled.popitem(last=False)  # the least recently used
         return compiled
 
     def _warn_if_retracing(self, key: tuple) -> None:
@@ -353,11 +458,17 @@ class Replicator:
         while self.max_in_flight and len(self._in_flight) >= self.max_in_flight:
             token = self._in_flight.popleft()
             if not token.is_deleted():  # a donated state was consumed by a later step
-                jax.block_until_ready(token)
+                token.block_until_ready()
 
     def forget_input(self, input_fn: Callable) -> None:
-        """Drop the iterators of ``input_fn``: the next ``run`` with it starts over."""
+        """Drop the iterators of ``input_fn`` and its prefetched batches: the next ``run`` with it starts over."""
         self._inputs.pop(input_fn, None)
+
+    def input_position(self, input_fn: Callable) -> int:
+        """How many batches steps have taken from each worker's iterator of ``input_fn`` (since it was started,
+        or since :meth:`forget_input`); batches prefetched for later steps are not counted."""
+        inputs = self._inputs.get(input_fn)
+        return inputs.taken if inputs is not None else 0
 
     def _worker_inputs(self, input_fn: Callable) -> WorkerInputs:
         check_input_fn(input_fn)
@@ -367,7 +478,14 @@ class Replicator:
             inputs = self._inputs[input_fn] = WorkerInputs(input_fn, contexts)
         return inputs
 
-    def run(self, step_fn: Callable, input_fn: Callable[[InputContext], Any], state: PyTree | None = None) -> Any:
+    def run(
+        self,
+        step_fn: Callable,
+        input_fn: Callable[[InputContext], Any],
+        state: PyTree | None = None,
+        *,
+        prefetch: int | None = None,
+    ) -> Any:
         """Run one step on every replica with the next batch of ``input_fn``.
 
         Args:
@@ -376,6 +494,10 @@ class Replicator:
           input_fn: ``input_fn(ctx: InputContext) -> iterable`` of a worker's
             batches; called once per worker, later calls continue it.
           state: a pytree of arrays, identical on every replica, or None.
+          prefetch: batches of ``input_fn`` to draw and place ahead, after this
+            step is dispatched (default: the Replicator's ``prefetch``; ``0``
+            for an ``input_fn`` whose batches depend on this step's outputs).
+            Batches prefetched before are used first either way.
 
         Returns:
           ``outputs`` or ``(new_state, outputs)``. The new state is one copy
@@ -385,37 +507,93 @@ class Replicator:
           rows: read them with ``rp.local_outputs`` / ``rp.replica_invariant``
           (no communication) or ``rp.gather_outputs`` (all rows, a collective).
         """
+        depth = self.prefetch if prefetch is None else _check_prefetch(prefetch)
         progress.begin_step()
         try:
-            return self._run(step_fn, input_fn, state)
+            return self._run(step_fn, input_fn, state, depth)
         finally:
             progress.end_step()
 
-    def _run(self, step_fn: Callable, input_fn: Callable[[InputContext], Any], state: PyTree | None) -> Any:
+    def _run(self, step_fn: Callable, input_fn: Callable[[InputContext], Any], state: PyTree | None, depth: int) -> Any:
         inputs = self._worker_inputs(input_fn)
-        batches = inputs.next_batches()
-        structures = {jax.tree.structure(b) for b in batches}
-        if len(structures) > 1:
-            raise ValueError(f"workers yielded batches of different structures: {structures}.")
-        worker_leaves = [
-            check_worker_batch(b, self.cores_per_worker, ctx.worker_id)
-            for b, ctx in zip(batches, inputs.contexts, strict=True)
-        ]
-        compiled = self._compile(step_fn, state, batches[0])
+        batch = inputs.take()
+        if batch.signature is None:
+            batch.signature, batch.leaves = self._checker.check(batch.batches, inputs.contexts)
+        placed_state = None
+        if state is None:
+            state_key, leaves, state_def = _NO_STATE, [], None
+        else:
+            leaves, state_def = jax.tree.flatten(state)
+            returned = self._returned
+            if returned is not None and (placed_state := returned.match(leaves, state_def)) is not None:
+                state_key = returned.key
+            else:
+                state_key, leaves, state_def = _state_key(state)
+        compiled = self._lookup(step_fn, state_key, batch.signature)
         progress.set_phase("compiling" if compiled.runs == 0 else "step", progress.current_step())
         traced = compiled.traced
-        state_leaves = traced.array_leaves(state) if state is not None else []
-        placed_state = place_state(state_leaves, self.mesh, compiled.lowered.final.sharded_state)
-        placed_batch = place_batch(worker_leaves, self.mesh, self.num_workers)
+        sharded_state = compiled.lowered.final.sharded_state
+        if placed_state is None or returned.sharded_state != sharded_state:
+            placed_state = place_state(_array_leaves(leaves, traced.static_state), self.mesh, sharded_state)
+        if batch.placed is None:
+            batch.placed = place_batch(batch.leaves, self.mesh, self.num_workers, nbytes=batch.signature.nbytes)
         self._wait_for_room()
-        new_state, outputs = compiled.executable(placed_state, placed_batch)
+        new_state, outputs = compiled.executable(placed_state, batch.placed)
+        if compiled.runs == 0 and new_state:  # would place_state take the new state as it is?
+            compiled.state_reusable = not any(getattr(a, "weak_type", False) for a in new_state) and all(
+                a is b for a, b in zip(place_state(new_state, self.mesh, sharded_state), new_state, strict=True)
+            )
         compiled.runs += 1
         if self.max_in_flight and (new_state or outputs):
             self._in_flight.append((new_state or outputs)[0])
         self._steps_run += 1
+        if depth:
+            self._prefetch(inputs, depth)
         if self.check_state_every and self._steps_run % self.check_state_every == 0 and new_state:
             check_replicas_agree(new_state, compiled.lowered.final.state_paths)
         outputs = traced.output_treedef.unflatten(outputs)
         if state is None:
             return outputs
-        return traced.rebuild_state(new_state), outputs
+        statics = traced.static_state
+        new_leaves = _merge_static(new_state, statics, traced.state_treedef.num_leaves)
+        if compiled.state_reusable:
+            self._returned = _ReturnedState(state_key, state_def, new_state, statics, len(new_leaves), sharded_state)
+        return traced.state_treedef.unflatten(new_leaves), outputs
+
+    def _prefetch(self, inputs: WorkerInputs, depth: int) -> None:
+        """Draw, check and place batches of ``inputs`` until ``depth`` wait for their steps.
+
+        A draw that fails is kept, and raised by the step that takes it; a batch that fails its checks or
+        its placement is checked and placed again by its step (which raises the error there, in order).
+        """
+        step = progress.current_step()
+        drew = False
+        while len(inputs.pending) < depth and not (inputs.pending and inputs.pending[-1].error is not None):
+            progress.set_phase("input", step + 1)
+            drew = True
+            batch = inputs.draw_ahead()
+            if batch.error is None:
+                self._prepare(batch, inputs)
+        if drew:
+            progress.set_phase("step", step)
+
+    def _prepare(self, batch: Batch, inputs: WorkerInputs) -> None:
+        try:
+            batch.signature, batch.leaves = self._checker.check(batch.batches, inputs.contexts)
+            batch.placed = place_batch(batch.leaves, self.mesh, self.num_workers, nbytes=batch.signature.nbytes)
+        except Exception:  # noqa: BLE001 - done again when the batch's step takes it, which raises it there
+            batch.signature = batch.leaves = batch.placed = None
+
+
+def _array_leaves(leaves: list, statics: tuple) -> list:
+    """The state's array leaves (its static leaves left out)."""
+    if not statics:
+        return leaves
+    static = dict(statics)
+    return [leaf for i, leaf in enumerate(leaves) if i not in static]
+
+
+def _check_prefetch(prefetch: Any) -> int:
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be a non-negative int (0: off), got {prefetch!r}.")
+    return prefetch

@@ -39,7 +39,9 @@ from replicator.core.layout import FoldLayout
 __all__ = ["build_executable", "place_batch", "place_state", "sharded", "spans_processes"]
 
 
+@functools.lru_cache(maxsize=64)
 def sharded(mesh: Mesh) -> NamedSharding:
+    """Split along the leading axis over every replica (how batches and outputs are laid out)."""
     return NamedSharding(mesh, P(REPLICA_AXES))
 
 
@@ -328,8 +330,12 @@ def _check_host_memory(worker_leaves: list[list[Any]], mesh: Mesh) -> None:
         )
 
 
-def place_batch(worker_leaves: list[list[Any]], mesh: Mesh, num_workers: int | None = None) -> list[jax.Array]:
+def place_batch(
+    worker_leaves: list[list[Any]], mesh: Mesh, num_workers: int | None = None, *, nbytes: int | None = None
+) -> list[jax.Array]:
     """Global batch arrays from each local worker's leaves, sharded by replica.
+
+    Host leaves go to the devices in one ``jax.device_put`` call for all of them.
 
     Args:
       worker_leaves: for each worker of this process, in worker order, its
@@ -338,24 +344,39 @@ def place_batch(worker_leaves: list[list[Any]], mesh: Mesh, num_workers: int | N
         own workers' leaves and gets the global arrays.
       num_workers: workers in the job (default: the mesh's rows; more when
         several replicas share a device).
+      nbytes: the bytes of all the leaves, if known (the free-memory check is
+        skipped below :data:`MEMORY_CHECK_BYTES` without adding them up).
     """
-    _check_host_memory(worker_leaves, mesh)
+    if nbytes is None or nbytes >= MEMORY_CHECK_BYTES:
+        _check_host_memory(worker_leaves, mesh)
     target = sharded(mesh)
     multi = spans_processes(mesh)
-    out = []
+    out: list[Any] = []
+    to_put: list[int] = []
     for per_worker in zip(*worker_leaves, strict=True):
-        if len(per_worker) == 1 and isinstance(per_worker[0], jax.Array) and per_worker[0].sharding == target:
-            out.append(per_worker[0])
-            continue
-        host = [np.asarray(x) for x in per_worker]
-        dtypes = {x.dtype for x in host}
-        if len(dtypes) > 1:
-            raise TypeError(f"workers yielded batch leaves of different dtypes {sorted(map(str, dtypes))}.")
-        local = host[0] if len(host) == 1 else np.concatenate(host, axis=0)
+        if len(per_worker) == 1:
+            local = per_worker[0]
+            if type(local) is not np.ndarray:
+                if isinstance(local, jax.Array) and local.sharding == target:
+                    out.append(local)
+                    continue
+                local = np.asarray(local)
+        else:
+            host = [np.asarray(x) for x in per_worker]
+            dtypes = {x.dtype for x in host}
+            if len(dtypes) > 1:
+                raise TypeError(f"workers yielded batch leaves of different dtypes {sorted(map(str, dtypes))}.")
+            local = np.concatenate(host, axis=0)
         if not multi:
-            out.append(jax.device_put(local, target))
+            to_put.append(len(out))
+            out.append(local)
         else:
             # Every process holds the same number of workers (build_mesh checks it).
             global_rows = local.shape[0] // len(worker_leaves) * (num_workers or mesh.devices.shape[0])
             out.append(jax.make_array_from_process_local_data(target, local, (global_rows, *local.shape[1:])))
+    if len(to_put) == 1:
+        out[to_put[0]] = jax.device_put(out[to_put[0]], target)
+    elif to_put:
+        for i, placed in zip(to_put, jax.device_put([out[i] for i in to_put], target), strict=True):
+            out[i] = placed
     return out

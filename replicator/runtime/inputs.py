@@ -9,6 +9,7 @@ leading axis is split over the worker's cores in order: core ``c`` of worker
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,9 +17,18 @@ from typing import Any
 import jax
 import numpy as np
 
+from replicator.core.tracing import leaf_signature
 from replicator.errors import InputExhausted
 
-__all__ = ["InputContext", "WorkerInputs", "check_input_fn", "check_worker_batch"]
+__all__ = [
+    "Batch",
+    "BatchChecker",
+    "BatchSignature",
+    "InputContext",
+    "WorkerInputs",
+    "check_input_fn",
+    "check_worker_batch",
+]
 
 PyTree = Any
 
@@ -152,8 +162,122 @@ def check_input_fn(input_fn: object) -> None:
         )
 
 
+class BatchSignature:
+    """What the compiled step depends on in a batch: its tree structure and each leaf's per-replica shape
+    and canonical dtype. Its hash is computed once (it is part of the compile-cache key of every step).
+
+    Attributes:
+      treedef: the batch's tree structure.
+      replica_leaves: ``(shape, dtype)`` of each leaf's per-replica slice, in tree order.
+      nbytes: bytes of the batch of every local worker together (0 when unknown).
+    """
+
+    __slots__ = ("_hash", "nbytes", "replica_leaves", "treedef")
+
+    def __init__(self, treedef: Any, replica_leaves: tuple, nbytes: int = 0):
+        self.treedef, self.replica_leaves, self.nbytes = treedef, replica_leaves, nbytes
+        self._hash = hash((treedef, replica_leaves))
+
+    @classmethod
+    def of(cls, batch: PyTree, cores_per_worker: int, nbytes: int = 0) -> BatchSignature:
+        """The signature of one worker's ``batch`` (arrays or ``jax.ShapeDtypeStruct``)."""
+        leaves, treedef = jax.tree.flatten(batch)
+        replica_leaves = []
+        for leaf in leaves:
+            shape, dtype = leaf_signature(leaf)
+            replica_leaves.append(((shape[0] // cores_per_worker, *shape[1:]), dtype))
+        return cls(treedef, tuple(replica_leaves), nbytes)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (
+            isinstance(other, BatchSignature)
+            and self._hash == other._hash
+            and self.treedef == other.treedef
+            and self.replica_leaves == other.replica_leaves
+        )
+
+    def __repr__(self) -> str:
+        return f"BatchSignature({self.treedef}, {self.replica_leaves})"
+
+
+#: Batch signatures a :class:`BatchChecker` remembers (it starts over when full).
+MAX_CHECKED_SIGNATURES = 1024
+
+
+def _fast_leaf(x: Any) -> bool:
+    return type(x) is np.ndarray or isinstance(x, jax.Array)
+
+
+class BatchChecker:
+    """The checks of a step's batches (:func:`check_worker_batch`, the same structure on every worker),
+    run once per batch signature.
+
+    Every check depends only on the tree structure and on each leaf's type, shape and dtype, so a batch of
+    NumPy or JAX arrays whose structure, shapes and dtypes were checked before (on every local worker alike)
+    is not checked again. Any other batch is checked in full every time.
+    """
+
+    def __init__(self, cores_per_worker: int):
+        self.cores_per_worker = cores_per_worker
+        self._known: dict[tuple, BatchSignature] = {}
+
+    def check(self, batches: list[PyTree], contexts: list[InputContext]) -> tuple[BatchSignature, list[list[Any]]]:
+        """``(signature, leaves of each worker)`` of one batch per local worker, or the error of the first
+        check that fails (the same error, in the same order, as checking every time)."""
+        flat = [jax.tree.flatten(b) for b in batches]
+        raw = _raw_signature(*flat[0])
+        if raw is not None and all(_raw_signature(*f) == raw for f in flat[1:]):
+            known = self._known.get(raw)
+            if known is not None:
+                return known, [leaves for leaves, _ in flat]
+        structures = {jax.tree.structure(b) for b in batches}
+        if len(structures) > 1:
+            raise ValueError(f"workers yielded batches of different structures: {structures}.")
+        worker_leaves = [
+            check_worker_batch(b, self.cores_per_worker, ctx.worker_id)
+            for b, ctx in zip(batches, contexts, strict=True)
+        ]
+        nbytes = sum(int(getattr(leaf, "nbytes", 0)) for leaves in worker_leaves for leaf in leaves)
+        signature = BatchSignature.of(batches[0], self.cores_per_worker, nbytes)
+        if raw is not None and all(_raw_signature(*f) == raw for f in flat[1:]):
+            if len(self._known) >= MAX_CHECKED_SIGNATURES:
+                self._known.clear()
+            self._known[raw] = signature
+        return signature, worker_leaves
+
+
+def _raw_signature(leaves: list[Any], treedef: Any) -> tuple | None:
+    """``(treedef, (shape, dtype) of each leaf)`` if every leaf is a NumPy or JAX array, else None."""
+    if not all(map(_fast_leaf, leaves)):
+        return None
+    return (treedef, tuple((x.shape, x.dtype) for x in leaves))
+
+
+@dataclasses.dataclass(eq=False)
+class Batch:
+    """One step's batch: what every local worker's iterator gave, checked and placed when it is known.
+
+    A batch drawn ahead of its step (prefetched) whose draw failed holds the ``error`` to raise at its step.
+    """
+
+    batches: list[PyTree] | None
+    error: Exception | None = None
+    signature: BatchSignature | None = None
+    leaves: list[list[Any]] | None = None
+    placed: list[jax.Array] | None = None
+
+
 class WorkerInputs:
-    """The live iterators of one ``input_fn``, one per local worker."""
+    """The live iterators of one ``input_fn``, one per local worker, and its batches drawn ahead.
+
+    Attributes:
+      steps: batches drawn from every iterator so far (prefetched ones included).
+      taken: batches steps have taken so far (prefetched ones not included).
+      pending: batches drawn ahead of their step, oldest first.
+    """
 
     def __init__(self, input_fn: Callable[[InputContext], Any], contexts: list[InputContext]):
         check_input_fn(input_fn)
@@ -169,6 +293,29 @@ class WorkerInputs:
                     f"{type(iterable).__name__}."
                 ) from e
         self.steps = 0
+        self.taken = 0
+        self.pending: collections.deque[Batch] = collections.deque()
+
+    def take(self) -> Batch:
+        """The next step's batch: the oldest prefetched one (raising its draw's error), or one drawn now."""
+        if self.pending:
+            batch = self.pending.popleft()
+            if batch.error is not None:
+                error, batch.error = batch.error, None
+                raise error
+        else:
+            batch = Batch(self.next_batches())
+        self.taken += 1
+        return batch
+
+    def draw_ahead(self) -> Batch:
+        """Draw the batch of a later step now; an error of ``input_fn`` is kept for that step."""
+        try:
+            batch = Batch(self.next_batches())
+        except Exception as e:  # noqa: BLE001 - raised again, unchanged, by take()
+            batch = Batch(None, error=e)
+        self.pending.append(batch)
+        return batch
 
     def next_batches(self) -> list[PyTree]:
         """One batch from every local worker, in worker order.

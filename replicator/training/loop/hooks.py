@@ -245,7 +245,8 @@ class EvalHook(_Periodic):
         while self.num_batches is None or count < self.num_batches:
             try:
                 # The state comes back unchanged; take it, as a donating Replicator invalidates the old one.
-                trainer.state, outputs = trainer.replicator.run(self._step, self._feed, trainer.state)
+                # prefetch=0: a batch drawn ahead would belong to this pass, not to the next evaluation.
+                trainer.state, outputs = trainer.replicator.run(self._step, self._feed, trainer.state, prefetch=0)
             except InputExhausted:
                 break
             for k, v in replica_means(outputs).items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -45,7 +46,9 @@ class Trainer:
       state: the current state.
       outputs: the last step's outputs (None before the first step).
       input_position: batches taken from each worker's ``input_fn`` so far,
-        including those skipped on resume.
+        including those skipped on resume (not counting batches the
+        Replicator drew ahead, ``prefetch``: what a checkpoint saves to resume
+        exactly).
       rows_per_step: rows of the last global batch (leading size of the first
         batch leaf times the number of workers).
       samples: rows trained on by this Trainer (not counting restored steps).
@@ -104,6 +107,8 @@ class Trainer:
         self.restored_extra: dict[str, Any] = {}
         self.should_stop = False
         self._skip = 0
+        self._rows: collections.deque[int] = collections.deque()  # rows of each batch drawn, not yet taken
+        self._taken = 0  # batches of _feed that steps took, as counted by the Replicator
         self._feed = self._make_feed()  # one function object: Replicator keeps its iterators by identity
         if resume_from is not None:
             self._resume(resume_from)
@@ -129,11 +134,18 @@ class Trainer:
                 if counting:
                     leaves = jax.tree.leaves(batch)
                     rows = np.shape(leaves[0])[0] if leaves and np.ndim(leaves[0]) else 0
-                    self.rows_per_step = int(rows) * self.replicator.num_workers
-                    self.input_position += 1
+                    self._rows.append(int(rows) * self.replicator.num_workers)
                 yield batch
 
         return feed
+
+    def _count_taken(self) -> None:
+        """Advance ``input_position`` and ``rows_per_step`` by the batches steps took (not those drawn ahead)."""
+        taken = self.replicator.input_position(self._feed)
+        while self._taken < taken:
+            self._taken += 1
+            self.input_position += 1
+            self.rows_per_step = self._rows.popleft() if self._rows else self.rows_per_step
 
     # -- checkpoints -----------------------------------------------------------
 
@@ -207,7 +219,14 @@ class Trainer:
             self._call("before_run")
             while self.step < self.num_steps and not self.should_stop:
                 try:
-                    self.state, self.outputs = self.replicator.run(self.step_fn, self._feed, self.state)
+                    try:
+                        # Nothing is drawn ahead for a step after this run's last (prefetch=0 there).
+                        last = self.step + 1 >= self.num_steps
+                        self.state, self.outputs = self.replicator.run(
+                            self.step_fn, self._feed, self.state, prefetch=0 if last else None
+                        )
+                    finally:
+                        self._count_taken()
                 except InputExhausted:
                     self.log(f"input_fn exhausted after {self.input_position} batches: stopping at step {self.step}")
                     break
