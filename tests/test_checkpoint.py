@@ -137,7 +137,7 @@ class TestRoundTrip:
         assert path == tmp_path / "step_00000012"
         assert sorted(p.name for p in path.iterdir()) == ["arrays.npz", "manifest.json"]
         manifest = json.loads((path / "manifest.json").read_text())
-        assert manifest["format"] == "replicator-checkpoint" and manifest["version"] == 2
+        assert manifest["format"] == "replicator-checkpoint" and manifest["version"] == 3
         assert manifest["manifest_sha256"] == ckpt_manifest.manifest_digest(manifest)
         assert manifest["step"] == 12 and manifest["extra"] == {"input_position": 12}
         assert manifest["arrays_sha256"] == hashlib.sha256((path / "arrays.npz").read_bytes()).hexdigest()

@@ -68,13 +68,13 @@ class TestManifestDigest:
         with pytest.raises(CheckpointError, match="lacks its manifest_sha256.*modified or corrupted"):
             restore_checkpoint(directory, STATE)
 
-    @pytest.mark.parametrize("version", [3, 2.0, "2", True])
+    @pytest.mark.parametrize("version", [4, 3.0, "3", True])
     def test_unknown_version(self, saved, version):
         directory, path = saved
         manifest = _manifest(path)
         manifest["version"] = version
         _reseal(path, manifest)
-        with pytest.raises(CheckpointError, match=r"format version .*; this replicator reads versions 1, 2\. Use"):
+        with pytest.raises(CheckpointError, match=r"format version .*; this replicator reads versions 1, 2, 3\. Use"):
             restore_checkpoint(directory, STATE)
 
     def test_version_1_checkpoints_still_restore(self, saved):

@@ -1,11 +1,14 @@
 """Checkpoints of a training state: atomic, checked, and never executed.
 
-One directory per step holds the arrays (``arrays.npz``, read with
-``allow_pickle=False``) and a JSON manifest. Saves are atomic and hold a
-lock on the directory (one writer at a time); restores check the manifest's
-digest, its field types, and the tree paths, shapes, dtypes and sha256 against
-the target state (``fallback=True``: the newest intact checkpoint). The format
-and the multi-process rules are in ``docs/guide/checkpoints.md``.
+One directory per step holds the leaves stored whole (``arrays.npz``, read
+with ``allow_pickle=False``), the shards of the leaves split over devices (one
+raw file per process, each shard written once by the process that holds it)
+and a JSON manifest. Saves are atomic and hold a lock on the directory (one
+writer at a time); restores check the manifest's digest, its field types, and
+the tree paths, shapes, dtypes and sha256 against the target state
+(``fallback=True``: the newest intact checkpoint), and re-shard: each leaf is
+built on the target's layout, whatever layout saved it. The format and the
+multi-process rules are in ``docs/guide/checkpoints.md``.
 
 >>> import tempfile
 >>> directory = tempfile.mkdtemp()
@@ -23,7 +26,7 @@ and the multi-process rules are in ``docs/guide/checkpoints.md``.
 
 Modules: :mod:`~.encoding` (leaves <-> stored arrays), :mod:`~.files`
 (durable file I/O), :mod:`~.manifest` (the manifest's format, digest and
-checks), :mod:`~.manager` (:class:`CheckpointManager`, the commit protocol,
+checks), :mod:`~.shards` (leaves stored as shards), :mod:`~.manager` (:class:`CheckpointManager`, the commit protocol,
 and the functions), :mod:`~.agreement` (multi-process save and restore).
 """
 

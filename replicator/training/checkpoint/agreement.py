@@ -30,6 +30,59 @@ def check_same_checkpoint(what_was_read: str) -> None:
         raise CheckpointError(str(e)) from None
 
 
+class Attempt:
+    """A part of a save, as a ``with`` block: alone it raises as usual; in a multi-process job its exception is
+    kept in ``error`` instead, for the collective that follows to raise on every process.
+
+    Example::
+
+        attempt = Attempt(multi=True)
+        with attempt:
+            raise OSError("disk full")
+        assert isinstance(attempt.error, OSError)
+    """
+
+    def __init__(self, multi: bool):
+        self.multi = multi
+        self.error: Exception | None = None
+
+    def __enter__(self) -> Attempt:
+        return self
+
+    def __exit__(self, kind: type | None, error: BaseException | None, traceback: object) -> bool:
+        if self.multi and isinstance(error, Exception):
+            self.error = error
+            return True
+        return False
+
+
+def _pack(text: str) -> np.ndarray:
+    raw = text.encode()[:MESSAGE_BYTES]
+    out = np.zeros(MESSAGE_BYTES, np.uint8)
+    out[: len(raw)] = np.frombuffer(raw, np.uint8)
+    return out
+
+
+def _unpack(packed: np.ndarray) -> str:
+    return np.asarray(packed, np.uint8).tobytes().rstrip(b"\0").decode(errors="replace")
+
+
+def share_temporary(error: Exception | None, temporary: str, final: str) -> str:
+    """Process 0 tells every process the temporary directory it made (or why it could not); a collective.
+
+    Returns ``temporary``'s name (a file name, the same on every process), or
+    raises on every process: process 0 its own exception, the others a
+    :class:`CheckpointError` that quotes it.
+    """
+    text = f"{type(error).__name__}: {error}" if error is not None else temporary
+    failed, packed = from_process0((np.int32(error is not None), _pack(text)))
+    if jax.process_index() == 0 and error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(f"process 0 failed to save the checkpoint {final}: {_unpack(packed)}")
+    return _unpack(packed)
+
+
 def agree_on_save(error: Exception | None, final: str) -> None:
     """Process 0 tells every process whether its save succeeded; a collective that all wait in.
 
@@ -37,15 +90,26 @@ def agree_on_save(error: Exception | None, final: str) -> None:
     raises on every process if it failed: process 0 its own exception, the
     others a :class:`CheckpointError` that quotes it).
     """
-    text = np.zeros(MESSAGE_BYTES, np.uint8)
+    share_temporary(error, "", final)
+
+
+def agree_written(error: Exception | None, final: str) -> None:
+    """Every process says whether it wrote its part of the checkpoint; a collective that all wait in.
+
+    Returns on every process if all wrote theirs, else raises on every process
+    (the one that failed its own exception, the others a
+    :class:`CheckpointError` naming the first process that failed and why).
+    """
+    from jax.experimental import multihost_utils
+
+    text = f"{type(error).__name__}: {error}" if error is not None else ""
+    failed, packed = multihost_utils.process_allgather((np.int32(error is not None), _pack(text)))
+    failed = np.asarray(failed).reshape(-1)
     if error is not None:
-        raw = f"{type(error).__name__}: {error}".encode()[:MESSAGE_BYTES]
-        text[: len(raw)] = np.frombuffer(raw, np.uint8)
-    failed, text = from_process0((np.int32(error is not None), text))
-    if jax.process_index() == 0:
-        if error is not None:
-            raise error
-        return
-    if failed:
-        message = text.tobytes().rstrip(b"\0").decode(errors="replace")
-        raise CheckpointError(f"process 0 failed to save the checkpoint {final}: {message}")
+        raise error
+    if failed.any():
+        first = int(np.flatnonzero(failed)[0])
+        message = _unpack(np.asarray(packed).reshape(len(failed), MESSAGE_BYTES)[first])
+        raise CheckpointError(
+            f"process {first} failed to write its part of the checkpoint {final}, so it was not saved: {message}"
+        )

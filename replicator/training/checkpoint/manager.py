@@ -21,10 +21,11 @@ import jax
 import numpy as np
 
 from replicator.runtime.distributed import progress
-from replicator.training.checkpoint import agreement, encoding, files
+from replicator.training.checkpoint import agreement, encoding, files, shards
 from replicator.training.checkpoint.encoding import CheckpointError
 from replicator.training.checkpoint.manifest import (
     ARRAYS_FILE,
+    DIGEST_FIELD,
     MANIFEST_FILE,
     DamagedCheckpoint,
     build_manifest,
@@ -120,11 +121,18 @@ class CheckpointManager:
     def save(self, step: int, state: PyTree, *, extra: Mapping[str, Any] | None = None, overwrite: bool = False) -> str:
         """Atomically write a checkpoint of ``state`` at ``step``, then prune old ones.
 
+        Leaves split over devices (e.g. ZeRO's sharded optimizer state) are
+        written as their shards, each distinct shard once, by the process
+        that holds it; nothing is gathered. Leaves stored whole (host
+        arrays, replicated leaves, PRNG keys) are written by process 0.
+
         In a multi-process job this is a collective: call it on every
-        process with the same state. Leaves sharded over several processes
-        are gathered on every process, process 0 writes, and every process
-        returns once the checkpoint is committed (see *Multi-process jobs* in
-        ``docs/guide/checkpoints.md``).
+        process with the same state. Process 0 takes the directory's lock and
+        makes the temporary directory, every process writes its own shards
+        into it, all agree that they did, then process 0 commits, and every
+        process returns once the checkpoint is committed (see *Multi-process
+        jobs* in ``docs/guide/checkpoints.md``). The directory must then be
+        on a file system every process shares.
 
         Args:
           step: the training step, a non-negative int.
@@ -137,7 +145,7 @@ class CheckpointManager:
             directory raises, so that two runs never mix in one directory.
 
         Returns:
-          The checkpoint's directory (on every process; only process 0 writes).
+          The checkpoint's directory (on every process).
 
         Raises:
           CheckpointError: ``extra`` is not JSON-serializable, a leaf is not
@@ -145,7 +153,8 @@ class CheckpointManager:
             checkpoint of ``step`` or a later one, or another writer is saving
             into the directory (it holds ``.lock``). Nothing saved is changed.
             In a multi-process job it is raised on every process, also when
-            process 0 failed to write (the others' message says why).
+            one process failed to write its part (the others' message says
+            which and why).
         """
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
             raise CheckpointError(f"step must be a non-negative int, got {step!r}.")
@@ -159,37 +168,62 @@ class CheckpointManager:
                 f"Convert arrays with .tolist() or int()/float()."
             ) from None
         flat, treedef = jax.tree_util.tree_flatten_with_path(state)
-        leaves = [encoding.entry(jax.tree_util.keystr(keys), leaf) for keys, leaf in flat]  # the same on every process
-        writer = jax.process_index() == 0
+        leaves = [leaf for _, leaf in flat]
+        entries = [encoding.entry(jax.tree_util.keystr(keys), leaf) for keys, leaf in flat]  # the same everywhere
+        layout = shards.plan(leaves, entries)  # the same on every process
+        me = jax.process_index()
+        writer = me == 0
         multi = jax.process_count() > 1
+        if not writer and not multi:
+            return final
 
-        error: Exception | None = None
-        if writer:
-            try:
-                self._check_new(step, overwrite)  # early, before gathering; again under the lock
-            except CheckpointError as e:
-                if not multi:
-                    raise
-                error = e  # the others still gather (below), then learn of it
-        # Every process takes part in gathering the leaves sharded over processes.
-        fetch = writer and error is None
-        with progress.phase("checkpoint-gather", f"step {step}"):
-            arrays = {
-                f"a{i}": encoding.stored(leaf, entry, fetch)
-                for i, ((_, leaf), entry) in enumerate(zip(flat, leaves, strict=True))
-            }
-        if fetch:
-            try:
-                with progress.phase("checkpoint-write", f"step {step} into {final}"):
-                    self._write(step, final, arrays, leaves, treedef, extra_json, overwrite)
-            except Exception as e:
-                if not multi:
-                    raise
-                error = e
-        if multi:
-            with progress.phase("checkpoint-wait", f"step {step}"):
-                agreement.agree_on_save(error, final)
-        return final
+        lock = files.DirectoryLock(self.directory, LOCK_FILE)
+        tmp: str | None = None
+        try:
+            existing: dict[int, str] = {}
+            begun = agreement.Attempt(multi)
+            if writer:
+                with begun, progress.phase("checkpoint-write", f"step {step}: taking {LOCK_FILE}"):
+                    existing, tmp = self._begin(step, overwrite, lock)
+            if multi:
+                with progress.phase("checkpoint-wait", f"step {step}"):
+                    name = agreement.share_temporary(begun.error, os.path.basename(tmp or ""), final)
+                tmp = os.path.join(self.directory, name)
+            assert tmp is not None
+            digests: dict[Any, str] = {}
+            written = agreement.Attempt(multi)
+            with written:
+                # Every process takes part in gathering the (rare) whole leaves sharded over processes: PRNG keys.
+                with progress.phase("checkpoint-gather", f"step {step}"):
+                    whole = {
+                        f"a{i}": encoding.stored(leaf, entry, writer)
+                        for i, (leaf, entry) in enumerate(zip(leaves, entries, strict=True))
+                        if i not in layout
+                    }
+                with progress.phase("checkpoint-write", f"step {step} into {tmp}"):
+                    digests = shards.write_own(tmp, leaves, entries, layout, me, sidecar=multi and not writer)
+                    if writer:
+                        files.write_arrays(os.path.join(tmp, ARRAYS_FILE), whole)
+            if multi:
+                with progress.phase("checkpoint-wait", f"step {step}"):
+                    agreement.agree_written(written.error, final)
+            committed = agreement.Attempt(multi)
+            if writer:
+                with committed, progress.phase("checkpoint-write", f"step {step} into {final}"):
+                    records = shards.collect(tmp, layout, digests)
+                    for i, shard_records in records.items():
+                        entries[i] = {**entries[i], "shards": shard_records}
+                    self._commit(step, final, tmp, entries, treedef, extra_json, existing)
+                    tmp = None  # committed: renamed into place
+            if multi:
+                with progress.phase("checkpoint-wait", f"step {step}"):
+                    agreement.agree_on_save(committed.error, final)
+            return final
+        finally:
+            if writer:
+                if tmp is not None:
+                    files.rmtree(tmp)
+                lock.release()
 
     def _check_new(self, step: int, overwrite: bool) -> dict[int, str]:
         """The committed checkpoints; raises if ``step`` is not newer than all of them (without overwrite)."""
@@ -204,60 +238,48 @@ class CheckpointManager:
             )
         return existing
 
-    def _write(
-        self,
-        step: int,
-        final: str,
-        arrays: dict[str, Any],
-        leaves: list[dict[str, Any]],
-        treedef: Any,
-        extra_json: Any,
-        overwrite: bool,
-    ) -> None:
-        """Take the directory's lock, write and commit the checkpoint (process 0), prune, release."""
+    def _begin(self, step: int, overwrite: bool, lock: files.DirectoryLock) -> tuple[dict[int, str], str]:
+        """Process 0: check the step, take the directory's lock, tidy up, make the temporary directory.
+
+        Returns the committed checkpoints and the temporary directory. The
+        caller releases the lock.
+        """
+        self._check_new(step, overwrite)  # early, before taking the lock; again under it
         os.makedirs(self.directory, exist_ok=True)
-        lock = files.DirectoryLock(self.directory, LOCK_FILE)
         if not lock.acquire():
             raise CheckpointError(
                 f"another writer is saving into {self.directory!r} (it holds {os.path.join(self.directory, LOCK_FILE)}"
                 f"); step {step} was not saved and its checkpoints are unchanged. Give each run its own directory, "
                 f"or save from one CheckpointManager (in one process) at a time."
             )
-        try:
-            existing = self._check_new(step, overwrite)  # again, under the lock
-            self._commit(step, final, arrays, leaves, treedef, extra_json, existing)
-        finally:
-            lock.release()
+        existing = self._check_new(step, overwrite)  # again, under the lock
+        self._remove_leftovers(existing)
+        self._saves += 1
+        tmp = os.path.join(self.directory, f"{_TMP_PREFIX}step_{step:08d}-{self._token}-{self._saves}")
+        os.mkdir(tmp)
+        return existing, tmp
 
     def _commit(
         self,
         step: int,
         final: str,
-        arrays: dict[str, Any],
-        leaves: list[dict[str, Any]],
+        tmp: str,
+        entries: list[dict[str, Any]],
         treedef: Any,
         extra_json: Any,
         existing: dict[int, str],
     ) -> None:
+        """Process 0, under the lock: write the manifest, rename ``tmp`` into place, prune."""
         later = sorted(s for s in existing if s > step)
-        self._remove_leftovers(existing)
-        self._saves += 1
-        tmp = os.path.join(self.directory, f"{_TMP_PREFIX}step_{step:08d}-{self._token}-{self._saves}")
-        os.mkdir(tmp)
-        try:
-            files.write_arrays(os.path.join(tmp, ARRAYS_FILE), arrays)
-            manifest = build_manifest(tmp, step, extra_json, treedef, leaves)
-            files.write_text(os.path.join(tmp, MANIFEST_FILE), json.dumps(manifest, indent=1) + "\n")
-            files.fsync_dir(tmp)
-            old = None
-            if step in existing:  # overwrite: move the old one aside, it counts until the new one is in
-                old = os.path.join(self.directory, f"{_OLD_PREFIX}step_{step:08d}-{uuid.uuid4().hex}")
-                os.rename(os.path.join(self.directory, existing[step]), old)
-            os.rename(tmp, final)
-            files.fsync_dir(self.directory)
-        except BaseException:
-            files.rmtree(tmp)
-            raise
+        manifest = build_manifest(tmp, step, extra_json, treedef, entries)
+        files.write_text(os.path.join(tmp, MANIFEST_FILE), json.dumps(manifest, indent=1) + "\n")
+        files.fsync_dir(tmp)
+        old = None
+        if step in existing:  # overwrite: move the old one aside, it counts until the new one is in
+            old = os.path.join(self.directory, f"{_OLD_PREFIX}step_{step:08d}-{uuid.uuid4().hex}")
+            os.rename(os.path.join(self.directory, existing[step]), old)
+        os.rename(tmp, final)
+        files.fsync_dir(self.directory)
         if old is not None:
             files.rmtree(old)
         for newer in later:  # overwrite=True: the run restarted from `step`; its old future goes
@@ -335,9 +357,12 @@ class CheckpointManager:
 
         Returns:
           ``(step, state, extra)``. ``state`` has ``target_state``'s tree
-          structure; a leaf is a numpy array, or where the target leaf has a
-          sharding (a ``jax.Array``, or a ``jax.ShapeDtypeStruct`` with
-          ``sharding=``), an array on that sharding.
+          structure; a leaf is a numpy array (the whole leaf), or where the
+          target leaf has a sharding (a ``jax.Array``, or a
+          ``jax.ShapeDtypeStruct`` with ``sharding=``), an array on that
+          sharding, whatever layout the checkpoint was saved from (another
+          mesh, replica count or ZeRO stage): each device's part is read
+          from the stored shards that overlap it.
 
         In a multi-process job every process reads the files (they must be on
         a file system every process can read). Where ``target_state`` has
@@ -357,9 +382,9 @@ class CheckpointManager:
         spans = jax.process_count() > 1 and any(s is not None and not s.is_fully_addressable for s in shardings)
         try:
             if fallback and step is None:
-                manifest, leaves = self._read_newest_intact(target_flat)
+                manifest, placed = self._read_newest_intact(target_flat, shardings)
             else:
-                manifest, leaves = self._read(target_flat, step)
+                manifest, placed = self._read(target_flat, shardings, step)
         except CheckpointError as e:
             if not spans:
                 raise
@@ -369,11 +394,13 @@ class CheckpointManager:
                 pass
             raise
         if spans:
-            agreement.check_same_checkpoint(f"step {manifest['step']} sha256 {manifest['arrays_sha256']}")
-        placed = [encoding.place_like(leaf, s) for leaf, s in zip(leaves, shardings, strict=True)]
+            digest = manifest.get(DIGEST_FIELD) or manifest["arrays_sha256"]
+            agreement.check_same_checkpoint(f"step {manifest['step']} sha256 {digest}")
         return int(manifest["step"]), target_def.unflatten(placed), manifest["extra"]
 
-    def _read_newest_intact(self, target_flat: list[tuple[Any, Any]]) -> tuple[dict[str, Any], list[Any]]:
+    def _read_newest_intact(
+        self, target_flat: list[tuple[Any, Any]], shardings: list[Any]
+    ) -> tuple[dict[str, Any], list[Any]]:
         """:meth:`_read` of the newest checkpoint that passes verification, warning about each newer one."""
         steps = self.all_steps()
         if not steps:
@@ -381,7 +408,7 @@ class CheckpointManager:
         broken: list[str] = []
         for step in reversed(steps):
             try:
-                result = self._read(target_flat, step)
+                result = self._read(target_flat, shardings, step)
             except DamagedCheckpoint as e:
                 broken.append(f"step {step}: {e}")
                 continue
@@ -398,13 +425,40 @@ class CheckpointManager:
             + " Start from the initial state, or restore a copy of the checkpoints."
         )
 
-    def _read(self, target_flat: list[tuple[Any, Any]], step: int | None) -> tuple[dict[str, Any], list[Any]]:
-        """The manifest and the leaves (host arrays) of a checkpoint, checked against the target."""
+    def _read(
+        self, target_flat: list[tuple[Any, Any]], shardings: list[Any], step: int | None
+    ) -> tuple[dict[str, Any], list[Any]]:
+        """The manifest and the leaves of a checkpoint, checked against the target and placed on ``shardings``.
+
+        Leaves stored whole are read from the arrays file (checked against its
+        sha256). Leaves stored as shards are assembled from the shard records
+        that overlap each part a device of ``shardings`` holds (the whole leaf
+        where the sharding is None), each record checked against its sha256.
+        """
         manifest = self.read_manifest(step)
         path = manifest["path"]
         entries = manifest["leaves"]
         encoding.check_structure(path, entries, target_flat)
+        whole = self._read_whole(manifest)
 
+        def damaged(problem: str) -> DamagedCheckpoint:
+            return DamagedCheckpoint(
+                f"checkpoint {path}: {problem}. Restore an earlier step with step= (steps: {self.all_steps()}), or "
+                f"the newest intact one with fallback=True."
+            )
+
+        placed = []
+        for i, (entry, sharding) in enumerate(zip(entries, shardings, strict=True)):
+            if "shards" in entry:
+                placed.append(shards.LeafReader(path, entry, damaged).place(sharding))
+            else:
+                placed.append(encoding.place_like(whole.pop(i), sharding))
+        return manifest, placed
+
+    def _read_whole(self, manifest: dict[str, Any]) -> dict[int, Any]:
+        """The leaves stored whole in the arrays file, by leaf index, after checking its sha256."""
+        path = manifest["path"]
+        entries = manifest["leaves"]
         arrays_path = os.path.join(path, manifest["arrays_file"])
         try:
             digest = files.sha256(arrays_path)
@@ -421,10 +475,12 @@ class CheckpointManager:
                 f"from the manifest). Restore an earlier step with step= (steps: {self.all_steps()}), or the "
                 f"newest intact one with fallback=True."
             )
-        leaves = []
+        leaves: dict[int, Any] = {}
         try:
             with np.load(arrays_path, allow_pickle=False) as npz:
                 for i, entry in enumerate(entries):
+                    if "shards" in entry:
+                        continue
                     array = npz[f"a{i}"]
                     stored = encoding.stored_dtype(entry)
                     if array.dtype != np.dtype(stored):
@@ -438,12 +494,12 @@ class CheckpointManager:
                             f"checkpoint {path}: array {i} (state{entry['path']}) has shape {leaf.shape}, its "
                             f"manifest says {tuple(entry['shape'])}; the checkpoint is damaged."
                         )
-                    leaves.append(leaf)
+                    leaves[i] = leaf
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001 - whatever np.load makes of a bad file
             raise DamagedCheckpoint(f"checkpoint {path}: cannot read {manifest['arrays_file']} ({e}).") from None
-        return manifest, leaves
+        return leaves
 
 
 def save_checkpoint(

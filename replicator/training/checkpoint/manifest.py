@@ -1,23 +1,30 @@
 """The manifest of a checkpoint: its format, fields, digest, and how a manifest is read and checked.
 
-A checkpoint directory holds :data:`ARRAYS_FILE` (the arrays) and
-:data:`MANIFEST_FILE`, a JSON object: ``format`` (:data:`FORMAT`),
-``version`` (:data:`FORMAT_VERSION`; :data:`READABLE_VERSIONS` are read),
-``step``, ``extra``, ``arrays_file``, ``arrays_sha256``, ``arrays_bytes``,
-``treedef``, ``leaves`` (one entry per leaf, see
-:func:`~replicator.training.checkpoint.encoding.entry`) and
-:data:`DIGEST_FIELD`, the sha256 of all the rest (:func:`manifest_digest`).
-How a checkpoint is committed is :mod:`~replicator.training.checkpoint.manager`'s.
+A checkpoint directory holds :data:`ARRAYS_FILE` (the leaves stored whole),
+the shard files ``shards-p<process>.bin`` (leaves split over devices, see
+:mod:`~replicator.training.checkpoint.shards`) and :data:`MANIFEST_FILE`, a
+JSON object: ``format`` (:data:`FORMAT`), ``version``
+(:data:`FORMAT_VERSION`; :data:`READABLE_VERSIONS` are read), ``step``,
+``extra``, ``arrays_file``, ``arrays_sha256``, ``arrays_bytes``, ``treedef``,
+``leaves`` (one entry per leaf, see
+:func:`~replicator.training.checkpoint.encoding.entry`; a leaf stored as
+shards has ``shards``: per shard its ``file``, ``offset``, ``bytes``,
+``index`` and ``sha256``) and :data:`DIGEST_FIELD`, the sha256 of all the
+rest (:func:`manifest_digest`). How a checkpoint is committed is
+:mod:`~replicator.training.checkpoint.manager`'s.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
 
 from replicator.training.checkpoint import files
 from replicator.training.checkpoint.encoding import CheckpointError
@@ -29,6 +36,7 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_FILE",
     "READABLE_VERSIONS",
+    "SHARDS_VERSION",
     "DamagedCheckpoint",
     "build_manifest",
     "manifest_digest",
@@ -36,8 +44,11 @@ __all__ = [
 ]
 
 FORMAT = "replicator-checkpoint"
-FORMAT_VERSION = 2  # 2: the manifest carries manifest_sha256; version 1 (without it) is still read
-READABLE_VERSIONS = (1, 2)
+# 2: the manifest carries manifest_sha256; version 1 (without it) is still read.
+# 3: leaves split over devices are stored as shards (a leaf entry's "shards"); versions 1 and 2 hold none.
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+SHARDS_VERSION = 3  # the first version whose leaves may have "shards"
 DIGEST_FIELD = "manifest_sha256"
 ARRAYS_FILE = "arrays.npz"
 MANIFEST_FILE = "manifest.json"
@@ -79,6 +90,56 @@ def build_manifest(directory: str, step: int, extra: Any, treedef: Any, leaves: 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _shards_problem(entry: Mapping[str, Any]) -> str | None:
+    """What is wrong with a leaf entry's ``shards`` (None if nothing): types, sizes, and that they tile the leaf."""
+    shards, shape = entry["shards"], entry["shape"]
+    if not isinstance(shards, list) or not shards or not shape:
+        return "is not a non-empty list of shards of an array of one or more axes"
+    try:
+        itemsize = np.dtype(entry.get("stored_as", entry["dtype"])).itemsize
+    except TypeError:
+        return f"has an unknown dtype {entry['dtype']!r}"
+    seen: set[tuple[tuple[int, int], ...]] = set()
+    cuts: list[set[tuple[int, int]]] = [set() for _ in shape]
+    for k, r in enumerate(shards):
+        if not isinstance(r, dict) or set(r) != {"file", "offset", "bytes", "index", "sha256"}:
+            return f"record {k} is not an object of file, offset, bytes, index and sha256"
+        file = r["file"]
+        if not isinstance(file, str) or not file or os.path.basename(file) != file or file.startswith("."):
+            return f"record {k} has file {file!r}, expected a file name"
+        if not _is_int(r["offset"]) or not _is_int(r["bytes"]):
+            return f"record {k} has offset {r['offset']!r} and bytes {r['bytes']!r}, expected non-negative ints"
+        if not isinstance(r["sha256"], str) or not _SHA256.match(r["sha256"]):
+            return f"record {k} has sha256 {r['sha256']!r}, expected 64 lowercase hex digits"
+        index = r["index"]
+        if (
+            not isinstance(index, list)
+            or len(index) != len(shape)
+            or not all(isinstance(p, list) and len(p) == 2 and all(_is_int(v) for v in p) for p in index)
+            or not all(a <= b <= dim for (a, b), dim in zip(index, shape, strict=True))
+        ):
+            return f"record {k} has index {index!r}, expected [start, stop] within {shape} for each axis"
+        bounds = tuple((a, b) for a, b in index)
+        if bounds in seen:
+            return f"record {k} repeats index {index}"
+        seen.add(bounds)
+        for axis, cut in enumerate(bounds):
+            cuts[axis].add(cut)
+        if r["bytes"] != math.prod(b - a for a, b in bounds) * itemsize:
+            return f"record {k} has {r['bytes']} bytes, its index {index} holds {math.prod(b - a for a, b in bounds)}"
+    for axis, (dim, axis_cuts) in enumerate(zip(shape, cuts, strict=True)):  # each axis cut into a partition
+        position = 0
+        for a, b in sorted(axis_cuts):
+            if a != position:  # (an empty part, as an uneven split may leave at the end, is fine)
+                return f"do not tile axis {axis} of shape {shape} (a gap or an overlap at {position})"
+            position = b
+        if position != dim:
+            return f"do not tile axis {axis} of shape {shape} (they end at {position})"
+    if len(seen) != math.prod(len(c) for c in cuts):
+        return f"do not tile shape {shape} ({len(seen)} records for a grid of {math.prod(len(c) for c in cuts)})"
+    return None
 
 
 def parse_manifest(path: str, step: int | None, all_steps: Any) -> dict[str, Any]:
@@ -167,5 +228,14 @@ def parse_manifest(path: str, step: int | None, all_steps: Any) -> dict[str, Any
             raise bad(f"leaves[{i}].shape", entry["shape"], "a list of non-negative ints")
         if "stored_as" in entry and entry["stored_as"] not in _STORED_AS:
             raise bad(f"leaves[{i}].stored_as", entry["stored_as"], f"one of {list(_STORED_AS)}")
+        if "shards" in entry:
+            if version < SHARDS_VERSION or "key_impl" in entry:
+                raise bad(f"leaves[{i}].shards", "...", f"no shards in a version {version} manifest or a PRNG key")
+            problem = _shards_problem(entry)
+            if problem:
+                raise DamagedCheckpoint(
+                    f"{manifest_path}: leaves[{i}].shards (state{entry['path']}) {problem}; the checkpoint is "
+                    f"damaged. {other_steps()}"
+                )
     manifest["path"] = path
     return manifest
