@@ -73,7 +73,7 @@ class Pass:
     #: A pass that must run for the step to execute (cannot be disabled).
     required: ClassVar[bool] = False
     #: False for a pass that changes precision on purpose (translation
-    #: validation then allows a bf16-sized difference).
+    #: validation then allows a bf16-sized difference, here and after it).
     exact: ClassVar[bool] = True
     #: The pass works on placeholders: it must come before the pass that
     #: lowers them (a pipeline that puts it after raises when it is built).

@@ -239,6 +239,10 @@ class Pipeline:
         notes: list[str] = []
         ran: list[str] = []
         lowered = False  # a pass that lowers the placeholders ran
+        # Once a pass has lowered precision on purpose (bf16 on the wire), a later pass that reorders that
+        # arithmetic (a ring instead of the native all-reduce) moves results by bf16 rounding too: from then
+        # on every comparison allows the reduced-precision difference.
+        exact = True
         runner = HOOKS.get("graph_runner")(graph, fold=fold) if self.validate else None
         results = runner.run(graph) if runner else None
         if self.verify:
@@ -273,7 +277,8 @@ class Pipeline:
                 ) from e
             if runner is not None and result.graph is not graph:  # even if it says unchanged
                 new_results = runner.run(result.graph)
-                HOOKS.get("compare_results")(results, new_results, graph, p.name, exact=p.exact)
+                exact = exact and p.exact
+                HOOKS.get("compare_results")(results, new_results, graph, p.name, exact=exact)
                 results = new_results
             graph = result.graph
             notes.extend(result.notes)

@@ -13,8 +13,9 @@ floats normal, ints in ``[0, 4)`` (safe as small indices), random bools and
 PRNG keys. Tolerance: ints, bools and keys must match exactly, NaN and
 infinities where they were; a float leaf may move by ``max(2e-4, 64 eps) *
 max(1, max |before|)``, or, after a pass that declares ``exact = False`` (it
-changes precision on purpose: ``compress-communication`` sends bf16), by
-``8 * 2**-8 * max(1, max |before|)``. A
+changes precision on purpose: ``compress-communication`` sends bf16) and
+after every pass that follows it (a ring all-reduce then reorders a bf16
+sum), by ``8 * 2**-8 * max(1, max |before|)``. A
 graph that still holds placeholders runs after the plain native lowering
 (``LowerCollectives()``); state leaves that a pass stores sharded
 (``StepGraph.sharded_state``) are fed as this replica's chunk and compared

@@ -36,7 +36,9 @@ def _eqns(graph, name):
     ],
 )
 def test_each_placeholder_becomes_its_collective_over_the_group_axes(repl2d, fn, collective, axes_param):
-    lowered = repl2d.lower(fn, _batch(repl2d.num_replicas))
+    # Each replica's rows divisible by the cores (reduce_scatter over 'cores' splits them).
+    cores = repl2d.cores_per_worker
+    lowered = repl2d.lower(fn, {"x": np.zeros((max(2 * repl2d.num_replicas, cores * cores), 4), np.float32)})
     before, after = lowered.traced, lowered.after("lower-collectives")
     assert sum(count_primitives(before.jaxpr, PLACEHOLDER_NAMES).values()) == 1
     assert count_primitives(after.jaxpr, PLACEHOLDER_NAMES) == {}

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from utils import sum_rounding_scale
 
 import replicator as rp
 from replicator.cost.memory import state_bytes_per_device
@@ -18,7 +19,11 @@ from replicator.passes import count_primitives
 from replicator.runtime.execution import build_executable
 
 WIDTH, DEPTH = 256, 4  # 256 KiB weights, over the default threshold; 1 KiB biases stay whole
-TOL = 5e-5
+TOL = 5e-5  # on 8 devices; tol(n) on n
+
+
+def tol(n_devices: int) -> float:
+    return TOL * sum_rounding_scale(n_devices)
 
 
 def _params(rng, width=WIDTH, depth=DEPTH):
@@ -114,7 +119,7 @@ def test_three_adam_steps_equal_one_device(n_devices, stage):
     got = _train(repl, _make_step(tx), state, batches)
     ref = _reference(tx, state, batches)
     assert _max_diff(ref[0], state[0]) > 1e-3  # training moved the parameters: the check below can fail
-    assert _max_diff(got, ref) < TOL
+    assert _max_diff(got, ref) < tol(n_devices)
 
 
 def test_stage3_stores_parameters_sharded_and_gathers_them_for_each_use(n_devices):
@@ -222,7 +227,7 @@ def test_stage3_with_jax_checkpoint_and_clipping(n_devices):
     batches = _batches(4 * n_devices)
     repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(zero_stage=3))
     got = _train(repl, _make_step(tx, remat_loss), state, batches)
-    assert _max_diff(got, _reference(tx, state, batches, remat_loss)) < TOL
+    assert _max_diff(got, _reference(tx, state, batches, remat_loss)) < tol(n_devices)
 
 
 def test_stage2_computes_the_global_norm_on_shards(n_devices):
@@ -239,7 +244,7 @@ def test_stage2_computes_the_global_norm_on_shards(n_devices):
     assert counts[2]["rp.all_reduce"] == counts[1]["rp.all_reduce"] + DEPTH
     batches = _batches(4 * n_devices)
     got = _train(repl, _make_step(tx), state, batches)
-    assert _max_diff(got, _reference(tx, state, batches)) < TOL
+    assert _max_diff(got, _reference(tx, state, batches)) < tol(n_devices)
 
 
 @pytest.mark.parametrize(("workers", "per_device"), [(2, 1), (1, 2), (2, 2)])
@@ -250,7 +255,7 @@ def test_stage3_on_a_2d_mesh_and_folded(n_devices, workers, per_device):
         workers, n_devices // workers, replicas_per_device=per_device, passes=rp.Pipeline.default(zero_stage=3)
     )
     got = _train(repl, _make_step(tx), state, batches)
-    assert _max_diff(got, _reference(tx, state, batches)) < TOL
+    assert _max_diff(got, _reference(tx, state, batches)) < tol(n_devices)
     w = got[0][0]["w"]
     assert not w.sharding.is_fully_replicated  # stored 1/N per device between steps
     assert w.shape == (WIDTH, WIDTH)  # the global shape the user gave
@@ -268,4 +273,4 @@ def test_gradient_accumulation_under_stage3(n_devices):
 
     repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(zero_stage=3))
     got = _train(repl, step, state, batches)
-    assert _max_diff(got, _reference(tx, state, batches)) < TOL
+    assert _max_diff(got, _reference(tx, state, batches)) < tol(n_devices)
