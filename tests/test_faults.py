@@ -9,7 +9,8 @@ the same rows with the launcher's defaults and prints the table in BENCHMARKS.md
 Rows tested elsewhere: different constants on the workers
 (``tests/test_divergence.py``), a worker killed or raising (``tests/test_distributed.py``),
 checkpoint corruption and two writers (``tests/test_checkpoint_faults.py``), bad input
-(``tests/test_bad_input.py``).
+(``tests/test_bad_input.py``), restarts after SIGKILLs (``--max-restarts``, with the final
+parameters compared: ``tests/test_restarts.py``).
 """
 
 from __future__ import annotations

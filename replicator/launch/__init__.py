@@ -57,6 +57,14 @@ The launcher blames the first worker that failed on its own (not one aborted
 by JAX, timed out at start-up, or hit by a runtime error after a peer failed),
 using those files and the exit codes.
 
+With ``--max-restarts N`` a failure (a worker killed, an exception, the
+watchdog) does not end a local job: the launcher stops the other workers, then
+starts them all again, on a new coordinator port, up to ``N`` times, with the
+restart number in ``REPLICATOR_RESTART_COUNT`` (and torchrun's
+``TORCHELASTIC_RESTART_COUNT``); a script whose ``Trainer`` has
+``resume_from=`` goes on from its newest checkpoint. Each restart is logged with
+its cause and how long the recovery took (see :mod:`~replicator.launch.restarts`).
+
 Library use: :func:`launch` runs a job and returns its exit code.
 
 Modules: :mod:`~replicator.launch.environment` (a worker's command line and
@@ -65,6 +73,7 @@ environment, the coordinator's port), :mod:`~replicator.launch.processes`
 :mod:`~replicator.launch.blame` (which failed worker to blame, in words),
 :mod:`~replicator.launch.watchdog` (verdicts on the workers' progress),
 :mod:`~replicator.launch.supervise` (the supervision loop and :func:`launch`),
+:mod:`~replicator.launch.restarts` (which endings are restarted, timing recoveries),
 :mod:`~replicator.launch.cli` (the command line, :func:`main`).
 """
 

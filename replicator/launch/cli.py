@@ -76,6 +76,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     for flag, default, text in _SECONDS:
         p.add_argument(flag, type=float, metavar="S", default=default, help=text)
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        metavar="N",
+        default=0,
+        help="when a worker fails (killed, an exception, the watchdog), stop the others and start every worker "
+        "again, up to N times; workers read the restart number in REPLICATOR_RESTART_COUNT (and "
+        "TORCHELASTIC_RESTART_COUNT) and resume from their checkpoints, e.g. Trainer(..., resume_from=DIR). "
+        "Local jobs only (default %(default)s: a failure ends the job)",
+    )
     p.add_argument("-m", dest="module", metavar="MODULE", help="run a module as the worker's program, like python -m")
     return p
 
@@ -131,6 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_time_s=args.max_time,
             step_timeout_s=args.step_timeout,
             compile_timeout_s=args.compile_timeout,
+            max_restarts=args.max_restarts,
             interrupted=interrupted,
         )
     except LaunchError as e:

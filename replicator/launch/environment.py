@@ -18,7 +18,13 @@ from replicator.runtime.distributed import bootstrap, progress, startup, status
 from replicator.runtime.distributed.startup import free_port
 from replicator.runtime.mesh import with_device_count
 
-__all__ = ["LaunchError", "check_port_free", "free_port", "worker_command", "worker_env"]
+__all__ = ["TORCHELASTIC_ENV", "LaunchError", "check_port_free", "free_port", "worker_command", "worker_env"]
+
+#: torchrun's names for the restart count and ``--max-restarts``, set as well for familiarity.
+TORCHELASTIC_ENV = {
+    startup.ENV_RESTART_COUNT: "TORCHELASTIC_RESTART_COUNT",
+    startup.ENV_MAX_RESTARTS: "TORCHELASTIC_MAX_RESTARTS",
+}
 
 
 class LaunchError(ValueError):
@@ -76,6 +82,8 @@ def worker_env(
     shutdown_timeout_s: float,
     status_dir: str | None = None,
     progress_file: str | None = None,
+    restart_count: int = 0,
+    max_restarts: int = 0,
 ) -> dict[str, str]:
     """The environment of one worker: ``base`` plus the job's settings.
 
@@ -86,6 +94,9 @@ def worker_env(
       start_timeout_s, heartbeat_timeout_s, shutdown_timeout_s: the timeouts.
       status_dir: where the worker writes its status file (None: nowhere).
       progress_file: where the worker writes its progress record (None: nowhere).
+      restart_count, max_restarts: how many times the job was restarted before
+        this start, and the most it may be (``REPLICATOR_RESTART_COUNT`` and
+        ``REPLICATOR_MAX_RESTARTS``, and torchrun's ``TORCHELASTIC_*`` names).
 
     Returns:
       A new environment dict.
@@ -106,6 +117,8 @@ def worker_env(
     env[startup.ENV_START_TIMEOUT] = f"{start_timeout_s:g}"
     env[startup.ENV_HEARTBEAT_TIMEOUT] = f"{heartbeat_timeout_s:g}"
     env[startup.ENV_SHUTDOWN_TIMEOUT] = f"{shutdown_timeout_s:g}"
+    for name, value in ((startup.ENV_RESTART_COUNT, restart_count), (startup.ENV_MAX_RESTARTS, max_restarts)):
+        env[name] = env[TORCHELASTIC_ENV[name]] = str(value)
     if cores_per_worker is not None:
         env["XLA_FLAGS"] = with_device_count(env.get("XLA_FLAGS", ""), cores_per_worker)
     env["PYTHONUNBUFFERED"] = "1"  # lines reach the launcher as they are printed

@@ -1,12 +1,15 @@
 """Supervising a job: start its workers, watch them, stop them all at the first failure; :func:`launch`.
 
-The supervision loop looks every :data:`~replicator.launch.processes.EXIT_POLL_S`
-seconds for workers that exited (the first failure stops the job, and
+The supervision loop (:func:`supervise`) looks every
+:data:`~replicator.launch.processes.EXIT_POLL_S` seconds for workers that
+exited (the first failure stops the job, and
 :func:`~replicator.launch.blame.blame` names the worker to blame), and every
 :data:`~replicator.launch.watchdog.DIAGNOSE_INTERVAL_S` seconds asks the
 watchdog about the workers' progress (a stalled job: their stacks are dumped
 and the job stopped); it also bounds how long workers may outlive one that
 finished, the whole job (``--max-time``), and stops on an interrupt.
+:func:`launch` starts the workers and, with ``max_restarts``, starts them
+again after a failure (see :mod:`~replicator.launch.restarts`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import IO
 from replicator.launch.blame import blame, exit_code
 from replicator.launch.environment import LaunchError, check_port_free, free_port, worker_env
 from replicator.launch.processes import DEFAULT_KILL_GRACE_S, EXIT_POLL_S, Output, Worker, start, stop
+from replicator.launch.restarts import Outcome, Recovery
 from replicator.launch.watchdog import (
     DEFAULT_COMPILE_TIMEOUT_S,
     DEFAULT_STEP_TIMEOUT_S,
@@ -31,7 +35,6 @@ from replicator.launch.watchdog import (
     Verdict,
     diagnose,
 )
-from replicator.runtime.distributed import progress
 from replicator.runtime.distributed.startup import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
@@ -65,6 +68,15 @@ def _dump_stacks(workers: list[Worker], blamed: list[int], output: Output) -> No
     time.sleep(0.5)
 
 
+def _interrupt(interrupted: threading.Event, output: Output) -> Outcome | None:
+    """The outcome of a job whose launcher was interrupted (None: it was not), said once."""
+    if not interrupted.is_set():
+        return None
+    signum = getattr(interrupted, "signum", signal.SIGINT)
+    output.launcher(f"interrupted ({signal.Signals(signum).name})")
+    return Outcome(128 + signum)
+
+
 def supervise(
     workers: list[Worker],
     output: Output,
@@ -72,16 +84,24 @@ def supervise(
     kill_grace_s: float,
     finish_timeout_s: float,
     max_time_s: float | None,
+    job_start: float,
     step_timeout_s: float | None,
     compile_timeout_s: float,
     interrupted: threading.Event,
-) -> int:
-    """Wait for the workers; on the first failure stop the rest. Returns the job's exit code."""
-    start = time.monotonic()
-    next_watch = start + DIAGNOSE_INTERVAL_S
-    code = 0
+    recovery: Recovery | None = None,
+) -> Outcome:
+    """Wait for the workers; on the first failure stop the rest. Returns how they ended.
+
+    ``job_start`` is when the job (its first start) began, for ``max_time_s``;
+    ``recovery``, after a restart, is timed to the workers' first step and
+    logged then.
+    """
+    next_watch = time.monotonic() + DIAGNOSE_INTERVAL_S
     while True:
         now = time.monotonic()
+        if recovery is not None and recovery.first_step is None:
+            if recovery.observe([w.progress for w in workers], now):
+                output.launcher(recovery.line())
         ended = [w for w in workers if w.ended is not None]
         if any(w.returncode != 0 for w in ended):
             # The others fail soon after a peer dies (a collective errors, or JAX aborts them):
@@ -90,10 +110,10 @@ def supervise(
             time.sleep(0.25)
             first, line = blame(workers)
             output.launcher(line)
-            code = exit_code(first.returncode)
+            outcome = Outcome(exit_code(first.returncode), line, restartable=True, detected=now)
             break
         if len(ended) == len(workers):
-            return 0
+            return Outcome(0)
         if now >= next_watch:
             next_watch = now + DIAGNOSE_INTERVAL_S
             verdict = _watch(workers, step_timeout_s or 0.0, compile_timeout_s)
@@ -102,29 +122,29 @@ def supervise(
                 if verdict.kind == "stalled":
                     _dump_stacks(workers, verdict.blame, output)
                 output.launcher(f"stopping the job (exit code {verdict.code})")
-                code = verdict.code
+                outcome = Outcome(verdict.code, f"watchdog: {verdict.message}", restartable=True, detected=now)
                 break
         if ended and now - min(w.ended for w in ended) > finish_timeout_s:
             done = min(ended, key=lambda w: w.ended)
             late = [w.worker_id for w in workers if w.ended is None]
-            output.launcher(
+            line = (
                 f"worker(s) {late} still running {finish_timeout_s:g} s after worker {done.worker_id} "
                 f"finished; they are stuck (e.g. waiting in a collective for a step the others did not run)"
             )
-            code = 1
+            output.launcher(line)
+            outcome = Outcome(1, line, restartable=True, detected=now)
             break
-        if max_time_s is not None and now - start > max_time_s:
+        if max_time_s is not None and now - job_start > max_time_s:
             output.launcher(f"the job ran longer than --max-time {max_time_s:g} s")
-            code = 124
+            outcome = Outcome(124)
             break
-        if interrupted.is_set():
-            signum = getattr(interrupted, "signum", signal.SIGINT)
-            output.launcher(f"interrupted ({signal.Signals(signum).name})")
-            code = 128 + signum
+        interrupt = _interrupt(interrupted, output)
+        if interrupt is not None:
+            outcome = interrupt
             break
         time.sleep(EXIT_POLL_S)
     stop(workers, kill_grace_s, output)
-    return code
+    return outcome
 
 
 def launch(
@@ -141,6 +161,7 @@ def launch(
     max_time_s: float | None = None,
     step_timeout_s: float | None = DEFAULT_STEP_TIMEOUT_S,
     compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+    max_restarts: int = 0,
     env: dict[str, str] | None = None,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
@@ -170,6 +191,9 @@ def launch(
         see :mod:`replicator.launch.watchdog`. Only workers started through
         :func:`worker_command` report progress.
       compile_timeout_s: the same while a worker compiles a step.
+      max_restarts: when a worker fails (or the watchdog stops the job),
+        stop the others and start every worker again, up to this many times
+        (local jobs only); see :mod:`replicator.launch.restarts`.
       env: the base environment (default ``os.environ``).
       stdout, stderr: where the prefixed output goes (default ``sys``'s).
       interrupted: set it to stop the job (the CLI sets it on SIGINT/SIGTERM,
@@ -181,7 +205,8 @@ def launch(
       interrupted.signum`` (130 without one) if interrupted, 1 if workers were
       still running ``2 * shutdown_timeout_s + kill_grace_s`` after one finished,
       76 when the watchdog stops a stalled job or a worker left it early, 75
-      when a worker ended before joining.
+      when a worker ended before joining. With ``max_restarts``, a job that
+      failed more often than that ends with its last failure's code.
 
     Raises:
       LaunchError: on inconsistent arguments (the message says what to pass).
@@ -207,17 +232,96 @@ def launch(
         raise LaunchError(f"--cores-per-worker must be a positive int, got {cores_per_worker!r}.")
     if num_workers is not None and num_workers < 1:
         raise LaunchError(f"--num-workers must be a positive int, got {num_workers!r}.")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise LaunchError(f"--max-restarts must be a non-negative int (0: no restarts), got {max_restarts!r}.")
+    if max_restarts and (worker_id is not None or num_workers is None):
+        raise LaunchError(
+            "--max-restarts restarts every worker of a job on this machine (--num-workers W without "
+            "--worker-id). Across hosts every host's launcher would have to agree on each restart (torchrun's "
+            "rendezvous), which replicator.launch does not do: restart such a job from outside (e.g. the "
+            "scheduler's requeue); a script with Trainer(..., resume_from=DIR) resumes from its checkpoints."
+        )
     if coordinator is not None:
         host, sep, port = coordinator.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise LaunchError(f"--coordinator {coordinator!r} is not HOST:PORT, e.g. 10.0.0.1:29500.")
 
     base = dict(os.environ if env is None else env)
-    timeouts = {
+    plan = _plan(base, num_workers, coordinator, worker_id)
+    settings = {
+        "cores_per_worker": cores_per_worker,
         "start_timeout_s": start_timeout_s,
         "heartbeat_timeout_s": heartbeat_timeout_s,
         "shutdown_timeout_s": shutdown_timeout_s,
+        "max_restarts": max_restarts,
     }
+    output = Output(stdout or sys.stdout, stderr or sys.stderr)
+    interrupted = interrupted or threading.Event()
+    job_start = time.monotonic()
+    every: list[Worker] = []  # of every start, to join their output threads at the end
+    recoveries: list[Recovery] = []
+    status_root = tempfile.mkdtemp(prefix="replicator-launch-")  # private (mode 0700): the workers' status files
+    try:
+        while True:
+            restart = len(recoveries)
+            workers: list[Worker] = []
+            try:
+                _start_all(workers, plan, command, base, settings, restart, status_root, output)
+                every += workers
+                outcome = supervise(
+                    workers,
+                    output,
+                    kill_grace_s=kill_grace_s,
+                    # JAX's shutdown barrier makes finishing workers wait for each other at most
+                    # shutdown_timeout_s (then it aborts them): a worker running much longer is stuck.
+                    finish_timeout_s=2 * shutdown_timeout_s + kill_grace_s,
+                    max_time_s=max_time_s,
+                    job_start=job_start,
+                    step_timeout_s=step_timeout_s,
+                    compile_timeout_s=compile_timeout_s,
+                    interrupted=interrupted,
+                    recovery=recoveries[-1] if recoveries else None,
+                )
+            except BaseException:
+                stop(workers, kill_grace_s, output)
+                raise
+            if not outcome.code or not outcome.restartable or restart >= max_restarts:
+                break
+            stopped = time.monotonic()
+            if coordinator is None:
+                plan = _plan(base, num_workers, None, None)  # a new port: nothing of the old job answers there
+            elif len(plan) > 1:
+                try:
+                    _wait_until_free(coordinator, kill_grace_s + _PORT_WAIT_S)
+                except LaunchError as e:  # the last failure stands
+                    output.launcher(f"cannot restart: {e}")
+                    break
+            interrupt = _interrupt(interrupted, output)
+            if interrupt is not None:
+                outcome = interrupt
+                break
+            recovery = Recovery(restart + 1, outcome.cause, outcome.detected, stopped=stopped)
+            output.launcher(
+                f"restart {recovery.number} of at most {max_restarts} (the workers stopped "
+                f"{stopped - outcome.detected:.1f} s after the failure), cause: {outcome.cause}"
+            )
+            recoveries.append(recovery)
+    finally:
+        shutil.rmtree(status_root, ignore_errors=True)
+    for w in every:
+        for t in w.threads:
+            t.join(timeout=2.0)  # a grandchild may hold a pipe open: do not wait for it
+    _summary(outcome.code, workers, recoveries, output)
+    return outcome.code
+
+
+_PORT_WAIT_S = 10.0  # how long a restart waits for a given coordinator port to be free again, after the grace
+
+
+def _plan(
+    base: dict[str, str], num_workers: int | None, coordinator: str | None, worker_id: int | None
+) -> list[tuple[int, str | None, int | None]]:
+    """The workers this launcher starts: ``(worker id, coordinator address, workers in the job)`` each."""
     if worker_id is not None:
         if coordinator is None or num_workers is None:
             raise LaunchError(
@@ -228,68 +332,81 @@ def launch(
             raise LaunchError(f"--worker-id must be in [0, {num_workers}) for --num-workers {num_workers}.")
         if worker_id == 0:
             check_port_free(coordinator)
-        plan = [(worker_id, coordinator, num_workers)]
-    elif num_workers is not None:
+        return [(worker_id, coordinator, num_workers)]
+    if num_workers is not None:
         if coordinator is not None and num_workers > 1:
             check_port_free(coordinator)
         address = coordinator or f"127.0.0.1:{free_port()}"
-        plan = [(i, address, num_workers) for i in range(num_workers)]
-    else:
-        cluster = cluster_environment(base)
-        if cluster is None:
-            raise LaunchError(
-                "how many workers? Pass --num-workers W to start W workers on this machine, or "
-                "--coordinator HOST:PORT --num-workers W --worker-id I on each host, or run the launcher "
-                "under SLURM (srun) or Open MPI (mpirun), one task per worker."
-            )
-        if coordinator is not None:
-            raise LaunchError("--coordinator needs --num-workers (and --worker-id on each host).")
-        rank = cluster_rank(base)
-        plan = [(rank if rank is not None else 0, None, None)]
+        return [(i, address, num_workers) for i in range(num_workers)]
+    cluster = cluster_environment(base)
+    if cluster is None:
+        raise LaunchError(
+            "how many workers? Pass --num-workers W to start W workers on this machine, or "
+            "--coordinator HOST:PORT --num-workers W --worker-id I on each host, or run the launcher "
+            "under SLURM (srun) or Open MPI (mpirun), one task per worker."
+        )
+    if coordinator is not None:
+        raise LaunchError("--coordinator needs --num-workers (and --worker-id on each host).")
+    rank = cluster_rank(base)
+    return [(rank if rank is not None else 0, None, None)]
 
-    output = Output(stdout or sys.stdout, stderr or sys.stderr)
-    interrupted = interrupted or threading.Event()
-    workers: list[Worker] = []
-    status_dir = tempfile.mkdtemp(prefix="replicator-launch-")  # private (mode 0700): the workers' status files
-    try:
+
+def _start_all(
+    workers: list[Worker],
+    plan: list[tuple[int, str | None, int | None]],
+    command: Sequence[str],
+    base: dict[str, str],
+    settings: dict,
+    restart: int,
+    status_root: str,
+    output: Output,
+) -> None:
+    """Start the workers of ``plan`` (appended to ``workers`` one by one), with their own status directory."""
+    status_dir = os.path.join(status_root, f"start-{restart}")
+    os.mkdir(status_dir, 0o700)
+    for label, address, count in plan:
+        progress_file = os.path.join(status_dir, f"progress-{label}.json")
+        wenv = worker_env(
+            base,
+            coordinator=address,
+            num_workers=count,
+            worker_id=label if count is not None else None,
+            status_dir=status_dir,
+            progress_file=progress_file,
+            restart_count=restart,
+            **settings,
+        )
+        workers.append(start(label, command, wenv, output, status_dir, progress_file))
+    if len(plan) > 1:
+        which = f"restart {restart}: " if restart else ""
+        output.launcher(
+            f"{which}started {len(plan)} workers (coordinator {plan[0][1]}): pids {[w.proc.pid for w in workers]}"
+        )
+
+
+def _wait_until_free(address: str, timeout_s: float) -> None:
+    """Wait until worker 0 could open the coordinator's port again; raise LaunchError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
         try:
-            for label, address, count in plan:
-                wenv = worker_env(
-                    base,
-                    coordinator=address,
-                    num_workers=count,
-                    worker_id=label if count is not None else None,
-                    cores_per_worker=cores_per_worker,
-                    status_dir=status_dir,
-                    progress_file=os.path.join(status_dir, f"progress-{label}.json"),
-                    **timeouts,
-                )
-                workers.append(start(label, command, wenv, output, status_dir, wenv[progress.ENV_PROGRESS_FILE]))
-            if len(plan) > 1:
-                output.launcher(
-                    f"started {len(plan)} workers (coordinator {plan[0][1]}): pids {[w.proc.pid for w in workers]}"
-                )
-            code = supervise(
-                workers,
-                output,
-                kill_grace_s=kill_grace_s,
-                # JAX's shutdown barrier makes finishing workers wait for each other at most
-                # shutdown_timeout_s (then it aborts them): a worker running much longer is stuck.
-                finish_timeout_s=2 * shutdown_timeout_s + kill_grace_s,
-                max_time_s=max_time_s,
-                step_timeout_s=step_timeout_s,
-                compile_timeout_s=compile_timeout_s,
-                interrupted=interrupted,
-            )
-        except BaseException:
-            stop(workers, kill_grace_s, output)
-            raise
-    finally:
-        shutil.rmtree(status_dir, ignore_errors=True)
-    for w in workers:
-        for t in w.threads:
-            t.join(timeout=2.0)  # a grandchild may hold a pipe open: do not wait for it
+            check_port_free(address)
+            return
+        except LaunchError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _summary(code: int, workers: list[Worker], recoveries: list[Recovery], output: Output) -> None:
+    """The launcher's last line: how the job ended, after how many restarts."""
+    restarts = f" after {len(recoveries)} restart(s)" if recoveries else ""
     if code and len(workers) > 1:
         codes = {w.worker_id: w.proc.returncode for w in workers}
-        output.launcher(f"job failed, exit code {code} (workers' exit codes: {codes})")
-    return code
+        output.launcher(f"job failed{restarts}, exit code {code} (workers' exit codes: {codes})")
+    elif not code and recoveries:
+        timed = any(r.seconds is not None for r in recoveries)  # workers not run through the bootstrap: none
+        took = "; ".join(
+            f"restart {r.number}: {r.seconds:.1f} s" if r.seconds is not None else f"restart {r.number}: no step"
+            for r in recoveries
+        )
+        output.launcher(f"job finished{restarts}" + (f"; recovery (failure -> first step): {took}" if timed else ""))

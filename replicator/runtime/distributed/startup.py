@@ -36,7 +36,9 @@ __all__ = [
     "ENV_CORES_PER_WORKER",
     "ENV_COORDINATOR",
     "ENV_HEARTBEAT_TIMEOUT",
+    "ENV_MAX_RESTARTS",
     "ENV_NUM_WORKERS",
+    "ENV_RESTART_COUNT",
     "ENV_SHUTDOWN_TIMEOUT",
     "ENV_START_TIMEOUT",
     "ENV_WORKER_ID",
@@ -48,6 +50,7 @@ __all__ = [
     "free_port",
     "initialize",
     "is_initialized",
+    "restart_count",
     "shutdown",
 ]
 
@@ -59,6 +62,11 @@ ENV_CORES_PER_WORKER = "REPLICATOR_CORES_PER_WORKER"
 ENV_START_TIMEOUT = "REPLICATOR_START_TIMEOUT"
 ENV_HEARTBEAT_TIMEOUT = "REPLICATOR_HEARTBEAT_TIMEOUT"
 ENV_SHUTDOWN_TIMEOUT = "REPLICATOR_SHUTDOWN_TIMEOUT"
+#: How many times the launcher restarted the job before starting this worker (0: the first
+#: start), and its ``--max-restarts``; torchrun's ``TORCHELASTIC_RESTART_COUNT`` and
+#: ``TORCHELASTIC_MAX_RESTARTS`` are set to the same values.
+ENV_RESTART_COUNT = "REPLICATOR_RESTART_COUNT"
+ENV_MAX_RESTARTS = "REPLICATOR_MAX_RESTARTS"
 
 DEFAULT_START_TIMEOUT_S = 120.0
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
@@ -191,6 +199,17 @@ def check_initialized_under_launcher() -> None:
             f"`info = replicator.runtime.distributed.initialize()` at the top of the script (before anything "
             f"uses JAX), then `Replicator(info.num_workers, info.cores_per_worker)`."
         )
+
+
+def restart_count() -> int:
+    """How many times ``python -m replicator.launch --max-restarts N`` restarted this job (0: its first start).
+
+    Read from ``REPLICATOR_RESTART_COUNT``; 0 outside the launcher. A script
+    resumes from its checkpoints whatever the count (``Trainer(...,
+    resume_from=directory)``); the count is for logs, or for doing something
+    once per start.
+    """
+    return _env_int(ENV_RESTART_COUNT) or 0
 
 
 def is_initialized() -> bool:
