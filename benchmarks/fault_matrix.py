@@ -7,24 +7,45 @@ happens) to the launcher's exit, with its exit code and the worker it named. Pri
 markdown table (BENCHMARKS.md). ``tests/test_faults.py`` checks the same rows with a
 short ``--step-timeout``.
 
+The restart rows run ``tests/multiproc/restart_worker.py`` (a 2 x 2 ``Trainer`` job,
+``--steps`` steps, a checkpoint every ``--every``, ``resume_from=``) under
+``--max-restarts 5`` and SIGKILL a worker three times: ``restart-phases`` at phases
+drawn from ``--seed`` by the worker itself (during a checkpoint save, while the
+restarted job compiles, in a step; worker 0 once), ``restart-random`` from here, a
+random worker a random moment (0-50 ms) after a random step (seeded; worker 0 once).
+Each gives the detection time of each kill (the kill to the launcher's line about it),
+the recovery times the launcher logged (failure detected to the first step done on
+every restarted worker), the final parameters against an uninterrupted run of the
+same job, and the exit code. ``tests/test_restarts.py`` checks ``restart-phases``
+with 40 steps.
+
 Usage::
 
-    python benchmarks/fault_matrix.py             # every row, default timeouts (about 3 minutes)
+    python benchmarks/fault_matrix.py             # every row, default timeouts (3 minutes, restarts 1-2 more)
     python benchmarks/fault_matrix.py --rows sleep,exit
+    python benchmarks/fault_matrix.py --rows restarts --steps 150 --every 10 --seed 0
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import queue
+import random
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "multiproc" / "fault_worker.py"
+RESTART_WORKER = ROOT / "tests" / "multiproc" / "restart_worker.py"
+LAUNCH = [sys.executable, "-m", "replicator.launch", "--num-workers", "2", "--cores-per-worker", "2"]
 
 ROWS = {
     "sleep": ("a worker stuck in its own Python code (`time.sleep` between steps)", ["--fault", "sleep"]),
@@ -39,6 +60,11 @@ ROWS = {
     "raise": ("an uncaught exception in one worker", ["--fault", "raise"]),
     "lr": ("worker 1 uses another learning rate", ["--fault", "lr"]),
 }
+RESTART_ROWS = {
+    "restart-phases": "3 SIGKILLs at phases: a checkpoint save, the restarted job compiling, a step",
+    "restart-random": "3 SIGKILLs from outside, random workers after random steps",
+}
+JOB_LIMIT_S = 600.0  # no restart job may take longer
 
 
 def env() -> dict[str, str]:
@@ -46,8 +72,7 @@ def env() -> dict[str, str]:
 
 
 def run_row(args: list[str], tmp: str) -> tuple[float | None, int, str]:
-    command = [sys.executable, "-m", "replicator.launch", "--num-workers", "2", "--cores-per-worker", "2"]
-    command += ["--max-time", "300", str(WORKER), *(a.format(tmp=tmp) for a in args)]
+    command = [*LAUNCH, "--max-time", "300", str(WORKER), *(a.format(tmp=tmp) for a in args)]
     start = time.time()
     proc = subprocess.run(command, env=env(), cwd=ROOT, capture_output=True, text=True, timeout=400)
     ended = time.time()
@@ -61,19 +86,138 @@ def run_row(args: list[str], tmp: str) -> tuple[float | None, int, str]:
     return after, proc.returncode, named.group(1) if named else verdict[:80]
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {list(ROWS)}")
-    args = p.parse_args()
+def _lines(proc: subprocess.Popen) -> queue.Queue:
+    """The process's output lines as ``(time read, line)``, from a thread (None at the end)."""
+    lines: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.put((time.time(), line.rstrip("\n")))
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return lines
+
+
+def _outside_kills(seed: int, steps: int) -> list[tuple[int, int, float]]:
+    """``(after step, worker, delay s)`` of three kills from outside, worker 0 among them."""
+    rng = random.Random(seed)
+    after = sorted(rng.sample(range(1, steps), 3))
+    victims = [rng.randrange(2) for _ in after]
+    if 0 not in victims:
+        victims[rng.randrange(3)] = 0
+    return [(k, w, rng.uniform(0.0, 0.05)) for k, w in zip(after, victims, strict=True)]
+
+
+def run_restart_job(row: str, steps: int, every: int, seed: int, tmp: str) -> dict:
+    """One restart row: the job under ``--max-restarts 5``, killed 3 times; what the launcher said, timed."""
+    command = [*LAUNCH, "--max-restarts", "5", "--max-time", f"{JOB_LIMIT_S:g}", str(RESTART_WORKER)]
+    command += ["--steps", str(steps), "--every", str(every), "--ckpt", f"{tmp}/ckpt", "--out", f"{tmp}/out"]
+    outside = _outside_kills(seed, steps) if row == "restart-random" else []
+    command += ["--print-steps"] if outside else ["--random-kills", str(seed)]
+    proc = subprocess.Popen(command, env=env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, deadline = _lines(proc), time.monotonic() + JOB_LIMIT_S
+    pids: list[int] = []
+    armed = False  # the next outside kill waits for the workers of a new start
+    killed_at: list[float] = []
+    where: list[str] = []
+    detections: list[float] = []
+    recoveries: list[float] = []
+    try:
+        while (item := lines.get(timeout=max(0.1, deadline - time.monotonic()))) is not None:
+            read, line = item
+            if found := re.search(r"pids \[(\d+), (\d+)\]", line):
+                pids, armed = [int(found.group(1)), int(found.group(2))], True
+            if found := re.search(r"\[worker (\d)\] killing myself at ([\d.]+) in (\S+) after (\d+) steps", line):
+                killed_at.append(float(found.group(2)))
+                where.append(f"w{found.group(1)} {found.group(3)} after {found.group(4)}")
+            if (found := re.fullmatch(r"\[worker 0\] step (\d+)", line)) and armed and outside:
+                step, victim, delay = outside[0]
+                if int(found.group(1)) == step:
+                    time.sleep(delay)
+                    os.kill(pids[victim], signal.SIGKILL)
+                    killed_at.append(time.time())
+                    where.append(f"w{victim} after step {step}")
+                    outside.pop(0)
+                    armed = False
+            if re.match(r"\[launcher\] worker \d (was killed|failed)", line) and len(detections) < len(killed_at):
+                detections.append(read - killed_at[len(detections)])
+            if found := re.search(r"\[launcher\] restart \d+ recovered in ([\d.]+) s", line):
+                recoveries.append(float(found.group(1)))
+        code = proc.wait(timeout=30)
+    except queue.Empty:
+        proc.kill()
+        raise RuntimeError(f"the {row} job ran past {JOB_LIMIT_S:g} s") from None
+    return {"code": code, "where": where, "detections": detections, "recoveries": recoveries}
+
+
+def final_params(out: str) -> dict[str, np.ndarray]:
+    """Worker 0's final parameters, as restart_worker.py wrote them."""
+    return {f.stem: np.load(f, allow_pickle=False) for f in sorted(Path(out).glob("w0_param_*.npy"))}
+
+
+def compare(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> str:
+    """How the final parameters compare with the uninterrupted run's, in words."""
+    if not got or got.keys() != want.keys():
+        return "missing"
+    if all(np.array_equal(got[k], want[k]) for k in want):
+        return "bit-identical"
+    return f"max abs diff {max(float(np.max(np.abs(got[k] - want[k]))) for k in want):.2e}"
+
+
+def restart_rows(names: list[str], steps: int, every: int, seed: int) -> None:
     import tempfile
 
-    print("| scenario | ended after (s) | exit code | named |")
-    print("|---|---:|---:|---|")
-    for name in args.rows.split(","):
+    print(f"{steps} steps, a checkpoint every {every}, --max-restarts 5, seed {seed}:")
+    print()
+    print("| scenario | kills | detection (s) | recovery (s) | final params vs uninterrupted | exit code |")
+    print("|---|---|---:|---:|---|---:|")
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [*LAUNCH, str(RESTART_WORKER), "--steps", str(steps), "--every", str(every)]
+        command += ["--ckpt", f"{tmp}/ckpt", "--out", f"{tmp}/out"]
+        subprocess.run(command, env=env(), cwd=ROOT, capture_output=True, timeout=JOB_LIMIT_S, check=True)
+        uninterrupted = final_params(f"{tmp}/out")
+    for name in names:
+        with tempfile.TemporaryDirectory() as tmp:
+            got = run_restart_job(name, steps, every, seed, tmp)
+            same = compare(final_params(f"{tmp}/out"), uninterrupted)
+
+        def seconds(values: list[float]) -> str:
+            return ", ".join(f"{v:.1f}" for v in values) or "-"
+
+        print(
+            f"| {RESTART_ROWS[name]} | {'; '.join(got['where'])} | {seconds(got['detections'])} | "
+            f"{seconds(got['recoveries'])} | {same} | {got['code']} |",
+            flush=True,
+        )
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default=",".join([*ROWS, "restarts"]), help=f"comma-separated, of {list(ROWS)}, "
+                   f"{list(RESTART_ROWS)} and 'restarts' (both)")  # fmt: skip
+    p.add_argument("--steps", type=int, default=150, help="steps of the restart rows' job (default %(default)s)")
+    p.add_argument("--every", type=int, default=10, help="its checkpoint interval (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="draws the restart rows' kills (default %(default)s)")
+    args = p.parse_args()
+    names = [n for r in args.rows.split(",") for n in (list(RESTART_ROWS) if r == "restarts" else [r])]
+    unknown = [n for n in names if n not in ROWS and n not in RESTART_ROWS]
+    if unknown:
+        p.error(f"unknown row(s) {unknown}; choose from {list(ROWS)}, {list(RESTART_ROWS)}, restarts")
+    import tempfile
+
+    faults = [n for n in names if n in ROWS]
+    if faults:
+        print("| scenario | ended after (s) | exit code | named |")
+        print("|---|---:|---:|---|")
+    for name in faults:
         what, worker_args = ROWS[name]
         with tempfile.TemporaryDirectory() as tmp:
             after, code, named = run_row(worker_args, tmp)
         print(f"| {what} | {after:.1f} | {code} | {named} |", flush=True)
+    restarts = [n for n in names if n in RESTART_ROWS]
+    if restarts:
+        restart_rows(restarts, args.steps, args.every, args.seed)
     return 0
 
 
