@@ -81,6 +81,22 @@ class TestRestartLoop:
         assert "restart 2 of at most 2" in err and "restart 3" not in err
         assert err.splitlines()[-1].startswith("[launcher] job failed after 2 restart(s), exit code 137")
 
+    def test_a_watchdog_verdict_is_restarted(self):
+        # Through the bootstrap the toy reports progress: worker 1 ending with 0 before it joined
+        # is the watchdog's 'never joined' verdict (code 75), in the first start only.
+        out, err = io.StringIO(), io.StringIO()
+        command = launch.worker_command(
+            [TOY, "--fail-worker", "1", "--code", "0", "--fail-starts", "1", "--sleep", "2"]
+        )
+        code = launch.launch(
+            command, num_workers=2, max_restarts=1, kill_grace_s=0.5, max_time_s=60, env=clean_env(), stdout=out,
+            stderr=err,
+        )  # fmt: skip
+        assert code == 0, err.getvalue()
+        assert "restart 1 of at most 1 (the workers stopped" in err.getvalue()
+        assert "cause: watchdog: worker 1 ended its script with exit code 0 before it joined" in err.getvalue()
+        assert out.getvalue().count("[worker 1] hello from worker 1") == 2
+
     def test_without_max_restarts_a_failure_ends_the_job(self):
         code, out, err = toy("--fail-worker", "1", "--sleep", "30")
         assert code == 3 and "restart" not in err and out.count("hello from worker 0") == 1
