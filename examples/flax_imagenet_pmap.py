@@ -47,7 +47,8 @@ def _flax():
     return nn
 
 
-def make_model(num_filters: int = 8, stage_sizes: Sequence[int] = (1, 1)) -> Any:
+def make_model(num_filters: int = 8, stage_sizes: Sequence[int] = (1, 1), axis_name: str | None = "batch") -> Any:
+    """Flax's ImageNet ResNet v1; ``axis_name=None``: batch norm over the local batch only (one device, GSPMD)."""
     nn = _flax()
 
     class ResNetBlock(nn.Module):
@@ -76,6 +77,7 @@ def make_model(num_filters: int = 8, stage_sizes: Sequence[int] = (1, 1)) -> Any
         num_filters: int = 64
         dtype: Any = jnp.float32
         act: Callable = nn.relu
+        axis_name: str | None = "batch"
 
         @nn.compact
         def __call__(self, x, train: bool = True):
@@ -86,7 +88,7 @@ def make_model(num_filters: int = 8, stage_sizes: Sequence[int] = (1, 1)) -> Any
                 momentum=0.9,
                 epsilon=1e-5,
                 dtype=self.dtype,
-                axis_name="batch",
+                axis_name=self.axis_name,
             )
             x = conv(self.num_filters, (3, 3), name="conv_init")(x)
             x = norm(name="bn_init")(x)
@@ -99,7 +101,7 @@ def make_model(num_filters: int = 8, stage_sizes: Sequence[int] = (1, 1)) -> Any
             x = nn.Dense(self.num_classes, dtype=self.dtype)(x)
             return jnp.asarray(x, self.dtype)
 
-    return ResNet(stage_sizes=tuple(stage_sizes), num_classes=NUM_CLASSES, num_filters=num_filters)
+    return ResNet(stage_sizes=tuple(stage_sizes), num_classes=NUM_CLASSES, num_filters=num_filters, axis_name=axis_name)
 
 
 # -- the step: Flax's examples/imagenet/train.py ------------------------------------
