@@ -61,8 +61,9 @@ from zero_workloads import WORKLOADS  # noqa: E402
 MiB = 2.0**20
 
 
-def leaves64(tree) -> list[np.ndarray]:
-    return [np.asarray(x, np.float64) for x in jax.tree.leaves(tree)]
+def leaves64(tree, *, floating_only: bool = False) -> list[np.ndarray]:
+    leaves = [np.asarray(x) for x in jax.tree.leaves(tree)]
+    return [x.astype(np.float64) for x in leaves if not floating_only or np.issubdtype(x.dtype, np.floating)]
 
 
 def max_difference(a, b) -> float:
@@ -70,11 +71,12 @@ def max_difference(a, b) -> float:
 
 
 def relative_update_error(state, reference, initial) -> float:
-    """``|state - reference| / |reference - initial|`` over all state leaves (Euclidean norms): how far off the
-    3 steps' change is. Adam moves an element whose gradient is near zero by about ``lr`` either way, so a
-    rounding difference can show in the max difference; a wrong update shows here."""
-    off = sum(float(np.sum((x - y) ** 2)) for x, y in zip(leaves64(state), leaves64(reference), strict=True))
-    moved = sum(float(np.sum((y - z) ** 2)) for y, z in zip(leaves64(reference), leaves64(initial), strict=True))
+    """``|state - reference| / |reference - initial|`` over the floating-point state leaves (Euclidean norms):
+    how far off the 3 steps' change is. Adam moves an element whose gradient is near zero by about ``lr``
+    either way, so a rounding difference can show in the max difference; a wrong update shows here."""
+    state, reference, initial = (leaves64(t, floating_only=True) for t in (state, reference, initial))
+    off = sum(float(np.sum((x - y) ** 2)) for x, y in zip(state, reference, strict=True))
+    moved = sum(float(np.sum((y - z) ** 2)) for y, z in zip(reference, initial, strict=True))
     return float(np.sqrt(off / moved))
 
 
