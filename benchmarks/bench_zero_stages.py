@@ -19,6 +19,7 @@ Usage::
     python benchmarks/bench_zero_stages.py                                  # the MLP, 8 devices
     python benchmarks/bench_zero_stages.py --workload resnet --rounds 3 --steps 3
     python benchmarks/bench_zero_stages.py --workload transformer-scan --rounds 3 --steps 3
+    python benchmarks/bench_zero_stages.py --workload transformer-scan --memory-only   # compile only
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", choices=WORKLOAD_NAMES, default="mlp")
     p.add_argument("--devices", type=int, default=8)
+    p.add_argument(
+        "--memory-only", action="store_true", help="compile only: print each variant's memory breakdown, run nothing"
+    )
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument(
@@ -80,7 +84,23 @@ def relative_update_error(state, reference, initial) -> float:
     return float(np.sqrt(off / moved))
 
 
+def print_memory(title: str, programs: dict) -> None:
+    """Each variant's compiled memory per device, XLA's breakdown (peak = arguments + outputs - aliased +
+    temporaries)."""
+    print(f"{title}, {jax.device_count()} devices; XLA's compiled memory analysis per device, MiB")
+    print("| variant | state | arguments | outputs | aliased | temporaries | peak |")
+    print("|---|---|---|---|---|---|---|")
+    for name, p in programs.items():
+        m = p.memory
+        sizes = (p.stored, m.arguments, m.outputs, m.aliased, m.temporaries, m.peak)
+        print(f"| {name} | " + " | ".join(f"{b / MiB:.2f}" for b in sizes) + " |")
+
+
 def main() -> int:
+    if ARGS.memory_only:
+        workload = WORKLOADS[ARGS.workload](abstract=True)
+        print_memory(workload.title, {name: compile_variant(name, workload) for name in VARIANTS})
+        return 0
     workload = WORKLOADS[ARGS.workload]()
     state = workload.state
     whole = sum(np.asarray(x).nbytes for x in jax.tree.leaves(state))

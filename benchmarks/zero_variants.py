@@ -32,6 +32,7 @@ from zero_workloads import Workload
 
 import replicator as rp
 from replicator.cost.memory import state_bytes_per_device
+from replicator.runtime.memory import MemoryUsage
 
 PyTree = Any
 
@@ -44,10 +45,14 @@ VARIANTS = ("gspmd-replicated", "gspmd-fsdp", "zero0", "zero1", "zero2", "zero3"
 class Program:
     """A compiled variant: its memory per device, and how to place a state and run a step on it."""
 
-    peak: int  # bytes per device, XLA's memory analysis
+    memory: MemoryUsage  # bytes per device, XLA's compiled memory analysis
     stored: int  # state bytes per device between steps
     place: Callable[[PyTree], PyTree]  # the initial state, as this variant keeps it
     run: Callable[[PyTree], tuple[PyTree, jax.Array]]  # state -> (state, loss), on the workload's batches in turn
+
+    @property
+    def peak(self) -> int:
+        return self.memory.peak
 
 
 def fsdp_spec(shape: tuple[int, ...], n: int) -> P:
@@ -77,15 +82,20 @@ def _gspmd(workload: Workload, *, fsdp: bool) -> Program:
         out_shardings=(shardings, None),
     )
     batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=batch_sharding), workload.batches[0])
-    memory = fn.lower(_abstract(workload.state, shardings), batch).compile().memory_analysis()
-    peak = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+    analysis = fn.lower(_abstract(workload.state, shardings), batch).compile().memory_analysis()
+    memory = MemoryUsage(
+        int(analysis.argument_size_in_bytes),
+        int(analysis.output_size_in_bytes),
+        int(analysis.alias_size_in_bytes),
+        int(analysis.temp_size_in_bytes),
+    )
     stored = sum(
         math.prod(s.shard_shape(np.shape(a))) * a.dtype.itemsize
         for a, s in zip(jax.tree.leaves(workload.state), jax.tree.leaves(shardings), strict=True)
     )
     batches = itertools.cycle(workload.batches)
     return Program(
-        int(peak + memory.temp_size_in_bytes),
+        memory,
         int(stored),
         lambda state: jax.device_put(state, shardings),
         lambda state: fn(state, jax.device_put(next(batches), batch_sharding)),
@@ -110,7 +120,7 @@ def _zero(workload: Workload, *, stage: int) -> Program:
         state, out = repl.run(step_fn, input_fn, state)
         return state, out["loss"]
 
-    return Program(lowered.memory().peak, state_bytes_per_device(lowered.final), lambda state: state, run)
+    return Program(lowered.memory(), state_bytes_per_device(lowered.final), lambda state: state, run)
 
 
 def compile_variant(name: str, workload: Workload) -> Program:
