@@ -151,9 +151,19 @@ def test_flax_resnet_training_matches_one_device(n_devices, workers, zero_stage)
         for path, leaf in jax.tree_util.tree_leaves_with_path(got.params)
         if not leaf.sharding.is_fully_replicated
     ]
-    if zero_stage == 3:  # parameters whose leading axis divides by the replicas (a conv kernel's is 3 or 1: not)
+    if zero_stage == 3:
         assert "['Dense_0']['kernel']" in stored_sharded and "['bn_init']['scale']" in stored_sharded, stored_sharded
-        assert not any("conv" in p for p in stored_sharded), stored_sharded
+        # conv kernels (3, 3, C, F): split along the first axis that divides by the replicas, not the leading 3
+        kernels = {
+            jax.tree_util.keystr(path): leaf
+            for path, leaf in jax.tree_util.tree_leaves_with_path(got.params)
+            if "conv" in jax.tree_util.keystr(path)
+        }
+        assert kernels and set(kernels) <= set(stored_sharded), (sorted(kernels), stored_sharded)
+        for path, kernel in kernels.items():
+            (axis,) = [k for k, names in enumerate(kernel.sharding.spec) if names is not None]
+            assert axis >= 2 and kernel.shape[axis] % repl.num_replicas == 0, (path, kernel.sharding.spec)
+            assert kernel.addressable_shards[0].data.shape[axis] == kernel.shape[axis] // repl.num_replicas
     else:
         assert not stored_sharded, stored_sharded
     moved = max(

@@ -14,7 +14,70 @@ from jax.extend.core import ClosedJaxpr, Var
 
 from replicator.core.context import ReplicaContext
 
-__all__ = ["CollectiveRecord", "Origin", "StepGraph"]
+__all__ = ["CollectiveRecord", "Origin", "ShardedState", "StepGraph", "shard_axis"]
+
+
+class ShardedState(frozenset):
+    """The indices of the state leaves stored sharded, each with the axis it is split along.
+
+    A ``frozenset`` of the indices (``i in s``, ``sorted(s)``, ``s == frozenset()`` work as for
+    one) that also knows each leaf's axis; equal to another ``ShardedState`` only if the axes agree.
+
+    >>> s = ShardedState({3: 0, 5: 1})
+    >>> sorted(s), s.axis(5), s == frozenset({3, 5}), s == ShardedState({3: 0, 5: 0})
+    ([3, 5], 1, True, False)
+    """
+
+    __slots__ = ("axes",)
+    axes: tuple[tuple[int, int], ...]
+
+    def __new__(cls, axes: Mapping[int, int] | None = None) -> ShardedState:
+        axes = dict(axes or {})
+        self = super().__new__(cls, axes)
+        self.axes = tuple(sorted(axes.items()))
+        return self
+
+    def axis(self, index: int) -> int:
+        """The axis leaf ``index`` is split along."""
+        return dict(self.axes)[index]
+
+    def __or__(self, other: Mapping[int, int] | frozenset[int]) -> ShardedState:  # type: ignore[override]
+        return ShardedState({**dict(self.axes), **_axes_of(other)})
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ShardedState):
+            return self.axes == other.axes
+        return frozenset.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash(self.axes)
+
+    def __repr__(self) -> str:
+        return f"ShardedState({dict(self.axes)})"
+
+    def __reduce__(self) -> tuple:
+        return ShardedState, (dict(self.axes),)
+
+
+def _axes_of(sharded: Mapping[int, int] | frozenset[int]) -> dict[int, int]:
+    if isinstance(sharded, ShardedState):
+        return dict(sharded.axes)
+    if isinstance(sharded, Mapping):
+        return dict(sharded)
+    return dict.fromkeys(sharded, 0)  # a plain set of indices: split along axis 0
+
+
+def shard_axis(sharded: frozenset[int], index: int) -> int | None:
+    """The axis state leaf ``index`` is split along, or ``None`` if it is replicated.
+
+    ``sharded``: a graph's ``sharded_state`` (a plain set of indices means axis 0).
+    """
+    if index not in sharded:
+        return None
+    return sharded.axis(index) if isinstance(sharded, ShardedState) else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +90,7 @@ class StepGraph:
       context: the mesh shape the step was traced for.
       state_paths: a readable path per state leaf, e.g. ``state['w']``.
       output_paths: a readable path per output leaf.
-      sharded_state: indices of state leaves stored sharded (see the field).
+      sharded_state: indices of state leaves stored sharded, with their axes (see the field).
       collectives: what ``lower-collectives`` emitted (see the field).
       collective_origins: the user's tensors each placeholder carries (see the field).
     """
@@ -36,10 +99,11 @@ class StepGraph:
     context: ReplicaContext
     state_paths: tuple[str, ...]
     output_paths: tuple[str, ...]
-    #: State leaves stored sharded along axis 0 over all replicas (ZeRO-1):
-    #: their jaxpr input and output are this replica's 1/N chunk. The others
-    #: are replicated.
-    sharded_state: frozenset[int] = frozenset()
+    #: State leaves stored sharded over all replicas (ZeRO), each along one
+    #: axis (:class:`ShardedState`, :func:`shard_axis`; a plain set means axis
+    #: 0): their jaxpr input and output are this replica's 1/N chunk. The
+    #: others are replicated.
+    sharded_state: frozenset[int] = ShardedState()
     #: One record per placeholder that ``lower-collectives`` lowered: kind,
     #: group, algorithm, wire dtype, payload and emitted bytes
     #: (:class:`CollectiveRecord`); empty before

@@ -15,7 +15,7 @@ replica-variance analysis (:mod:`replicator.analysis.invariance`, state enters
 identical, batch data and ``replica_id()`` vary):
 
 * ``g = all_sum/all_mean(x)`` over *all* replicas, for a floating-point leaf
-  whose leading axis divides by N (and of at least ``min_tensor_bytes``), is
+  with an axis that divides by N (and of at least ``min_tensor_bytes``), is
   identical everywhere whatever ``x`` is:
   it becomes ``g_r = reduce_scatter(x)`` (``/ N`` for a mean);
 * an element-wise equation (``add``, ``mul``, ``sqrt``, ``select_n``, ...) is
@@ -26,8 +26,8 @@ identical, batch data and ``replica_id()`` vary):
 * a state leaf read *only* by chunked equations and written from a chunk
   (Adam's ``mu``/``nu``) becomes **sharded state**: the step receives and
   returns only this replica's chunk, and between steps it lives sharded along
-  its leading axis over the mesh (its global shape is unchanged), so each
-  device holds 1/N of it;
+  that axis over the mesh (its global shape is unchanged), so each device
+  holds 1/N of it;
 * every other use of a chunked value (new parameters, outputs, control flow,
   a non-element-wise equation) reads the full value back from one
   ``all_gather``.
@@ -44,14 +44,14 @@ Non-element-wise updates (e.g. ``clip_by_global_norm``'s reduction over all
 gradients) simply read gathered values at stage 1. Only the top-level graph is
 rewritten (the state lives there).
 
-**Stage 2** also computes reductions over axis 0 (``reduce_sum``, ``reduce_max``,
+**Stage 2** also computes reductions over the chunk axis (``reduce_sum``, ``reduce_max``,
 ``reduce_min``) of a chunk of an invariant value on the chunk, and combines the
 partial results with an all-reduce: a global gradient norm then never rebuilds
 a whole reduced gradient. Precondition: the reduced value is proven invariant
 (so the chunks are chunks of one value and the partial results add up to it).
 
 **Stage 3** also stores *parameters* sharded: a floating-point state leaf of
-at least ``min_tensor_bytes`` whose leading axis divides by N, and whose new
+at least ``min_tensor_bytes`` with an axis that divides by N, and whose new
 value is its old value or a chunk computed as above (so it is identical on
 every replica). Each equation that reads a parameter whole (the forward pass's
 matmul, the backward pass's) gets its own ``all_gather``, ordered after the
@@ -59,10 +59,15 @@ equation's other operands, so that no whole copy lives from the forward pass
 to the backward pass (DeepSpeed's re-gather). An element-wise cast of the
 parameter (``w.astype(bfloat16)``) runs on the chunk, so the gather moves bf16.
 Leaves that stay replicated are listed, with the reason, in the pipeline's
-notes (``explain`` prints them). Parameters whose leading axis does not divide
-by N (a ``(3, 3, C, F)`` conv kernel, a ``(L, ...)`` stack of layers for
-``lax.scan`` with ``L`` not a multiple of N) stay replicated; a stack that is
-sharded is gathered whole before the ``scan``.
+notes (``explain`` prints them).
+
+**The chunk axis.** Every value of one shape is cut along the same axis: the
+first whose size divides by N (a ``(3, 3, C, F)`` conv kernel along ``C``
+or ``F``); a value with no such axis stays whole. Element-wise equations
+combine values of one shape only, so their chunks line up; the state
+``Replicator.run`` returns carries each leaf's axis in its sharding
+(:class:`~replicator.core.graph.ShardedState`). A ``(L, ...)`` stack of layers
+read by ``lax.scan`` is gathered whole before the ``scan``.
 
 Example: SGD with momentum; the momentum ``m`` is stored 1/8 per device, the
 weights ``w`` stay replicated (``shard_optimizer_min_bytes=0`` lets these
@@ -82,6 +87,7 @@ small leaves be sharded):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -92,7 +98,7 @@ from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 
 from replicator.analysis.invariance import InvarianceInfo, analyze
 from replicator.core.buffers import is_floating, nbytes
-from replicator.core.graph import StepGraph
+from replicator.core.graph import ShardedState, StepGraph
 from replicator.core.jaxprs import inline_function, merge_effects
 from replicator.core.primitives import all_gather_p, all_reduce_p, reduce_scatter_p, replica_id_p
 from replicator.errors import ReplicationError
@@ -119,13 +125,32 @@ ELEMENTWISE = frozenset(
 )
 
 
-def _chunkable(aval: Any, n: int) -> bool:
-    shape = getattr(aval, "shape", ())
-    return len(shape) >= 1 and shape[0] > 0 and shape[0] % n == 0
+@dataclasses.dataclass(frozen=True)
+class _Cut:
+    """How values are cut into N chunks: along one axis per shape, the same for every value of that shape.
 
+    The axis is the first whose size divides by N (all sizes positive); for the
+    shapes in ``not_leading`` (stacks of layers a ``scan`` slices along axis 0)
+    the first such axis after axis 0. Element-wise equations only combine
+    values of one shape, so their chunks always line up.
+    """
 
-def _chunk_shape(shape: tuple[int, ...], n: int) -> tuple[int, ...]:
-    return (shape[0] // n, *shape[1:])
+    n: int
+    not_leading: frozenset[tuple[int, ...]] = frozenset()
+
+    def axis(self, aval: Any) -> int | None:
+        shape = tuple(getattr(aval, "shape", ()))
+        if not shape or 0 in shape:
+            return None
+        first = 1 if shape in self.not_leading else 0
+        return next((k for k in range(first, len(shape)) if shape[k] % self.n == 0), None)
+
+    def chunkable(self, aval: Any) -> bool:
+        return self.axis(aval) is not None
+
+    def chunk_aval(self, aval: Any) -> Any:
+        k = self.axis(aval)
+        return aval.update(shape=(*aval.shape[:k], aval.shape[k] // self.n, *aval.shape[k + 1 :]))
 
 
 def _vars(atoms: Any) -> list[Var]:
@@ -177,7 +202,7 @@ class _Plan:
         return out
 
 
-def _scatter_picks(eqn: JaxprEqn, n: int, min_bytes: int) -> list[int]:
+def _scatter_picks(eqn: JaxprEqn, cut: _Cut, min_bytes: int) -> list[int]:
     """Operands of an all-reduce whose result may be produced as a chunk."""
     p = eqn.params
     if eqn.primitive is not all_reduce_p or p["op"] not in ("sum", "mean") or p["group"] is not None:
@@ -186,19 +211,19 @@ def _scatter_picks(eqn: JaxprEqn, n: int, min_bytes: int) -> list[int]:
         k
         for k, v in enumerate(eqn.invars)
         if isinstance(v, Var)
-        and _chunkable(v.aval, n)
+        and cut.chunkable(v.aval)
         and is_floating(v.aval.dtype)
         and nbytes(v.aval) >= min_bytes
         and not isinstance(eqn.outvars[k], DropVar)
     ]
 
 
-def _elementwise_ok(eqn: JaxprEqn, n: int, info: InvarianceInfo) -> bool:
+def _elementwise_ok(eqn: JaxprEqn, cut: _Cut, info: InvarianceInfo) -> bool:
     """The precondition for computing ``eqn`` on chunks (see the module docstring)."""
     if eqn.primitive.name not in ELEMENTWISE or len(eqn.outvars) != 1 or eqn.effects:
         return False
     (out,) = eqn.outvars
-    if isinstance(out, DropVar) or not _chunkable(out.aval, n):
+    if isinstance(out, DropVar) or not cut.chunkable(out.aval):
         return False
     shape = out.aval.shape
     for v in eqn.invars:
@@ -211,8 +236,8 @@ def _elementwise_ok(eqn: JaxprEqn, n: int, info: InvarianceInfo) -> bool:
     return True
 
 
-def _reduction_ok(eqn: JaxprEqn, n: int, info: InvarianceInfo) -> bool:
-    """Stage 2's precondition: a reduction over axis 0 (and maybe others) of an invariant, chunkable value.
+def _reduction_ok(eqn: JaxprEqn, cut: _Cut, info: InvarianceInfo) -> bool:
+    """Stage 2's precondition: a reduction over (at least) the chunk axis of an invariant, chunkable value.
 
     Its result is then the all-reduce (:data:`REDUCTIONS`) of the same reduction
     of each replica's chunk: every replica computes the same whole result.
@@ -223,18 +248,20 @@ def _reduction_ok(eqn: JaxprEqn, n: int, info: InvarianceInfo) -> bool:
     return (
         isinstance(x, Var)
         and not isinstance(out, DropVar)
-        and 0 in eqn.params.get("axes", ())
-        and _chunkable(x.aval, n)
+        and cut.chunkable(x.aval)
+        and cut.axis(x.aval) in eqn.params.get("axes", ())
         and info.is_invariant(x)
     )
 
 
-def _stage3_candidate(v: Var, n: int, min_bytes: int) -> bool:
+def _stage3_candidate(v: Var, cut: _Cut, min_bytes: int) -> bool:
     """A state leaf that stage 3 may store sharded, if its update is computed on chunks."""
-    return _chunkable(v.aval, n) and is_floating(v.aval.dtype) and nbytes(v.aval) >= min_bytes
+    return cut.chunkable(v.aval) and is_floating(v.aval.dtype) and nbytes(v.aval) >= min_bytes
 
 
-def _plan(graph: StepGraph, n: int, info: InvarianceInfo, shard_state: bool, min_bytes: int, stage: int = 1) -> _Plan:
+def _plan(
+    graph: StepGraph, cut: _Cut, info: InvarianceInfo, shard_state: bool, min_bytes: int, stage: int = 1
+) -> _Plan:
     jaxpr = graph.jaxpr.jaxpr
     eqns = jaxpr.eqns
     readers: dict[Var, list[int]] = {}
@@ -245,7 +272,7 @@ def _plan(graph: StepGraph, n: int, info: InvarianceInfo, shard_state: bool, min
     state_in = jaxpr.invars[: graph.num_state]
     state_out = jaxpr.outvars[: graph.num_state]
 
-    eligible = {i for i, e in enumerate(eqns) if _elementwise_ok(e, n, info)}
+    eligible = {i for i, e in enumerate(eqns) if _elementwise_ok(e, cut, info)}
     # State read only by element-wise equations that may run on chunks
     # (optimizer state): reading it is reason enough to compute on chunks.
     # Parameters, read by the forward pass too, are not.
@@ -253,7 +280,7 @@ def _plan(graph: StepGraph, n: int, info: InvarianceInfo, shard_state: bool, min
         v
         for i, v in enumerate(state_in)
         if i not in graph.sharded_state
-        and _chunkable(v.aval, n)
+        and cut.chunkable(v.aval)
         and nbytes(v.aval) >= min_bytes
         and v not in in_outvars
         and readers.get(v)
@@ -262,13 +289,13 @@ def _plan(graph: StepGraph, n: int, info: InvarianceInfo, shard_state: bool, min
 
     # Stage 3: parameters too, if their new value comes out of the chunked update.
     params = (
-        {i for i, v in enumerate(state_in) if i not in graph.sharded_state and _stage3_candidate(v, n, min_bytes)}
+        {i for i, v in enumerate(state_in) if i not in graph.sharded_state and _stage3_candidate(v, cut, min_bytes)}
         if stage >= 3
         else set()
     )
-    reductions = {i for i, e in enumerate(eqns) if _reduction_ok(e, n, info)} if stage >= 2 else set()
+    reductions = {i for i, e in enumerate(eqns) if _reduction_ok(e, cut, info)} if stage >= 2 else set()
 
-    scatter = {i: picks for i, e in enumerate(eqns) if (picks := _scatter_picks(e, n, min_bytes))}
+    scatter = {i: picks for i, e in enumerate(eqns) if (picks := _scatter_picks(e, cut, min_bytes))}
     plan = _Plan(scatter=scatter, chunked=set(), sharded=set(), params=params)
     chunks = plan.chunk_vars(jaxpr)
     for i in sorted(eligible):
@@ -333,7 +360,7 @@ class _Emitter:
     """Builds the new top-level equations from a plan."""
 
     graph: StepGraph
-    n: int
+    cut: _Cut
     out: list[JaxprEqn] = dataclasses.field(default_factory=list)
     prologue: list[JaxprEqn] = dataclasses.field(default_factory=list)
     chunk: dict[Var, Atom] = dataclasses.field(default_factory=dict)  # var -> this replica's chunk
@@ -374,12 +401,12 @@ class _Emitter:
             return atom
         cache = self.gathered if gathered is None else gathered
         if atom not in cache:
-            n = self.n
+            n, axis = self.cut.n, self.cut.axis(atom.aval)
 
             def gather(c: Any, *deps: Any) -> Any:
                 if deps:
                     c = _after(lax.optimization_barrier((c, *deps))[0], deps[0])
-                return all_gather_p.bind(c, axis=0, tiled=True, group=None, group_size=n)
+                return all_gather_p.bind(c, axis=axis, tiled=True, group=None, group_size=n)
 
             (cache[atom],) = self.emit(gather, [self.chunk[atom], *(after or [])], like)
         return cache[atom]
@@ -387,9 +414,10 @@ class _Emitter:
     def chunk_of(self, atom: Var, like: JaxprEqn) -> Atom:
         """This replica's chunk of an invariant full-shaped value (sliced locally if needed)."""
         if atom not in self.chunk:
-            rows = atom.aval.shape[0] // self.n
+            axis = self.cut.axis(atom.aval)
+            rows = atom.aval.shape[axis] // self.cut.n
             (self.chunk[atom],) = self.emit(
-                lambda x, r: lax.dynamic_slice_in_dim(x, r * rows, rows, axis=0), [atom, self.replica_index()], like
+                lambda x, r: lax.dynamic_slice_in_dim(x, r * rows, rows, axis=axis), [atom, self.replica_index()], like
             )
         return self.chunk[atom]
 
@@ -399,14 +427,15 @@ class _Emitter:
             self.out.append(
                 eqn.replace(invars=[self.full(eqn.invars[k]) for k in rest], outvars=[eqn.outvars[k] for k in rest])
             )
-        n, mean = self.n, eqn.params["op"] == "mean"
+        n, mean = self.cut.n, eqn.params["op"] == "mean"
 
-        def reduce_scatter(x: Any) -> Any:
-            c = reduce_scatter_p.bind(x, axis=0, group=None, group_size=n)
+        def reduce_scatter(x: Any, axis: int) -> Any:
+            c = reduce_scatter_p.bind(x, axis=axis, group=None, group_size=n)
             return c / jnp.asarray(n, c.dtype) if mean else c
 
         for k in picks:
-            (c,) = self.emit(reduce_scatter, [self.full(eqn.invars[k])], eqn)
+            axis = self.cut.axis(eqn.invars[k].aval)
+            (c,) = self.emit(functools.partial(reduce_scatter, axis=axis), [self.full(eqn.invars[k])], eqn)
             self.chunk[eqn.outvars[k]] = c
             self.chunk_only.add(eqn.outvars[k])
 
@@ -415,7 +444,7 @@ class _Emitter:
         atoms = [v if isinstance(v, Literal) or v.aval.shape == () else self.chunk_of(v, eqn) for v in eqn.invars]
         # The same equation on chunks, built directly (re-tracing thousands of
         # small equations would dominate the pass's time).
-        c = Var(outvar.aval.update(shape=_chunk_shape(outvar.aval.shape, self.n)))
+        c = Var(self.cut.chunk_aval(outvar.aval))
         self.out.append(eqn.replace(invars=atoms, outvars=[c]))
         self.chunk[outvar] = c
         self.chunk_only.add(outvar)
@@ -425,7 +454,7 @@ class _Emitter:
         (x,), (outvar,) = eqn.invars, eqn.outvars
         partial = Var(outvar.aval)
         self.out.append(eqn.replace(invars=[self.chunk_of(x, eqn)], outvars=[partial]))
-        op, n = REDUCTIONS[eqn.primitive.name], self.n
+        op, n = REDUCTIONS[eqn.primitive.name], self.cut.n
         eqns, (whole,) = inline_function(
             lambda p: all_reduce_p.bind(p, op=op, group=None, group_size=n),
             [partial],
@@ -495,10 +524,11 @@ class ShardOptimizerUpdate(Pass):
             # The invariance check was disabled and the step is one it rejects:
             # nothing can be proven, so nothing is rewritten.
             return PassResult(graph, False)
-        plan = _plan(graph, n, info, self.shard_state, self.min_tensor_bytes, self.stage)
+        cut = _Cut(n)
+        plan = _plan(graph, cut, info, self.shard_state, self.min_tensor_bytes, self.stage)
         jaxpr = graph.jaxpr.jaxpr
         chunks = plan.chunk_vars(jaxpr)
-        notes = self._replicated_notes(graph, plan, n)
+        notes = self._replicated_notes(graph, plan, cut)
         if self.shard_state and not (plan.sharded or plan.params):
             # ZeRO pays by storing state in 1/N: without any, a
             # reduce-scatter + all-gather only replaces an all-reduce.
@@ -506,9 +536,9 @@ class ShardOptimizerUpdate(Pass):
         if not any(isinstance(v, Var) and v in chunks for v in jaxpr.outvars[: graph.num_state]):
             # No state update is computed on chunks: splitting would only add collectives.
             return PassResult(graph, False, notes)
-        return PassResult(self._emit(graph, plan), True, notes)
+        return PassResult(self._emit(graph, plan, cut), True, notes)
 
-    def _replicated_notes(self, graph: StepGraph, plan: _Plan, n: int) -> tuple[str, ...]:
+    def _replicated_notes(self, graph: StepGraph, plan: _Plan, cut: _Cut) -> tuple[str, ...]:
         """Stage 3: why each floating-point state leaf of at least ``min_tensor_bytes`` stays replicated."""
         if self.stage < 3:
             return ()
@@ -518,8 +548,8 @@ class ShardOptimizerUpdate(Pass):
                 continue
             if not is_floating(v.aval.dtype) or nbytes(v.aval) < self.min_tensor_bytes:
                 continue
-            if not _chunkable(v.aval, n):
-                why = f"its leading axis {v.aval.shape[:1]} does not divide by the {n} replicas"
+            if not cut.chunkable(v.aval):
+                why = f"no axis of its shape {v.aval.shape} divides by the {cut.n} replicas"
             else:
                 why = (
                     "its new value is not computed element by element from values the variance analysis "
@@ -530,14 +560,14 @@ class ShardOptimizerUpdate(Pass):
             )
         return tuple(notes)
 
-    def _emit(self, graph: StepGraph, plan: _Plan) -> StepGraph:
+    def _emit(self, graph: StepGraph, plan: _Plan, cut: _Cut) -> StepGraph:
         jaxpr = graph.jaxpr.jaxpr
-        em = _Emitter(graph, graph.context.num_replicas, regather=self.stage >= 3)
+        em = _Emitter(graph, cut, regather=self.stage >= 3)
         stored = plan.sharded | plan.params
         new_invars = list(jaxpr.invars)
         for i in stored:
             v = jaxpr.invars[i]
-            new_invars[i] = em.chunk[v] = Var(v.aval.update(shape=_chunk_shape(v.aval.shape, em.n)))
+            new_invars[i] = em.chunk[v] = Var(cut.chunk_aval(v.aval))
             em.chunk_only.add(v)
         for index, eqn in enumerate(jaxpr.eqns):
             if index in plan.scatter:
@@ -551,5 +581,5 @@ class ShardOptimizerUpdate(Pass):
         outvars = [em.chunk[a] if i in stored else em.full(a) for i, a in enumerate(jaxpr.outvars)]
         eqns = em.prologue + em.out
         new = jaxpr.replace(invars=new_invars, eqns=eqns, outvars=outvars, effects=merge_effects(eqns))
-        sharded = frozenset(graph.sharded_state | stored)
+        sharded = ShardedState() | graph.sharded_state | {i: cut.axis(jaxpr.invars[i].aval) for i in stored}
         return dataclasses.replace(graph, jaxpr=ClosedJaxpr(new, graph.jaxpr.consts), sharded_state=sharded)

@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from replicator.core.context import REPLICA_AXES
-from replicator.core.graph import StepGraph
+from replicator.core.graph import StepGraph, shard_axis
 from replicator.core.layout import FoldLayout
 
 __all__ = ["build_executable", "place_batch", "place_state", "sharded", "spans_processes"]
@@ -164,36 +164,37 @@ def build_executable(
 def _folded(per_replica: Callable, graph: StepGraph, fold: FoldLayout) -> Callable:
     """One device's block of replicas: ``per_replica`` under ``vmap`` over each folded axis.
 
-    Batch leaves and sharded (ZeRO) state hold the block's replicas' rows in
-    replica order and are split into ``(Fw, Fc, rows, ...)``. Replicated state
+    Batch leaves and sharded (ZeRO) state hold the block's replicas' rows (a
+    sharded leaf: slices along its axis) in replica order and are split into
+    ``(Fw, Fc, rows, ...)`` at that axis. Replicated state
     goes in once (``in_axes=None``) and comes out once (``out_axes=None``)
     where ``vmap`` left it unbatched (work on it ran once per device); should
     some replicated leaf come out batched, every one is taken from the block's
     first replica instead (the variance analysis checked they are identical).
     """
     sizes = [size for _, size in fold.folded_axes]
-    sharded_state = graph.sharded_state
     n_state = graph.num_state
+    axes = [shard_axis(graph.sharded_state, i) for i in range(n_state)]
 
-    def split(x: Any) -> Any:
-        return x.reshape(*sizes, x.shape[0] // math.prod(sizes), *x.shape[1:])
+    def split(x: Any, axis: int = 0) -> Any:
+        return x.reshape(*x.shape[:axis], *sizes, x.shape[axis] // math.prod(sizes), *x.shape[axis + 1 :])
 
-    def merge(x: Any) -> Any:
-        return x.reshape(math.prod(sizes) * x.shape[len(sizes)], *x.shape[len(sizes) + 1 :])
+    def merge(x: Any, axis: int = 0) -> Any:
+        end = axis + len(sizes)
+        return x.reshape(*x.shape[:axis], math.prod(sizes) * x.shape[end], *x.shape[end + 1 :])
 
     def block(unbatched_state: bool) -> Callable:
         def per_device(state: list, batch: list) -> tuple[list, list]:
-            state_axes = [0 if i in sharded_state else None for i in range(n_state)]
-            out_state_axes = [0 if i in sharded_state or not unbatched_state else None for i in range(n_state)]
+            out_state_axes = [0 if a is None and not unbatched_state else a for a in axes]
             fn = per_replica
             for name, _ in reversed(fold.folded_axes):  # the innermost vmap is the last folded axis
-                fn = jax.vmap(fn, in_axes=(state_axes, 0), out_axes=(out_state_axes, 0), axis_name=name)
-            state_in = [split(s) if i in sharded_state else s for i, s in enumerate(state)]
+                fn = jax.vmap(fn, in_axes=(axes, 0), out_axes=(out_state_axes, 0), axis_name=name)
+            state_in = [s if a is None else split(s, a) for s, a in zip(state, axes, strict=True)]
             new_state, outputs = fn(state_in, [split(b) for b in batch])
             first = (0,) * len(sizes)
             new_state = [
-                merge(s) if i in sharded_state else (s if unbatched_state else s[first])
-                for i, s in enumerate(new_state)
+                (s if unbatched_state else s[first]) if a is None else merge(s, a)
+                for s, a in zip(new_state, axes, strict=True)
             ]
             return new_state, [merge(o) for o in outputs]
 
@@ -203,8 +204,8 @@ def _folded(per_replica: Callable, graph: StepGraph, fold: FoldLayout) -> Callab
     invars = graph.jaxpr.jaxpr.invars
     F = fold.replicas_per_device
     state_specs = []
-    for i, v in enumerate(invars[:n_state]):
-        shape = (F * v.aval.shape[0], *v.aval.shape[1:]) if i in sharded_state else v.aval.shape
+    for v, a in zip(invars[:n_state], axes, strict=True):
+        shape = v.aval.shape if a is None else (*v.aval.shape[:a], F * v.aval.shape[a], *v.aval.shape[a + 1 :])
         state_specs.append(jax.ShapeDtypeStruct(shape, v.aval.dtype))
     batch_specs = [
         jax.ShapeDtypeStruct((F * v.aval.shape[0], *v.aval.shape[1:]), v.aval.dtype) for v in invars[n_state:]
@@ -258,8 +259,9 @@ def _is_laid_out(leaf: jax.Array, target: NamedSharding) -> bool:
 
 
 def state_spec(index: int, sharded_state: frozenset[int]) -> P:
-    """Replicated, or (ZeRO-1 state) split along axis 0 over every replica."""
-    return P(REPLICA_AXES) if index in sharded_state else P()
+    """Replicated, or (ZeRO state) split along its axis (:func:`~replicator.core.graph.shard_axis`) over every replica."""
+    axis = shard_axis(sharded_state, index)
+    return P() if axis is None else P(*[None] * axis, REPLICA_AXES)
 
 
 def place_state(leaves: Sequence[Any], mesh: Mesh, sharded_state: frozenset[int] = frozenset()) -> list[jax.Array]:

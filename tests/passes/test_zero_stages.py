@@ -274,3 +274,74 @@ def test_gradient_accumulation_under_stage3(n_devices):
     repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(zero_stage=3))
     got = _train(repl, step, state, batches)
     assert _max_diff(got, _reference(tx, state, batches)) < tol(n_devices)
+
+
+# -- the chunk axis: parameters whose leading axis does not divide -----------------------------
+
+CONV_SHAPES = {"k1": (3, 3, 3, 16), "k2": (3, 3, 16, 24), "w": (24, 8)}  # HWIO kernels, a dense layer
+
+
+def _conv_loss(params, x, y):
+    def conv(h, k):
+        return jax.nn.relu(
+            jax.lax.conv_general_dilated(h, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        )
+
+    h = jnp.mean(conv(conv(x, params["k1"]), params["k2"]), axis=(1, 2))
+    return jnp.mean((h @ params["w"] - y) ** 2)
+
+
+def _conv_setup(n_devices):
+    rng = np.random.default_rng(0)
+    params = {k: (rng.normal(size=s) / np.sqrt(np.prod(s[:-1]))).astype(np.float32) for k, s in CONV_SHAPES.items()}
+    tx = optax.adam(1e-2)
+    batches = [
+        {"x": rng.normal(size=(2 * n_devices, 6, 6, 3)).astype(np.float32), "y": rng.normal(size=(2 * n_devices, 8))}
+        for _ in range(3)
+    ]
+    return tx, (params, tx.init(params)), [jax.tree.map(lambda a: a.astype(np.float32), b) for b in batches]
+
+
+def _first_dividing_axis(shape, n):
+    return next(k for k, d in enumerate(shape) if d % n == 0)
+
+
+@pytest.mark.parametrize(("workers", "per_device"), [(1, 1), (2, 2)])
+def test_stage3_shards_conv_kernels_along_an_axis_that_divides(n_devices, workers, per_device):
+    """(3, 3, C, F) kernels are stored split along C or F, gathered along it, and train as on one device."""
+    tx, state, batches = _conv_setup(n_devices)
+    repl = rp.Replicator(
+        workers,
+        n_devices // workers,
+        replicas_per_device=per_device,
+        passes=rp.Pipeline.default(zero_stage=3, shard_optimizer_min_bytes=0),
+    )
+    step = _make_step(tx, _conv_loss)
+    lowered = repl.lower(step, jax.tree.map(lambda a: a[: len(a) // workers], batches[0]), state)
+    final, n = lowered.final, n_devices
+    axes = {k: _first_dividing_axis(s, n) for k, s in CONV_SHAPES.items()}
+    if n == 8:
+        assert axes == {"k1": 3, "k2": 2, "w": 0}  # F for k1, C for k2
+    # each parameter and Adam's mu and nu of it: stored split along that axis
+    for key, axis in axes.items():
+        stored = [i for i in final.sharded_state if final.state_paths[i].endswith(f"['{key}']")]
+        assert len(stored) == 3 and {final.sharded_state.axis(i) for i in stored} == {axis}, (key, stored)
+    assert not [note for note in lowered.notes if "stays replicated" in note], lowered.notes
+    # the kernels are gathered along their chunk axis, in the forward and the backward pass
+    zero = lowered.after("shard-optimizer-update").jaxpr.jaxpr
+    gathered = {(e.outvars[0].aval.shape, e.params["axis"]) for e in zero.eqns if e.primitive.name == "rp.all_gather"}
+    assert {(CONV_SHAPES[k], axes[k]) for k in ("k1", "k2")} <= gathered, gathered
+    # the prediction: every leaf stored in 1/N, the counter whole
+    whole = sum(np.asarray(x).nbytes for x in jax.tree.leaves(state))
+    split = 3 * sum(4 * int(np.prod(s)) for s in CONV_SHAPES.values())
+    assert state_bytes_per_device(final) == whole - split + split // n
+
+    got = _train(repl, step, state, batches)
+    ref = _reference(tx, state, batches, _conv_loss)
+    assert _max_diff(ref[0], state[0]) > 1e-3
+    assert _max_diff(got, ref) < tol(n_devices)
+    for key, axis in axes.items():  # returned with the global shape, split along the axis over every device
+        leaf = got[0][key]
+        assert leaf.shape == CONV_SHAPES[key]
+        assert [k for k, names in enumerate(leaf.sharding.spec) if names is not None] == [axis], leaf.sharding
+        assert leaf.addressable_shards[0].data.shape[axis] == CONV_SHAPES[key][axis] // (n // per_device)
