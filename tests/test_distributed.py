@@ -35,6 +35,7 @@ from replicator.runtime.mesh import _rows_by_process
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = Path(__file__).resolve().parent / "multiproc" / "train.py"
 CALIBRATE = Path(__file__).resolve().parent / "multiproc" / "calibrate_worker.py"
+ZERO3 = Path(__file__).resolve().parent / "multiproc" / "zero3_worker.py"
 STEPS = 20
 JOB_TIMEOUT_S = 120  # no multi-process test may take longer, whatever goes wrong
 
@@ -386,6 +387,31 @@ class TestTwoProcesses:
             for k, want in want_probe.items():
                 np.testing.assert_allclose(got[f"probe_{k}"], want, rtol=0, atol=1e-5, err_msg=k)
             np.testing.assert_array_equal(got["local_rid"], list(range(w * cores, (w + 1) * cores)))
+
+    def test_zero_stage_3_across_two_processes_equals_one_device(self, tmp_path, n_devices):
+        # 2 processes x n/2 devices, every parameter and Adam's state stored 1/N per device
+        # (split over both processes): 3 steps equal one-device jax.jit on the global batch.
+        if n_devices % 2 or n_devices < 2:
+            pytest.skip(f"{n_devices} devices do not split into 2 workers")
+        proc, _ = run_job(
+            "--num-workers", "2", "--cores-per-worker", str(n_devices // 2),
+            train_args=("--out", str(tmp_path)), script=ZERO3,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-5000:]
+        spec = importlib.util.spec_from_file_location("multiproc_zero3", ZERO3)
+        worker = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(worker)
+        want, want_losses = worker.reference()
+        params, _ = worker.init_state()
+        for w in (0, 1):
+            got = load(tmp_path, w)
+            # the 4 parameters, Adam's mu and nu of each: split over both processes (Adam's counter is not)
+            assert int(got["split"]) == 3 * len(params), got["split"]
+            moved = zip(want[: len(params)], jax.tree.leaves(params), strict=True)  # params come first
+            assert max(float(np.max(np.abs(a - b))) for a, b in moved) > 1e-3  # the check below can fail
+            for i, x in enumerate(want):
+                np.testing.assert_allclose(got[f"final_{i}"], x, atol=5e-5, rtol=0, err_msg=f"worker {w}: leaf {i}")
+            np.testing.assert_allclose(got["losses"], want_losses, atol=5e-5, rtol=0)
 
     def test_checkpoints_move_between_one_and_two_processes(self, tmp_path, n_devices):
         # One chain covers both directions with a single job: one process trains and saves
