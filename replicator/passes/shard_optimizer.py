@@ -66,8 +66,26 @@ first whose size divides by N (a ``(3, 3, C, F)`` conv kernel along ``C``
 or ``F``); a value with no such axis stays whole. Element-wise equations
 combine values of one shape only, so their chunks line up; the state
 ``Replicator.run`` returns carries each leaf's axis in its sharding
-(:class:`~replicator.core.graph.ShardedState`). A ``(L, ...)`` stack of layers
-read by ``lax.scan`` is gathered whole before the ``scan``.
+(:class:`~replicator.core.graph.ShardedState`).
+
+**Stage 3 and ``lax.scan``.** A ``(L, ...)`` stack of layers that a top-level
+``scan`` reads as ``xs`` is cut along the first axis *after* the scanned axis 0
+that divides by N (the shape goes into ``_Cut.not_leading``; with no such axis it
+is cut as any other value, and a stack cut along axis 0 is gathered whole before
+the loop). Precondition of the rewrite, per ``xs`` operand: the value is held
+only as chunks (chunks of one value proven identical on every replica), cut along
+an axis ``a >= 1``; then slice ``i`` of the chunk is the chunk of slice ``i``
+along ``a - 1``. The scan gets the chunks as ``xs``, and its body all-gathers,
+for each equation that reads the slice, only that layer's slice (ordered after
+that equation's other operands), in the forward and the backward (transposed)
+scan alike. A stacked output of the scan read only by an all-reduce over every
+replica that becomes a reduce-scatter (the stacked gradient) is reduce-scattered
+slice by slice in the body instead (a sum of stacks is the stack of the sums),
+so neither the stack nor its gradient is ever whole on a device.
+``slice_scans=False`` gathers stacks whole before the loop; the notes list the
+stacks gathered whole, and why. Scans inside other control flow (e.g. under
+``jax.checkpoint``), and ``scan`` bodies' own sub-graphs, are not rewritten (a
+nested equation reading a slice gets the whole slice).
 
 Example: SGD with momentum; the momentum ``m`` is stored 1/8 per device, the
 weights ``w`` stay replicated (``shard_optimizer_min_bytes=0`` lets these
@@ -87,7 +105,6 @@ small leaves be sharded):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -96,6 +113,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 
+from replicator._jax_compat import scan_operand_counts
 from replicator.analysis.invariance import InvarianceInfo, analyze
 from replicator.core.buffers import is_floating, nbytes
 from replicator.core.graph import ShardedState, StepGraph
@@ -149,8 +167,34 @@ class _Cut:
         return self.axis(aval) is not None
 
     def chunk_aval(self, aval: Any) -> Any:
-        k = self.axis(aval)
-        return aval.update(shape=(*aval.shape[:k], aval.shape[k] // self.n, *aval.shape[k + 1 :]))
+        return _cut_along(aval, self.axis(aval), self.n)
+
+
+def _cut_along(aval: Any, axis: int, n: int) -> Any:
+    return aval.update(shape=(*aval.shape[:axis], aval.shape[axis] // n, *aval.shape[axis + 1 :]))
+
+
+def _reduce_scatter(n: int, axis: int, mean: bool) -> Callable[[Any], Any]:
+    """``x -> reduce_scatter(x)`` along ``axis`` over all ``n`` replicas (``/ n`` for a mean)."""
+
+    def reduce_scatter(x: Any) -> Any:
+        c = reduce_scatter_p.bind(x, axis=axis, group=None, group_size=n)
+        return c / jnp.asarray(n, c.dtype) if mean else c
+
+    return reduce_scatter
+
+
+def _scanned_stacks(jaxpr: Jaxpr, n: int) -> frozenset[tuple[int, ...]]:
+    """Shapes of the ``xs`` operands of top-level scans with an axis after the scanned one that divides by ``n``."""
+    shapes = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            consts, carry = scan_operand_counts(eqn.params)
+            for v in eqn.invars[consts + carry :]:
+                shape = tuple(getattr(v.aval, "shape", ()))
+                if 0 not in shape and any(d % n == 0 for d in shape[1:]):
+                    shapes.add(shape)
+    return frozenset(shapes)
 
 
 def _vars(atoms: Any) -> list[Var]:
@@ -352,6 +396,22 @@ def _plan(
     return plan
 
 
+def _scattered_stacks(jaxpr: Jaxpr, plan: _Plan, cut: _Cut) -> dict[Var, bool]:
+    """Stacks a top-level scan outputs that only a planned reduce-scatter reads (-> is it a mean?)."""
+    from_scan = {v for e in jaxpr.eqns if e.primitive.name == "scan" for v in _vars(e.outvars)}
+    reads: dict[Var, int] = {}
+    for v in _vars([*(v for e in jaxpr.eqns for v in e.invars), *jaxpr.outvars]):
+        reads[v] = reads.get(v, 0) + 1
+    out = {}
+    for i, picks in plan.scatter.items():
+        eqn = jaxpr.eqns[i]
+        for k in picks:
+            x = eqn.invars[k]
+            if x in from_scan and reads[x] == 1 and x.aval.shape in cut.not_leading and (cut.axis(x.aval) or 0) >= 1:
+                out[x] = eqn.params["op"] == "mean"
+    return out
+
+
 # -- emitting the rewritten graph -----------------------------------------------------
 
 
@@ -369,7 +429,17 @@ class _Emitter:
     #: Stage 3: gather a chunk again for each equation that reads it whole, so that
     #: no whole copy stays alive between its uses (the forward and the backward pass).
     regather: bool = False
+    #: Chunk axes that differ from the cut's (a scan body's slice of a stack: one less).
+    axes: dict[Var, int] = dataclasses.field(default_factory=dict)
+    #: Stage 3: per-iteration values a scan stacks that only a reduce-scatter reads (mean?),
+    #: and the chunks the scan then returns itself.
+    scatter_ys: dict[Var, bool] = dataclasses.field(default_factory=dict)
+    scattered: dict[Var, Atom] = dataclasses.field(default_factory=dict)
     _rid: Atom | None = None
+
+    def axis(self, atom: Var) -> int | None:
+        """The axis ``atom``'s chunks are cut along."""
+        return self.axes[atom] if atom in self.axes else self.cut.axis(atom.aval)
 
     def replica_index(self) -> Atom:
         """One ``replica_id()`` for the whole graph, computed at the start."""
@@ -401,7 +471,7 @@ class _Emitter:
             return atom
         cache = self.gathered if gathered is None else gathered
         if atom not in cache:
-            n, axis = self.cut.n, self.cut.axis(atom.aval)
+            n, axis = self.cut.n, self.axis(atom)
 
             def gather(c: Any, *deps: Any) -> Any:
                 if deps:
@@ -427,17 +497,60 @@ class _Emitter:
             self.out.append(
                 eqn.replace(invars=[self.full(eqn.invars[k]) for k in rest], outvars=[eqn.outvars[k] for k in rest])
             )
-        n, mean = self.cut.n, eqn.params["op"] == "mean"
-
-        def reduce_scatter(x: Any, axis: int) -> Any:
-            c = reduce_scatter_p.bind(x, axis=axis, group=None, group_size=n)
-            return c / jnp.asarray(n, c.dtype) if mean else c
-
         for k in picks:
-            axis = self.cut.axis(eqn.invars[k].aval)
-            (c,) = self.emit(functools.partial(reduce_scatter, axis=axis), [self.full(eqn.invars[k])], eqn)
+            x = eqn.invars[k]
+            if x in self.scattered:  # a scan reduce-scattered it layer by layer
+                c = self.scattered[x]
+            else:
+                reduce_scatter = _reduce_scatter(self.cut.n, self.cut.axis(x.aval), eqn.params["op"] == "mean")
+                (c,) = self.emit(reduce_scatter, [self.full(x)], eqn)
             self.chunk[eqn.outvars[k]] = c
             self.chunk_only.add(eqn.outvars[k])
+
+    def scan(self, eqn: JaxprEqn) -> None:
+        """Stage 3: a ``scan`` over stacks stored split along a later axis reads them slice by slice.
+
+        Precondition: an ``xs`` operand is a value held only as chunks (so they are
+        chunks of one value, identical on every replica) cut along an axis ``a >= 1``.
+        Then slice ``i`` of the chunk is the chunk of slice ``i`` along ``a - 1``: the
+        scan gets the chunks as ``xs`` and its body all-gathers, for each equation
+        that reads the slice, only that slice. A stacked output that only a
+        reduce-scatter over all replicas reads (a gradient) is reduce-scattered
+        slice by slice in the body instead (the sum of a stack is the stack of sums),
+        so no whole stack of it is built either.
+        """
+        consts, carry = scan_operand_counts(eqn.params)
+        body = eqn.params["jaxpr"]
+        slices = [
+            j
+            for j, v in enumerate(eqn.invars)
+            if j >= consts + carry and isinstance(v, Var) and v in self.chunk_only and (self.axis(v) or 0) >= 1
+        ]
+        ys = [j for j, v in enumerate(eqn.outvars) if j >= carry and v in self.scatter_ys]
+        if not slices and not ys:
+            self.keep(eqn)
+            return
+        inner = _Emitter(self.graph, self.cut, regather=True)
+        invars, outvars = list(eqn.invars), list(eqn.outvars)
+        body_invars = list(body.jaxpr.invars)
+        for j in slices:
+            old, axis = body_invars[j], self.axis(eqn.invars[j]) - 1
+            invars[j] = self.chunk[eqn.invars[j]]
+            body_invars[j] = inner.chunk[old] = Var(_cut_along(old.aval, axis, self.cut.n))
+            inner.chunk_only.add(old)
+            inner.axes[old] = axis
+        for e in body.jaxpr.eqns:
+            inner.keep(e)
+        body_outvars = [inner.full(o) for o in body.jaxpr.outvars]
+        for j in ys:
+            y, axis = eqn.outvars[j], self.cut.axis(eqn.outvars[j].aval)
+            reduce_scatter = _reduce_scatter(self.cut.n, axis - 1, self.scatter_ys[y])
+            (body_outvars[j],) = inner.emit(reduce_scatter, [body_outvars[j]], eqn)
+            outvars[j] = self.scattered[y] = Var(_cut_along(y.aval, axis, self.cut.n))
+        eqns = inner.out
+        new_body = body.jaxpr.replace(invars=body_invars, eqns=eqns, outvars=body_outvars, effects=merge_effects(eqns))
+        params = dict(eqn.params, jaxpr=ClosedJaxpr(new_body, body.consts))
+        self.keep(eqn.replace(invars=invars, outvars=outvars, params=params))
 
     def elementwise(self, eqn: JaxprEqn) -> None:
         (outvar,) = eqn.outvars
@@ -495,11 +608,22 @@ class ShardOptimizerUpdate(Pass):
         the reduced gradients (a global norm) computed on chunks, so that no
         whole reduced gradient is rebuilt. 3: also parameters stored sharded,
         all-gathered for each equation that reads them whole.
+      slice_scans: stage 3: a stack of layers that a ``lax.scan`` reads as
+        ``xs`` is stored split along a later axis and gathered slice by slice
+        in the loop, its stacked gradient reduce-scattered slice by slice.
+        With ``False`` it is gathered whole before the loop.
     """
 
     name = "shard-optimizer-update"
 
-    def __init__(self, *, shard_state: bool = True, min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES, stage: int = 1):
+    def __init__(
+        self,
+        *,
+        shard_state: bool = True,
+        min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES,
+        stage: int = 1,
+        slice_scans: bool = True,
+    ):
         if stage not in (1, 2, 3):
             raise ValueError(f"ShardOptimizerUpdate(stage={stage!r}): ZeRO's stage is 1, 2 or 3.")
         if stage > 1 and not shard_state:
@@ -507,11 +631,12 @@ class ShardOptimizerUpdate(Pass):
         self.shard_state = bool(shard_state)
         self.min_tensor_bytes = int(min_tensor_bytes)
         self.stage = stage
+        self.slice_scans = bool(slice_scans)
 
     def __repr__(self) -> str:
         return (
             f"ShardOptimizerUpdate(shard_state={self.shard_state}, min_tensor_bytes={self.min_tensor_bytes}, "
-            f"stage={self.stage})"
+            f"stage={self.stage}{'' if self.slice_scans else ', slice_scans=False'})"
         )
 
     def run(self, graph: StepGraph) -> PassResult:
@@ -524,11 +649,12 @@ class ShardOptimizerUpdate(Pass):
             # The invariance check was disabled and the step is one it rejects:
             # nothing can be proven, so nothing is rewritten.
             return PassResult(graph, False)
-        cut = _Cut(n)
+        stacks = _scanned_stacks(graph.jaxpr.jaxpr, n) if self._slicing else frozenset()
+        cut = _Cut(n, stacks)
         plan = _plan(graph, cut, info, self.shard_state, self.min_tensor_bytes, self.stage)
         jaxpr = graph.jaxpr.jaxpr
         chunks = plan.chunk_vars(jaxpr)
-        notes = self._replicated_notes(graph, plan, cut)
+        notes = self._replicated_notes(graph, plan, cut) + self._whole_stack_notes(graph, plan, cut)
         if self.shard_state and not (plan.sharded or plan.params):
             # ZeRO pays by storing state in 1/N: without any, a
             # reduce-scatter + all-gather only replaces an all-reduce.
@@ -537,6 +663,10 @@ class ShardOptimizerUpdate(Pass):
             # No state update is computed on chunks: splitting would only add collectives.
             return PassResult(graph, False, notes)
         return PassResult(self._emit(graph, plan, cut), True, notes)
+
+    @property
+    def _slicing(self) -> bool:
+        return self.stage >= 3 and self.slice_scans
 
     def _replicated_notes(self, graph: StepGraph, plan: _Plan, cut: _Cut) -> tuple[str, ...]:
         """Stage 3: why each floating-point state leaf of at least ``min_tensor_bytes`` stays replicated."""
@@ -560,9 +690,33 @@ class ShardOptimizerUpdate(Pass):
             )
         return tuple(notes)
 
+    def _whole_stack_notes(self, graph: StepGraph, plan: _Plan, cut: _Cut) -> tuple[str, ...]:
+        """Stage 3: parameters stored sharded that a top-level scan reads as ``xs`` but gets whole."""
+        if self.stage < 3:
+            return ()
+        state = {v: i for i, v in enumerate(graph.jaxpr.jaxpr.invars[: graph.num_state]) if i in plan.params}
+        whole = set()
+        for eqn in graph.jaxpr.jaxpr.eqns:
+            if eqn.primitive.name == "scan":
+                consts, carry = scan_operand_counts(eqn.params)
+                whole.update(state[v] for v in _vars(eqn.invars[consts + carry :]) if v in state)
+        why = (
+            "slice_scans=False"
+            if not self.slice_scans
+            else f"no axis after the scanned one divides by the {cut.n} replicas"
+        )
+        return tuple(
+            f"ZeRO stage {self.stage}: {graph.state_paths[i]} is gathered whole before a lax.scan that reads it "
+            f"layer by layer: {why}"
+            for i in sorted(whole)
+            if not self._slicing or (cut.axis(graph.jaxpr.jaxpr.invars[i].aval) or 0) < 1
+        )
+
     def _emit(self, graph: StepGraph, plan: _Plan, cut: _Cut) -> StepGraph:
         jaxpr = graph.jaxpr.jaxpr
         em = _Emitter(graph, cut, regather=self.stage >= 3)
+        if self._slicing:
+            em.scatter_ys = _scattered_stacks(jaxpr, plan, cut)
         stored = plan.sharded | plan.params
         new_invars = list(jaxpr.invars)
         for i in stored:
@@ -576,6 +730,8 @@ class ShardOptimizerUpdate(Pass):
                 em.elementwise(eqn)
             elif index in plan.reduced:
                 em.reduce(eqn)
+            elif self._slicing and eqn.primitive.name == "scan":
+                em.scan(eqn)
             else:
                 em.keep(eqn)
         outvars = [em.chunk[a] if i in stored else em.full(a) for i, a in enumerate(jaxpr.outvars)]

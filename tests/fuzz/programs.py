@@ -267,6 +267,7 @@ class Spec:
     scan: bool  # all_sum inside lax.scan over row chunks
     loop: bool  # all_mean inside lax.fori_loop (while) with a fixed trip count
     replica_offset: bool  # replica_id() feeds the loss
+    stack: int = 0  # layers of a (stack, hidden, hidden) parameter run by lax.scan (0: none)
 
     def describe(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(self).items())
@@ -295,6 +296,7 @@ def random_spec(seed: int, replicas: int) -> Spec:
         scan=bool(rng.integers(0, 2)),
         loop=bool(rng.integers(0, 2)),
         replica_offset=bool(rng.integers(0, 2)),
+        stack=int(rng.choice([0, 0, 2, 3])),
     )
 
 
@@ -317,6 +319,9 @@ def initial_state(spec: Spec) -> dict:
         "scale": np.ones(spec.hidden, np.float32),
         "offset": np.zeros(spec.hidden, np.float32),
     }
+    if spec.stack:
+        shape = (spec.stack, spec.hidden, spec.hidden)
+        params["stack"] = (rng.normal(size=shape) / np.sqrt(spec.hidden)).astype(np.float32)
     tx, _ = _optimizer(spec.optimizer)
     return {
         "params": params,
@@ -355,6 +360,8 @@ def make_step(spec: Spec, K: Any) -> Callable:
             h = K.local(lambda w, x: x @ w, p["w"], batch["x"])
             h, _, _ = K.batch_norm(h, p["scale"], p["offset"], group=group)
             h = K.local(jnp.add, h, p["b"])
+        if spec.stack:  # a stack of layers, one per scan iteration (ZeRO-3 gathers it slice by slice)
+            h = K.local(lambda a, ws: lax.scan(lambda c, w: (jnp.tanh(c @ w), None), a, ws)[0], h, p["stack"])
         if spec.replica_offset:
             rid = K.replica_id()
             h = K.local(lambda a, r: a + 0.01 * r.astype(a.dtype), h, rid)

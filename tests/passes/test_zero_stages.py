@@ -345,3 +345,119 @@ def test_stage3_shards_conv_kernels_along_an_axis_that_divides(n_devices, worker
         assert leaf.shape == CONV_SHAPES[key]
         assert [k for k, names in enumerate(leaf.sharding.spec) if names is not None] == [axis], leaf.sharding
         assert leaf.addressable_shards[0].data.shape[axis] == CONV_SHAPES[key][axis] // (n // per_device)
+
+
+# -- stage 3 and lax.scan: a stack of layers gathered slice by slice ---------------------------
+
+LAYERS = 8  # divides by 8 replicas: the stack is still split along axis 1, not the scanned axis
+
+
+def _stack_params(rng, width=128):
+    return {
+        "stack": (rng.normal(size=(LAYERS, width, width)) / np.sqrt(width)).astype(np.float32),
+        "b": np.zeros((LAYERS, width), np.float32),
+    }
+
+
+def _scan_loss(params, x, y):
+    def layer(h, wb):
+        w, b = wb
+        return jnp.tanh(h @ w + b), None
+
+    h, _ = jax.lax.scan(layer, x, (params["stack"], params["b"]))
+    return jnp.mean((h - y) ** 2)
+
+
+def _scan_setup(width=128):
+    tx = optax.adam(1e-2)
+    params = _stack_params(np.random.default_rng(0), width)
+    return tx, (params, tx.init(params))
+
+
+def _zero3(slice_scans=True, min_bytes=0):
+    passes = [
+        rp.passes.ShardOptimizerUpdate(stage=3, min_tensor_bytes=min_bytes, slice_scans=slice_scans)
+        if p.name == "shard-optimizer-update"
+        else p
+        for p in rp.Pipeline.default(zero_stage=3).passes
+    ]
+    return rp.Pipeline(passes)
+
+
+def _scans(jaxpr):
+    return [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+
+
+def test_stage3_gathers_a_scanned_stack_slice_by_slice(n_devices):
+    """Forward and backward scan read the stack's chunks as xs; each body gathers one layer's slice."""
+    width, n = 128, n_devices
+    tx, state = _scan_setup(width)
+    repl = rp.Replicator(1, n, passes=_zero3())
+    lowered = repl.lower(_make_step(tx, _scan_loss), _batches(4 * n, 1, width)[0], state)
+    final = lowered.final
+    stack = [i for i in final.sharded_state if "['stack']" in final.state_paths[i]]
+    assert len(stack) == 3 and {final.sharded_state.axis(i) for i in stack} == {1}  # w, mu, nu along axis 1
+    zero = lowered.after("shard-optimizer-update").jaxpr.jaxpr
+    shapes = {(e.outvars[0].aval.shape, e.params["axis"]) for e in zero.eqns if e.primitive.name == "rp.all_gather"}
+    assert not any(len(shape) == 3 for shape, _ in shapes), shapes  # no stack gathered whole outside the loop
+    chunk = (LAYERS, width // n, width)
+    forward, backward = _scans(zero)
+    for scan in (forward, backward):
+        assert chunk in [v.aval.shape for v in scan.invars], scan.invars  # the chunks go in as xs
+        body = scan.params["jaxpr"].jaxpr
+        gathers = [
+            (e.outvars[0].aval.shape, e.params["axis"]) for e in body.eqns if e.primitive.name == "rp.all_gather"
+        ]
+        # one gather of the layer's weights per body (and its bias in the forward pass), along
+        # the slice's axis 0 (the stack's axis 1)
+        assert sorted(gathers) == ([((width,), 0)] if scan is forward else []) + [((width, width), 0)], gathers
+    # the backward scan reduce-scatters each layer's weight gradient, and returns the chunks
+    scatters = [e for e in backward.params["jaxpr"].jaxpr.eqns if e.primitive.name == "rp.reduce_scatter"]
+    assert sorted((e.invars[0].aval.shape, e.params["axis"]) for e in scatters) == [((width,), 0), ((width, width), 0)]
+    assert chunk in [v.aval.shape for v in backward.outvars]
+
+
+@pytest.mark.parametrize(("workers", "per_device"), [(1, 1), (2, 2)])
+def test_stage3_scanned_stack_trains_as_on_one_device(n_devices, workers, per_device):
+    width = 64
+    tx, state = _scan_setup(width)
+    batches = _batches(4 * n_devices, 3, width)
+    repl = rp.Replicator(workers, n_devices // workers, replicas_per_device=per_device, passes=_zero3())
+    got = _train(repl, _make_step(tx, _scan_loss), state, batches)
+    ref = _reference(tx, state, batches, _scan_loss)
+    assert _max_diff(ref[0], state[0]) > 1e-3
+    assert _max_diff(got, ref) < TOL
+    stack = got[0]["stack"]
+    assert stack.shape == (LAYERS, width, width) and stack.sharding.spec[0] is None and stack.sharding.spec[1]
+
+
+def test_stage3_scanned_stack_needs_less_memory_than_gathering_it_whole(n_devices):
+    """XLA's accounting: without the whole stack (gathered, and its gradient) the temporaries fall."""
+    width = 128
+    tx, state = _scan_setup(width)
+    stack_bytes = LAYERS * width * width * 4
+    usage = {}
+    for sliced in (False, True):
+        repl = rp.Replicator(1, n_devices, passes=_zero3(slice_scans=sliced))
+        lowered = repl.lower(_make_step(tx, _scan_loss), _batches(4 * n_devices, 1, width)[0], state)
+        usage[sliced] = lowered.memory()
+        whole = sorted(n for n in lowered.notes if "gathered whole before a lax.scan" in n)
+        assert len(whole) == (0 if sliced else 2) and all("slice_scans=False" in n for n in whole), lowered.notes
+    assert usage[True].arguments == usage[False].arguments  # the same state stored
+    assert usage[True].temporaries + stack_bytes <= usage[False].temporaries, usage
+    assert usage[True].temporaries < stack_bytes / 2, usage[True]  # no whole stack lives on a device
+
+
+def test_stage3_stack_with_no_later_axis_that_divides_is_gathered_whole_with_a_note(n_devices):
+    tx = optax.adam(1e-2)
+    params = {"stack": np.full((n_devices, 3, 3), 0.1, np.float32), "b": np.zeros((n_devices, 3), np.float32)}
+    lowered = rp.Replicator(1, n_devices, passes=_zero3()).lower(
+        _make_step(tx, _scan_loss), _batches(2 * n_devices, 1, 3)[0], (params, tx.init(params))
+    )
+    final = lowered.final
+    stack = [i for i in final.sharded_state if final.state_paths[i].endswith("['stack']")]
+    assert [final.sharded_state.axis(i) for i in stack] == [0, 0, 0]  # split along the scanned axis
+    zero = lowered.after("shard-optimizer-update").jaxpr.jaxpr
+    assert (n_devices, 3, 3) in [e.outvars[0].aval.shape for e in zero.eqns if e.primitive.name == "rp.all_gather"]
+    notes = [n for n in lowered.notes if "['stack']" in n and "gathered whole before a lax.scan" in n]
+    assert len(notes) == 1 and "no axis after the scanned one divides" in notes[0], lowered.notes
