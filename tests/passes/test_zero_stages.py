@@ -359,13 +359,17 @@ def _stack_params(rng, width=128):
     }
 
 
-def _scan_loss(params, x, y):
+def _scan_loss(params, x, y, remat=False):
     def layer(h, wb):
         w, b = wb
         return jnp.tanh(h @ w + b), None
 
-    h, _ = jax.lax.scan(layer, x, (params["stack"], params["b"]))
+    h, _ = jax.lax.scan(jax.checkpoint(layer) if remat else layer, x, (params["stack"], params["b"]))
     return jnp.mean((h - y) ** 2)
+
+
+def _remat_scan_loss(params, x, y):
+    return _scan_loss(params, x, y, remat=True)
 
 
 def _scan_setup(width=128):
@@ -417,14 +421,22 @@ def test_stage3_gathers_a_scanned_stack_slice_by_slice(n_devices):
     assert chunk in [v.aval.shape for v in backward.outvars]
 
 
-@pytest.mark.parametrize(("workers", "per_device"), [(1, 1), (2, 2)])
-def test_stage3_scanned_stack_trains_as_on_one_device(n_devices, workers, per_device):
+@pytest.mark.parametrize(
+    ("workers", "per_device", "loss"), [(1, 1, _scan_loss), (2, 2, _scan_loss), (1, 1, _remat_scan_loss)]
+)
+def test_stage3_scanned_stack_trains_as_on_one_device(n_devices, workers, per_device, loss):
+    """Forward and backward scan; folded; with jax.checkpoint on the layer (the body gathers before the remat)."""
     width = 64
     tx, state = _scan_setup(width)
     batches = _batches(4 * n_devices, 3, width)
     repl = rp.Replicator(workers, n_devices // workers, replicas_per_device=per_device, passes=_zero3())
-    got = _train(repl, _make_step(tx, _scan_loss), state, batches)
-    ref = _reference(tx, state, batches, _scan_loss)
+    if loss is _remat_scan_loss:  # the slices are still gathered inside the loops only
+        lowered = repl.lower(_make_step(tx, loss), _batches(4 * n_devices, 1, width)[0], state)
+        zero = lowered.after("shard-optimizer-update").jaxpr.jaxpr
+        assert not any(len(e.outvars[0].aval.shape) == 3 for e in zero.eqns if e.primitive.name == "rp.all_gather")
+        assert all(count_primitives(scan.params["jaxpr"])["rp.all_gather"] for scan in _scans(zero))
+    got = _train(repl, _make_step(tx, loss), state, batches)
+    ref = _reference(tx, state, batches, loss)
     assert _max_diff(ref[0], state[0]) > 1e-3
     assert _max_diff(got, ref) < TOL
     stack = got[0]["stack"]
