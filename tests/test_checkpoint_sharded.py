@@ -396,7 +396,8 @@ def _job_env() -> dict[str, str]:
 
 
 @pytest.mark.multiprocess
-def test_two_processes_restore_their_parts_and_write_their_own_shards(tmp_path, n8, reference):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_two_processes_restore_their_parts_and_write_their_own_shards(tmp_path, n8, reference, mode):
     # In this process: 1 x 4 devices under ZeRO to step k1, saved (4 shards per split leaf).
     # A 2-process job (2 x 4 devices) restores it onto a layout split over both processes,
     # each process reading only the records its devices need, trains to k2, saves (each
@@ -415,6 +416,7 @@ def test_two_processes_restore_their_parts_and_write_their_own_shards(tmp_path, 
             sys.executable, "-m", "replicator.launch", "--num-workers", "2", "--cores-per-worker", "4",
             str(MULTIPROC / "checkpoint_worker.py"), "--out", str(tmp_path / "job"), "--resume", str(first),
             "--save-at", str(k2), "--ckpt", str(second), "--steps", str(TOTAL),
+            *(["--async-save"] if mode == "async" else []),
         ],
         env=_job_env(), cwd=ROOT, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
@@ -479,7 +481,8 @@ def test_two_processes_restore_their_parts_and_write_their_own_shards(tmp_path, 
 
 
 @pytest.mark.multiprocess
-def test_a_process_that_fails_to_write_its_shards_fails_the_save_everywhere(tmp_path, n8):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_process_that_fails_to_write_its_shards_fails_the_save_everywhere(tmp_path, n8, mode):
     # Worker 1's shard file fails halfway: the save must raise on both workers (neither goes on as
     # if it were saved, neither hangs) and leave nothing: no checkpoint, no temporary, no lock. One
     # launcher per worker, so that neither is stopped by the other's failure before it says why.
@@ -495,6 +498,7 @@ def test_a_process_that_fails_to_write_its_shards_fails_the_save_everywhere(tmp_
                 "--num-workers", "2", "--worker-id", str(w), "--cores-per-worker", "4",
                 str(MULTIPROC / "checkpoint_worker.py"), "--out", str(tmp_path / "job"), "--resume", str(first),
                 "--save-at", "1", "--ckpt", str(second), "--steps", "2", "--fail-write-worker", "1",
+                *(["--async-save"] if mode == "async" else []),
             ],
             env=_job_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
@@ -506,11 +510,21 @@ def test_a_process_that_fails_to_write_its_shards_fails_the_save_everywhere(tmp_
         for p in procs:
             p.kill()
     assert [p.returncode for p in procs] == [1, 1], [err[-3000:] for _, err in outs]
-    assert re.search(r"\[worker 1\] OSError: injected: disk full", outs[1][1]), outs[1][1][-3000:]
-    assert re.search(
-        r"\[worker 0\] replicator(\.\w+)*\.CheckpointError: process 1 failed to write its part of the checkpoint "
-        r".*step_00000001, so it was not saved: OSError: injected: disk full",
-        outs[0][1],
-    ), outs[0][1][-3000:]
+    if mode == "sync":
+        expected = {
+            1: r"OSError: injected: disk full",
+            0: r"replicator(\.\w+)*\.CheckpointError: process 1 failed to write its part of the checkpoint "
+            r".*step_00000001, so it was not saved: OSError: injected: disk full",
+        }
+    else:  # raised by wait() on both: worker 1 its own failure, worker 0 the failure it read from worker 1's file
+        failed = (
+            r".*CheckpointError: the asynchronous save of step 1 into .*step_00000001 failed, so it was not committed"
+        )
+        expected = {
+            1: rf"{failed}.*OSError: injected: disk full",
+            0: rf"{failed}.*process 1 failed to write its part of the checkpoint: OSError: injected: disk full",
+        }
+    for w, pattern in expected.items():
+        assert re.search(rf"\[worker {w}\] {pattern}", outs[w][1]), outs[w][1][-3000:]
     assert "saved step" not in outs[0][0] + outs[1][0]
     assert os.listdir(second) == []  # nothing committed, the temporary removed, the lock released

@@ -13,7 +13,9 @@ tests/multiproc/checkpoint_worker.py --resume A --save-at K --ckpt B --steps N
 
 ``--fail-write-worker W`` makes worker ``W``'s writing of its shards fail
 halfway (an ``OSError``), to check that the save then fails on every worker
-and leaves nothing behind.
+and leaves nothing behind. ``--async-save`` saves with
+``CheckpointManager.save_async``, trains on while it is written, and waits
+for it (a collective) after the last step.
 
 Each worker ``w`` writes ``DIR/w{w}_{name}.npy`` (numpy files, never
 pickles): the restored state and the final state read whole with
@@ -63,6 +65,7 @@ def main(argv=None) -> None:
     p.add_argument("--ckpt", type=Path, required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--fail-write-worker", type=int, help="this worker's shard writing fails (an OSError)")
+    p.add_argument("--async-save", action="store_true", help="save in the background, wait after the last step")
     args = p.parse_args(argv)
 
     info = distributed.initialize()
@@ -99,14 +102,25 @@ def main(argv=None) -> None:
 
     losses = []
     input_fn = model.input_fn_for(first)
+    manager = rp.CheckpointManager(args.ckpt)
+    saved = ""
     for step in range(first, args.steps):
         state, out = repl.run(model.train_step, input_fn, state)
         losses.append(distributed.replica_invariant(out)["loss"])
         if step + 1 == args.save_at:
             split = model.sharded_over_processes(state)
-            path = rp.save_checkpoint(args.ckpt, args.save_at, state, extra={"input_position": args.save_at})
-            assert os.path.isdir(path), path  # committed before save returns, on every worker
-            print(f"saved step {args.save_at} to {path} ({split} leaves split over processes)", flush=True)
+            saved = f"saved step {args.save_at} to {{}} ({split} leaves split over processes)"
+            if args.async_save:
+                path = manager.save_async(args.save_at, state, extra={"input_position": args.save_at})
+                print(f"saving step {args.save_at} in the background", flush=True)
+            else:
+                path = manager.save(args.save_at, state, extra={"input_position": args.save_at})
+                assert os.path.isdir(path), path  # committed before save returns, on every worker
+                print(saved.format(path), flush=True)
+    if args.async_save:
+        manager.wait()  # a collective: committed on every worker when it returns, or raised on every worker
+        assert os.path.isdir(path), path
+        print(saved.format(path), flush=True)
     for i, x in enumerate(jax.tree.leaves(distributed.gather_outputs(state))):
         results[f"final_{i}"] = x
     results["losses"] = np.asarray(losses)

@@ -9,6 +9,8 @@ checkpoint back. What a checkpoint's files hold is
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import re
@@ -21,7 +23,7 @@ import jax
 import numpy as np
 
 from replicator.runtime.distributed import progress
-from replicator.training.checkpoint import agreement, encoding, files, shards
+from replicator.training.checkpoint import agreement, background, encoding, files, shards, snapshot
 from replicator.training.checkpoint.encoding import CheckpointError
 from replicator.training.checkpoint.manifest import (
     ARRAYS_FILE,
@@ -39,6 +41,22 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp-"
 _OLD_PREFIX = ".replaced-"  # a checkpoint being overwritten by one of the same step
 _OLD_DIR = re.compile(r"^\.replaced-step_(\d+)-[0-9a-f]+$")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Save:
+    """One save, described before anything is written (the same on every process but ``me``/``writer``)."""
+
+    step: int
+    final: str  # the checkpoint's directory once committed
+    extra_json: Any
+    leaves: list[Any]
+    entries: list[dict[str, Any]]
+    treedef: Any
+    layout: dict[int, list[shards.Record]]
+    me: int  # this process
+    writer: bool  # process 0: locks, writes the whole leaves, commits
+    multi: bool
 
 
 class CheckpointManager:
@@ -69,6 +87,7 @@ class CheckpointManager:
         self.keep = keep
         self._token = uuid.uuid4().hex[:16]  # names this writer's temporary directories
         self._saves = 0
+        self._pending: background.BackgroundSave | None = None  # the asynchronous save in flight
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.directory!r}, keep={self.keep})"
@@ -156,10 +175,197 @@ class CheckpointManager:
             one process failed to write its part (the others' message says
             which and why).
         """
+        save, lock = self._prepare(step, state, extra)
+        if not save.writer and not save.multi:
+            return save.final
+        tmp: str | None = None
+        try:
+            tmp, existing = self._open(save, overwrite, lock)
+            digests: dict[Any, str] = {}
+            written = agreement.Attempt(save.multi)
+            with written:
+                # Every process takes part in gathering the (rare) whole leaves sharded over processes: PRNG keys.
+                with progress.phase("checkpoint-gather", f"step {save.step}"):
+                    whole = {
+                        f"a{i}": encoding.stored(leaf, entry, save.writer)
+                        for i, (leaf, entry) in enumerate(zip(save.leaves, save.entries, strict=True))
+                        if i not in save.layout
+                    }
+                with progress.phase("checkpoint-write", f"step {save.step} into {tmp}"):
+                    digests = shards.write_own(
+                        tmp,
+                        lambda r: shards.device_shard(save.leaves[r.leaf], r.device),
+                        save.entries,
+                        save.layout,
+                        save.me,
+                        sidecar=save.multi and not save.writer,
+                    )
+                    if save.writer:
+                        files.write_arrays(os.path.join(tmp, ARRAYS_FILE), whole)
+            if save.multi:
+                with progress.phase("checkpoint-wait", f"step {save.step}"):
+                    agreement.agree_written(written.error, save.final)
+            committed = agreement.Attempt(save.multi)
+            if save.writer:
+                with committed, progress.phase("checkpoint-write", f"step {save.step} into {save.final}"):
+                    self._commit_written(save, tmp, digests, existing, shards.SIDECAR_WAIT_S)
+                    tmp = None  # committed: renamed into place
+            if save.multi:
+                with progress.phase("checkpoint-wait", f"step {save.step}"):
+                    agreement.agree_on_save(committed.error, save.final)
+            return save.final
+        finally:
+            if save.writer:
+                if tmp is not None:
+                    files.rmtree(tmp)
+                lock.release()
+
+    def save_async(
+        self,
+        step: int,
+        state: PyTree,
+        *,
+        extra: Mapping[str, Any] | None = None,
+        overwrite: bool = False,
+        copy_on_device: bool = False,
+    ) -> str:
+        """Start saving ``state`` at ``step``; the files are written and committed by a background thread.
+
+        At the call, on this thread: the save before it, if still in flight,
+        is waited for (:meth:`wait`; at most one is in flight), the step is
+        checked and the directory locked as for :meth:`save`, and this
+        process's part of the state is held with its device-to-host copies
+        started (:mod:`~replicator.training.checkpoint.snapshot`); it waits
+        for no device. The thread then copies it off the devices, writes it
+        and commits it as :meth:`save` does (same files, same atomic rename:
+        a failure or a kill meanwhile leaves the earlier checkpoints as they
+        were). A failure is raised by the next :meth:`save`,
+        :meth:`save_async` or :meth:`wait`.
+
+        Args:
+          step, state, extra, overwrite: as for :meth:`save`. Do not change
+            host (numpy) leaves of ``state`` in place before the save is
+            written; device arrays are immutable.
+          copy_on_device: copy this process's part of the state on its
+            devices first, so that the state's buffers may be donated to the
+            next step (``Replicator(donate_state=True)``) while the save still
+            reads them; it holds one more copy of that part in device memory
+            until the thread has fetched it. Without it the state's own
+            buffers are held (no copy) until then.
+
+        Returns:
+          The directory the checkpoint will have once committed.
+
+        In a multi-process job call it on every process at the same step, as
+        :meth:`save`, and :meth:`wait` too (both are collectives): every
+        process writes its shards in its thread, process 0's thread waits
+        (at most ``background.WAIT_S``) for the others' lists of shards,
+        files that they write when done, and commits; :meth:`wait` then
+        tells every process whether every part was written and committed.
+        No collective ever runs in a background thread (see *Asynchronous
+        saves* in ``docs/guide/checkpoints.md``).
+        """
+        save, lock = self._prepare(step, state, extra)
+        if not save.writer and not save.multi:
+            return save.final
+        tmp: str | None = None  # until process 0 has made it and every process knows it
+        try:
+            tmp, existing = self._open(save, overwrite, lock)
+            held = snapshot.capture(save.leaves, save.entries, save.layout, save.me, save.writer, copy_on_device)
+        except BaseException as e:
+            if save.writer:
+                if tmp is not None:
+                    files.rmtree(tmp)
+                lock.release()
+            elif tmp is not None:
+                shards.write_failure(tmp, save.me, e)
+            raise
+        work = functools.partial(self._write_and_commit, save, held, tmp, existing, lock)
+        self._pending = background.BackgroundSave(save.step, save.final, work)
+        return save.final
+
+    def _write_and_commit(
+        self,
+        save: _Save,
+        held: snapshot.Snapshot,
+        tmp: str,
+        existing: dict[int, str],
+        lock: files.DirectoryLock,
+    ) -> None:
+        """The background thread of :meth:`save_async`: fetch, write, and (process 0) commit."""
+        committed = False
+        try:
+            digests = shards.write_own(
+                tmp,
+                held.shard,
+                save.entries,
+                save.layout,
+                save.me,
+                sidecar=save.multi and not save.writer,
+                report=False,
+            )
+            if save.writer:
+                files.write_arrays(os.path.join(tmp, ARRAYS_FILE), held.stored_whole(), report=False)
+            held.release()
+            if save.writer:
+                self._commit_written(save, tmp, digests, existing, background.WAIT_S)
+                committed = True
+        except BaseException as e:
+            if save.multi and not save.writer:
+                shards.write_failure(tmp, save.me, e)
+            raise
+        finally:
+            held.release()
+            if save.writer:
+                if not committed:
+                    files.rmtree(tmp)
+                lock.release()
+
+    @property
+    def in_flight(self) -> int | None:
+        """The step of the asynchronous save still being written or committed, or None."""
+        pending = self._pending
+        return pending.step if pending is not None and pending.running else None
+
+    def wait(self, timeout_s: float = background.WAIT_S, *, collective: bool = True) -> None:
+        """Wait for the asynchronous save in flight, if any, to be written and committed (at most ``timeout_s``).
+
+        Raises:
+          CheckpointError: it failed (or still runs after ``timeout_s``); it
+            was not committed, and the earlier checkpoints are unchanged. In
+            a multi-process job (with ``collective=True``, a collective: call
+            it on every process) it raises on every process, naming the
+            process that failed. ``collective=False`` waits for this
+            process's thread only (on a path where the others may not call
+            it, e.g. after an exception).
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        with progress.phase("checkpoint-wait", f"step {pending.step} (background save)"):
+            failure = pending.join(timeout_s)
+            error = None
+            if failure is not None:
+                error = CheckpointError(
+                    f"the asynchronous save of step {pending.step} into {pending.final} failed, so it was not "
+                    f"committed; the checkpoints before it are unchanged (steps {self.all_steps()}). "
+                    f"{type(failure).__name__}: {failure}"
+                )
+            if jax.process_count() > 1 and collective:
+                agreement.agree_written(error, pending.final)
+            elif error is not None:
+                raise error from failure
+
+    def _prepare(self, step: int, state: PyTree, extra: Mapping[str, Any] | None) -> tuple[_Save, files.DirectoryLock]:
+        """Wait for the asynchronous save in flight (at most one at a time), then describe the new one."""
+        self.wait()
+        return self._plan(step, state, extra), files.DirectoryLock(self.directory, LOCK_FILE)
+
+    def _plan(self, step: int, state: PyTree, extra: Mapping[str, Any] | None) -> _Save:
+        """Check the arguments of a save and describe it: leaves, manifest entries, shard layout, roles."""
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
             raise CheckpointError(f"step must be a non-negative int, got {step!r}.")
         step = int(step)
-        final = os.path.join(self.directory, f"step_{step:08d}")
         try:
             extra_json = json.loads(json.dumps(dict(extra or {})))
         except (TypeError, ValueError) as e:
@@ -170,60 +376,47 @@ class CheckpointManager:
         flat, treedef = jax.tree_util.tree_flatten_with_path(state)
         leaves = [leaf for _, leaf in flat]
         entries = [encoding.entry(jax.tree_util.keystr(keys), leaf) for keys, leaf in flat]  # the same everywhere
-        layout = shards.plan(leaves, entries)  # the same on every process
         me = jax.process_index()
-        writer = me == 0
-        multi = jax.process_count() > 1
-        if not writer and not multi:
-            return final
+        return _Save(
+            step=step,
+            final=os.path.join(self.directory, f"step_{step:08d}"),
+            extra_json=extra_json,
+            leaves=leaves,
+            entries=entries,
+            treedef=treedef,
+            layout=shards.plan(leaves, entries),  # the same on every process
+            me=me,
+            writer=me == 0,
+            multi=jax.process_count() > 1,
+        )
 
-        lock = files.DirectoryLock(self.directory, LOCK_FILE)
+    def _open(self, save: _Save, overwrite: bool, lock: files.DirectoryLock) -> tuple[str, dict[int, str]]:
+        """Process 0 checks the step, locks and makes the temporary directory; every process learns its name.
+
+        Returns the temporary directory and (on process 0) the committed checkpoints.
+        """
+        existing: dict[int, str] = {}
         tmp: str | None = None
-        try:
-            existing: dict[int, str] = {}
-            begun = agreement.Attempt(multi)
-            if writer:
-                with begun, progress.phase("checkpoint-write", f"step {step}: taking {LOCK_FILE}"):
-                    existing, tmp = self._begin(step, overwrite, lock)
-            if multi:
-                with progress.phase("checkpoint-wait", f"step {step}"):
-                    name = agreement.share_temporary(begun.error, os.path.basename(tmp or ""), final)
-                tmp = os.path.join(self.directory, name)
-            assert tmp is not None
-            digests: dict[Any, str] = {}
-            written = agreement.Attempt(multi)
-            with written:
-                # Every process takes part in gathering the (rare) whole leaves sharded over processes: PRNG keys.
-                with progress.phase("checkpoint-gather", f"step {step}"):
-                    whole = {
-                        f"a{i}": encoding.stored(leaf, entry, writer)
-                        for i, (leaf, entry) in enumerate(zip(leaves, entries, strict=True))
-                        if i not in layout
-                    }
-                with progress.phase("checkpoint-write", f"step {step} into {tmp}"):
-                    digests = shards.write_own(tmp, leaves, entries, layout, me, sidecar=multi and not writer)
-                    if writer:
-                        files.write_arrays(os.path.join(tmp, ARRAYS_FILE), whole)
-            if multi:
-                with progress.phase("checkpoint-wait", f"step {step}"):
-                    agreement.agree_written(written.error, final)
-            committed = agreement.Attempt(multi)
-            if writer:
-                with committed, progress.phase("checkpoint-write", f"step {step} into {final}"):
-                    records = shards.collect(tmp, layout, digests)
-                    for i, shard_records in records.items():
-                        entries[i] = {**entries[i], "shards": shard_records}
-                    self._commit(step, final, tmp, entries, treedef, extra_json, existing)
-                    tmp = None  # committed: renamed into place
-            if multi:
-                with progress.phase("checkpoint-wait", f"step {step}"):
-                    agreement.agree_on_save(committed.error, final)
-            return final
-        finally:
-            if writer:
-                if tmp is not None:
-                    files.rmtree(tmp)
-                lock.release()
+        begun = agreement.Attempt(save.multi)
+        if save.writer:
+            with begun, progress.phase("checkpoint-write", f"step {save.step}: taking {LOCK_FILE}"):
+                existing, tmp = self._begin(save.step, overwrite, lock)
+        if save.multi:
+            with progress.phase("checkpoint-wait", f"step {save.step}"):
+                name = agreement.share_temporary(begun.error, os.path.basename(tmp or ""), save.final)
+            tmp = os.path.join(self.directory, name)
+        assert tmp is not None
+        return tmp, existing
+
+    def _commit_written(
+        self, save: _Save, tmp: str, digests: dict[Any, str], existing: dict[int, str], wait_s: float
+    ) -> None:
+        """Process 0: gather every process's shard records (waiting at most ``wait_s`` for them) and commit."""
+        records = shards.collect(tmp, save.layout, digests, wait_s)
+        entries = list(save.entries)
+        for i, shard_records in records.items():
+            entries[i] = {**entries[i], "shards": shard_records}
+        self._commit(save.step, save.final, tmp, entries, save.treedef, save.extra_json, existing)
 
     def _check_new(self, step: int, overwrite: bool) -> dict[int, str]:
         """The committed checkpoints; raises if ``step`` is not newer than all of them (without overwrite)."""

@@ -43,9 +43,11 @@ __all__ = [
     "LeafReader",
     "Record",
     "collect",
+    "device_shard",
     "is_split",
     "plan",
     "shard_file",
+    "write_failure",
     "write_own",
 ]
 
@@ -62,6 +64,19 @@ def shard_file(process: int) -> str:
 
 def _sidecar(process: int) -> str:
     return f"shards-p{process:05d}.json"
+
+
+def _failure(process: int) -> str:
+    return f"shards-p{process:05d}.failed"
+
+
+def write_failure(directory: str, process: int, error: BaseException) -> None:
+    """Tell process 0, through a file, that this process failed to write its shards (an asynchronous save,
+    whose process 0 waits for the sidecars with no collective to learn it from). Best effort."""
+    try:
+        files.write_text(os.path.join(directory, _failure(process)), f"{type(error).__name__}: {error}")
+    except OSError:
+        pass  # process 0 then gives up waiting for the sidecar after its bound
 
 
 def is_split(leaf: Any) -> bool:
@@ -131,11 +146,14 @@ def plan(leaves: Sequence[Any], entries: Sequence[Mapping[str, Any]]) -> dict[in
     return layout
 
 
-def _shard_bytes(leaf: jax.Array, entry: Mapping[str, Any], device: Any) -> np.ndarray:
-    """The stored form (little-endian, C order) of ``leaf``'s shard on ``device``: one device-to-host copy."""
-    data = next(s.data for s in leaf.addressable_shards if s.device == device)
-    _, dtype = encoding.leaf_spec(leaf)
-    host = np.asarray(data).astype(jnp.dtype(dtype), copy=False)
+def device_shard(leaf: jax.Array, device: Any) -> jax.Array:
+    """``leaf``'s shard on ``device``, a one-device array (no copy)."""
+    return next(s.data for s in leaf.addressable_shards if s.device == device)
+
+
+def _shard_bytes(data: Any, entry: Mapping[str, Any]) -> np.ndarray:
+    """The stored form (little-endian, C order) of one shard: one device-to-host copy of a one-device array."""
+    host = np.asarray(data).astype(jnp.dtype(entry["dtype"]), copy=False)
     if "stored_as" in entry:
         host = host.view(np.dtype(entry["stored_as"]))
     return np.ascontiguousarray(host.astype(host.dtype.newbyteorder("<"), copy=False))
@@ -143,17 +161,22 @@ def _shard_bytes(leaf: jax.Array, entry: Mapping[str, Any], device: Any) -> np.n
 
 def write_own(
     directory: str,
-    leaves: Sequence[Any],
+    data: Callable[[Record], Any],
     entries: Sequence[Mapping[str, Any]],
     layout: Mapping[int, list[Record]],
     process: int,
     sidecar: bool,
+    report: bool = True,
 ) -> dict[tuple[int, Bounds], str]:
     """Write this process's shards into ``directory``; returns their sha256 by ``(leaf, bounds)``.
 
-    Nothing is written if this process owns no shard. ``sidecar=True`` (a
-    process other than 0 in a multi-process job) also writes the list of its
-    records and their sha256 for process 0 to read.
+    ``data(record)`` is the shard's values: a one-device array (e.g.
+    :func:`device_shard`) or a numpy array. Nothing is written if this
+    process owns no shard. ``sidecar=True`` (a process other than 0 in a
+    multi-process job) also writes the list of its records and their sha256
+    for process 0 to read. ``report``: each shard written counts as progress
+    for the launcher's watchdog (off in a background thread, whose progress
+    is not the training loop's).
     """
     mine = [r for records in layout.values() for r in records if r.process == process]
     if not mine:
@@ -162,7 +185,7 @@ def write_own(
     path = os.path.join(directory, shard_file(process))
     with open(path, "xb") as f:
         for record in mine:
-            array = _shard_bytes(leaves[record.leaf], entries[record.leaf], record.device)
+            array = _shard_bytes(data(record), entries[record.leaf])
             raw = array.reshape(-1).view(np.uint8)
             if len(raw) != record.nbytes or f.tell() != record.offset:
                 raise CheckpointError(
@@ -170,7 +193,8 @@ def write_own(
                     f"offset {f.tell()}, its layout says {record.nbytes} at {record.offset}; this is a bug."
                 )
             f.write(raw)
-            progress.touch()
+            if report:
+                progress.touch()
             digests[(record.leaf, record.bounds)] = hashlib.sha256(raw).hexdigest()
         f.flush()
         os.fsync(f.fileno())
@@ -193,6 +217,7 @@ def write_own(
 def _read_sidecar(directory: str, process: int, wait_s: float) -> dict[str, Any]:
     """Process ``process``'s sidecar, waiting up to ``wait_s`` for it to become visible."""
     path = os.path.join(directory, _sidecar(process))
+    failure = os.path.join(directory, _failure(process))
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -200,6 +225,11 @@ def _read_sidecar(directory: str, process: int, wait_s: float) -> dict[str, Any]
                 listing = json.load(f)
             break
         except FileNotFoundError:
+            if os.path.exists(failure):
+                with open(failure, encoding="utf-8", errors="replace") as f:
+                    raise CheckpointError(
+                        f"process {process} failed to write its part of the checkpoint: {f.read(2048)}"
+                    ) from None
             if time.monotonic() >= deadline:
                 raise CheckpointError(
                     f"process 0 cannot see {path}, the list of the shards process {process} wrote, after "

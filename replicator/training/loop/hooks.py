@@ -8,7 +8,9 @@ A hook is any object with some of these methods, each called with the trainer
   ``trainer.state`` and ``trainer.outputs`` (every leaf with a leading
   replica axis) are the new ones;
 * ``after_run(trainer)``: when ``run()`` ends normally (the step count is
-  reached, the input is exhausted, or a hook set ``trainer.should_stop``).
+  reached, the input is exhausted, or a hook set ``trainer.should_stop``);
+* ``teardown(trainer)``: when ``run()`` ends by any path, after ``after_run``
+  or after an exception (e.g. to wait for work still running in a thread).
 
 Hooks run in the order given. Do something every ``N`` steps with
 ``trainer.step % N == 0``; the built-in hooks also act once in ``after_run``
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from replicator.errors import InputExhausted
 from replicator.runtime.inputs import InputContext, check_input_fn
-from replicator.training.checkpoint import CheckpointManager
+from replicator.training.checkpoint import CheckpointError, CheckpointManager
 from replicator.training.loop.console import format_metrics, format_seconds
 from replicator.training.loop.metrics import replica_means
 
@@ -49,6 +51,9 @@ class Hook:
 
     def after_run(self, trainer: Trainer) -> None:
         """Called when :meth:`Trainer.run` ends normally."""
+
+    def teardown(self, trainer: Trainer) -> None:
+        """Called when :meth:`Trainer.run` ends, normally or by an exception."""
 
 
 def _check_every(every: int) -> int:
@@ -293,17 +298,54 @@ class CheckpointHook(_Periodic):
     ``Trainer(..., resume_from=directory)`` restores. Saves are atomic (see
     :mod:`replicator.training.checkpoint`); only the ``keep`` newest are kept.
 
+    With ``async_save=True`` the step only holds the state (its
+    device-to-host copies started) and a background thread writes and
+    commits it while training goes on (:meth:`CheckpointManager.save_async`;
+    with a donating Replicator the state is first copied on its devices). At
+    most one save is in flight: a save that finds the previous one still
+    writing waits for it, logs how long, and counts it in ``waits``. A
+    failed background save is raised by the next save or at the end of the
+    run; ``Trainer.run`` returns only once the save in flight is committed,
+    and waits for it on an exception too (then logging, not raising, its
+    failure).
+
     Args:
       directory: the checkpoint directory.
       every: save every this many steps.
       keep: how many checkpoints to keep (None: all).
+      async_save: write and commit in a background thread (default: off, so
+        that a save returns with its checkpoint committed and no memory is
+        held past the step; see ``docs/guide/checkpoints.md``).
+
+    Attributes:
+      saved: the steps saved (for an asynchronous save: started).
+      waits: ``(step, seconds)`` for each save that waited for the one before.
     """
 
-    def __init__(self, directory: str | os.PathLike, every: int, *, keep: int | None = 3):
+    def __init__(self, directory: str | os.PathLike, every: int, *, keep: int | None = 3, async_save: bool = False):
         super().__init__(every)
         self.manager = CheckpointManager(directory, keep=keep)
+        self.async_save = bool(async_save)
         self.saved: list[int] = []
+        self.waits: list[tuple[int, float]] = []
 
     def act(self, trainer: Trainer) -> None:
-        trainer.save_checkpoint(self.manager)
+        busy = self.manager.in_flight
+        start = time.perf_counter()
+        trainer.save_checkpoint(self.manager, asynchronous=self.async_save)
+        if busy is not None:
+            waited = time.perf_counter() - start
+            self.waits.append((trainer.step, waited))
+            trainer.log(f"checkpoint: step {trainer.step} waited {waited:.2f} s for the save of step {busy} to finish")
         self.saved.append(trainer.step)
+
+    def after_run(self, trainer: Trainer) -> None:
+        super().after_run(trainer)
+        self.manager.wait()  # the run's last checkpoint is committed (or its failure raised) when run() returns
+
+    def teardown(self, trainer: Trainer) -> None:
+        """After a failed run: wait for the save in flight (this process's part only), logging a failure."""
+        try:
+            self.manager.wait(collective=False)
+        except CheckpointError as e:
+            trainer.log(f"checkpoint: {e}")

@@ -19,6 +19,7 @@ from replicator.training.loop.console import Console
 
 PyTree = Any
 _END = object()
+_HOOK_METHODS = ("before_run", "after_step", "after_run", "teardown")
 
 
 class Trainer:
@@ -85,9 +86,9 @@ class Trainer:
                 "step_fn(state, batch) -> (new_state, outputs). For a step without state call Replicator.run."
             )
         for hook in hooks:
-            if not any(callable(getattr(hook, m, None)) for m in ("before_run", "after_step", "after_run")):
+            if not any(callable(getattr(hook, m, None)) for m in _HOOK_METHODS):
                 raise TypeError(
-                    f"hook {hook!r} has none of the methods before_run, after_step, after_run; "
+                    f"hook {hook!r} has none of the methods {', '.join(_HOOK_METHODS)}; "
                     f"subclass replicator.Hook and override them."
                 )
         self.replicator = replicator
@@ -157,8 +158,16 @@ class Trainer:
             "rows_per_step": self.rows_per_step,
         }
 
-    def save_checkpoint(self, manager: CheckpointManager) -> str:
-        """Save ``state`` at ``step`` with :meth:`checkpoint_extra`; returns its directory."""
+    def save_checkpoint(self, manager: CheckpointManager, *, asynchronous: bool = False) -> str:
+        """Save ``state`` at ``step`` with :meth:`checkpoint_extra`; returns its directory.
+
+        ``asynchronous=True``: :meth:`CheckpointManager.save_async` (copied on
+        the devices first if the Replicator donates the state).
+        """
+        if asynchronous:
+            return manager.save_async(
+                self.step, self.state, extra=self.checkpoint_extra(), copy_on_device=self.replicator.donate_state
+            )
         return manager.save(self.step, self.state, extra=self.checkpoint_extra())
 
     def _resume(self, directory: str | os.PathLike) -> None:
@@ -206,7 +215,9 @@ class Trainer:
 
         Stops earlier, after ``after_step``, if a hook sets ``should_stop``,
         and when ``input_fn`` is exhausted (logging it). Either way the
-        hooks' ``after_run`` is called.
+        hooks' ``after_run`` is called. The hooks' ``teardown`` is called
+        last, also when a step or a hook raised (a ``CheckpointHook`` waits
+        there for its save in flight).
 
         Args:
           num_steps: the total number of steps, counting restored ones.
@@ -235,5 +246,8 @@ class Trainer:
                 self._call("after_step")
             self._call("after_run")
         finally:
-            self.console.close()
+            try:
+                self._call("teardown")
+            finally:
+                self.console.close()
         return self.state

@@ -1,0 +1,59 @@
+"""A checkpoint save running in a background thread: started once, waited for with a bound."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from replicator.runtime.distributed import progress
+from replicator.training.checkpoint.encoding import CheckpointError
+
+__all__ = ["WAIT_S", "BackgroundSave"]
+
+#: How long a background save may take: the bound of ``CheckpointManager.wait``, and of process 0's wait for
+#: the other processes' shards in a multi-process job.
+WAIT_S = 600.0
+
+
+class BackgroundSave:
+    """Runs ``work()`` (writing and committing step ``step``'s checkpoint) in a new thread, now.
+
+    The thread is not a daemon: an interpreter that exits without waiting
+    still lets it finish (its own waits are bounded).
+    """
+
+    def __init__(self, step: int, final: str, work: Callable[[], None]):
+        self.step, self.final = step, final
+        self.error: BaseException | None = None
+        self.started = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, args=(work,), name=f"replicator-checkpoint-{step}")
+        self._thread.start()
+
+    def _run(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except BaseException as e:  # noqa: BLE001 - reported on the training thread by join()
+            self.error = e
+
+    @property
+    def running(self) -> bool:
+        """Whether the thread is still writing or committing."""
+        return self._thread.is_alive()
+
+    def join(self, timeout_s: float) -> BaseException | None:
+        """Wait (at most ``timeout_s``) for the thread to end; returns its exception, or one saying it still runs.
+
+        While it waits, each second counts as progress for the launcher's
+        watchdog: the thread is alive and bounded by its own waits.
+        """
+        deadline = time.monotonic() + timeout_s
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            self._thread.join(min(1.0, max(0.0, deadline - time.monotonic())))
+            progress.touch()
+        if self._thread.is_alive():
+            return CheckpointError(
+                f"the background save of step {self.step} into {self.final} is still writing after {timeout_s:g} s "
+                f"(a slow or stuck file system?); it was not committed. Check the disk, or save less often."
+            )
+        return self.error
