@@ -34,7 +34,7 @@ class Trainer:
         ``Replicator.run``. It is called once per worker when training starts.
       state: the initial state (a pytree of arrays). With ``resume_from`` it
         is also the template that a checkpoint must match.
-      hooks: objects with ``before_run``/``after_step``/``after_run``
+      hooks: objects with ``before_run``/``after_step``/``after_run``/``teardown``
         methods (see :mod:`replicator.training.loop.hooks`), called in this order.
       resume_from: a checkpoint directory; if it holds a checkpoint, the
         newest one's state, step and input position are restored.
