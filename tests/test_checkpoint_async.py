@@ -311,3 +311,57 @@ def test_kill_9_during_an_async_save_loses_nothing(tmp_path, where):
     manager.save_async(2, target)  # the next save removes the dead one's temporary
     manager.wait()
     assert sorted(os.listdir(tmp_path)) == ["step_00000001", "step_00000002"]
+
+
+_KILLED_ANYWHERE = textwrap.dedent(
+    """
+    import sys, time
+    import jax.numpy as jnp
+    from replicator.training.checkpoint import CheckpointManager
+
+    manager = CheckpointManager(sys.argv[1], keep=1)
+    state = {"w": jnp.arange(4 << 20, dtype=jnp.float32), "b": jnp.float32(1.0)}  # 16 MB
+    manager.save(1, state)
+    state = {"w": state["w"] + 1, "b": state["b"] + 1}
+    start = time.perf_counter()
+    manager.save_async(2, state)
+    print("started", flush=True)
+    manager.wait()
+    print(f"done {time.perf_counter() - start:.3f}", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+@pytest.mark.slow
+def test_kill_9_at_any_moment_of_an_async_save_leaves_an_intact_checkpoint(tmp_path):
+    # The first run measures how long the save takes; the others are killed at fractions of that,
+    # from right after save_async returned to after the commit. Whatever the moment, the newest
+    # checkpoint restores (no fallback) to the values of its step: step 1's or step 2's.
+    duration = None
+    for k, fraction in enumerate([None, 0.0, 0.2, 0.4, 0.6, 0.8, 1.0]):
+        directory = tmp_path / str(k)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _KILLED_ANYWHERE, str(directory)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert proc.stdout.readline() == "started\n", proc.stderr.read() if proc.poll() is not None else ""
+            if fraction is None:
+                duration = float(proc.stdout.readline().split()[1])
+            else:
+                time.sleep(fraction * duration)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=WAIT)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        target = {"w": np.zeros(4 << 20, np.float32), "b": np.float32(0)}
+        step, state, _ = restore_checkpoint(directory, target)
+        assert step in (1, 2) and (fraction is not None or step == 2)
+        np.testing.assert_array_equal(state["w"], np.arange(4 << 20, dtype=np.float32) + (step - 1))
+        assert float(state["b"]) == step
