@@ -27,7 +27,10 @@ multi-process rules are in ``docs/guide/checkpoints.md``.
 Modules: :mod:`~.encoding` (leaves <-> stored arrays), :mod:`~.files`
 (durable file I/O), :mod:`~.manifest` (the manifest's format, digest and
 checks), :mod:`~.shards` (leaves stored as shards), :mod:`~.manager` (:class:`CheckpointManager`, the commit protocol,
-and the functions), :mod:`~.agreement` (multi-process save and restore).
+and the functions), :mod:`~.agreement` (multi-process save and restore),
+:mod:`~.snapshot` and :mod:`~.background` (asynchronous saves:
+``CheckpointManager.save_async`` holds the state at the step, a thread
+writes and commits it).
 """
 
 from __future__ import annotations
