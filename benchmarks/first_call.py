@@ -20,18 +20,29 @@ result ready on the host; the phases inside it are read from JAX's own duration 
 (``jax.monitoring``: tracing to a jaxpr, lowering to StableHLO, XLA's backend compile)
 and from timers around replicator's phases (``trace_step``, each pass of the pipeline,
 folding, ``build_executable``). ``other`` is the rest (placing state and batch,
-dispatch, the step's execution, Python glue).
+dispatch, the step's execution, Python glue). The first call's CPU time (``time.process_time``,
+every thread of the process) is printed too: on a machine shared with other work it
+moves less than wall-clock time.
 
 Printed: median seconds per phase over ``--repeats`` processes per variant (variants
 interleaved: repeat r runs every variant once, the order reversed every other repeat),
 the ratio of each first call to the hand-written one, and the cache hits and misses JAX
 reported (``/jax/compilation_cache/cache_hits`` and ``cache_misses``).
 
+With ``--why-kernels``, instead: why a fused gradient buffer costs XLA compile time on
+CPU. 128 tensors (64 of 32 x 32, 64 of 32) are all-reduced and each result then goes
+through ``y * c + 1``, compiled under ``jit(shard_map)`` three ways: as a tuple
+``psum`` with one ``c`` for all (``tuple``), as a tuple with a different ``c`` per
+tensor (``tuple, distinct``), and as one concatenated buffer sliced back (``fused``,
+what ``fuse-collectives`` emits, one ``c``). XLA's CPU backend compiles one kernel
+per *distinct* fusion; a slice at its own offset makes every consumer distinct.
+
 Usage::
 
     python benchmarks/first_call.py                         # mlp64x32, 8 devices, 3 repeats
     python benchmarks/first_call.py --workload mlp16x128 --repeats 5
     python benchmarks/first_call.py --import-from /tmp/replicator-OLD   # another checkout's replicator/
+    python benchmarks/first_call.py --why-kernels
 """
 
 from __future__ import annotations
@@ -56,6 +67,7 @@ JAX_EVENTS = {
     "/jax/core/compile/jaxpr_to_mlir_module_duration": "jax: lower to StableHLO",
     "/jax/core/compile/backend_compile_duration": "jax: XLA compile",
 }
+TOTALS = ("first call", "first call, CPU", "second call")
 CACHE_EVENTS = ("/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses")
 #: A child that takes longer than this is killed (nothing ever hangs).
 CHILD_TIMEOUT_S = 600
@@ -69,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="processes per variant; medians are printed")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--import-from", default=None, metavar="DIR", help="import replicator from DIR")
+    p.add_argument("--why-kernels", action="store_true", help="time XLA's compile of fused vs unfused buffers")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: run one variant, print JSON
     p.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -154,7 +167,7 @@ def child(args: argparse.Namespace) -> dict:
 
     for p in passes:  # every Pipeline.default() builds new pass objects: time the classes' run
         timer.wrap(type(p), "run", pass_label(p))
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     if variant == "single":
         run = bench.single_variant(params, width, args.batch)
     elif variant == "shard_map":
@@ -163,14 +176,63 @@ def child(args: argparse.Namespace) -> dict:
         disable = ("fuse-collectives",) if variant == "replicator-unfused" else ()
         run = bench.replicator_variant(params, width, args.batch, args.devices, disable)
     jax.block_until_ready(run())
-    first = time.perf_counter() - t0
+    first, first_cpu = time.perf_counter() - t0, time.process_time() - cpu0
     t0 = time.perf_counter()
     jax.block_until_ready(run())
     second = time.perf_counter() - t0
     phases = dict(timer.seconds)
     phases["first call"] = first
+    phases["first call, CPU"] = first_cpu
     phases["second call"] = second
     return {"phases": phases, "counts": dict(timer.counts)}
+
+
+# -- why: distinct kernels ------------------------------------------------------------------
+
+
+def why_kernels(args: argparse.Namespace) -> None:
+    """CPU seconds of XLA's compile of 128 all-reduced tensors: tuple, tuple with distinct consumers, fused."""
+    sys.path.insert(0, args.import_from or os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    import replicator as rp
+
+    rp.force_cpu_devices(args.devices)
+    import jax
+    import numpy as np
+    from jax import lax
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[: args.devices]), ("d",))
+    xs = [np.ones(shape, np.float32) for shape in [(32, 32), (32,)] * 64]
+
+    def program(mode: str) -> Any:
+        def per_device(xs: list) -> list:
+            xs = [x * 2 for x in xs]
+            if mode == "fused":
+                buf = lax.psum(lax.concatenate([x.reshape(-1) for x in xs], 0), "d")
+                ys, offset = [], 0
+                for x in xs:
+                    ys.append(lax.slice(buf, (offset,), (offset + x.size,)).reshape(x.shape))
+                    offset += x.size
+            else:
+                ys = lax.psum(xs, "d")
+            factors = range(3, 3 + len(ys)) if mode == "tuple, distinct" else [3] * len(ys)
+            return [y * c + 1 for y, c in zip(ys, factors, strict=True)]
+
+        return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+
+    modes = ("tuple", "tuple, distinct", "fused")
+    cpu: dict[str, list[float]] = {m: [] for m in modes}
+    for r in range(args.repeats):
+        for mode in modes if r % 2 == 0 else modes[::-1]:
+            lowered = program(mode).lower(xs)
+            t0 = time.process_time()
+            compiled = lowered.compile()
+            cpu[mode].append(time.process_time() - t0)
+            del compiled
+    print(f"XLA compile, CPU seconds (all threads), median of {args.repeats}, {args.devices} emulated CPU devices:")
+    for mode in modes:
+        print(f"  {mode:<16} {statistics.median(cpu[mode]):.2f}")
 
 
 # -- the driver -------------------------------------------------------------------------------
@@ -206,6 +268,9 @@ def main() -> int:
     if args.child:
         print(json.dumps(child(args)))
         return 0
+    if args.why_kernels:
+        why_kernels(args)
+        return 0
     variants = args.variants.split(",")
     unknown = set(variants) - set(VARIANTS)
     if unknown:
@@ -231,9 +296,9 @@ def report(results: dict[str, list[dict]], reference: str) -> None:
     labels: list[str] = []
     for runs in results.values():
         for run in runs:
-            labels += [k for k in run["phases"] if k not in labels and k not in ("first call", "second call")]
+            labels += [k for k in run["phases"] if k not in labels and k not in TOTALS]
     medians = {
-        v: {k: statistics.median(run["phases"].get(k, 0.0) for run in runs) for k in [*labels, "first call"]}
+        v: {k: statistics.median(run["phases"].get(k, 0.0) for run in runs) for k in [*labels, *TOTALS]}
         for v, runs in results.items()
     }
     names = list(results)
@@ -245,6 +310,17 @@ def report(results: dict[str, list[dict]], reference: str) -> None:
     print("| **first call** | " + " | ".join(f"**{medians[v]['first call']:.2f}**" for v in names) + " |")
     ref = medians[reference]["first call"]
     print(f"| ratio to {reference} | " + " | ".join(f"{medians[v]['first call'] / ref:.2f}x" for v in names) + " |")
+    cpu = medians[reference]["first call, CPU"]
+    print(
+        "| first call, CPU seconds (all threads) | "
+        + " | ".join(f"{medians[v]['first call, CPU']:.2f}" for v in names)
+        + " |"
+    )
+    print(
+        f"| CPU ratio to {reference} | "
+        + " | ".join(f"{medians[v]['first call, CPU'] / cpu:.2f}x" for v in names)
+        + " |"
+    )
     print(
         "| second call | "
         + " | ".join(f"{statistics.median(r['phases']['second call'] for r in results[v]):.3f}" for v in names)
