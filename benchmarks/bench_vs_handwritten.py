@@ -90,10 +90,10 @@ Factory = Callable[[], Runner]  # builds a variant (places its state); its first
 # -- pmap and the trivial step -------------------------------------------------------------
 
 
-def pmap_runner(per_replica: Callable, state: tuple, batches: Any, n: int) -> Runner:
+def pmap_runner(per_replica: Callable, state: tuple, batches: Any, n: int, axis_name: str = "d") -> Runner:
     """``jax.pmap(per_replica)`` over ``n`` devices: ``per_replica(*state, batch) -> (*state, out)``,
     the state replicated per device (one stacked copy each) and the host batch split into ``n`` rows."""
-    step = jax.pmap(per_replica, axis_name="d", devices=jax.devices()[:n])
+    step = jax.pmap(per_replica, axis_name=axis_name, devices=jax.devices()[:n])
     holder = [jax.tree.map(lambda a: np.broadcast_to(np.asarray(a), (n, *np.shape(a))), state)]
 
     def run() -> object:
@@ -157,8 +157,7 @@ def trivial_variants(batch: int, n: int) -> dict[str, Factory]:
         return run
 
     def pmap() -> Runner:
-        run = pmap_runner(lambda s, x: (pmean_step(s, x),) * 2, (np.float32(0),), trivial_batches(batch), n)
-        return run
+        return pmap_runner(lambda s, x: (pmean_step(s, x),) * 2, (np.float32(0),), trivial_batches(batch), n)
 
     mean_step = jax.jit(lambda s, x: s + jnp.mean(x))
     dev = jax.devices()[0]
@@ -230,15 +229,7 @@ def resnet_variants(batch: int, n: int) -> dict[str, Factory]:
         return run
 
     def pmap() -> Runner:
-        step = jax.pmap(step_fn, axis_name="batch", devices=jax.devices()[:n])
-        holder, data = [jax.tree.map(lambda a: np.broadcast_to(np.asarray(a), (n, *np.shape(a))), state)], batches()
-
-        def run() -> object:
-            split = jax.tree.map(lambda a: a.reshape(n, a.shape[0] // n, *a.shape[1:]), next(data))
-            holder[0], metrics = step(holder[0], split)
-            return metrics["loss"]
-
-        return run
+        return pmap_runner(step_fn, (state,), batches(), n, axis_name="batch")
 
     def replicator() -> Runner:
         repl = rp.Replicator(1, n, axis_name="batch", devices=jax.devices()[:n])
