@@ -20,6 +20,8 @@ from replicator.training.loop.console import Console
 PyTree = Any
 _END = object()
 _HOOK_METHODS = ("before_run", "after_step", "after_run", "teardown")
+#: What ``keep_batch`` keeps when a checkpoint is resumed on another number of workers.
+KEEP_BATCH = ("global", "per-replica")
 
 
 class Trainer:
@@ -38,6 +40,16 @@ class Trainer:
         methods (see :mod:`replicator.training.loop.hooks`), called in this order.
       resume_from: a checkpoint directory; if it holds a checkpoint, the
         newest one's state, step and input position are restored.
+      keep_batch: what stays the same when the checkpoint was trained on
+        another number of workers (e.g. the launcher's ``--min-workers``
+        left one behind). ``"global"`` (default): every step still trains
+        on one global batch, shared by fewer replicas (more rows each):
+        ``input_fn(ctx)`` must yield worker ``ctx.worker_id``'s share of
+        each global batch for ``ctx.num_workers`` workers, and the training
+        goes on as if the worker count had never changed. ``"per-replica"``:
+        each replica keeps its rows and the global batch shrinks with the
+        replicas (``input_fn`` yields the same rows per worker); a learning
+        rate tuned for the old global batch may need scaling.
       logger: where :meth:`log` writes (``logger.info``); default: stdout.
       stream: the text stream for lines and the progress bar when no
         ``logger`` is given; default: ``sys.stdout``.
@@ -70,6 +82,7 @@ class Trainer:
         *,
         hooks: Sequence[object] = (),
         resume_from: str | os.PathLike | None = None,
+        keep_batch: str = "global",
         logger: logging.Logger | None = None,
         stream: TextIO | None = None,
     ):
@@ -80,6 +93,11 @@ class Trainer:
                 f"step_fn must be a function step_fn(state, batch) -> (new_state, outputs), got {step_fn!r}."
             )
         check_input_fn(input_fn)
+        if keep_batch not in KEEP_BATCH:
+            raise ValueError(
+                f"keep_batch must be 'global' (each step trains on the same global batch on any number of "
+                f"workers) or 'per-replica' (each replica keeps its rows), got {keep_batch!r}."
+            )
         if state is None:
             raise TypeError(
                 "Trainer trains a state: pass the initial state (a pytree of arrays), and write "
@@ -107,7 +125,9 @@ class Trainer:
         self.restored_step: int | None = None
         self.restored_extra: dict[str, Any] = {}
         self.should_stop = False
+        self.keep_batch = keep_batch
         self._skip = 0
+        self._expected_rows: int | None = None  # rows of the first step after resuming on other workers
         self._rows: collections.deque[int] = collections.deque()  # rows of each batch drawn, not yet taken
         self._taken = 0  # batches of _feed that steps took, as counted by the Replicator
         self._feed = self._make_feed()  # one function object: Replicator keeps its iterators by identity
@@ -147,14 +167,23 @@ class Trainer:
             self._taken += 1
             self.input_position += 1
             self.rows_per_step = self._rows.popleft() if self._rows else self.rows_per_step
+            if self._expected_rows is not None:
+                self._check_rows(self._expected_rows)
+                self._expected_rows = None
 
     # -- checkpoints -----------------------------------------------------------
 
     def checkpoint_extra(self) -> dict[str, Any]:
-        """The metadata saved with a checkpoint for resuming: the input position."""
+        """The metadata saved with a checkpoint for resuming: the input position, and the batch's layout.
+
+        ``num_replicas`` and ``rows_per_step`` (the global batch's rows) let a
+        job resumed on another number of workers check and say what changes
+        (see ``keep_batch``).
+        """
         return {
             "input_position": self.input_position,
             "num_workers": self.replicator.num_workers,
+            "num_replicas": self.replicator.num_replicas,
             "rows_per_step": self.rows_per_step,
         }
 
@@ -183,17 +212,70 @@ class Trainer:
                 f"it was not written by a Trainer. Restore it with replicator.restore_checkpoint and start "
                 f"a Trainer from that state."
             )
-        workers = extra.get("num_workers", self.replicator.num_workers)
-        if workers != self.replicator.num_workers:
-            raise CheckpointError(
-                f"the checkpoint of step {step} in {directory} was trained with {workers} worker(s) and this "
-                f"Replicator has {self.replicator.num_workers}; its input position counts batches per worker. "
-                f"Resume with num_workers={workers}, or restore the state with replicator.restore_checkpoint "
-                f"and give the Trainer an input_fn that starts at the right place."
-            )
+        if extra.get("num_workers", self.replicator.num_workers) != self.replicator.num_workers:
+            self._expected_rows = self._resize(f"the checkpoint of step {step} in {directory}", position, extra)
         self.state, self.step, self.input_position, self._skip = state, step, position, position
         self.restored_step, self.restored_extra = step, extra
         self.log(f"resumed from {manager.path(step)} at step {step} (skipping {position} batches per worker)")
+
+    def _resize(self, where: str, position: int, extra: dict[str, Any]) -> int | None:
+        """Check resuming ``extra``'s checkpoint on this worker count under ``keep_batch``, and say what changes.
+
+        Its input position counts batches per worker, one per step: each new
+        worker skips that many of its own batches. Returns the rows the next
+        global batch should have (None: the checkpoint does not say).
+        """
+        workers, now = extra["num_workers"], self.replicator.num_workers
+        rows, replicas = extra.get("rows_per_step"), extra.get("num_replicas")
+        if not isinstance(replicas, int):  # a checkpoint from before num_replicas was saved: the same cores
+            replicas = workers * self.replicator.cores_per_worker
+        if not isinstance(rows, int) or rows <= 0:
+            if position == 0:
+                return None  # nothing trained yet: nothing to keep
+            raise CheckpointError(
+                f"{where} was trained with {workers} worker(s) and this Replicator has {now}, and it does not "
+                f"say its global batch (extra['rows_per_step']), so resuming on another number of workers "
+                f"cannot be checked. Resume with num_workers={workers}."
+            )
+        per_replica, new_replicas = rows // replicas, self.replicator.num_replicas
+        shape = f"{now} worker(s) x {self.replicator.cores_per_worker} cores"
+        if self.keep_batch == "per-replica":
+            new_rows = per_replica * new_replicas
+            self.log(
+                f"resuming on {shape} from {where}, trained on {workers} worker(s) ({replicas} replicas); "
+                f"keep_batch='per-replica': {per_replica} rows per replica, so the global batch goes from {rows} "
+                f"to {new_rows} rows per step. Warning: a learning rate tuned for {rows} rows may need scaling "
+                f"(e.g. by {new_rows}/{rows}, the linear scaling rule); the optimizer is yours to adjust."
+            )
+            return new_rows
+        if rows % new_replicas:
+            raise CheckpointError(
+                f"{where} was trained on a global batch of {rows} rows, which the {new_replicas} replicas of "
+                f"{shape} cannot share evenly; resume on a number of workers whose replicas divide {rows}, or "
+                f"pass keep_batch='per-replica' (each replica keeps its {per_replica} rows)."
+            )
+        self.log(
+            f"resuming on {shape} from {where}, trained on {workers} worker(s) ({replicas} replicas); "
+            f"keep_batch='global': the global batch of {rows} rows is kept, {per_replica} -> "
+            f"{rows // new_replicas} rows per replica (input_fn(ctx) yields worker ctx.worker_id's share of "
+            f"each global batch for ctx.num_workers={now})"
+        )
+        return rows
+
+    def _check_rows(self, expected: int) -> None:
+        """After the first step resumed on another worker count: warn if its global batch is not ``expected``."""
+        if self.rows_per_step in (None, expected):
+            return
+        fix = (
+            "input_fn(ctx) yields the same rows per worker: make it yield worker ctx.worker_id's share of the "
+            "global batch for ctx.num_workers workers, or pass keep_batch='per-replica'"
+            if self.keep_batch == "global"
+            else "input_fn(ctx) does not yield the same rows per replica as before the resume"
+        )
+        self.log(
+            f"warning: the first step resumed on {self.replicator.num_workers} worker(s) trained on "
+            f"{self.rows_per_step} rows, and keep_batch={self.keep_batch!r} expects {expected}: {fix}."
+        )
 
     # -- running -----------------------------------------------------------------
 
