@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from replicator.launch.environment import LaunchError, worker_command
 from replicator.launch.processes import DEFAULT_KILL_GRACE_S
+from replicator.launch.restarts import DEFAULT_FAILURE_WINDOW_S
 from replicator.launch.supervise import launch
 from replicator.launch.watchdog import DEFAULT_COMPILE_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S
 from replicator.runtime.distributed.startup import (
@@ -52,6 +53,12 @@ _SECONDS: list[tuple[str, float | None, str]] = [
         "the worker behind and prints every worker's Python stack (default %(default)g; 0: off)",
     ),
     ("--compile-timeout", DEFAULT_COMPILE_TIMEOUT_S, "the same while a worker compiles a step (default %(default)g)"),
+    (
+        "--failure-window",
+        DEFAULT_FAILURE_WINDOW_S,
+        "with --min-workers: a worker keeps failing when the failure before was blamed on it too and it fails "
+        "again within S seconds after the restart in between (default %(default)g)",
+    ),
 ]
 
 
@@ -85,6 +92,16 @@ def _parser() -> argparse.ArgumentParser:
         "again, up to N times; workers read the restart number in REPLICATOR_RESTART_COUNT (and "
         "TORCHELASTIC_RESTART_COUNT) and resume from their checkpoints, e.g. Trainer(..., resume_from=DIR). "
         "Local jobs only (default %(default)s: a failure ends the job)",
+    )
+    p.add_argument(
+        "--min-workers",
+        type=int,
+        metavar="M",
+        help="with --max-restarts: when a worker keeps failing (see --failure-window), the next restart runs the "
+        "job on one worker fewer, never fewer than M; it counts as a restart. Workers read the new count in "
+        "REPLICATOR_NUM_WORKERS and the first start's in REPLICATOR_INITIAL_NUM_WORKERS; a Trainer with "
+        "resume_from= restores onto the smaller mesh and keeps the global batch (keep_batch='per-replica' keeps "
+        "the rows per replica instead). Default: --num-workers (never fewer)",
     )
     p.add_argument("-m", dest="module", metavar="MODULE", help="run a module as the worker's program, like python -m")
     return p
@@ -142,6 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             step_timeout_s=args.step_timeout,
             compile_timeout_s=args.compile_timeout,
             max_restarts=args.max_restarts,
+            min_workers=args.min_workers,
+            failure_window_s=args.failure_window,
             interrupted=interrupted,
         )
     except LaunchError as e:

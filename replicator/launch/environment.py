@@ -84,6 +84,7 @@ def worker_env(
     progress_file: str | None = None,
     restart_count: int = 0,
     max_restarts: int = 0,
+    initial_num_workers: int | None = None,
 ) -> dict[str, str]:
     """The environment of one worker: ``base`` plus the job's settings.
 
@@ -97,6 +98,9 @@ def worker_env(
       restart_count, max_restarts: how many times the job was restarted before
         this start, and the most it may be (``REPLICATOR_RESTART_COUNT`` and
         ``REPLICATOR_MAX_RESTARTS``, and torchrun's ``TORCHELASTIC_*`` names).
+      initial_num_workers: the job's worker count at its first start
+        (``REPLICATOR_INITIAL_NUM_WORKERS``; default ``num_workers``): more
+        than ``num_workers`` once ``--min-workers`` dropped a worker.
 
     Returns:
       A new environment dict.
@@ -107,6 +111,7 @@ def worker_env(
         (startup.ENV_NUM_WORKERS, num_workers),
         (startup.ENV_WORKER_ID, worker_id),
         (startup.ENV_CORES_PER_WORKER, cores_per_worker),
+        (startup.ENV_INITIAL_NUM_WORKERS, num_workers if initial_num_workers is None else initial_num_workers),
         (status.ENV_STATUS_DIR, status_dir),
         (progress.ENV_PROGRESS_FILE, progress_file),
     ):

@@ -15,6 +15,16 @@ What is not a worker's failure ends the job as before: ``--max-time`` and a
 signal to the launcher (:attr:`Outcome.restartable`). A job that fails an
 ``N+1``-th time ends with that failure's exit code and blame.
 
+With ``--min-workers M`` (below the job's worker count) a worker that keeps
+failing is left behind (:class:`Shrinking`): when a failure is blamed on the
+same worker as the failure before it, and came within ``--failure-window W``
+seconds (:data:`DEFAULT_FAILURE_WINDOW_S`) of the restart in between, the next
+restart runs the job on one worker fewer, never fewer than ``M``; it counts
+against ``--max-restarts`` like any restart. The workers read the new count in
+``REPLICATOR_NUM_WORKERS`` and the first start's in
+``REPLICATOR_INITIAL_NUM_WORKERS``; a ``Trainer`` with ``resume_from=``
+restores its checkpoint onto the smaller mesh.
+
 Every restart is logged with its cause, and its recovery with how long it took
 (:class:`Recovery`): from the failure's detection to the end of the first step
 that every restarted worker ran, read from their progress records, in stages.
@@ -36,7 +46,12 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["Outcome", "Recovery", "first_step_done"]
+__all__ = ["DEFAULT_FAILURE_WINDOW_S", "Outcome", "Recovery", "Shrinking", "first_step_done", "keeps_failing"]
+
+#: ``--failure-window``: a worker blamed again within this many seconds after the restart that
+#: followed its failure keeps failing. Long enough for a restart's start-up, restore and
+#: compilation; a worker that trained for longer than this after its restart fails anew.
+DEFAULT_FAILURE_WINDOW_S = 300.0
 
 _IN_A_STEP = ("input", "compiling", "step")
 
@@ -52,12 +67,93 @@ class Outcome:
         failure or the watchdog's verdict, not ``--max-time`` nor a signal to
         the launcher.
       detected: when the launcher noticed the failure (``time.monotonic()``).
+      blamed: the worker the launcher blamed (None: none, or several).
     """
 
     code: int
     cause: str = ""
     restartable: bool = False
     detected: float = 0.0
+    blamed: int | None = None
+
+
+def keeps_failing(outcome: Outcome, previous: Outcome | None, restarted: float | None, window_s: float) -> bool:
+    """Whether ``outcome``'s worker keeps failing.
+
+    It does when the failure before (``previous``) was blamed on the same
+    worker and ``outcome`` was detected at most ``window_s`` seconds after the
+    restart in between started its workers (``restarted``, monotonic seconds).
+
+    >>> first = Outcome(137, blamed=1, detected=10.0)
+    >>> keeps_failing(Outcome(137, blamed=1, detected=40.0), first, restarted=12.0, window_s=300)
+    True
+    >>> keeps_failing(Outcome(137, blamed=0, detected=40.0), first, restarted=12.0, window_s=300)
+    False
+    >>> keeps_failing(Outcome(137, blamed=1, detected=400.0), first, restarted=12.0, window_s=300)
+    False
+    """
+    if outcome.blamed is None or previous is None or restarted is None:
+        return False
+    return previous.blamed == outcome.blamed and outcome.detected - restarted <= window_s
+
+
+@dataclasses.dataclass
+class Shrinking:
+    """``--min-workers``: how many workers each restart starts, one fewer after a worker kept failing.
+
+    On one machine the workers are interchangeable processes: whichever
+    worker was blamed, the job goes on with one process fewer, numbered
+    ``0 .. workers - 1`` (JAX numbers a job's workers from 0). After a
+    shrink, a worker keeps failing only if it fails twice anew.
+
+    Attributes:
+      initial: the job's worker count at its first start.
+      min_workers: the fewest workers to go on with.
+      window_s: ``--failure-window`` (see :func:`keeps_failing`).
+      workers: the worker count of the latest start.
+      previous: the failure before the latest restart (None: none since the
+        first start or the last shrink).
+    """
+
+    initial: int
+    min_workers: int
+    window_s: float = DEFAULT_FAILURE_WINDOW_S
+    workers: int = 0
+    previous: Outcome | None = None
+
+    def __post_init__(self) -> None:
+        self.workers = self.workers or self.initial
+
+    def next_start(self, outcome: Outcome, restarted: float | None) -> str | None:
+        """Note a failure that will be restarted; drop a worker if it keeps failing and the job may shrink.
+
+        Args:
+          outcome: the failure.
+          restarted: when the latest restart started its workers (None: the
+            failure is the first start's).
+
+        Returns:
+          The launcher's line about a worker that keeps failing (None: it
+          does not, or ``--min-workers`` is the job's worker count); the
+          next start runs :attr:`workers` workers.
+        """
+        previous, self.previous = self.previous, outcome
+        if self.min_workers >= self.initial or not keeps_failing(outcome, previous, restarted, self.window_s):
+            return None
+        assert restarted is not None
+        why = (
+            f"worker {outcome.blamed} keeps failing (blamed again {outcome.detected - restarted:.1f} s after the "
+            f"restart, within --failure-window {self.window_s:g} s)"
+        )
+        if self.workers - 1 < self.min_workers:
+            return f"{why}; the job already runs on --min-workers {self.min_workers}: restarting it as it is"
+        self.workers -= 1
+        self.previous = None
+        return (
+            f"{why}: the job goes on without it, on {self.workers} of its {self.initial} workers "
+            f"(--min-workers {self.min_workers}); the workers read REPLICATOR_NUM_WORKERS={self.workers} and "
+            f"REPLICATOR_INITIAL_NUM_WORKERS={self.initial}"
+        )
 
 
 def first_step_done(record: dict[str, Any]) -> bool:

@@ -27,7 +27,7 @@ from typing import IO
 from replicator.launch.blame import blame, exit_code
 from replicator.launch.environment import LaunchError, check_port_free, free_port, worker_env
 from replicator.launch.processes import DEFAULT_KILL_GRACE_S, EXIT_POLL_S, Output, Worker, start, stop
-from replicator.launch.restarts import Outcome, Recovery
+from replicator.launch.restarts import DEFAULT_FAILURE_WINDOW_S, Outcome, Recovery, Shrinking
 from replicator.launch.watchdog import (
     DEFAULT_COMPILE_TIMEOUT_S,
     DEFAULT_STEP_TIMEOUT_S,
@@ -110,7 +110,7 @@ def supervise(
             time.sleep(0.25)
             first, line = blame(workers)
             output.launcher(line)
-            outcome = Outcome(exit_code(first.returncode), line, restartable=True, detected=now)
+            outcome = Outcome(exit_code(first.returncode), line, restartable=True, detected=now, blamed=first.worker_id)
             break
         if len(ended) == len(workers):
             return Outcome(0)
@@ -122,7 +122,10 @@ def supervise(
                 if verdict.kind == "stalled":
                     _dump_stacks(workers, verdict.blame, output)
                 output.launcher(f"stopping the job (exit code {verdict.code})")
-                outcome = Outcome(verdict.code, f"watchdog: {verdict.message}", restartable=True, detected=now)
+                blamed = verdict.blame[0] if len(verdict.blame) == 1 else None
+                outcome = Outcome(
+                    verdict.code, f"watchdog: {verdict.message}", restartable=True, detected=now, blamed=blamed
+                )
                 break
         if ended and now - min(w.ended for w in ended) > finish_timeout_s:
             done = min(ended, key=lambda w: w.ended)
@@ -162,6 +165,8 @@ def launch(
     step_timeout_s: float | None = DEFAULT_STEP_TIMEOUT_S,
     compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
     max_restarts: int = 0,
+    min_workers: int | None = None,
+    failure_window_s: float = DEFAULT_FAILURE_WINDOW_S,
     env: dict[str, str] | None = None,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
@@ -241,6 +246,7 @@ def launch(
             "rendezvous), which replicator.launch does not do: restart such a job from outside (e.g. the "
             "scheduler's requeue); a script with Trainer(..., resume_from=DIR) resumes from its checkpoints."
         )
+    shrinking = _shrinking(num_workers, worker_id, max_restarts, min_workers, failure_window_s)
     if coordinator is not None:
         host, sep, port = coordinator.rpartition(":")
         if not sep or not host or not port.isdigit():
@@ -254,6 +260,7 @@ def launch(
         "heartbeat_timeout_s": heartbeat_timeout_s,
         "shutdown_timeout_s": shutdown_timeout_s,
         "max_restarts": max_restarts,
+        "initial_num_workers": num_workers,
     }
     output = Output(stdout or sys.stdout, stderr or sys.stderr)
     interrupted = interrupted or threading.Event()
@@ -288,14 +295,20 @@ def launch(
             if not outcome.code or not outcome.restartable or restart >= max_restarts:
                 break
             stopped = time.monotonic()
+            if shrinking is not None:
+                line = shrinking.next_start(outcome, recoveries[-1].stopped if recoveries else None)
+                if line:
+                    output.launcher(line)
+            size = num_workers if shrinking is None else shrinking.workers
             if coordinator is None:
-                plan = _plan(base, num_workers, None, None)  # a new port: nothing of the old job answers there
+                plan = _plan(base, size, None, None)  # a new port: nothing of the old job answers there
             elif len(plan) > 1:
                 try:
                     _wait_until_free(coordinator, kill_grace_s + _PORT_WAIT_S)
                 except LaunchError as e:  # the last failure stands
                     output.launcher(f"cannot restart: {e}")
                     break
+                plan = [(i, coordinator, size) for i in range(size)]
             interrupt = _interrupt(interrupted, output)
             if interrupt is not None:
                 outcome = interrupt
@@ -311,7 +324,7 @@ def launch(
     for w in every:
         for t in w.threads:
             t.join(timeout=2.0)  # a grandchild may hold a pipe open: do not wait for it
-    _summary(outcome.code, workers, recoveries, output)
+    _summary(outcome.code, workers, recoveries, output, num_workers)
     return outcome.code
 
 
@@ -351,6 +364,32 @@ def _plan(
     return [(rank if rank is not None else 0, None, None)]
 
 
+def _shrinking(
+    num_workers: int | None, worker_id: int | None, max_restarts: int, min_workers: int | None, window_s: float
+) -> Shrinking | None:
+    """``--min-workers`` and ``--failure-window``, checked (None: a job that is never restarted on fewer)."""
+    if not window_s > 0:
+        raise LaunchError(f"--failure-window must be a positive number of seconds, got {window_s!r}.")
+    if min_workers is None:
+        return None
+    if isinstance(min_workers, bool) or not isinstance(min_workers, int) or min_workers < 1:
+        raise LaunchError(f"--min-workers must be a positive int, got {min_workers!r}.")
+    if num_workers is None or worker_id is not None:
+        raise LaunchError(
+            "--min-workers restarts a job on this machine on fewer workers (--num-workers W without --worker-id). "
+            "A job spread over hosts goes on without a host when its scheduler restarts it on fewer; a script "
+            "with Trainer(..., resume_from=DIR) resumes from its checkpoints on any number of workers."
+        )
+    if min_workers > num_workers:
+        raise LaunchError(f"--min-workers {min_workers} is more than the job's --num-workers {num_workers}.")
+    if min_workers < num_workers and not max_restarts:
+        raise LaunchError(
+            f"--min-workers {min_workers} needs --max-restarts N: going on with fewer workers is a restart "
+            f"(e.g. --max-restarts {num_workers - min_workers + 2})."
+        )
+    return Shrinking(num_workers, min_workers, window_s)
+
+
 def _start_all(
     workers: list[Worker],
     plan: list[tuple[int, str | None, int | None]],
@@ -377,10 +416,10 @@ def _start_all(
             **settings,
         )
         workers.append(start(label, command, wenv, output, status_dir, progress_file))
-    if len(plan) > 1:
+    if len(plan) > 1 or restart:
         which = f"restart {restart}: " if restart else ""
         output.launcher(
-            f"{which}started {len(plan)} workers (coordinator {plan[0][1]}): pids {[w.proc.pid for w in workers]}"
+            f"{which}started {len(plan)} worker{'s' if len(plan) > 1 else ''} (coordinator {plan[0][1]}): pids {[w.proc.pid for w in workers]}"
         )
 
 
@@ -397,9 +436,11 @@ def _wait_until_free(address: str, timeout_s: float) -> None:
             time.sleep(0.2)
 
 
-def _summary(code: int, workers: list[Worker], recoveries: list[Recovery], output: Output) -> None:
-    """The launcher's last line: how the job ended, after how many restarts."""
+def _summary(code: int, workers: list[Worker], recoveries: list[Recovery], output: Output, initial: int | None) -> None:
+    """The launcher's last line: how the job ended, after how many restarts, on how many workers."""
     restarts = f" after {len(recoveries)} restart(s)" if recoveries else ""
+    if initial is not None and len(workers) < initial:
+        restarts += f", on {len(workers)} of its {initial} workers"
     if code and len(workers) > 1:
         codes = {w.worker_id: w.proc.returncode for w in workers}
         output.launcher(f"job failed{restarts}, exit code {code} (workers' exit codes: {codes})")

@@ -16,7 +16,10 @@ save's temporary directory: a save under way). It prints ``killing myself at <ti
 first. ``--random-kills SEED`` adds three such kills, one in each of the starts 0, 1
 and 2, drawn from ``SEED`` by :func:`random_kills`: during a checkpoint save, while the
 restarted job compiles, and in a step, worker 0 (the coordinator's host) at least
-once. ``--print-steps`` prints ``step K`` after every step (for a killer outside).
+once. ``--bad-worker W:STEP`` makes worker ``W`` SIGKILL itself in every start of
+the job, in the step after ``STEP`` steps: a worker that keeps failing, for
+``--min-workers`` (once the job runs on ``W`` workers or fewer there is no worker
+``W``). ``--print-steps`` prints ``step K`` after every step (for a killer outside).
 """
 
 from __future__ import annotations
@@ -101,6 +104,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--kill", type=parse_kill, action="append", default=[], metavar="R:W:PHASE:STEP")
     p.add_argument("--random-kills", type=int, metavar="SEED", help="three kills drawn from SEED (random_kills)")
+    p.add_argument("--bad-worker", metavar="W:STEP", help="worker W dies in the step after STEP in every start")
     p.add_argument("--print-steps", action="store_true")
     args = p.parse_args()
 
@@ -114,9 +118,13 @@ def main() -> None:
         resume_from=args.ckpt,
     )  # fmt: skip
     kills = args.kill + ([] if args.random_kills is None else random_kills(args.random_kills, args.steps, args.every))
-    print(f"worker {info.worker_id}: start {start}, from step {trainer.step}", flush=True)
+    workers = f"{info.num_workers} of {distributed.initial_num_workers()} workers"
+    print(f"worker {info.worker_id}: start {start}, {workers}, from step {trainer.step}", flush=True)
     if start == info.worker_id == 0 and kills:
         print(f"kills (start, worker, phase, steps done): {kills}", flush=True)
+    if args.bad_worker:
+        bad, step = map(int, args.bad_worker.split(":"))
+        kills.append((start, bad, "step", step))
     for r, w, phase, step in kills:
         if (r, w) == (start, info.worker_id):
             kill_on(phase, step, trainer)

@@ -36,6 +36,7 @@ __all__ = [
     "ENV_CORES_PER_WORKER",
     "ENV_COORDINATOR",
     "ENV_HEARTBEAT_TIMEOUT",
+    "ENV_INITIAL_NUM_WORKERS",
     "ENV_MAX_RESTARTS",
     "ENV_NUM_WORKERS",
     "ENV_RESTART_COUNT",
@@ -48,6 +49,7 @@ __all__ = [
     "cluster_environment",
     "cluster_rank",
     "free_port",
+    "initial_num_workers",
     "initialize",
     "is_initialized",
     "restart_count",
@@ -67,6 +69,9 @@ ENV_SHUTDOWN_TIMEOUT = "REPLICATOR_SHUTDOWN_TIMEOUT"
 #: ``TORCHELASTIC_MAX_RESTARTS`` are set to the same values.
 ENV_RESTART_COUNT = "REPLICATOR_RESTART_COUNT"
 ENV_MAX_RESTARTS = "REPLICATOR_MAX_RESTARTS"
+#: The job's worker count at its first start: ``--min-workers`` may restart it on fewer
+#: (``REPLICATOR_NUM_WORKERS``), after a worker kept failing.
+ENV_INITIAL_NUM_WORKERS = "REPLICATOR_INITIAL_NUM_WORKERS"
 
 DEFAULT_START_TIMEOUT_S = 120.0
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
@@ -210,6 +215,16 @@ def restart_count() -> int:
     once per start.
     """
     return _env_int(ENV_RESTART_COUNT) or 0
+
+
+def initial_num_workers() -> int | None:
+    """The job's worker count at its first start, before ``--min-workers`` dropped any (None: not launched).
+
+    Read from ``REPLICATOR_INITIAL_NUM_WORKERS``; compare it with the current
+    count (``REPLICATOR_NUM_WORKERS``, ``initialize().num_workers``) to tell
+    whether the job goes on without some of its workers.
+    """
+    return _env_int(ENV_INITIAL_NUM_WORKERS)
 
 
 def is_initialized() -> bool:
