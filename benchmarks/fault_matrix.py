@@ -19,11 +19,20 @@ every restarted worker), the final parameters against an uninterrupted run of th
 same job, and the exit code. ``tests/test_restarts.py`` checks ``restart-phases``
 with 40 steps.
 
+The ``shrink`` row runs the same job under ``--max-restarts 5 --min-workers 1`` with
+worker 1 dying in every start (``--bad-worker 1:S``, S = ``--every`` + 2: after the
+first checkpoint): it is restarted once on 2 workers, then, as it keeps failing, the
+job goes on without it on 1 worker x 2 devices, the global batch kept; its final
+parameters are compared with the uninterrupted 2 x 2 run (not bit-identical: 2
+replicas sum in another order than 4). ``tests/test_restarts.py`` checks it with 40
+steps against a one-device reference.
+
 Usage::
 
     python benchmarks/fault_matrix.py             # every row, default timeouts (3 minutes, restarts 1-2 more)
     python benchmarks/fault_matrix.py --rows sleep,exit
     python benchmarks/fault_matrix.py --rows restarts --steps 150 --every 10 --seed 0
+    python benchmarks/fault_matrix.py --rows shrink --steps 150 --every 10
 """
 
 from __future__ import annotations
@@ -63,7 +72,9 @@ ROWS = {
 RESTART_ROWS = {
     "restart-phases": "3 SIGKILLs at phases: a checkpoint save, the restarted job compiling, a step",
     "restart-random": "3 SIGKILLs from outside, random workers after random steps",
+    "shrink": "worker 1 SIGKILLed in every start, `--min-workers 1`: 2 x 2 -> 1 x 2",
 }
+KILL_ROWS = ["restart-phases", "restart-random"]  # --rows restarts
 JOB_LIMIT_S = 600.0  # no restart job may take longer
 
 
@@ -110,11 +121,15 @@ def _outside_kills(seed: int, steps: int) -> list[tuple[int, int, float]]:
 
 
 def run_restart_job(row: str, steps: int, every: int, seed: int, tmp: str) -> dict:
-    """One restart row: the job under ``--max-restarts 5``, killed 3 times; what the launcher said, timed."""
-    command = [*LAUNCH, "--max-restarts", "5", "--max-time", f"{JOB_LIMIT_S:g}", str(RESTART_WORKER)]
+    """One restart row: the job under ``--max-restarts 5``, killed 3 times (``shrink``: worker 1 in every start)."""
+    shrink = ["--min-workers", "1"] if row == "shrink" else []
+    command = [*LAUNCH, "--max-restarts", "5", *shrink, "--max-time", f"{JOB_LIMIT_S:g}", str(RESTART_WORKER)]
     command += ["--steps", str(steps), "--every", str(every), "--ckpt", f"{tmp}/ckpt", "--out", f"{tmp}/out"]
     outside = _outside_kills(seed, steps) if row == "restart-random" else []
-    command += ["--print-steps"] if outside else ["--random-kills", str(seed)]
+    if shrink:
+        command += ["--bad-worker", f"1:{every + 2}"]
+    else:
+        command += ["--print-steps"] if outside else ["--random-kills", str(seed)]
     proc = subprocess.Popen(command, env=env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, deadline = _lines(proc), time.monotonic() + JOB_LIMIT_S
     pids: list[int] = []
@@ -194,13 +209,13 @@ def restart_rows(names: list[str], steps: int, every: int, seed: int) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", default=",".join([*ROWS, "restarts"]), help=f"comma-separated, of {list(ROWS)}, "
-                   f"{list(RESTART_ROWS)} and 'restarts' (both)")  # fmt: skip
+    p.add_argument("--rows", default=",".join([*ROWS, "restarts", "shrink"]), help=f"comma-separated, of "
+                   f"{list(ROWS)}, {list(RESTART_ROWS)} and 'restarts' ({KILL_ROWS})")  # fmt: skip
     p.add_argument("--steps", type=int, default=150, help="steps of the restart rows' job (default %(default)s)")
     p.add_argument("--every", type=int, default=10, help="its checkpoint interval (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="draws the restart rows' kills (default %(default)s)")
     args = p.parse_args()
-    names = [n for r in args.rows.split(",") for n in (list(RESTART_ROWS) if r == "restarts" else [r])]
+    names = [n for r in args.rows.split(",") for n in (KILL_ROWS if r == "restarts" else [r])]
     unknown = [n for n in names if n not in ROWS and n not in RESTART_ROWS]
     if unknown:
         p.error(f"unknown row(s) {unknown}; choose from {list(ROWS)}, {list(RESTART_ROWS)}, restarts")

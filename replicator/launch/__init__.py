@@ -64,6 +64,11 @@ restart number in ``REPLICATOR_RESTART_COUNT`` (and torchrun's
 ``TORCHELASTIC_RESTART_COUNT``); a script whose ``Trainer`` has
 ``resume_from=`` goes on from its newest checkpoint. Each restart is logged with
 its cause and how long the recovery took (see :mod:`~replicator.launch.restarts`).
+With ``--min-workers M`` a worker that keeps failing (blamed again within
+``--failure-window`` seconds after its restart) is left behind: the next
+restart runs one worker fewer, never fewer than ``M``, with the first start's
+count in ``REPLICATOR_INITIAL_NUM_WORKERS``; a ``Trainer`` with ``resume_from=``
+goes on on the smaller mesh, the global batch kept.
 
 Library use: :func:`launch` runs a job and returns its exit code.
 
