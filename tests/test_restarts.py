@@ -152,7 +152,8 @@ class TestFewerWorkers:
 
     def test_a_worker_that_keeps_failing_is_left_behind(self):
         code, out, err = toy(
-            "--env", *SIZE_VARS, "--fail-worker", "2", "--sleep", "1", num_workers=3, max_restarts=3, min_workers=2
+            "--env", *SIZE_VARS, "--fail-worker", "2", "--after", "0.5", "--sleep", "2", num_workers=3,
+            max_restarts=3, min_workers=2,
         )  # fmt: skip
         assert code == 0, err
         assert seen(out, 0, "REPLICATOR_NUM_WORKERS") == ["3", "3", "2"]
@@ -169,7 +170,10 @@ class TestFewerWorkers:
 
     def test_never_fewer_than_min_workers(self):
         # Worker 1 fails in every start: 3 workers, 3, then 2 (it keeps failing), 2, 2 (at --min-workers).
-        code, out, err = toy("--env", *SIZE_VARS, "--fail-worker", "1", num_workers=3, max_restarts=4, min_workers=2)
+        code, out, err = toy(
+            "--env", *SIZE_VARS, "--fail-worker", "1", "--after", "0.5", "--sleep", "2", num_workers=3, max_restarts=4,
+            min_workers=2,
+        )  # fmt: skip
         assert code == 3, err
         assert seen(out, 0, "REPLICATOR_NUM_WORKERS") == ["3", "3", "2", "2", "2"]
         assert err.count("the job goes on without it") == 1
@@ -185,7 +189,9 @@ class TestFewerWorkers:
         assert seen(out, 0, "REPLICATOR_NUM_WORKERS") == ["2", "2", "2"] and "keeps failing" not in err
 
     def test_without_min_workers_the_job_keeps_its_workers(self):
-        code, out, err = toy("--env", *SIZE_VARS, "--fail-worker", "1", max_restarts=2)
+        code, out, err = toy(
+            "--env", *SIZE_VARS, "--fail-worker", "1", "--after", "0.5", "--sleep", "2", max_restarts=2
+        )
         assert code == 3 and seen(out, 0, "REPLICATOR_NUM_WORKERS") == ["2"] * 3 and "keeps failing" not in err
 
     @pytest.mark.parametrize(

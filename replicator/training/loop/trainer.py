@@ -67,6 +67,8 @@ class Trainer:
       samples: rows trained on by this Trainer (not counting restored steps).
       num_steps: the target of the current or last ``run()``.
       restored_step: the step restored by ``resume_from``, or None.
+      keep_batch: what a resume on another number of workers keeps
+        (``"global"`` or ``"per-replica"``, the argument).
       should_stop: set it to True in a hook to end ``run()`` after this step.
       console: where lines and the progress bar go when there is no
         ``logger``: ``console.line(text)``, ``console.status(text)`` (a
