@@ -290,7 +290,7 @@ def test_three_sigkills_and_the_job_ends_as_if_uninterrupted(tmp_path):
     )
     said = "\n".join(line for line in killed.stderr.splitlines() if line.startswith("[launcher]"))
     assert killed.returncode == 0, said + killed.stderr[-3000:]
-    kills = re.findall(r"\[worker (\d)\] killing myself at [\d.]+ in (\S+) after (\d+) steps", killed.stdout)
+    kills = re.findall(r"\[worker (\d)\] .*?killing myself at [\d.]+ in (\S+) after (\d+) steps", killed.stdout)
     assert [phase for _, phase, _ in kills] == ["checkpoint-write", "compiling", "step"], killed.stdout
     assert "0" in [w for w, _, _ in kills]  # the coordinator's host too
     assert len(re.findall(r"^\[launcher\] worker \d was killed by SIGKILL", said, re.M)) == 3, said
@@ -330,7 +330,8 @@ def test_a_worker_that_keeps_failing_and_the_job_ends_on_one(tmp_path):
     )  # fmt: skip
     said = "\n".join(line for line in shrunk.stderr.splitlines() if line.startswith("[launcher]"))
     assert shrunk.returncode == 0, said + shrunk.stderr[-3000:]
-    assert len(re.findall(rf"^\[worker 1\] killing myself at [\d.]+ in step after {bad_step} steps", shrunk.stdout,
+    # ".*?": a worker's line may begin with an unterminated message of Gloo's
+    assert len(re.findall(rf"\[worker 1\] .*?killing myself at [\d.]+ in step after {bad_step} steps", shrunk.stdout,
                           re.M)) == 2, shrunk.stdout  # fmt: skip
     assert re.search(
         r"^\[launcher\] worker 1 keeps failing \(blamed again [\d.]+ s after the restart, within --failure-window "
@@ -340,11 +341,11 @@ def test_a_worker_that_keeps_failing_and_the_job_ends_on_one(tmp_path):
     ), said
     assert "[launcher] restart 2: started 1 worker (coordinator" in said
     assert re.search(r"job finished after 2 restart\(s\), on 1 of its 2 workers; recovery", said), said
-    assert re.findall(r"^\[worker 0\] worker 0: start (\d), (\d) of (\d) workers", shrunk.stdout, re.M) == [
+    assert re.findall(r"\[worker 0\] .*?worker 0: start (\d), (\d) of (\d) workers", shrunk.stdout, re.M) == [
         ("0", "2", "2"), ("1", "2", "2"), ("2", "1", "2"),
     ], shrunk.stdout  # fmt: skip
     assert (
-        f"[worker 0] resuming on 1 worker(s) x 2 cores from the checkpoint of step {EVERY} in {tmp_path / 'ckpt'}, "
+        f"resuming on 1 worker(s) x 2 cores from the checkpoint of step {EVERY} in {tmp_path / 'ckpt'}, "
         f"trained on 2 worker(s) (4 replicas); keep_batch='global': the global batch of 64 rows is kept, "
         f"16 -> 32 rows per replica"
     ) in shrunk.stdout, shrunk.stdout

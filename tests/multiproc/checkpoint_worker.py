@@ -96,7 +96,9 @@ def main(argv=None) -> None:
     shards.LeafReader._record = real_record
     spanning = sum(not x.is_fully_addressable and not x.is_fully_replicated for x in jax.tree.leaves(state))
     print(f"restored step {first} of {args.resume} ({spanning} leaves split over both processes)", flush=True)
-    results = {f"restored_{i}": x for i, x in enumerate(jax.tree.leaves(distributed.gather_outputs(state)))}
+    # The test reads these facts from files: stdout lines may interleave with Gloo's own output.
+    results = {"restored_step": np.asarray(first), "restored_spanning": np.asarray(spanning)}
+    results |= {f"restored_{i}": x for i, x in enumerate(jax.tree.leaves(distributed.gather_outputs(state)))}
     paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
     results["reads"] = np.array([(paths.index(path), a, b) for path, a, b in reads], np.int64).reshape(-1, 3)
 
@@ -109,6 +111,7 @@ def main(argv=None) -> None:
         losses.append(distributed.replica_invariant(out)["loss"])
         if step + 1 == args.save_at:
             split = model.sharded_over_processes(state)
+            results["saved_split"] = np.asarray(split)
             saved = f"saved step {args.save_at} to {{}} ({split} leaves split over processes)"
             if args.async_save:
                 path = manager.save_async(args.save_at, state, extra={"input_position": args.save_at})
