@@ -98,6 +98,8 @@ def _layout(name: str) -> rp.Replicator:
         "1x4": lambda: rp.Replicator(1, 4, devices=four),
         "1x4-zero": lambda: rp.Replicator(1, 4, devices=four, passes=zero),
         "1x8-on-4-zero": lambda: rp.Replicator(1, 8, devices=four, replicas_per_device=2, passes=zero),
+        "1x8-zero3": lambda: rp.Replicator(1, 8, passes=zero3),
+        "1x8-on-4-zero3": lambda: rp.Replicator(1, 8, devices=four, replicas_per_device=2, passes=zero3),
     }[name]()
 
 
@@ -140,6 +142,8 @@ def n8(n_devices):
         ("2x4-zero", "1x8-on-4-zero"),  # 8 shards -> 4 devices with two replicas each
         ("2x4-zero3", "1x4"),  # ZeRO-3 (parameters split) on 2x4 -> stage 0 on 1x4
         ("1x4", "2x4-zero3"),  # and back
+        ("2x4-zero3", "1x8-zero3"),  # the same 8 devices, another mesh shape
+        ("1x8-on-4-zero3", "2x4-zero"),  # 8 replicas folded on 4 devices, stage 3 -> unfolded, stage 1
     ],
 )
 def test_restore_onto_another_layout_trains_on(tmp_path, n8, reference, saved_on, restored_on):
