@@ -122,6 +122,9 @@ class TestProgressRecord:
         assert state.phase == "input"
         progress.end_step()
         assert (state.phase, state.steps_started, progress.current_step()) == ("own-code", 1, 1)
+        # the first step's end is in the file at once (the launcher times a restart's recovery to it)
+        record = progress.read_progress(str(tmp_path / "p.json"))
+        assert record["phase"] == "own-code" and record["steps_started"] == 1
         with progress.phase("checkpoint-write", "step 1"):
             before = state.since
             time.sleep(0.01)

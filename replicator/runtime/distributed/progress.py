@@ -150,8 +150,15 @@ def current_step() -> int:
 
 
 def end_step() -> None:
-    """``Replicator.run`` returned: back in the user's code, before the next step."""
+    """``Replicator.run`` returned: back in the user's code, before the next step.
+
+    The first step's end is written at once, not by the writer thread
+    :data:`WRITE_INTERVAL_S` later: the launcher times a restart's recovery to
+    it, and a worker whose steps are short may die before the thread writes.
+    """
     set_phase("own-code", _STATE.steps_started)
+    if _STATE.steps_started == 1:
+        _write()
 
 
 def mark_joined() -> None:
