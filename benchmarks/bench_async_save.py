@@ -78,6 +78,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--donate", action="store_true", help="Replicator(donate_state=True)")
+    p.add_argument(
+        "--nice", type=int, default=0, help="also an async variant whose writer thread has this niceness (writer_nice=)"
+    )
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
     args = p.parse_args()
     rp.force_cpu_devices(args.devices)
@@ -112,11 +115,18 @@ def main() -> None:
 
     root = args.dir or tempfile.mkdtemp(prefix="bench-async-save-")
     trainers: dict[str, tuple[rp.Trainer, StepTimer, rp.CheckpointHook | None]] = {}
-    for name in ("none", "sync", "async"):
+    names = ("none", "sync", "async") + ((f"async-nice{args.nice}",) if args.nice else ())
+    for name in names:
         hook = (
             None
             if name == "none"
-            else rp.CheckpointHook(os.path.join(root, name), args.every, keep=1, async_save=name == "async")
+            else rp.CheckpointHook(
+                os.path.join(root, name),
+                args.every,
+                keep=1,
+                async_save=name.startswith("async"),
+                writer_nice=args.nice if name.startswith("async-nice") else 0,
+            )
         )
         timer = StepTimer(hook)
         repl = rp.Replicator(1, args.devices, donate_state=args.donate)
@@ -156,22 +166,23 @@ def main() -> None:
             else f"{'-':>9} {'-':>7}",
         ]
         print(f"{name:8} {cells[0]} {cells[1]} {len(over):>3}/{len(timer.times)}")
-    timer = trainers["async"][1]
-    at_save = [t for t, s in zip(timer.times, timer.saves, strict=True) if s]
-    after = [t for t, o, s in zip(timer.times, timer.overlaps, timer.saves, strict=True) if o and not s]
-    if at_save and after:
+    for name in [n for n in trainers if n.startswith("async")]:
+        _, timer, hook = trainers[name]
+        at_save = [t for t, s in zip(timer.times, timer.saves, strict=True) if s]
+        after = [t for t, o, s in zip(timer.times, timer.overlaps, timer.saves, strict=True) if o and not s]
+        if at_save and after:
+            print(
+                f"\n{name}, steps that overlap a save: the save step {1e3 * statistics.median(at_save):.1f} ms "
+                f"({statistics.median(at_save) / base:.2f}x none), the steps after it while it is written "
+                f"{1e3 * statistics.median(after):.1f} ms ({statistics.median(after) / base:.2f}x none)"
+            )
+        waits = hook.waits
         print(
-            f"\nasync, steps that overlap a save: the save step {1e3 * statistics.median(at_save):.1f} ms "
-            f"({statistics.median(at_save) / base:.2f}x none), the steps after it while it is written "
-            f"{1e3 * statistics.median(after):.1f} ms ({statistics.median(after) / base:.2f}x none)"
+            f"{name}: {len(waits)} save(s) waited for the one before"
+            + (f" (median {statistics.median(s for _, s in waits):.2f} s)" if waits else "")
         )
-    waits = trainers["async"][2].waits
-    print(
-        f"\nasync: {len(waits)} save(s) waited for the one before"
-        + (f" (median {statistics.median(s for _, s in waits):.2f} s)" if waits else "")
-    )
-    steps_per_save = sum(trainers["async"][1].overlaps) / (args.rounds * args.saves)
-    print(f"async: {steps_per_save:.1f} steps overlap each save on average (the save step included)")
+        steps_per_save = sum(timer.overlaps) / (args.rounds * args.saves)
+        print(f"{name}: {steps_per_save:.1f} steps overlap each save on average (the save step included)")
     if args.dir is None:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -86,6 +86,26 @@ def test_an_async_save_writes_what_a_save_writes(tmp_path, repl2d):
     _assert_same(restored, state)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own niceness is Linux's")
+def test_writer_nice_lowers_the_priority_of_the_writer_thread_only(tmp_path, repl2d, monkeypatch):
+    seen = {}
+    real = ckpt_files.write_arrays
+
+    def noting(path, arrays, report=True):
+        seen["writer"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        real(path, arrays, report)
+
+    monkeypatch.setattr(ckpt_files, "write_arrays", noting)
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    manager = CheckpointManager(tmp_path, writer_nice=7)
+    manager.save_async(1, _state(repl2d))
+    manager.wait()
+    assert seen["writer"] == min(19, before + 7) and manager.all_steps() == [1]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # the training thread's is unchanged
+    with pytest.raises(ValueError, match="writer_nice= must be an int from 0 to 19"):
+        CheckpointManager(tmp_path, writer_nice=-1)
+
+
 def test_the_save_returns_before_the_files_are_written(tmp_path, repl2d, monkeypatch):
     gate = _Gate(monkeypatch)
     manager = CheckpointManager(tmp_path)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -9,11 +11,28 @@ from collections.abc import Callable
 from replicator.runtime.distributed import progress
 from replicator.training.checkpoint.encoding import CheckpointError
 
-__all__ = ["WAIT_S", "BackgroundSave"]
+__all__ = ["WAIT_S", "BackgroundSave", "lower_thread_priority"]
 
 #: How long a background save may take: the bound of ``CheckpointManager.wait``, and of process 0's wait for
 #: the other processes' shards in a multi-process job.
 WAIT_S = 600.0
+
+
+def lower_thread_priority(nice: int) -> bool:
+    """Add ``nice`` to the calling thread's niceness (Linux, where a thread has its own); returns whether it did.
+
+    A niceness above 0 makes the thread yield the cores to the training
+    thread's step (which XLA's CPU backend runs on every core) and use what is
+    left, so the save takes longer and the steps it overlaps are slowed less.
+    """
+    if nice <= 0 or not hasattr(os, "setpriority") or not sys.platform.startswith("linux"):
+        return False
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:
+        return False
+    return True
 
 
 class BackgroundSave:
@@ -23,14 +42,15 @@ class BackgroundSave:
     still lets it finish (its own waits are bounded).
     """
 
-    def __init__(self, step: int, final: str, work: Callable[[], None]):
-        self.step, self.final = step, final
+    def __init__(self, step: int, final: str, work: Callable[[], None], nice: int = 0):
+        self.step, self.final, self.nice = step, final, nice
         self.error: BaseException | None = None
         self.started = time.perf_counter()
         self._thread = threading.Thread(target=self._run, args=(work,), name=f"replicator-checkpoint-{step}")
         self._thread.start()
 
     def _run(self, work: Callable[[], None]) -> None:
+        lower_thread_priority(self.nice)
         try:
             work()
         except BaseException as e:  # noqa: BLE001 - reported on the training thread by join()

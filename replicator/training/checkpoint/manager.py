@@ -65,6 +65,11 @@ class CheckpointManager:
     Args:
       directory: where checkpoints live (created on the first save).
       keep: how many of the newest checkpoints to keep (``None``: all).
+      writer_nice: niceness (0-19) added to the thread of an asynchronous
+        save (:meth:`save_async`; Linux only, elsewhere ignored). On a host
+        whose cores also run the step (CPU devices) a positive value lets
+        the step go first: the save takes longer, the steps it overlaps are
+        slowed less (``benchmarks/bench_async_save.py --nice``).
 
     One writer at a time: each save holds an exclusive, non-blocking
     ``fcntl.flock`` on ``<directory>/.lock`` while it writes, commits and
@@ -80,9 +85,12 @@ class CheckpointManager:
         step, state, extra = manager.restore(state)  # the newest; step= for another
     """
 
-    def __init__(self, directory: str | os.PathLike, keep: int | None = 3):
+    def __init__(self, directory: str | os.PathLike, keep: int | None = 3, *, writer_nice: int = 0):
         if keep is not None and (not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep= must be a positive int or None (keep all), got {keep!r}.")
+        if not isinstance(writer_nice, int) or not 0 <= writer_nice <= 19:
+            raise ValueError(f"writer_nice= must be an int from 0 to 19 (added niceness), got {writer_nice!r}.")
+        self.writer_nice = writer_nice
         self.directory = os.fspath(directory)
         self.keep = keep
         self._token = uuid.uuid4().hex[:16]  # names this writer's temporary directories
@@ -281,7 +289,7 @@ class CheckpointManager:
                 shards.write_failure(tmp, save.me, e)
             raise
         work = functools.partial(self._write_and_commit, save, held, tmp, existing, lock)
-        self._pending = background.BackgroundSave(save.step, save.final, work)
+        self._pending = background.BackgroundSave(save.step, save.final, work, nice=self.writer_nice)
         return save.final
 
     def _write_and_commit(

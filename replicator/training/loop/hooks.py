@@ -316,15 +316,25 @@ class CheckpointHook(_Periodic):
       async_save: write and commit in a background thread (default: off, so
         that a save returns with its checkpoint committed and no memory is
         held past the step; see ``docs/guide/checkpoints.md``).
+      writer_nice: the niceness added to the background save's thread
+        (:class:`CheckpointManager`).
 
     Attributes:
       saved: the steps saved (for an asynchronous save: started).
       waits: ``(step, seconds)`` for each save that waited for the one before.
     """
 
-    def __init__(self, directory: str | os.PathLike, every: int, *, keep: int | None = 3, async_save: bool = False):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        every: int,
+        *,
+        keep: int | None = 3,
+        async_save: bool = False,
+        writer_nice: int = 0,
+    ):
         super().__init__(every)
-        self.manager = CheckpointManager(directory, keep=keep)
+        self.manager = CheckpointManager(directory, keep=keep, writer_nice=writer_nice)
         self.async_save = bool(async_save)
         self.saved: list[int] = []
         self.waits: list[tuple[int, float]] = []
