@@ -1,5 +1,6 @@
 """Asynchronous checkpoint saves: written in the background, one at a time, failures raised, kills harmless."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -7,6 +8,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -304,24 +306,31 @@ _KILLED = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("where", ["writing", "committing"])
-def test_kill_9_during_an_async_save_loses_nothing(tmp_path, where):
+@contextlib.contextmanager
+def _child(script: str, *args: str) -> Iterator[subprocess.Popen]:
+    """A Python process running ``script`` with ``args``; killed on the way out if still alive."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", _KILLED, where, str(tmp_path)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        [sys.executable, "-c", script, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
-        lines = [proc.stdout.readline() for _ in range(2)]
-        assert sorted(lines) == ["inside\n", "training on\n"], (lines, proc.stderr.read() if proc.poll() else "")
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=WAIT)
+        yield proc
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _kill_9(proc: subprocess.Popen) -> None:
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=WAIT)
+
+
+@pytest.mark.parametrize("where", ["writing", "committing"])
+def test_kill_9_during_an_async_save_loses_nothing(tmp_path, where):
+    with _child(_KILLED, where, str(tmp_path)) as proc:
+        lines = [proc.stdout.readline() for _ in range(2)]
+        assert sorted(lines) == ["inside\n", "training on\n"], (lines, proc.stderr.read() if proc.poll() else "")
+        _kill_9(proc)
     assert any(name.startswith(".tmp-step_00000002") for name in os.listdir(tmp_path))  # killed mid-save
     target = {"w": np.zeros(1000, np.float32), "b": np.float32(0)}
     step, state, _ = restore_checkpoint(tmp_path, target, fallback=True)
@@ -361,25 +370,13 @@ def test_kill_9_at_any_moment_of_an_async_save_leaves_an_intact_checkpoint(tmp_p
     duration = None
     for k, fraction in enumerate([None, 0.0, 0.2, 0.4, 0.6, 0.8, 1.0]):
         directory = tmp_path / str(k)
-        proc = subprocess.Popen(
-            [sys.executable, "-c", _KILLED_ANYWHERE, str(directory)],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        try:
+        with _child(_KILLED_ANYWHERE, str(directory)) as proc:
             assert proc.stdout.readline() == "started\n", proc.stderr.read() if proc.poll() is not None else ""
             if fraction is None:
                 duration = float(proc.stdout.readline().split()[1])
             else:
                 time.sleep(fraction * duration)
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=WAIT)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            _kill_9(proc)
         target = {"w": np.zeros(4 << 20, np.float32), "b": np.float32(0)}
         step, state, _ = restore_checkpoint(directory, target)
         assert step in (1, 2) and (fraction is not None or step == 2)
