@@ -18,21 +18,20 @@ __all__ = ["WAIT_S", "BackgroundSave", "lower_thread_priority"]
 WAIT_S = 600.0
 
 
-def lower_thread_priority(nice: int) -> bool:
-    """Add ``nice`` to the calling thread's niceness (Linux, where a thread has its own); returns whether it did.
+def lower_thread_priority(nice: int) -> None:
+    """Add ``nice`` to the calling thread's niceness (Linux, where a thread has its own; elsewhere nothing).
 
     A niceness above 0 makes the thread yield the cores to the training
     thread's step (which XLA's CPU backend runs on every core) and use what is
     left, so the save takes longer and the steps it overlaps are slowed less.
     """
-    if nice <= 0 or not hasattr(os, "setpriority") or not sys.platform.startswith("linux"):
-        return False
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
     try:
-        tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError:
-        return False
-    return True
+    except OSError:  # not permitted here: the save runs at the training thread's priority
+        pass
 
 
 class BackgroundSave:
