@@ -307,3 +307,25 @@ class TestFallback:
         with pytest.raises(CheckpointError, match="truncated or corrupt"):
             three.restore(STATE, step=2, fallback=True)
         np.testing.assert_array_equal(three.restore(STATE, step=1, fallback=True)[1]["w"], np.full(3, 1.0))
+
+
+def test_a_polled_file_appears_whole_or_not_at_all(tmp_path, monkeypatch):
+    """Sidecars and failure reports are polled by process 0: while their text is written, the name that
+    process 0 looks for must not exist yet (an empty report once lost the failing process's error)."""
+    path = tmp_path / "shards-p00001.failed"
+    seen_while_writing = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        seen_while_writing.append(path.exists())
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    ckpt_files.write_text(str(path), "OSError: injected: disk full")
+    assert seen_while_writing == [False]
+    assert path.read_text() == "OSError: injected: disk full"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shards-p00001.failed"]  # no temporary left
+    with pytest.raises(FileExistsError):
+        ckpt_files.write_text(str(path), "another")
+    assert path.read_text() == "OSError: injected: disk full"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shards-p00001.failed"]

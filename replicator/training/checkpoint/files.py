@@ -1,4 +1,4 @@
-"""Durable file I/O for checkpoints: fsync, exclusive writes, sha256, removal."""
+"""Durable file I/O for checkpoints: fsync, exclusive and atomic writes, sha256, removal."""
 
 from __future__ import annotations
 
@@ -47,11 +47,31 @@ def write_arrays(path: str, arrays: dict[str, np.ndarray], report: bool = True) 
 
 
 def write_text(path: str, text: str) -> None:
-    """Write ``text`` to a new file at ``path`` and fsync it."""
-    with open(path, "x", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write ``text`` to a new file at ``path``, fsynced, that appears whole or not at all.
+
+    Another process polls for these files (a sidecar, a failure report), so
+    the text is written under a temporary name first and then linked to
+    ``path``: a reader never sees it empty or half written. Like ``open(path,
+    "x")``, it raises ``FileExistsError`` if ``path`` exists.
+    """
+    directory, name = os.path.split(path)
+    temporary = os.path.join(directory, f".{name}.{os.getpid()}.partial")
+    try:
+        with open(temporary, "x", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(temporary, path)  # atomic, and fails if path exists
+        except FileExistsError:
+            raise
+        except OSError:  # a file system without hard links
+            if os.path.exists(path):
+                raise FileExistsError(path) from None
+            os.rename(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
 
 
 def sha256(path: str) -> str:
