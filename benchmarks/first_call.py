@@ -13,7 +13,9 @@ on the mesh, a host batch). Variants:
   (``jax_compilation_cache_dir``, a fresh temporary directory per repeat) was filled
   by one earlier process running the same step: XLA's compilation is read from it;
 * ``replicator-unfused``  ``Pipeline.default(disable=["fuse-collectives"])``: where the
-  rest of XLA's compile time goes (the fused buffer's slices; see below).
+  rest of XLA's compile time goes (the fused buffer's slices; see below);
+* ``replicator-static-slices``  ``Pipeline.default(disable=["share-slice-kernels"])``: the
+  fused buffer cut at offsets XLA sees (one kernel per tensor; see ``--why-kernels``).
 
 A first call is timed from building the variant (mesh, state placed) to its first
 result ready on the host; the phases inside it are read from JAX's own duration events
@@ -60,7 +62,14 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-VARIANTS = ("single", "shard_map", "replicator", "replicator+cache", "replicator-unfused")
+VARIANTS = (
+    "single",
+    "shard_map",
+    "replicator",
+    "replicator+cache",
+    "replicator-unfused",
+    "replicator-static-slices",
+)
 #: JAX's duration events (seconds), by the label printed for them.
 JAX_EVENTS = {
     "/jax/core/compile/jaxpr_trace_duration": "jax: trace to jaxpr",
@@ -173,7 +182,10 @@ def child(args: argparse.Namespace) -> dict:
     elif variant == "shard_map":
         run = bench.shard_map_variant(params, width, args.batch, args.devices)
     else:
-        disable = ("fuse-collectives",) if variant == "replicator-unfused" else ()
+        disable = {
+            "replicator-unfused": ("fuse-collectives",),
+            "replicator-static-slices": ("share-slice-kernels",),
+        }.get(variant, ())
         run = bench.replicator_variant(params, width, args.batch, args.devices, disable)
     jax.block_until_ready(run())
     first, first_cpu = time.perf_counter() - t0, time.process_time() - cpu0

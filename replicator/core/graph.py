@@ -114,6 +114,11 @@ class StepGraph:
     #: first result: how many of the user's tensors it carries, and their
     #: source lines (:class:`Origin`).
     collective_origins: Mapping[Var, Origin] = dataclasses.field(default_factory=dict, compare=False, hash=False)
+    #: Constants of ``jaxpr`` (some of its ``constvars``) that the compiled
+    #: step receives as arguments, with the same value on every call, rather
+    #: than as literals XLA can see (``share-slice-kernels``: offsets that,
+    #: left visible, would make XLA compile one kernel per offset).
+    runtime_constants: frozenset[Var] = frozenset()
 
     @property
     def num_state(self) -> int:
@@ -125,6 +130,9 @@ class StepGraph:
 
     def with_jaxpr(self, jaxpr: ClosedJaxpr) -> StepGraph:
         return dataclasses.replace(self, jaxpr=jaxpr)
+
+    def with_runtime_constants(self, constvars: frozenset[Var]) -> StepGraph:
+        return dataclasses.replace(self, runtime_constants=frozenset(constvars))
 
     def __str__(self) -> str:
         return str(self.jaxpr)

@@ -24,6 +24,7 @@ from replicator.passes.fuse_collectives import FuseCollectives as FuseCollective
 from replicator.passes.hierarchical import HierarchicalAllReduce as HierarchicalAllReduce
 from replicator.passes.lower_collectives import LowerCollectives as LowerCollectives
 from replicator.passes.shard_optimizer import ShardOptimizerUpdate as ShardOptimizerUpdate
+from replicator.passes.share_slice_kernels import ShareSliceKernels as ShareSliceKernels
 from replicator.passes.simplify import Simplify as Simplify
 from replicator.pipeline.contract import Pass as Pass
 from replicator.pipeline.contract import PassResult as PassResult
@@ -77,6 +78,7 @@ __all__ = [
     "PassResult",
     "Pipeline",
     "ShardOptimizerUpdate",
+    "ShareSliceKernels",
     "Simplify",
     "Stage",
     "StepGraph",

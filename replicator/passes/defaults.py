@@ -9,6 +9,7 @@ from replicator.passes.fuse_collectives import DEFAULT_MAX_TENSOR_BYTES, DEFAULT
 from replicator.passes.hierarchical import HierarchicalAllReduce
 from replicator.passes.lower_collectives import LowerCollectives
 from replicator.passes.shard_optimizer import DEFAULT_MIN_TENSOR_BYTES, ShardOptimizerUpdate
+from replicator.passes.share_slice_kernels import ShareSliceKernels
 from replicator.passes.simplify import Simplify
 from replicator.pipeline.contract import Pass
 from replicator.pipeline.pipeline import HOOKS
@@ -65,6 +66,7 @@ def default_passes(
     if zero_stage:
         passes.append(ShardOptimizerUpdate(min_tensor_bytes=shard_optimizer_min_bytes, stage=zero_stage))
     passes.append(FuseCollectives(threshold_bytes=fuse_threshold_bytes, max_tensor_bytes=fuse_max_tensor_bytes))
+    passes.append(ShareSliceKernels())
     if compress:
         passes.append(CompressCommunication())
     if hierarchical:

@@ -36,7 +36,7 @@ from replicator.core.context import REPLICA_AXES
 from replicator.core.graph import StepGraph, shard_axis
 from replicator.core.layout import FoldLayout
 
-__all__ = ["build_executable", "place_batch", "place_state", "sharded", "spans_processes"]
+__all__ = ["StepExecutable", "build_executable", "place_batch", "place_state", "sharded", "spans_processes"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -55,52 +55,87 @@ def _spans_processes(mesh: Mesh) -> bool:
     return len({d.process_index for d in mesh.devices.flat}) > 1
 
 
-class _CheckedAcrossProcesses:
-    """A jitted step whose first call checks that every process runs the same program.
+class StepExecutable:
+    """The compiled-on-first-call step ``(state_leaves, batch_leaves) -> (state, outputs)``, as returned by
+    :func:`build_executable`.
 
-    Attributes other than the call (``lower``, ``_cache_size``, ...) are the
-    jitted function's.
+    It passes the graph's runtime constants (``StepGraph.runtime_constants``,
+    placed on the mesh once) to every call. On a mesh that spans processes its
+    first call checks that every process compiled a step of the same signature
+    and program. Attributes other than the call and ``lower`` (``_cache_size``,
+    ...) are the jitted function's.
     """
 
-    def __init__(self, jitted: Callable, graph: StepGraph):
+    def __init__(self, jitted: Callable, graph: StepGraph, mesh: Mesh, constants: Sequence[np.ndarray]):
         self._jitted = jitted
-        jaxpr = graph.jaxpr.jaxpr
-        self._signature = " ".join(
-            [
-                *(str(v.aval) for v in jaxpr.invars),
-                "->",
-                *(str(v.aval) for v in jaxpr.outvars),
-                "|",
-                *(e.primitive.name for e in jaxpr.eqns),
+        self._mesh = mesh
+        self._host_constants = list(constants)
+        self._constants: list[jax.Array] | None = None
+        self._checked = not spans_processes(mesh)
+        if not self._checked:
+            self._signature = _signature(graph)
+            self._fingerprint = program_fingerprint(graph)
+
+    def _placed_constants(self) -> list[jax.Array]:
+        """The runtime constants, replicated on the mesh (placed on first use; no collective: every process
+        has the same values, as its program is the same)."""
+        if self._constants is None:
+            replicated = NamedSharding(self._mesh, P())
+            self._constants = [
+                jax.make_array_from_callback(c.shape, replicated, lambda index, c=c: c[index])
+                for c in self._host_constants
             ]
-        )
-        self._fingerprint = program_fingerprint(graph)
-        self._checked = False
+        return self._constants
 
     def __call__(self, state: list, batch: list) -> Any:
         if not self._checked:
-            from replicator.runtime.distributed import check_same_across_workers
+            self._check_same_program()
+        constants = self._constants
+        return self._jitted(state, batch, constants if constants is not None else self._placed_constants())
 
-            check_same_across_workers(
-                [self._signature, self._fingerprint],
-                [
-                    "the step's signature (state, per-replica batch and output shapes and dtypes, operations)",
-                    "the step's program with its constants (literal values such as a learning rate, and arrays "
-                    "step_fn closes over)",
-                ],
-                what="the compiled step",
-                fix=(
-                    "Every worker must run the same step_fn, with state of the same structure, shapes and "
-                    "dtypes, on batches of the same structure, shapes and dtypes (check that input_fn "
-                    "yields the same batch size on every worker), in the same order, with the same constants (a "
-                    "hyper-parameter read from a per-worker config or computed from the worker id differs)."
-                ),
-            )
-            self._checked = True
-        return self._jitted(state, batch)
+    def lower(self, state: list, batch: list) -> Any:
+        """``jax.jit(...).lower`` of the step on ``state`` and ``batch`` (arrays or ``ShapeDtypeStruct``)."""
+        return self._jitted.lower(state, batch, self._placed_constants())
+
+    def trace(self, state: list, batch: list) -> Any:
+        """``jax.jit(...).trace`` of the step on ``state`` and ``batch``."""
+        return self._jitted.trace(state, batch, self._placed_constants())
+
+    def _check_same_program(self) -> None:
+        from replicator.runtime.distributed import check_same_across_workers
+
+        check_same_across_workers(
+            [self._signature, self._fingerprint],
+            [
+                "the step's signature (state, per-replica batch and output shapes and dtypes, operations)",
+                "the step's program with its constants (literal values such as a learning rate, and arrays "
+                "step_fn closes over)",
+            ],
+            what="the compiled step",
+            fix=(
+                "Every worker must run the same step_fn, with state of the same structure, shapes and "
+                "dtypes, on batches of the same structure, shapes and dtypes (check that input_fn "
+                "yields the same batch size on every worker), in the same order, with the same constants (a "
+                "hyper-parameter read from a per-worker config or computed from the worker id differs)."
+            ),
+        )
+        self._checked = True
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._jitted, name)
+
+
+def _signature(graph: StepGraph) -> str:
+    jaxpr = graph.jaxpr.jaxpr
+    return " ".join(
+        [
+            *(str(v.aval) for v in jaxpr.invars),
+            "->",
+            *(str(v.aval) for v in jaxpr.outvars),
+            "|",
+            *(e.primitive.name for e in jaxpr.eqns),
+        ]
+    )
 
 
 def program_fingerprint(graph: StepGraph) -> str:
@@ -139,26 +174,35 @@ def build_executable(
     On a mesh that spans processes, the first call first checks (one small
     collective) that every process compiled a step of the same signature.
     """
+    jaxpr = graph.jaxpr.jaxpr
     consts = [_host_constant(c) for c in graph.jaxpr.consts]
-    fn = jaxpr_as_fun(ClosedJaxpr(graph.jaxpr.jaxpr, consts))
+    # Runtime constants are inputs of the compiled step (the same values on every call, invisible to XLA).
+    runtime = [i for i, v in enumerate(jaxpr.constvars) if v in graph.runtime_constants]
+
+    def fn(constants: list, *args: Any) -> list:
+        values = list(consts)
+        for i, c in zip(runtime, constants, strict=True):
+            values[i] = c
+        return jaxpr_as_fun(ClosedJaxpr(jaxpr, values))(*args)
+
     n_state = graph.num_state
     state_specs = [state_spec(i, graph.sharded_state) for i in range(n_state)]
 
-    def per_replica(state: list, batch: list) -> tuple[list, list]:
+    def per_replica(state: list, batch: list, constants: list) -> tuple[list, list]:
         # A rewrite may leave a constant (a literal) as an output: make it an array.
-        outs = [jnp.asarray(o) for o in fn(*state, *batch)]
+        outs = [jnp.asarray(o) for o in fn(constants, *state, *batch)]
         return outs[:n_state], [o[None] for o in outs[n_state:]]
 
     per_device = per_replica if fold is None or fold.replicas_per_device == 1 else _folded(per_replica, graph, fold)
     mapped = jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(state_specs, P(REPLICA_AXES)),
+        in_specs=(state_specs, P(REPLICA_AXES), P()),
         out_specs=(state_specs, P(REPLICA_AXES)),
         check_vma=False,
     )
     jitted = jax.jit(mapped, donate_argnums=(0,) if donate_state else ())
-    return _CheckedAcrossProcesses(jitted, graph) if spans_processes(mesh) else jitted
+    return StepExecutable(jitted, graph, mesh, [np.asarray(consts[i]) for i in runtime])
 
 
 def _folded(per_replica: Callable, graph: StepGraph, fold: FoldLayout) -> Callable:
@@ -184,13 +228,13 @@ def _folded(per_replica: Callable, graph: StepGraph, fold: FoldLayout) -> Callab
         return x.reshape(*x.shape[:axis], math.prod(sizes) * x.shape[end], *x.shape[end + 1 :])
 
     def block(unbatched_state: bool) -> Callable:
-        def per_device(state: list, batch: list) -> tuple[list, list]:
+        def per_device(state: list, batch: list, constants: list) -> tuple[list, list]:
             out_state_axes = [0 if a is None and not unbatched_state else a for a in axes]
             fn = per_replica
             for name, _ in reversed(fold.folded_axes):  # the innermost vmap is the last folded axis
-                fn = jax.vmap(fn, in_axes=(axes, 0), out_axes=(out_state_axes, 0), axis_name=name)
+                fn = jax.vmap(fn, in_axes=(axes, 0, None), out_axes=(out_state_axes, 0), axis_name=name)
             state_in = [s if a is None else split(s, a) for s, a in zip(state, axes, strict=True)]
-            new_state, outputs = fn(state_in, [split(b) for b in batch])
+            new_state, outputs = fn(state_in, [split(b) for b in batch], constants)
             first = (0,) * len(sizes)
             new_state = [
                 (s if unbatched_state else s[first]) if a is None else merge(s, a)
@@ -210,9 +254,14 @@ def _folded(per_replica: Callable, graph: StepGraph, fold: FoldLayout) -> Callab
     batch_specs = [
         jax.ShapeDtypeStruct((F * v.aval.shape[0], *v.aval.shape[1:]), v.aval.dtype) for v in invars[n_state:]
     ]
+    constant_specs = [
+        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+        for v in graph.jaxpr.jaxpr.constvars
+        if v in graph.runtime_constants
+    ]
     device_axes = list(zip(REPLICA_AXES, fold.device_mesh, strict=True))
     try:
-        jax.make_jaxpr(block(True), axis_env=device_axes)(state_specs, batch_specs)
+        jax.make_jaxpr(block(True), axis_env=device_axes)(state_specs, batch_specs, constant_specs)
     except ValueError as e:
         if "out_axes" not in str(e):
             raise

@@ -22,7 +22,7 @@ def test_bisect_names_the_first_pass_that_changes_the_result(n_devices):
     batch, state = small_inputs(n_devices)
     report = bisect_passes(repl, small_step, batch, state)
     assert report.culprit == "double-first-all-sum"
-    assert report.passes == ("simplify", "double-first-all-sum", "fuse-collectives")
+    assert report.passes == ("simplify", "double-first-all-sum", "fuse-collectives", "share-slice-kernels")
     assert "double-first-all-sum" in str(report) and "outputs['total']" in str(report)
     assert "disable=['double-first-all-sum']" in str(report)
     assert bisect_passes(rp.Replicator(1, n_devices), small_step, batch, state).culprit is None
@@ -39,6 +39,7 @@ def test_bisect_takes_an_input_fn_specs_and_every_optional_pass(repl2d):
         "simplify",
         "shard-optimizer-update",
         "fuse-collectives",
+        "share-slice-kernels",
         "compress-communication",
         "hierarchical-allreduce",
     )

@@ -155,7 +155,8 @@ def test_after_hierarchical_only_the_inter_worker_step_is_compressed(repl2d):
     if workers < 2 or cores < 2:
         pytest.skip("needs two workers with two or more cores each")
     passes = default_passes()
-    passes[-1:-1] = [HierarchicalAllReduce(), CompressCommunication(groups=("workers",))]
+    at = [p.name for p in passes].index("lower-collectives")
+    passes[at:at] = [HierarchicalAllReduce(), CompressCommunication(groups=("workers",))]
     lowered = rp.Replicator(workers, cores, passes=Pipeline(passes, verify=True)).lower(
         lambda b: rp.all_mean(b["x"]), _batch(cores)
     )

@@ -34,7 +34,7 @@ RTOL, ATOL = 2e-6, 1e-6
 def _pipeline(algorithm: str = "native", **config) -> Pipeline:
     """The default passes with the hierarchical pass right before lowering."""
     passes = default_passes()
-    assert [p.name for p in passes[-2:]] == ["fuse-collectives", "lower-collectives"]
+    assert [p.name for p in passes[-3:]] == ["fuse-collectives", "share-slice-kernels", "lower-collectives"]
     passes[-1:] = [HierarchicalAllReduce(**config), LowerCollectives(algorithms={"all_reduce": algorithm})]
     return Pipeline(passes, verify=True)
 
