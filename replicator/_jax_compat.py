@@ -27,6 +27,8 @@ __all__ = [
     "named_axis_effect_type",
     "reduce_scatter_primitive",
     "scan_operand_counts",
+    "stage_as_one_call",
+    "with_leading_inputs",
     "user_source_line",
     "with_fast_compile_flags",
 ]
@@ -158,3 +160,51 @@ def extra_call_params() -> dict[str, str]:
     ``call``. Listing a name that this JAX lacks is harmless: no equation has it.
     """
     return {"eval_jaxpr": "call_jaxpr"}
+
+
+def stage_as_one_call(jaxpr: Any, name: str) -> Any:
+    """``f(*args)``: ``jaxpr`` (without constvars) applied to ``args``, staged into the enclosing trace as
+    *one* ``jit`` equation, as calling a ``jax.jit`` function there records.
+
+    Stands in for ``jax.extend.core.jaxpr_as_fun``, which binds every equation again: for a step of
+    thousands of equations that second trace cost as much as tracing the user's step (about 0.13 s
+    on the 64-layer MLP of ``benchmarks/first_call.py``). The equation's parameters are those JAX
+    gives a plain ``jax.jit`` call in the same context (read from a one-equation trace, so they
+    follow the JAX version: ``jaxpr`` is a ``ClosedJaxpr`` in 0.10 and a ``Jaxpr`` holding its
+    constants in 0.12), widened to this jaxpr's inputs and outputs.
+    """
+    import jax
+    import numpy as np
+    from jax.extend.core import ClosedJaxpr
+
+    closed = ClosedJaxpr(jaxpr, [])
+    n_in, n_out = len(jaxpr.invars), len(jaxpr.outvars)
+
+    def call(*args: Any) -> list:
+        (template,) = jax.make_jaxpr(jax.jit(lambda x: x * 2))(np.float32(0)).jaxpr.eqns
+        params = dict(template.params)
+        params.update(
+            jaxpr=closed,
+            in_shardings=params["in_shardings"][:1] * n_in,
+            out_shardings=params["out_shardings"][:1] * n_out,
+            in_layouts=(None,) * n_in,
+            out_layouts=(None,) * n_out,
+            donated_invars=(False,) * n_in,
+            name=name,
+            keep_unused=True,
+        )
+        return template.primitive.bind(*args, **params)
+
+    return call
+
+
+def with_leading_inputs(jaxpr: Any, leading: list) -> Any:
+    """``jaxpr`` taking its constvars, in the order of ``leading`` (all of them), as its first inputs.
+
+    Its debug info (argument names, one per input) is widened to match.
+    """
+    assert set(leading) == set(jaxpr.constvars) and len(leading) == len(jaxpr.constvars)
+    info = jaxpr.debug_info
+    if info is not None and info.arg_names is not None:
+        info = info._replace(arg_names=(*(f"constant {k}" for k in range(len(leading))), *info.arg_names))
+    return jaxpr.replace(constvars=[], invars=[*leading, *jaxpr.invars], debug_info=info)

@@ -28,10 +28,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from replicator._jax_compat import stage_as_one_call, with_leading_inputs
 from replicator.core.context import REPLICA_AXES
 from replicator.core.graph import StepGraph, shard_axis
 from replicator.core.layout import FoldLayout
@@ -178,12 +178,15 @@ def build_executable(
     consts = [_host_constant(c) for c in graph.jaxpr.consts]
     # Runtime constants are inputs of the compiled step (the same values on every call, invisible to XLA).
     runtime = [i for i, v in enumerate(jaxpr.constvars) if v in graph.runtime_constants]
+    embedded = [i for i, v in enumerate(jaxpr.constvars) if v not in graph.runtime_constants]
+    # Every constant becomes an input of one equation in JAX's trace of the step (no second trace of the
+    # graph's equations): the runtime ones are the step's arguments, the others constants of that trace.
+    inner = with_leading_inputs(jaxpr, [jaxpr.constvars[i] for i in [*runtime, *embedded]])
+    call = stage_as_one_call(inner, name="replicated_step")
+    embedded_values = [consts[i] for i in embedded]
 
     def fn(constants: list, *args: Any) -> list:
-        values = list(consts)
-        for i, c in zip(runtime, constants, strict=True):
-            values[i] = c
-        return jaxpr_as_fun(ClosedJaxpr(jaxpr, values))(*args)
+        return call(*constants, *embedded_values, *args)
 
     n_state = graph.num_state
     state_specs = [state_spec(i, graph.sharded_state) for i in range(n_state)]
