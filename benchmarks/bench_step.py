@@ -162,6 +162,28 @@ def shard_map_variant(params: list[dict], width: int, batch: int, n: int) -> Run
     return hand_runner(step, params, width, batch, NamedSharding(mesh, P()), NamedSharding(mesh, P("d")))
 
 
+def shard_map_flat_variant(params: list[dict], width: int, batch: int, n: int) -> Runner:
+    """``shard_map_variant`` with its gradients averaged as one flat buffer (``ravel_pytree``, one
+    ``pmean``, unravelled): tensor fusion by hand, what ``fuse-collectives`` does."""
+    from jax.flatten_util import ravel_pytree
+
+    mesh = Mesh(np.array(jax.devices()[:n]), ("d",))
+
+    def per_replica(params, opt, x, y):
+        loss, g = jax.value_and_grad(mlp_loss)(params, x, y)
+        flat, unravel = ravel_pytree(g)
+        g = unravel(lax.pmean(flat, "d"))
+        upd, opt = TX.update(g, opt, params)
+        return optax.apply_updates(params, upd), opt, lax.pmean(loss, "d")
+
+    step = jax.jit(
+        jax.shard_map(
+            per_replica, mesh=mesh, in_specs=(P(), P(), P("d"), P("d")), out_specs=(P(), P(), P()), check_vma=False
+        )
+    )
+    return hand_runner(step, params, width, batch, NamedSharding(mesh, P()), NamedSharding(mesh, P("d")))
+
+
 def gspmd_variant(params: list[dict], width: int, batch: int, n: int) -> Runner:
     mesh = Mesh(np.array(jax.devices()[:n]), ("d",))
     rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))

@@ -7,6 +7,8 @@ on the mesh, a host batch). Variants:
 
 * ``single``      ``jax.jit`` of the step on one device, on the global batch;
 * ``shard_map``   hand-written ``jit(shard_map(... lax.pmean ...))`` on the N devices;
+* ``shard_map-flat``  the same with the gradients averaged as one flat buffer
+  (``jax.flatten_util.ravel_pytree``, one ``pmean``, unravelled): tensor fusion by hand;
 * ``replicator``  ``Replicator(1, N).run`` with the default pipeline (what users get:
   ``REPLICATOR_VERIFY`` unset, whatever the caller's environment says);
 * ``replicator+cache``  the same in a process whose persistent compilation cache
@@ -65,6 +67,7 @@ from typing import Any
 VARIANTS = (
     "single",
     "shard_map",
+    "shard_map-flat",
     "replicator",
     "replicator+cache",
     "replicator-unfused",
@@ -181,6 +184,8 @@ def child(args: argparse.Namespace) -> dict:
         run = bench.single_variant(params, width, args.batch)
     elif variant == "shard_map":
         run = bench.shard_map_variant(params, width, args.batch, args.devices)
+    elif variant == "shard_map-flat":
+        run = bench.shard_map_flat_variant(params, width, args.batch, args.devices)
     else:
         disable = {
             "replicator-unfused": ("fuse-collectives",),
