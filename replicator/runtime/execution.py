@@ -191,7 +191,7 @@ def build_executable(
     n_state = graph.num_state
     state_specs = [state_spec(i, graph.sharded_state) for i in range(n_state)]
 
-    def per_replica(state: list, batch: list, constants: list) -> tuple[list, list]:
+    def per_replica(state: list, batch: list, constants: Sequence[Any] = ()) -> tuple[list, list]:
         # A rewrite may leave a constant (a literal) as an output: make it an array.
         outs = [jnp.asarray(o) for o in fn(constants, *state, *batch)]
         return outs[:n_state], [o[None] for o in outs[n_state:]]
@@ -200,11 +200,13 @@ def build_executable(
     mapped = jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(state_specs, P(REPLICA_AXES), P()),
+        in_specs=(state_specs, P(REPLICA_AXES), *([P()] if runtime else [])),
         out_specs=(state_specs, P(REPLICA_AXES)),
         check_vma=False,
     )
     jitted = jax.jit(mapped, donate_argnums=(0,) if donate_state else ())
+    if not runtime and not spans_processes(mesh):
+        return jitted  # nothing to add to a call: the jitted function itself (the fastest path)
     return StepExecutable(jitted, graph, mesh, [np.asarray(consts[i]) for i in runtime])
 
 
@@ -231,13 +233,16 @@ def _folded(per_replica: Callable, graph: StepGraph, fold: FoldLayout) -> Callab
         return x.reshape(*x.shape[:axis], math.prod(sizes) * x.shape[end], *x.shape[end + 1 :])
 
     def block(unbatched_state: bool) -> Callable:
-        def per_device(state: list, batch: list, constants: list) -> tuple[list, list]:
+        def per_device(state: list, batch: list, constants: Sequence[Any] = ()) -> tuple[list, list]:
             out_state_axes = [0 if a is None and not unbatched_state else a for a in axes]
-            fn = per_replica
+
+            def fn(s: list, b: list) -> tuple[list, list]:  # the runtime constants: the same on every replica
+                return per_replica(s, b, constants)
+
             for name, _ in reversed(fold.folded_axes):  # the innermost vmap is the last folded axis
-                fn = jax.vmap(fn, in_axes=(axes, 0, None), out_axes=(out_state_axes, 0), axis_name=name)
+                fn = jax.vmap(fn, in_axes=(axes, 0), out_axes=(out_state_axes, 0), axis_name=name)
             state_in = [s if a is None else split(s, a) for s, a in zip(state, axes, strict=True)]
-            new_state, outputs = fn(state_in, [split(b) for b in batch], constants)
+            new_state, outputs = fn(state_in, [split(b) for b in batch])
             first = (0,) * len(sizes)
             new_state = [
                 (s if unbatched_state else s[first]) if a is None else merge(s, a)
