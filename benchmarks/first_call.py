@@ -47,6 +47,7 @@ Usage::
     python benchmarks/first_call.py --workload mlp16x128 --repeats 5
     python benchmarks/first_call.py --import-from /tmp/replicator-OLD   # another checkout's replicator/
     python benchmarks/first_call.py --why-kernels
+    python benchmarks/first_call.py --no-gc      # Python's garbage collector off during each first call
 """
 
 from __future__ import annotations
@@ -96,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--why-kernels", action="store_true", help="time XLA's compile of fused vs unfused buffers")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: run one variant, print JSON
     p.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--no-gc", action="store_true", help="Python's garbage collector off during each first call (where it lands)"
+    )
     return p.parse_args(argv)
 
 
@@ -179,6 +183,10 @@ def child(args: argparse.Namespace) -> dict:
 
     for p in passes:  # every Pipeline.default() builds new pass objects: time the classes' run
         timer.wrap(type(p), "run", pass_label(p))
+    if args.no_gc:
+        import gc
+
+        gc.disable()  # a full collection of the heap would otherwise land in whichever phase crosses its threshold
     t0, cpu0 = time.perf_counter(), time.process_time()
     if variant == "single":
         run = bench.single_variant(params, width, args.batch)
@@ -262,6 +270,8 @@ def run_child(args: argparse.Namespace, variant: str, cache_dir: str | None = No
         command += ["--import-from", args.import_from]
     if cache_dir:
         command += ["--cache-dir", cache_dir]
+    if args.no_gc:
+        command += ["--no-gc"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{variant} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")

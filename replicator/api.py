@@ -48,6 +48,7 @@ from replicator.runtime.consistency import check_replicas_agree
 from replicator.runtime.distributed import progress
 from replicator.runtime.distributed.startup import check_initialized_under_launcher
 from replicator.runtime.execution import build_executable, place_batch, place_state, spans_processes
+from replicator.runtime.gc_pause import gc_paused
 from replicator.runtime.inputs import (
     Batch,
     BatchChecker,
@@ -351,7 +352,7 @@ class Replicator:
         if compiled is not None:
             self._compiled.move_to_end(key)
             return compiled
-        with progress.phase("compiling"):
+        with progress.phase("compiling"), gc_paused():
             self._warn_if_retracing(key)
             if batch is not None:
                 check_worker_batch(batch, self.cores_per_worker, 0)
@@ -538,7 +539,11 @@ class Replicator:
         if batch.placed is None:
             batch.placed = place_batch(batch.leaves, self.mesh, self.num_workers, nbytes=batch.signature.nbytes)
         self._wait_for_room()
-        new_state, outputs = compiled.executable(placed_state, batch.placed)
+        if compiled.runs:
+            new_state, outputs = compiled.executable(placed_state, batch.placed)
+        else:
+            with gc_paused():  # the first call lowers the step and compiles it with XLA
+                new_state, outputs = compiled.executable(placed_state, batch.placed)
         if compiled.runs == 0 and new_state:  # would place_state take the new state as it is?
             compiled.state_reusable = not any(getattr(a, "weak_type", False) for a in new_state) and all(
                 a is b for a, b in zip(place_state(new_state, self.mesh, sharded_state), new_state, strict=True)
