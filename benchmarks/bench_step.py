@@ -261,8 +261,11 @@ def training_variants(depth: int, width: int, batch: int, n: int) -> dict[str, R
 
 
 def fold_variants(depth: int, width: int, batch: int, n: int) -> dict[str, Runner]:
-    """``n`` replicas on ``n``, ``n / 4`` and 1 devices (``replicas_per_device``), and the
-    hand-written equivalent of folding (``vmap`` over a replica axis inside ``shard_map``)."""
+    """``n`` replicas on ``n``, 2 and 1 devices (``replicas_per_device``), the
+    hand-written equivalent of folding (``vmap`` over a replica axis inside ``shard_map``),
+    and, on the fewer devices, one replica per device (replicator, and hand-written
+    ``shard_map`` with one flat ``pmean``): the cost of data parallelism on those devices
+    without any folding."""
     params = mlp_init(depth, width)
     variants = {
         "single": single_variant(params, width, batch),
@@ -277,6 +280,13 @@ def fold_variants(depth: int, width: int, batch: int, n: int) -> dict[str, Runne
             variants[f"hand vmap in shard_map, {n} on {devices}"] = vmap_in_shard_map_variant(
                 params, width, batch, devices, per_device
             )
+            if devices > 1:  # the same devices without folding: what data parallelism on them costs
+                variants[f"replicator {devices} replicas on {devices} devices"] = replicator_variant(
+                    params, width, batch, devices
+                )
+                variants[f"hand flat pmean, {devices} on {devices}"] = shard_map_flat_variant(
+                    params, width, batch, devices
+                )
     return variants
 
 
