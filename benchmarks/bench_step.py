@@ -145,12 +145,22 @@ def single_variant(params: list[dict], width: int, batch: int) -> Runner:
     return hand_runner(jax.jit(adam_step), params, width, batch, dev, dev)
 
 
-def shard_map_variant(params: list[dict], width: int, batch: int, n: int) -> Runner:
+def _pmean_flat(g: Any, axis: str) -> Any:
+    """``lax.pmean`` of a gradient pytree as one flat buffer (``ravel_pytree``, one ``pmean``, unravelled)."""
+    from jax.flatten_util import ravel_pytree
+
+    flat, unravel = ravel_pytree(g)
+    return unravel(lax.pmean(flat, axis))
+
+
+def shard_map_variant(params: list[dict], width: int, batch: int, n: int, flat: bool = False) -> Runner:
+    """Hand-written ``jit(shard_map)`` with ``lax.pmean`` of the gradients (``flat``: as one buffer)."""
     mesh = Mesh(np.array(jax.devices()[:n]), ("d",))
+    average = _pmean_flat if flat else lax.pmean
 
     def per_replica(params, opt, x, y):
         loss, g = jax.value_and_grad(mlp_loss)(params, x, y)
-        g = lax.pmean(g, "d")
+        g = average(g, "d")
         upd, opt = TX.update(g, opt, params)
         return optax.apply_updates(params, upd), opt, lax.pmean(loss, "d")
 
@@ -163,25 +173,9 @@ def shard_map_variant(params: list[dict], width: int, batch: int, n: int) -> Run
 
 
 def shard_map_flat_variant(params: list[dict], width: int, batch: int, n: int) -> Runner:
-    """``shard_map_variant`` with its gradients averaged as one flat buffer (``ravel_pytree``, one
-    ``pmean``, unravelled): tensor fusion by hand, what ``fuse-collectives`` does."""
-    from jax.flatten_util import ravel_pytree
-
-    mesh = Mesh(np.array(jax.devices()[:n]), ("d",))
-
-    def per_replica(params, opt, x, y):
-        loss, g = jax.value_and_grad(mlp_loss)(params, x, y)
-        flat, unravel = ravel_pytree(g)
-        g = unravel(lax.pmean(flat, "d"))
-        upd, opt = TX.update(g, opt, params)
-        return optax.apply_updates(params, upd), opt, lax.pmean(loss, "d")
-
-    step = jax.jit(
-        jax.shard_map(
-            per_replica, mesh=mesh, in_specs=(P(), P(), P("d"), P("d")), out_specs=(P(), P(), P()), check_vma=False
-        )
-    )
-    return hand_runner(step, params, width, batch, NamedSharding(mesh, P()), NamedSharding(mesh, P("d")))
+    """``shard_map_variant`` with its gradients averaged as one flat buffer: tensor fusion by hand,
+    what ``fuse-collectives`` does."""
+    return shard_map_variant(params, width, batch, n, flat=True)
 
 
 def gspmd_variant(params: list[dict], width: int, batch: int, n: int) -> Runner:
