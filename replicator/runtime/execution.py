@@ -76,6 +76,13 @@ class StepExecutable:
             self._signature = _signature(graph)
             self._fingerprint = program_fingerprint(graph)
 
+    def _args(self, state: list, batch: list) -> tuple:
+        """The jitted function's arguments: the runtime constants are a third one only if there are any."""
+        if not self._host_constants:
+            return state, batch
+        constants = self._constants
+        return state, batch, constants if constants is not None else self._placed_constants()
+
     def _placed_constants(self) -> list[jax.Array]:
         """The runtime constants, replicated on the mesh (placed on first use; no collective: every process
         has the same values, as its program is the same)."""
@@ -90,16 +97,15 @@ class StepExecutable:
     def __call__(self, state: list, batch: list) -> Any:
         if not self._checked:
             self._check_same_program()
-        constants = self._constants
-        return self._jitted(state, batch, constants if constants is not None else self._placed_constants())
+        return self._jitted(*self._args(state, batch))
 
     def lower(self, state: list, batch: list) -> Any:
         """``jax.jit(...).lower`` of the step on ``state`` and ``batch`` (arrays or ``ShapeDtypeStruct``)."""
-        return self._jitted.lower(state, batch, self._placed_constants())
+        return self._jitted.lower(*self._args(state, batch))
 
     def trace(self, state: list, batch: list) -> Any:
         """``jax.jit(...).trace`` of the step on ``state`` and ``batch``."""
-        return self._jitted.trace(state, batch, self._placed_constants())
+        return self._jitted.trace(*self._args(state, batch))
 
     def _check_same_program(self) -> None:
         from replicator.runtime.distributed import check_same_across_workers
