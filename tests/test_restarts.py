@@ -91,7 +91,7 @@ class TestRestartLoop:
         # is the watchdog's 'never joined' verdict (code 75), in the first start only.
         out, err = io.StringIO(), io.StringIO()
         command = launch.worker_command(
-            [TOY, "--fail-worker", "1", "--code", "0", "--fail-starts", "1", "--sleep", "2"]
+            [TOY, "--fail-worker", "1", "--code", "0", "--fail-starts", "1", "--sleep", "4"]
         )
         code = launch.launch(
             command, num_workers=2, max_restarts=1, kill_grace_s=0.5, max_time_s=60, env=clean_env(), stdout=out,

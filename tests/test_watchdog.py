@@ -99,9 +99,13 @@ class TestDiagnose:
             is None
         )
 
-    def test_a_worker_that_ended_before_joining_is_named_at_once(self):
-        v = self.diagnose({0: rec("joining", 0, 1), 1: rec("exited", 0, 0.5, code=0, joined=False)})
+    def test_a_worker_that_ended_before_joining_is_named_a_second_after(self):
+        v = self.diagnose({0: rec("joining", 0, 1), 1: rec("exited", 0, 1.5, code=0, joined=False)})
         assert v.kind == "never-joined" and v.blame == [1] and v.code == watchdog.NEVER_JOINED_EXIT_CODE == 75
+
+    def test_workers_that_never_join_and_end_together_are_not_blamed(self):
+        # A script without JAX: both end with 0 moments apart; the first exit is seen while the other runs.
+        assert self.diagnose({0: rec("starting", 0, 2), 1: rec("exited", 0, 0.2, code=0, joined=False)}) is None
 
     def test_joining_is_left_to_the_start_up_timeout(self):
         assert self.diagnose({0: rec("joining", 0, 500), 1: rec("joining", 0, 500)}) is None

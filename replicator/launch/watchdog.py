@@ -60,6 +60,9 @@ DEFAULT_COMPILE_TIMEOUT_S = 600.0
 STALL_EXIT_CODE = 76
 #: The exit code when a worker ended before joining: the same as a start-up timeout (EX_TEMPFAIL).
 NEVER_JOINED_EXIT_CODE = START_TIMEOUT_EXIT_CODE
+#: A worker that ended with 0 before joining is blamed only once it has been gone this long while
+#: others still run: workers whose script never joins at all (no JAX in it) end within it of each other.
+NEVER_JOINED_SETTLE_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +117,7 @@ def diagnose(
     live = {w: r for w, r in known.items() if r["phase"] != "exited"}
     for w, r in sorted(exited.items()):
         ahead = sorted(v for v, q in live.items() if progress.position(q) > progress.position(r))
-        if not r.get("joined") and live:
+        if not r.get("joined") and live and now - float(r.get("since") or 0.0) >= NEVER_JOINED_SETTLE_S:
             waiting = sorted(live)
             return Verdict(
                 "never-joined",
