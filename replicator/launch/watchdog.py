@@ -117,7 +117,9 @@ def diagnose(
     live = {w: r for w, r in known.items() if r["phase"] != "exited"}
     for w, r in sorted(exited.items()):
         ahead = sorted(v for v, q in live.items() if progress.position(q) > progress.position(r))
-        if not r.get("joined") and live and now - float(r.get("since") or 0.0) >= NEVER_JOINED_SETTLE_S:
+        if not r.get("joined") and live:
+            if now - float(r.get("since") or 0.0) < NEVER_JOINED_SETTLE_S:
+                continue  # the others may be about to end too
             waiting = sorted(live)
             return Verdict(
                 "never-joined",
