@@ -83,28 +83,16 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
 
 from replicator.core.graph import StepGraph
 from replicator.core.jaxprs import inline_function
+from replicator.core.primitives import PLACEHOLDERS
 from replicator.pipeline.contract import Pass, PassResult
+from replicator.pipeline.verify import MESH_COLLECTIVES
 
 __all__ = ["ShareSliceKernels"]
 
 INDEX_DTYPE = np.dtype(np.int32)
 
 #: Primitives whose results the pass cuts: the placeholders and the mesh collectives they lower to.
-COLLECTIVES = frozenset(
-    {
-        "rp.all_reduce",
-        "rp.all_gather",
-        "rp.reduce_scatter",
-        "rp.broadcast",
-        "psum",
-        "pmax",
-        "pmin",
-        "all_gather",
-        "reduce_scatter",
-        "all_to_all",
-        "ppermute",
-    }
-)
+COLLECTIVES = frozenset(p.name for p in PLACEHOLDERS) | MESH_COLLECTIVES
 
 
 def _group_key(eqn: JaxprEqn, collective_results: set[Var]) -> tuple | None:
