@@ -94,6 +94,10 @@ class TestDiagnose:
 
     def test_workers_finishing_their_last_steps_are_not_early(self):
         assert self.diagnose({0: rec("step", 5, 0.1, step=4), 1: rec("exited", 5, 0.5, code=0, joined=True)}) is None
+        # the last step's checkpoint, on the writer, after the other worker ended (CI saw this judged early)
+        assert (
+            self.diagnose({0: rec("checkpoint-wait", 40, 0.0), 1: rec("exited", 40, 0.1, code=0, joined=True)}) is None
+        )
         assert (
             self.diagnose({0: rec("exited", 5, 0, code=0, joined=True), 1: rec("exited", 5, 0, code=0, joined=True)})
             is None

@@ -116,7 +116,9 @@ def diagnose(
     exited = {w: r for w, r in known.items() if r["phase"] == "exited" and r.get("code") == 0}
     live = {w: r for w, r in known.items() if r["phase"] != "exited"}
     for w, r in sorted(exited.items()):
-        ahead = sorted(v for v, q in live.items() if progress.position(q) > progress.position(r))
+        # Ahead: started a step it never will. A final save or evaluation after its last step is not.
+        steps = int(r.get("steps_started") or 0)
+        ahead = sorted(v for v, q in live.items() if int(q.get("steps_started") or 0) > steps)
         if not r.get("joined") and live:
             if now - float(r.get("since") or 0.0) < NEVER_JOINED_SETTLE_S:
                 continue  # the others may be about to end too
@@ -130,7 +132,6 @@ def diagnose(
                 NEVER_JOINED_EXIT_CODE,
             )
         if ahead:
-            steps = int(r.get("steps_started") or 0)
             where = "; ".join(f"worker {v} {describe(live[v], now)}" for v in ahead)
             return Verdict(
                 "left-early",
