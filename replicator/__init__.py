@@ -34,6 +34,11 @@ from replicator.errors import MiscompileError as MiscompileError
 from replicator.errors import PassError as PassError
 from replicator.errors import ReplicationError as ReplicationError
 from replicator.errors import UnanalyzableStepError as UnanalyzableStepError
+from replicator.loop import CheckpointHook as CheckpointHook
+from replicator.loop import EvalHook as EvalHook
+from replicator.loop import Hook as Hook
+from replicator.loop import LoggingHook as LoggingHook
+from replicator.loop import Trainer as Trainer
 from replicator.passes import Pipeline as Pipeline
 from replicator.runtime import distributed as distributed
 from replicator.runtime.distributed import gather_outputs as gather_outputs
@@ -48,11 +53,6 @@ from replicator.training.checkpoint import CheckpointManager as CheckpointManage
 from replicator.training.checkpoint import latest_step as latest_step
 from replicator.training.checkpoint import restore_checkpoint as restore_checkpoint
 from replicator.training.checkpoint import save_checkpoint as save_checkpoint
-from replicator.training.loop import CheckpointHook as CheckpointHook
-from replicator.training.loop import EvalHook as EvalHook
-from replicator.training.loop import Hook as Hook
-from replicator.training.loop import LoggingHook as LoggingHook
-from replicator.training.loop import Trainer as Trainer
 from replicator.training.nn import cross_replica_batch_norm as cross_replica_batch_norm
 from replicator.training.optim import accumulate_gradients as accumulate_gradients
 from replicator.training.optim import wrap_optimizer as wrap_optimizer

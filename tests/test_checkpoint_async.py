@@ -19,10 +19,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import replicator as rp
+from replicator.loop import CheckpointHook, Hook, Trainer
 from replicator.training.checkpoint import CheckpointError, CheckpointManager, restore_checkpoint, save_checkpoint
 from replicator.training.checkpoint import files as ckpt_files
 from replicator.training.checkpoint import shards as ckpt_shards
-from replicator.training.loop import CheckpointHook, Hook, Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 WAIT = 60  # s: the bound on every wait in these tests

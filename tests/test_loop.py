@@ -11,8 +11,8 @@ import optax
 import pytest
 
 import replicator as rp
+from replicator.loop import CheckpointHook, EvalHook, Hook, LoggingHook, Trainer, replica_means
 from replicator.training.checkpoint import CheckpointError, CheckpointManager, save_checkpoint
-from replicator.training.loop import CheckpointHook, EvalHook, Hook, LoggingHook, Trainer, replica_means
 
 ROWS = 16  # rows per worker batch
 TRUE_W = np.array([1.0, -2.0, 0.5], np.float32)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import replicator as rp
+from replicator.loop.hooks import CheckpointHook
 from replicator.training.checkpoint import CheckpointManager
-from replicator.training.loop.hooks import CheckpointHook
 
 
 class Counted:

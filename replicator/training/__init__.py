@@ -1,5 +1,6 @@
-"""What users *train* with: optimizers, layers, mixed precision, checkpoints, the loop.
+"""What users *train* with: optimizers, layers, mixed precision, checkpoints.
 
-Built on the public API (collectives from :mod:`replicator.core`, the
-:class:`~replicator.Replicator`); nothing in the compiler depends on it.
+Built on the collectives of :mod:`replicator.core`; nothing in the compiler depends on
+it. The training loop that drives a :class:`~replicator.Replicator` sits above it, in
+:mod:`replicator.loop`.
 """

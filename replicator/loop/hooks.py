@@ -1,4 +1,4 @@
-"""Hooks: what the :class:`~replicator.training.loop.Trainer` calls around its steps.
+"""Hooks: what the :class:`~replicator.loop.Trainer` calls around its steps.
 
 A hook is any object with some of these methods, each called with the trainer
 (missing ones are skipped; subclass :class:`Hook` to get no-op defaults):
@@ -29,13 +29,13 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from replicator.errors import InputExhausted
+from replicator.loop.console import format_metrics, format_seconds
+from replicator.loop.metrics import replica_means
 from replicator.runtime.inputs import InputContext, check_input_fn
 from replicator.training.checkpoint import CheckpointError, CheckpointManager
-from replicator.training.loop.console import format_metrics, format_seconds
-from replicator.training.loop.metrics import replica_means
 
 if TYPE_CHECKING:
-    from replicator.training.loop.trainer import Trainer
+    from replicator.loop.trainer import Trainer
 
 PyTree = Any
 

@@ -1,7 +1,7 @@
 """Console output of the loop: plain lines and, on a terminal, a progress bar below them.
 
 When stdout is a terminal (``sys.stdout.isatty()``) and the trainer has no
-``logger=``, :class:`~replicator.training.loop.hooks.LoggingHook` draws a
+``logger=``, :class:`~replicator.loop.hooks.LoggingHook` draws a
 progress bar on the last line, with the step, the speed and the time left;
 otherwise (a file, a pipe, a CI log) there are only the plain lines::
 

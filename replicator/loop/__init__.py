@@ -62,8 +62,8 @@ protocol, :class:`Hook`, :class:`LoggingHook`, :class:`EvalHook`,
 
 from __future__ import annotations
 
-from replicator.training.loop.hooks import CheckpointHook, EvalHook, Hook, LoggingHook
-from replicator.training.loop.metrics import replica_means
-from replicator.training.loop.trainer import Trainer
+from replicator.loop.hooks import CheckpointHook, EvalHook, Hook, LoggingHook
+from replicator.loop.metrics import replica_means
+from replicator.loop.trainer import Trainer
 
 __all__ = ["CheckpointHook", "EvalHook", "Hook", "LoggingHook", "Trainer", "replica_means"]

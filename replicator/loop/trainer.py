@@ -13,9 +13,9 @@ import numpy as np
 
 from replicator.api import Replicator
 from replicator.errors import InputExhausted
+from replicator.loop.console import Console
 from replicator.runtime.inputs import InputContext, check_input_fn
 from replicator.training.checkpoint import CheckpointError, CheckpointManager
-from replicator.training.loop.console import Console
 
 PyTree = Any
 _END = object()
@@ -37,7 +37,7 @@ class Trainer:
       state: the initial state (a pytree of arrays). With ``resume_from`` it
         is also the template that a checkpoint must match.
       hooks: objects with ``before_run``/``after_step``/``after_run``/``teardown``
-        methods (see :mod:`replicator.training.loop.hooks`), called in this order.
+        methods (see :mod:`replicator.loop.hooks`), called in this order.
       resume_from: a checkpoint directory; if it holds a checkpoint, the
         newest one's state, step and input position are restored.
       keep_batch: what stays the same when the checkpoint was trained on
