@@ -12,11 +12,12 @@ from replicator.passes.shard_optimizer import DEFAULT_MIN_TENSOR_BYTES, ShardOpt
 from replicator.passes.share_slice_kernels import ShareSliceKernels
 from replicator.passes.simplify import Simplify
 from replicator.pipeline.contract import Pass
-from replicator.pipeline.pipeline import HOOKS
+from replicator.pipeline.pipeline import HOOKS, check_options
 
 __all__ = ["default_passes"]
 
 
+@check_options
 def default_passes(
     *,
     zero_stage: int = 0,
@@ -42,17 +43,20 @@ def default_passes(
         the parameters stored 1/N per device and all-gathered for each use.
         Each stage shards only what the variance analysis proves identical on
         every replica (``explain`` says what stays replicated and why).
-      shard_optimizer: ``True`` is ``zero_stage=1`` (kept for existing code). ZeRO-1 (``shard-optimizer-update``): reduce-scatter
-        gradients, update and store element-wise optimizer state in 1/N chunks.
-        Off by default: it divides optimizer-state memory by N but was not
-        faster on every workload measured (BENCHMARKS.md).
-      shard_optimizer_min_bytes: with ``shard_optimizer``, smaller gradients
-        and state leaves stay whole.
+      shard_optimizer: ``True`` is ``zero_stage=1`` (the older spelling). Off by default: it
+        divides optimizer-state memory by N but was not faster on every workload measured
+        (BENCHMARKS.md).
+      shard_optimizer_min_bytes: with ZeRO, gradients and state leaves smaller than this stay
+        whole (replicated); ``explain`` counts them.
       hierarchical: ``hierarchical-allreduce`` over ('workers', 'cores').
       compress: ``compress-communication``: f32 all-reduce payloads as bf16.
       all_reduce_algorithm: ``'native'``, ``'ring'`` or ``'reduce_broadcast'``.
       fuse_threshold_bytes: the largest fused all-reduce bucket.
       fuse_max_tensor_bytes: larger tensors are not fused (``None``: all are).
+
+    Raises:
+      TypeError: an unknown option; the message names the closest and lists them all.
+      ValueError: ``zero_stage`` not 0, 1, 2 or 3.
 
     Example::
 

@@ -18,6 +18,9 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
+import inspect
 import os
 import re
 import warnings
@@ -30,7 +33,18 @@ from replicator.errors import PassError, ReplicationError
 from replicator.pipeline.contract import Pass
 from replicator.pipeline.verify import GraphInvariantError, check_defined, verify_graph
 
-__all__ = ["DUMP_ENV", "HOOKS", "VALIDATE_ENV", "VERIFY_ENV", "Hooks", "Lowered", "Pipeline", "Stage"]
+__all__ = [
+    "DUMP_ENV",
+    "HOOKS",
+    "VALIDATE_ENV",
+    "VERIFY_ENV",
+    "Hooks",
+    "Lowered",
+    "Pipeline",
+    "Stage",
+    "check_options",
+    "unknown_options_message",
+]
 
 DUMP_ENV = "REPLICATOR_DUMP_DIR"
 VERIFY_ENV = "REPLICATOR_VERIFY"
@@ -73,6 +87,41 @@ class Hooks:
 
 HOOKS = Hooks()
 
+
+def unknown_options_message(where: str, unknown: Iterable[str], valid: Iterable[str]) -> str:
+    """``where(): unknown option 'zero'; did you mean 'zero_stage'? Valid options: ...``."""
+    valid = sorted(valid)
+    guesses = [(name, difflib.get_close_matches(name, valid, n=1, cutoff=0.5)) for name in unknown]
+    if len(guesses) == 1:
+        (name, close), *_ = guesses
+        head = f"unknown option {name!r}" + (f"; did you mean {close[0]!r}?" if close else ".")
+    else:
+        hints = (f"{n!r}" + (f" (did you mean {c[0]!r}?)" if c else "") for n, c in guesses)
+        head = f"unknown options {', '.join(hints)}."
+    return f"{where}(): {head} Valid options: {', '.join(valid)}."
+
+
+def check_options(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function``, with an unknown keyword argument raising a ``TypeError`` that lists its keyword-only options.
+
+    Python's own error names the unknown keyword only; this one suggests the closest
+    valid option and lists them all. The signature (``help()``,
+    ``inspect.signature``) stays ``function``'s.
+    """
+    parameters = inspect.signature(function).parameters.values()
+    valid = frozenset(p.name for p in parameters if p.kind is p.KEYWORD_ONLY)
+    where = function.__qualname__
+
+    @functools.wraps(function)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        unknown = [name for name in kwargs if name not in valid]
+        if unknown:
+            raise TypeError(unknown_options_message(where, unknown, valid))
+        return function(*args, **kwargs)
+
+    return checked
+
+
 #: Old pass names that still work (with a ``DeprecationWarning``) in ``disable=`` and ``Lowered.after``.
 RENAMED_PASSES: dict[str, str] = {"fuse-allreduce": "fuse-collectives"}
 
@@ -93,6 +142,8 @@ class Stage:
     name: str
     graph: StepGraph
     changed: bool
+    #: The pass that produced the graph, with its options (``None`` for ``'traced'``).
+    by: Pass | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __str__(self) -> str:
         flag = "changed" if self.changed else "unchanged"
@@ -197,29 +248,68 @@ class Pipeline:
         self.dump_dir = dump_dir if dump_dir is not None else os.environ.get(DUMP_ENV) or None
 
     @classmethod
+    @check_options
     def default(
         cls,
         *,
+        zero_stage: int = 0,
+        shard_optimizer: bool = False,
+        shard_optimizer_min_bytes: int = 64 * 2**10,
+        hierarchical: bool = False,
+        compress: bool = False,
+        all_reduce_algorithm: str = "native",
+        fuse_threshold_bytes: int = 64 * 2**20,
+        fuse_max_tensor_bytes: int | None = 64 * 2**10,
+        auto: bool = False,
+        topology: Any = "cpu-emulated",
         disable: Iterable[str] = (),
         verify: bool | None = None,
         validate: bool | None = None,
         dump_dir: str | os.PathLike | None = None,
-        auto: bool = False,
-        topology: Any = "cpu-emulated",
-        **options: Any,
     ) -> Pipeline:
-        """The default passes with ``options`` (see :func:`replicator.passes.defaults.default_passes`).
+        """The default passes (:func:`~replicator.passes.defaults.default_passes`) with their options.
 
-        With ``auto=True``, fusion buckets, ZeRO, hierarchical all-reduce and
-        the all-reduce algorithm are chosen for each compiled step by the
-        communication cost model on ``topology`` (a preset name or a
-        calibrated :class:`~replicator.cost.collectives.Topology`):
-        :class:`~replicator.cost.auto.AutoPipeline`.
+        Args:
+          zero_stage: ZeRO (``shard-optimizer-update``): 0 off; 1/N per device: 1 optimizer state, 2 and gradients,
+            3 and parameters.
+          shard_optimizer: ``True`` is ``zero_stage=1`` (the older spelling).
+          shard_optimizer_min_bytes: with ZeRO, smaller gradients and state leaves stay whole (``explain`` counts them).
+          hierarchical: ``hierarchical-allreduce``: all-reduces in steps over ``'cores'``, then ``'workers'``.
+          compress: ``compress-communication``: float32 all-reduce payloads sent as bfloat16.
+          all_reduce_algorithm: ``'native'`` (XLA's), ``'ring'`` or ``'reduce_broadcast'`` (a tree).
+          fuse_threshold_bytes: ``fuse-collectives``: the largest bucket of fused all-reduces.
+          fuse_max_tensor_bytes: ``fuse-collectives``: larger tensors are not fused (``None``: all are).
+          auto: choose ``all_reduce_algorithm``, ``hierarchical``, fusion and ZeRO-1 per step with the cost model.
+          topology: with ``auto``: a preset name or a calibrated :class:`~replicator.cost.topology.Topology`.
+          disable: names of passes to skip (as for :class:`Pipeline`).
+          verify: check the graph invariants around every pass (as for :class:`Pipeline`).
+          validate: translation validation around every pass (as for :class:`Pipeline`).
+          dump_dir: write the graph before and after every pass here (as for :class:`Pipeline`).
+
+        With ``auto=True`` (:class:`~replicator.cost.auto.AutoPipeline`), the options it
+        chooses must keep their defaults; the others are fixed as given.
+
+        Raises:
+          TypeError: an unknown option; the message names the closest and lists them all.
+          ValueError: an option out of range (``zero_stage=4``), or one that ``auto`` chooses.
         """
+        options = dict(
+            zero_stage=zero_stage,
+            shard_optimizer=shard_optimizer,
+            shard_optimizer_min_bytes=shard_optimizer_min_bytes,
+            hierarchical=hierarchical,
+            compress=compress,
+            all_reduce_algorithm=all_reduce_algorithm,
+            fuse_threshold_bytes=fuse_threshold_bytes,
+            fuse_max_tensor_bytes=fuse_max_tensor_bytes,
+        )
         settings = dict(disable=disable, verify=verify, validate=validate, dump_dir=dump_dir)
+        default_passes = HOOKS.get("default_passes")
         if auto:
-            return HOOKS.get("auto_pipeline")(topology, options=options, **settings)
-        return cls(HOOKS.get("default_passes")(**options), **settings)
+            defaults = {name: p.default for name, p in inspect.signature(default_passes).parameters.items()}
+            fixed = {name: value for name, value in options.items() if value != defaults[name]}
+            return HOOKS.get("auto_pipeline")(topology, options=fixed, **settings)
+        return cls(default_passes(**options), **settings)
 
     @property
     def names(self) -> list[str]:
@@ -284,7 +374,7 @@ class Pipeline:
             notes.extend(result.notes)
             ran.append(p.name)
             lowered = lowered or p.lowers
-            stages.append(Stage(p.name, graph, result.changed))
+            stages.append(Stage(p.name, graph, result.changed, by=p))
             self._dump(index, p.name, "after", graph)
         return Lowered(tuple(stages), tuple(notes))
 

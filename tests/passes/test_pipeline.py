@@ -1,4 +1,6 @@
-"""Pipeline: order, stages, dumps, disabling, verification, failures."""
+"""Pipeline: order, stages, dumps, disabling, verification, failures, the options of Pipeline.default."""
+
+import inspect
 
 import numpy as np
 import pytest
@@ -58,6 +60,59 @@ def test_default_pipeline_order():
     assert everything.names == EVERY_PASS
     assert everything.key() != Pipeline().key()
     assert "ring" in repr(everything.passes[-1])
+
+
+class TestDefaultOptions:
+    """``Pipeline.default`` says what it takes: an explicit signature, and unknown options named with the closest."""
+
+    def test_the_signature_lists_every_option_of_default_passes_with_its_type_and_default(self):
+        ours = inspect.signature(Pipeline.default).parameters
+        theirs = inspect.signature(default_passes).parameters
+        assert not [p for p in ours.values() if p.kind is p.VAR_KEYWORD], "no **options: help() shows every option"
+        assert all(p.kind is p.KEYWORD_ONLY and p.annotation is not p.empty for p in ours.values())
+        for name, p in theirs.items():
+            assert name in ours, f"Pipeline.default lacks default_passes' option {name!r}"
+            assert ours[name].default == p.default, (name, ours[name].default, p.default)
+            assert ours[name].annotation == p.annotation, name
+        assert {"auto", "topology", "disable", "verify", "validate", "dump_dir"} <= set(ours)
+        doc = Pipeline.default.__doc__
+        assert all(f"  {name}: " in doc for name in ours), "every option has a line under Args"
+
+    def test_every_option_reaches_default_passes(self):
+        options = dict(
+            zero_stage=2,
+            shard_optimizer_min_bytes=123,
+            hierarchical=True,
+            compress=True,
+            all_reduce_algorithm="ring",
+            fuse_threshold_bytes=4096,
+            fuse_max_tensor_bytes=None,
+        )
+        expected = [repr(p) for p in default_passes(**options)]
+        assert [repr(p) for p in Pipeline.default(**options).passes] == expected
+        assert [repr(p) for p in Pipeline.default().passes] == [repr(p) for p in default_passes()]
+        stage1 = Pipeline.default(shard_optimizer=True).passes[3]
+        assert (stage1.name, stage1.stage) == ("shard-optimizer-update", 1)
+
+    @pytest.mark.parametrize("make", [Pipeline.default, default_passes], ids=["Pipeline.default", "default_passes"])
+    def test_an_unknown_option_names_the_closest_and_lists_the_valid_ones(self, make):
+        with pytest.raises(TypeError) as err:
+            make(zero=3)
+        message = str(err.value)
+        assert "unknown option 'zero'; did you mean 'zero_stage'? Valid options: " in message, message
+        valid = inspect.signature(make).parameters
+        listed = message.split("Valid options: ")[1].rstrip(".").split(", ")
+        assert sorted(listed) == sorted(valid), message
+        with pytest.raises(
+            TypeError, match=r"unknown options 'hierarchal' \(did you mean 'hierarchical'\?\), 'xyzzy'\."
+        ):
+            make(hierarchal=True, xyzzy=1)
+
+    def test_auto_keeps_options_left_at_their_defaults_and_fixes_the_others(self):
+        pipe = Pipeline.default(auto=True, zero_stage=2, compress=True)
+        assert pipe.options == {"zero_stage": 2, "compress": True}
+        with pytest.raises(ValueError, match=r"chooses \['hierarchical'\] itself"):
+            Pipeline.default(auto=True, hierarchical=True)
 
 
 def test_lowered_prints_every_stage(repl):
