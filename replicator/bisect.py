@@ -4,10 +4,13 @@ The command line of :func:`replicator.tools.bisect.bisect_passes` (see there).
 It prints the report and exits with status 1 when a pass changes the result::
 
     python -m replicator.bisect my_train.py:step_fn --batch my_train.py:input_fn \\
-        --state my_train.py:init_state --workers 1 --cores 8 --cpu-devices 8 --shard-optimizer
+        --state my_train.py:init_state --workers 1 --cores 8 --cpu-devices 8 --zero-stage 1
 
 ``STEP``, ``--batch``, ``--state`` and ``--pipeline`` name ``MODULE:NAME`` or
-``FILE.py:NAME``; a function of no arguments is called for its value.
+``FILE.py:NAME``; a function of no arguments is called for its value. Without
+``--pipeline``, the step runs under ``Pipeline.default`` with the options
+``--zero-stage``, ``--hierarchical``, ``--compress`` and ``--algorithm``
+(``--help`` lists every flag).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 
 from replicator.tools.bisect import BisectReport, bisect_passes
 
-__all__ = ["BisectReport", "bisect_passes", "main"]
+__all__ = ["BisectReport", "bisect_passes", "build_parser", "main", "pipeline_from_args"]
 
 
 def _load(ref: str) -> Any:
@@ -59,26 +62,113 @@ def _value(obj: Any) -> Any:
     return obj
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m replicator.bisect``: print the report; exit 1 if some pass changes the result."""
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every flag with its help."""
     parser = argparse.ArgumentParser(
         prog="python -m replicator.bisect",
-        description="Name the first optional pass that changes a step's result.",
+        description=(
+            "Name the first optional pass that changes a step's result: run the traced step with no optional "
+            "pass, then with the first 1, 2, ... optional passes of the pipeline, on the same inputs. Exit status "
+            "1 when a pass is named."
+        ),
+        epilog=(
+            "STEP, --batch, --state and --pipeline name MODULE:NAME or FILE.py:NAME; a function of no arguments "
+            "is called for its value. The pipeline flags (--zero-stage, --hierarchical, --compress, --algorithm) "
+            "are the options of Pipeline.default; --pipeline replaces them."
+        ),
     )
-    parser.add_argument("step", help="the step function, MODULE:NAME or FILE.py:NAME")
-    parser.add_argument("--batch", required=True, help="an input_fn(ctx), a worker batch, or a function returning one")
-    parser.add_argument("--state", help="the state, or a function of no arguments returning it")
-    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("step", metavar="STEP", help="the step function, MODULE:NAME or FILE.py:NAME")
+    parser.add_argument(
+        "--batch",
+        required=True,
+        help="an input_fn(ctx), one worker's batch, or a function of no arguments returning one",
+    )
+    parser.add_argument("--state", help="the step's state, or a function of no arguments returning it (default: none)")
+    parser.add_argument("--workers", type=int, default=1, help="workers of the mesh (default: 1)")
     parser.add_argument("--cores", type=int, default=None, help="cores per worker (default: all local devices)")
     parser.add_argument("--cpu-devices", type=int, help="emulate this many CPU devices (rp.force_cpu_devices)")
-    parser.add_argument("--pipeline", help="a Pipeline (or list of passes), MODULE:NAME; default: Pipeline.default")
-    parser.add_argument("--shard-optimizer", action="store_true")
-    parser.add_argument("--hierarchical", action="store_true")
-    parser.add_argument("--compress", action="store_true")
-    parser.add_argument("--algorithm", default="native", choices=["native", "ring", "reduce_broadcast"])
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--pipeline",
+        help="a Pipeline or a list of passes, MODULE:NAME (default: Pipeline.default with the flags below)",
+    )
+    zero = parser.add_mutually_exclusive_group()
+    zero.add_argument(
+        "--zero-stage",
+        type=int,
+        default=0,
+        choices=[0, 1, 2, 3],
+        help="ZeRO stage of Pipeline.default(zero_stage=...): 0 off, 1 optimizer state, 2 and gradients, "
+        "3 and parameters stored 1/N per device (default: 0)",
+    )
+    zero.add_argument("--shard-optimizer", action="store_true", help="the same as --zero-stage 1 (the older spelling)")
+    parser.add_argument(
+        "--hierarchical",
+        action="store_true",
+        help="Pipeline.default(hierarchical=True): all-reduce over cores, then over workers",
+    )
+    parser.add_argument(
+        "--compress", action="store_true", help="Pipeline.default(compress=True): float32 all-reduces sent as bfloat16"
+    )
+    parser.add_argument(
+        "--algorithm",
+        default="native",
+        choices=["native", "ring", "reduce_broadcast"],
+        help="Pipeline.default(all_reduce_algorithm=...) (default: native)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the seed of the random inputs, for leaves given as specs or with --random-inputs (default: 0)",
+    )
     parser.add_argument("--random-inputs", action="store_true", help="random inputs even where arrays are given")
+    return parser
+
+
+#: The flags that set Pipeline.default's options, with their defaults.
+PIPELINE_FLAGS = {
+    "zero_stage": 0,
+    "shard_optimizer": False,
+    "hierarchical": False,
+    "compress": False,
+    "algorithm": "native",
+}
+
+
+def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit with a usage error for flags that contradict each other (before any module is loaded)."""
+    if args.pipeline:
+        given = [
+            f"--{name.replace('_', '-')}" for name, default in PIPELINE_FLAGS.items() if getattr(args, name) != default
+        ]
+        if given:
+            parser.error(
+                f"--pipeline replaces Pipeline.default and its options: drop {' '.join(given)}, or give the "
+                f"pipeline those options itself."
+            )
+
+
+def pipeline_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
+    """The pipeline to bisect: ``--pipeline``'s, or ``Pipeline.default`` with the flags' options."""
+    import replicator as rp
+
+    check_flags(parser, args)
+    if args.pipeline:
+        pipeline = _value(_load(args.pipeline))
+        return pipeline if isinstance(pipeline, rp.Pipeline) else rp.Pipeline(pipeline)
+    return rp.Pipeline.default(
+        zero_stage=1 if args.shard_optimizer else args.zero_stage,
+        hierarchical=args.hierarchical,
+        compress=args.compress,
+        all_reduce_algorithm=args.algorithm,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m replicator.bisect``: print the report; exit 1 if some pass changes the result."""
+    parser = build_parser()
     args = parser.parse_args(argv)
+    check_flags(parser, args)
 
     import replicator as rp
 
@@ -87,16 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     step_fn = _load(args.step)
     batch = _value(_load(args.batch))
     state = _value(_load(args.state)) if args.state else None
-    if args.pipeline:
-        pipeline = _value(_load(args.pipeline))
-        pipeline = pipeline if isinstance(pipeline, rp.Pipeline) else rp.Pipeline(pipeline)
-    else:
-        pipeline = rp.Pipeline.default(
-            shard_optimizer=args.shard_optimizer,
-            hierarchical=args.hierarchical,
-            compress=args.compress,
-            all_reduce_algorithm=args.algorithm,
-        )
+    pipeline = pipeline_from_args(parser, args)
     repl = rp.Replicator(args.workers, args.cores, passes=pipeline)
     report = bisect_passes(repl, step_fn, batch, state, seed=args.seed, random_inputs=args.random_inputs)
     print(report)

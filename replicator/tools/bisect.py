@@ -21,10 +21,11 @@ Example::
     report.culprit         # the pass name, or None if every prefix agrees
 
 From a shell (exit status 1 when a pass changes the result), with
-``my_train.py`` defining ``step_fn``, ``input_fn`` and ``init_state``::
+``my_train.py`` defining ``step_fn``, ``input_fn`` and ``init_state``
+(``python -m replicator.bisect --help`` lists every flag)::
 
     python -m replicator.bisect my_train.py:step_fn --batch my_train.py:input_fn \\
-        --state my_train.py:init_state --workers 1 --cores 8 --cpu-devices 8 --shard-optimizer
+        --state my_train.py:init_state --workers 1 --cores 8 --cpu-devices 8 --zero-stage 1
 """
 
 from __future__ import annotations

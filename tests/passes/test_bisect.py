@@ -1,6 +1,8 @@
 """bisect_passes and ``python -m replicator.tools.bisect`` name the first optional pass that changes a result."""
 
+import argparse
 import os
+import re
 
 import jax
 import numpy as np
@@ -8,7 +10,7 @@ import pytest
 from utils import check_against_simulation, small_inputs, small_step, wrong_pipeline
 
 import replicator as rp
-from replicator.bisect import main
+from replicator.bisect import build_parser, main, pipeline_from_args
 from replicator.passes import Pipeline
 from replicator.tools.bisect import bisect_passes
 
@@ -57,6 +59,55 @@ def test_command_line(n_devices, capsys):
     assert "first pass that changes the result: 'double-first-all-sum'" in out and "outputs['total']" in out
     assert main([f"{module}:small_step", *common, "--hierarchical"]) == 0
     assert "gives the reference result" in capsys.readouterr().out
+
+
+def test_every_flag_of_the_command_line_is_explained():
+    parser = build_parser()
+    flags = [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
+    assert [a.dest for a in flags if not a.help] == [], "flags without help"
+    text = parser.format_help()
+    for action in flags:
+        assert (action.option_strings or [action.metavar])[0] in text
+    assert "--zero-stage {0,1,2,3}" in text
+
+
+def _zero_stage(argv):
+    parser = build_parser()
+    pipeline = pipeline_from_args(parser, parser.parse_args(["m:step", "--batch=m:b", *argv]))
+    zero = [p for p in pipeline.passes if p.name == "shard-optimizer-update"]
+    return zero[0].stage if zero else 0
+
+
+def test_zero_stage_and_shard_optimizer_set_the_pipelines_zero_stage():
+    assert [_zero_stage(["--zero-stage", str(k)]) for k in (0, 1, 2, 3)] == [0, 1, 2, 3]
+    assert _zero_stage(["--shard-optimizer"]) == 1
+    assert _zero_stage([]) == 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--zero-stage", "2", "--shard-optimizer"], "not allowed with argument"),
+        (["--zero-stage", "4"], "invalid choice: 4"),
+        (
+            ["--pipeline=m:p", "--zero-stage", "1", "--compress"],
+            "--pipeline replaces Pipeline.default.*--zero-stage --compress",
+        ),
+    ],
+)
+def test_contradicting_flags_are_a_usage_error(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["m:step", "--batch=m:b", *argv])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+
+
+def test_command_line_with_a_zero_stage_bisects_the_zero_pass(n_devices, capsys):
+    common = [f"--batch={UTILS}:cli_batch", f"--state={UTILS}:cli_state", f"--cores={n_devices}"]
+    assert main([f"{UTILS}:small_step", *common, "--zero-stage", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "gives the reference result" in out and "shard-optimizer-update" in out, out
 
 
 def test_the_vmap_reference_used_by_the_pass_tests_catches_the_wrong_pass(repl2d):
