@@ -264,3 +264,89 @@ def test_hierarchical_rows_are_its_three_steps(repl2d):
     expected = (c - 1) / c * padded + 2 * (w - 1) / w * padded / c + (c - 1) * padded / c
     assert np.isclose(report.total_sent_bytes, expected)
     assert all(r.tensors == len(_params()) for r in report.rows)
+
+
+# -- ZeRO: every state leaf sharded, or replicated with its reason --------------------------------
+
+#: A small model: three leaves under ZeRO's 64 KiB threshold and one above it (``big``, 128 KiB).
+ZERO_SHAPES = {"w0": (16, 16), "b0": (16,), "big": (16, 2048), "b1": (2048,)}
+
+
+def _zero_problem(n):
+    import optax
+
+    assert 16 % n == 0, "the shapes below divide by the replicas"
+    params = {name: jnp.full(shape, 0.01, jnp.float32) for name, shape in ZERO_SHAPES.items()}
+    tx = optax.adam(1e-3)
+
+    def step(s, b):
+        def loss(p):
+            h = jnp.tanh(b["x"] @ p["w0"] + p["b0"])
+            return jnp.mean(jnp.tanh(h @ p["big"] + p["b1"]) ** 2)
+
+        g = rp.all_mean(jax.grad(loss)(s["p"]))
+        updates, opt = tx.update(g, s["o"], s["p"])
+        return {"p": jax.tree.map(lambda a, u: a + u, s["p"], updates), "o": opt}, {}
+
+    return step, {"p": params, "o": tx.init(params)}, {"x": np.ones((2 * n, 16), np.float32)}
+
+
+def _nbytes(shape):
+    return 4 * int(np.prod(shape))
+
+
+def _zero_report(n, **options):
+    step, state, batch = _zero_problem(n)
+    return rp.Replicator(1, n, passes=rp.Pipeline.default(**options)).explain(step, batch, state), state
+
+
+def test_explain_accounts_for_every_leaf_a_zero_stage_leaves_replicated(n_devices):
+    n = n_devices
+    small = [name for name, shape in ZERO_SHAPES.items() if _nbytes(shape) < 64 * 1024]  # w0, b0, b1
+    moments_bytes = 2 * sum(_nbytes(ZERO_SHAPES[name]) for name in small)  # Adam's mu and nu of each
+    for stage, under in ((1, 2 * len(small)), (3, 3 * len(small))):
+        report, state = _zero_report(n, zero_stage=stage)
+        zero = report.zero
+        assert zero.stage == stage and zero.min_tensor_bytes == 64 * 1024
+        assert zero.num_leaves == len(jax.tree.leaves(state))
+        assert len(zero.sharded) + len(zero.replicated) == len(jax.tree.leaves(state))
+        assert not set(zero.sharded) & {leaf.path for leaf in zero.replicated}
+        assert len(zero.sharded) == (2 if stage == 1 else 3)  # big's mu and nu (and big itself at stage 3)
+        groups = zero.by_reason()
+        assert [leaf.path for leaf in groups["no-dividing-axis"]] == ["state['o'][0].count"]
+        below = groups["under-threshold"]
+        assert len(below) == under
+        below_bytes = moments_bytes + (sum(_nbytes(ZERO_SHAPES[name]) for name in small) if stage == 3 else 0)
+        assert sum(leaf.nbytes for leaf in below) == below_bytes
+        if stage == 1:  # the four parameters: stage 3 splits them
+            assert sorted(leaf.path for leaf in groups["parameter"]) == sorted(
+                f"state['p']['{k}']" for k in ZERO_SHAPES
+            )
+        text = str(report)
+        human = f"{below_bytes / 1024:.1f} KiB"
+        assert (
+            f"{under} leaves, {human} in all, stay replicated under the 64.0 KiB threshold "
+            f"(Pipeline.default(zero_stage={stage}, shard_optimizer_min_bytes=0) splits them)"
+        ) in text, text
+        # What the line claims: without the threshold the same stage splits them.
+        unthresholded, _ = _zero_report(n, zero_stage=stage, shard_optimizer_min_bytes=0)
+        assert {leaf.path for leaf in below} <= set(unthresholded.zero.sharded)
+        assert [leaf.reason for leaf in unthresholded.zero.replicated] == (
+            ["no-dividing-axis", *["parameter"] * 4] if stage == 1 else ["no-dividing-axis"]
+        )
+
+
+def test_explain_predicts_the_stages_with_the_pipelines_threshold(n_devices):
+    """The state at each stage is predicted with the pipeline's shard_optimizer_min_bytes, not the default."""
+    n = n_devices
+    report, _ = _zero_report(n, zero_stage=1, shard_optimizer_min_bytes=0)
+    params = sum(_nbytes(shape) for shape in ZERO_SHAPES.values())
+    expected = params + 2 * params // n + 4  # parameters whole, Adam's moments in 1/n, the int32 count
+    assert report.state_bytes == expected
+    assert report.state_bytes_by_stage[1] == expected
+    assert "Pipeline.default(zero_stage=k, shard_optimizer_min_bytes=0), predicted" in str(report)
+
+
+def test_explain_without_zero_has_no_account(n_devices):
+    report, _ = _zero_report(n_devices)
+    assert report.zero is None and "stay replicated" not in str(report)

@@ -34,7 +34,10 @@ and the ``'reduce_broadcast'`` tree costs what its busiest replica sends:
 ``B`` per tree level it sends in (``log2 N`` levels for a power of two). A
 broadcast is lowered as a masked all-reduce; ``replica_id`` sends nothing.
 Figures are per replica and per step; they do not include XLA's own
-scheduling. For a model of *time*, ``report.predict(topology)`` costs every
+scheduling. Below the table the report gives the state bytes per device
+(predicted, then XLA's measured memory) and, with a ZeRO stage, every state
+leaf it left whole, grouped by reason with the option that changes it
+(:func:`~replicator.cost.memory.zero_account`). For a model of *time*, ``report.predict(topology)`` costs every
 row with the alpha-beta model of :mod:`replicator.cost.collectives` on a
 preset (``'gpu-nvlink-8'``, ...) or a calibrated :class:`Topology`.
 
@@ -54,9 +57,16 @@ from typing import Any
 from replicator.core.graph import CollectiveRecord
 from replicator.cost.collectives import Prediction
 from replicator.cost.collectives import predict as _predict
-from replicator.cost.memory import state_bytes_by_zero_stage, state_bytes_per_device
+from replicator.cost.memory import (
+    ZeroAccount,
+    human_bytes,
+    state_bytes_by_zero_stage,
+    state_bytes_per_device,
+    zero_account,
+)
 from replicator.cost.table import format_table
 from replicator.cost.topology import Topology
+from replicator.passes.shard_optimizer import DEFAULT_MIN_TENSOR_BYTES
 from replicator.pipeline.pipeline import Lowered
 
 __all__ = ["CommunicationReport", "communication_report"]
@@ -79,8 +89,12 @@ class CommunicationReport:
     #: Compiles the step and returns its measured per-device memory (``Lowered.memory``);
     #: called when the report is printed, or by :meth:`memory`.
     memory_fn: Callable[[], Any] | None = dataclasses.field(default=None, compare=False, repr=False)
-    #: The same prediction for each ZeRO stage 0-3 (:func:`~replicator.cost.memory.state_bytes_by_zero_stage`).
+    #: The same prediction for each ZeRO stage 0-3 (:func:`~replicator.cost.memory.state_bytes_by_zero_stage`),
+    #: with the pipeline's ``shard_optimizer_min_bytes`` if it has a ZeRO stage.
     state_bytes_by_stage: Mapping[int, int] | None = None
+    #: With a ZeRO stage: every state leaf, sharded or replicated and why
+    #: (:func:`~replicator.cost.memory.zero_account`); ``None`` without one.
+    zero: ZeroAccount | None = None
 
     def memory(self) -> Any:
         """Per-device memory of the compiled step (XLA's analysis; compiles it), or ``None`` if unknown."""
@@ -124,34 +138,31 @@ class CommunicationReport:
                     "all" if r.group is None else r.group,
                     r.algorithm,
                     r.dtype,
-                    _human(r.nbytes),
+                    human_bytes(r.nbytes),
                     str(r.tensors),
-                    _human(r.sent_bytes),
+                    human_bytes(r.sent_bytes),
                     r.region,
                     r.sources[0] if r.sources else "",
                 )
             )
         summary = (
             f"{self.num_collectives} collective(s) on {self.num_replicas} replicas; estimated "
-            f"{_human(self.total_sent_bytes)} sent per replica per step. Passes: {', '.join(self.passes)}."
+            f"{human_bytes(self.total_sent_bytes)} sent per replica per step. Passes: {', '.join(self.passes)}."
         )
         memory = []
         if self.state_bytes is not None:
-            memory.append(f"state per device (predicted from the graph): {_human(self.state_bytes)}")
+            memory.append(f"state per device (predicted from the graph): {human_bytes(self.state_bytes)}")
         if self.state_bytes_by_stage:
-            stages = ", ".join(f"{k}: {_human(v)}" for k, v in sorted(self.state_bytes_by_stage.items()))
-            memory.append(f"state per device at each ZeRO stage (Pipeline.default(zero_stage=k), predicted): {stages}")
+            stages = ", ".join(f"{k}: {human_bytes(v)}" for k, v in sorted(self.state_bytes_by_stage.items()))
+            options = "zero_stage=k"
+            if self.zero is not None and self.zero.min_tensor_bytes != DEFAULT_MIN_TENSOR_BYTES:
+                options += f", shard_optimizer_min_bytes={self.zero.min_tensor_bytes}"
+            memory.append(f"state per device at each ZeRO stage (Pipeline.default({options}), predicted): {stages}")
+        if self.zero is not None:
+            memory.append(str(self.zero))
         if self.memory_fn is not None:
             memory.append(str(self.memory()))
         return "\n".join([format_table(header, lines), summary, *memory, *self.notes])
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError  # pragma: no cover
 
 
 def communication_report(lowered: Lowered) -> CommunicationReport:
@@ -163,6 +174,7 @@ def communication_report(lowered: Lowered) -> CommunicationReport:
     """
     final = lowered.final
     active = tuple(s.name for s in lowered.stages[1:])  # the passes that ran (auto: the chosen ones)
+    zero = zero_account(lowered)
     return CommunicationReport(
         tuple(final.collectives),
         final.context.num_replicas,
@@ -171,11 +183,12 @@ def communication_report(lowered: Lowered) -> CommunicationReport:
         notes=lowered.notes,
         state_bytes=state_bytes_per_device(final),
         memory_fn=lowered.memory_fn,
-        state_bytes_by_stage=_by_stage(lowered),
+        state_bytes_by_stage=_by_stage(lowered, DEFAULT_MIN_TENSOR_BYTES if zero is None else zero.min_tensor_bytes),
+        zero=zero,
     )
 
 
-def _by_stage(lowered: Lowered) -> dict[int, int] | None:
+def _by_stage(lowered: Lowered, min_tensor_bytes: int) -> dict[int, int] | None:
     """The state per device at each ZeRO stage, from the graph before any ZeRO stage ran."""
     names = [s.name for s in lowered.stages]
     before = names.index("shard-optimizer-update") - 1 if "shard-optimizer-update" in names else None
@@ -184,4 +197,4 @@ def _by_stage(lowered: Lowered) -> dict[int, int] | None:
     graph = lowered.stages[before].graph
     if graph.sharded_state or graph.collectives:  # already sharded or lowered: not the graph the stages start from
         return None
-    return state_bytes_by_zero_stage(graph)
+    return state_bytes_by_zero_stage(graph, min_tensor_bytes=min_tensor_bytes)
