@@ -11,7 +11,11 @@ The helpers here do the bookkeeping of rewriting jaxprs:
   derivative calls) and lets a rule replace single equations;
 * :func:`inline_function` traces a plain JAX function on the avals of some
   atoms and returns its equations, renamed, ready to splice into a graph. A
-  rewrite rule is therefore written as ordinary ``lax`` code.
+  rewrite rule is therefore written as ordinary ``lax`` code;
+* :class:`DefUse` holds the def-use facts of one region (which equation
+  defines a variable, which equations read it, what the region returns, what
+  crosses a cut between two equations), for a rewrite that spans several
+  equations: plan on the facts, then rewrite with :func:`rewrite_jaxpr`.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from replicator.core.graph import StepGraph
 __all__ = [
     "CALL_PARAMS",
     "CALL_PRIMITIVES",
+    "DefUse",
     "StepGraph",
     "count_primitives",
     "inline_function",
@@ -161,6 +166,144 @@ def count_primitives(jaxpr: Jaxpr | ClosedJaxpr, names: Sequence[str] | None = N
     return counts
 
 
+# ----------------------------------------------------------------------------
+# Def-use facts of one region
+# ----------------------------------------------------------------------------
+
+
+def _is_var(atom: Atom) -> bool:
+    """A variable that can be read: not a literal, not a dropped result."""
+    return isinstance(atom, Var) and not isinstance(atom, DropVar)
+
+
+class DefUse:
+    """Def-use facts of one region: who defines each variable, who reads it, what the region returns.
+
+    A region is one jaxpr's own equations, numbered by their index in
+    ``jaxpr.eqns``. Its sub-jaxprs (the bodies of ``jit``, ``cond``, ``scan``,
+    ``while``, ``remat``, custom-derivative calls) are regions of their own with
+    their own variables: the equation that holds a sub-jaxpr reads the operands
+    it passes in, and nothing here says what happens inside (build a ``DefUse``
+    of the sub-jaxpr for that; a rewrite that keeps to one region never moves
+    code across a control-flow boundary). Literals and dropped results
+    (``DropVar``) are not variables: they have no producer and no readers, and
+    asking about them answers ``None`` or nothing.
+
+    The facts are those of ``jaxpr`` when it was built (build a new one after a
+    rewrite). :func:`rewrite_jaxpr` keeps the result variables of the equations
+    its rule is shown, so a plan keyed by result variables (``eqn.outvars``)
+    still finds them there; their operands may have been renamed. A pass that
+    rewrites across several equations (docs/design/architecture.md, "A rewrite
+    across several equations") plans on these facts, then rewrites.
+
+    Example (``a`` is read twice by equation 1, once by 2, and returned;
+    ``y`` is never read):
+
+    >>> from replicator.core.jaxprs import DefUse
+    >>> def f(x, y):
+    ...     a = jnp.sin(x)  # equation 0
+    ...     b = a * a  # 1
+    ...     return b + a, a  # 2
+    >>> jaxpr = jax.make_jaxpr(f)(1.0, 2.0).jaxpr
+    >>> facts = DefUse(jaxpr)
+    >>> x, y = jaxpr.invars
+    >>> (a,), (b,) = jaxpr.eqns[0].outvars, jaxpr.eqns[1].outvars
+    >>> facts.producer(a), facts.readers(a), facts.output_positions(a)
+    (0, (1, 2), (1,))
+    >>> facts.producer(x), facts.is_input(x), facts.is_used(y)
+    (None, True, False)
+    >>> facts.live_after(1) == (a, b)  # what a cut after equation 1 must carry over
+    True
+    """
+
+    def __init__(self, jaxpr: Jaxpr):
+        self.jaxpr = jaxpr
+        self._inputs: dict[Var, None] = dict.fromkeys(v for v in (*jaxpr.constvars, *jaxpr.invars) if _is_var(v))
+        self._producer: dict[Var, int] = {}
+        self._readers: dict[Var, list[int]] = {}
+        self._outputs: dict[Var, list[int]] = {}
+        for index, eqn in enumerate(jaxpr.eqns):
+            for atom in eqn.invars:
+                if _is_var(atom):
+                    readers = self._readers.setdefault(atom, [])
+                    if not readers or readers[-1] != index:  # an equation reading it twice is one reader
+                        readers.append(index)
+            for atom in eqn.outvars:
+                if _is_var(atom):
+                    self._producer[atom] = index
+        for position, atom in enumerate(jaxpr.outvars):
+            if _is_var(atom):
+                self._outputs.setdefault(atom, []).append(position)
+
+    def producer(self, atom: Atom) -> int | None:
+        """The index of the equation that defines ``atom``; ``None`` for an input, a literal or another region's."""
+        return self._producer.get(atom) if _is_var(atom) else None
+
+    def producer_eqn(self, atom: Atom) -> JaxprEqn | None:
+        """The equation that defines ``atom`` (see :meth:`producer`), or ``None``."""
+        index = self.producer(atom)
+        return None if index is None else self.jaxpr.eqns[index]
+
+    def readers(self, atom: Atom) -> tuple[int, ...]:
+        """The indices of the equations that read ``atom``, ascending, each once (an output is not a reader)."""
+        return tuple(self._readers.get(atom, ())) if _is_var(atom) else ()
+
+    def output_positions(self, atom: Atom) -> tuple[int, ...]:
+        """Where ``atom`` appears in ``jaxpr.outvars`` (a variable may be returned several times)."""
+        return tuple(self._outputs.get(atom, ())) if _is_var(atom) else ()
+
+    def is_output(self, atom: Atom) -> bool:
+        """Whether the region returns ``atom``."""
+        return _is_var(atom) and atom in self._outputs
+
+    def is_input(self, atom: Atom) -> bool:
+        """Whether ``atom`` is one of the region's inputs (``invars`` or ``constvars``)."""
+        return _is_var(atom) and atom in self._inputs
+
+    def is_used(self, atom: Atom) -> bool:
+        """Whether an equation reads ``atom`` or the region returns it."""
+        return _is_var(atom) and (atom in self._readers or atom in self._outputs)
+
+    def live_after(self, index: int) -> tuple[Var, ...]:
+        """The variables a cut after equation ``index`` must carry over, in definition order.
+
+        Those defined by the region's inputs or by ``eqns[: index + 1]`` that
+        ``eqns[index + 1 :]`` read or that the region returns. ``index = -1``
+        cuts before the first equation (the inputs that are used);
+        ``index = len(eqns) - 1`` after the last (the variables returned).
+        """
+        n = len(self.jaxpr.eqns)
+        if not -1 <= index < n:
+            raise IndexError(f"DefUse.live_after({index}): the region has {n} equations; pass -1 to {n - 1}.")
+
+        def crosses(var: Var) -> bool:
+            return var in self._outputs or any(r > index for r in self._readers.get(var, ()))
+
+        defined = [*self._inputs, *(v for eqn in self.jaxpr.eqns[: index + 1] for v in eqn.outvars if _is_var(v))]
+        return tuple(v for v in defined if crosses(v))
+
+    def dead_eqns(self) -> frozenset[int]:
+        """The equations a dead-code sweep removes: without effects, and no result read by a kept one or returned.
+
+        ``eqn.effects`` includes the effects of its sub-jaxprs; an equation
+        with effects is always kept, and so is all it reads.
+        """
+        live = set(self._outputs)
+        dead: set[int] = set()
+        for index in range(len(self.jaxpr.eqns) - 1, -1, -1):
+            eqn = self.jaxpr.eqns[index]
+            if eqn.effects or any(_is_var(v) and v in live for v in eqn.outvars):
+                live.update(v for v in eqn.invars if _is_var(v))
+            else:
+                dead.add(index)
+        return frozenset(dead)
+
+
+# ----------------------------------------------------------------------------
+# Rewriting
+# ----------------------------------------------------------------------------
+
+
 def rewrite_jaxpr(jaxpr: Jaxpr, rule: EqnRule) -> tuple[Jaxpr, bool]:
     """Rewrite ``jaxpr`` equation by equation, callees before callers.
 
@@ -168,7 +311,12 @@ def rewrite_jaxpr(jaxpr: Jaxpr, rule: EqnRule) -> tuple[Jaxpr, bool]:
       jaxpr: the graph to rewrite (not modified).
       rule: called on each equation (after its sub-jaxprs were rewritten);
         returns ``None`` to keep it, or ``(new_eqns, out_atoms)`` to replace it
-        by ``new_eqns`` whose results ``out_atoms`` stand for its outputs.
+        by ``new_eqns`` whose results ``out_atoms`` stand for its outputs. The
+        equation it is shown has its original results (``eqn.outvars``) and its
+        operands as rewritten so far. ``new_eqns`` and ``out_atoms`` may read
+        any variable of the region as it was before the rewrite (one that a
+        plan found with :class:`DefUse`, say): a variable that an earlier
+        replacement stood in for is read as its stand-in.
 
     Returns:
       The new jaxpr and whether any equation was replaced.
@@ -179,6 +327,9 @@ def rewrite_jaxpr(jaxpr: Jaxpr, rule: EqnRule) -> tuple[Jaxpr, bool]:
     def read(atom: Atom) -> Atom:
         return env.get(atom, atom) if isinstance(atom, Var) else atom
 
+    def renamed(atom: Atom) -> bool:
+        return isinstance(atom, Var) and atom in env
+
     def rewrite_sub(sub: Jaxpr) -> Jaxpr:
         nonlocal changed
         new, sub_changed = rewrite_jaxpr(sub, rule)
@@ -187,7 +338,7 @@ def rewrite_jaxpr(jaxpr: Jaxpr, rule: EqnRule) -> tuple[Jaxpr, bool]:
 
     new_eqns: list[JaxprEqn] = []
     for eqn in jaxpr.eqns:
-        if any(isinstance(v, Var) and v in env for v in eqn.invars):
+        if any(renamed(v) for v in eqn.invars):
             eqn = eqn.replace(invars=[read(v) for v in eqn.invars])
         eqn = map_subjaxprs(eqn, rewrite_sub)
         replacement = rule(eqn)
@@ -196,6 +347,11 @@ def rewrite_jaxpr(jaxpr: Jaxpr, rule: EqnRule) -> tuple[Jaxpr, bool]:
             continue
         changed = True
         eqns, outs = replacement
+        if env:  # the new equations may read what an earlier replacement renamed
+            eqns = [
+                e.replace(invars=[read(v) for v in e.invars]) if any(renamed(v) for v in e.invars) else e for e in eqns
+            ]
+            outs = [read(a) for a in outs]
         new_eqns.extend(eqns)
         for var, atom in zip(eqn.outvars, outs, strict=True):
             if not isinstance(var, DropVar):

@@ -82,7 +82,7 @@ from replicator._jax_compat import scan_operand_counts
 from replicator.analysis.invariance import INVARIANT, Variance, VarianceAnalysis, variance_of
 from replicator.core.context import ReplicaContext
 from replicator.core.graph import StepGraph
-from replicator.core.jaxprs import CALL_PARAMS, inline_function, map_subjaxprs, merge_effects, open_jaxpr
+from replicator.core.jaxprs import CALL_PARAMS, DefUse, inline_function, map_subjaxprs, merge_effects, open_jaxpr
 from replicator.core.primitives import (
     PLACEHOLDERS,
     all_gather_p,
@@ -242,8 +242,10 @@ class _Region:
 
         outvars = [read(v) for v in jaxpr.outvars]
         if self.config.dead:
-            new_eqns, removed = _drop_dead(new_eqns, outvars)
-            changed |= removed
+            dead = DefUse(jaxpr.replace(eqns=new_eqns, outvars=outvars)).dead_eqns()
+            if dead:
+                new_eqns = [eqn for i, eqn in enumerate(new_eqns) if i not in dead]
+                changed = True
         if not changed:
             return jaxpr, False
         return jaxpr.replace(eqns=new_eqns, outvars=outvars, effects=merge_effects(new_eqns, base=jaxpr.effects)), True
@@ -322,19 +324,6 @@ class _Region:
                 f"for {replaces.aval.str_short()}"
             )
         return eqns, out
-
-
-def _drop_dead(eqns: list[JaxprEqn], outvars: Sequence[Atom]) -> tuple[list[JaxprEqn], bool]:
-    """Remove effect-free equations none of whose results is used (one backward sweep)."""
-    live = {v for v in outvars if isinstance(v, Var)}
-    kept: list[JaxprEqn] = []
-    for eqn in reversed(eqns):
-        used = any(isinstance(v, Var) and not isinstance(v, DropVar) and v in live for v in eqn.outvars)
-        if used or eqn.effects:
-            kept.append(eqn)
-            live.update(v for v in eqn.invars if isinstance(v, Var))
-    kept.reverse()
-    return kept, len(kept) != len(eqns)
 
 
 class Simplify(Pass):
