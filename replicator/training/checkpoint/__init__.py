@@ -8,7 +8,7 @@ writer at a time); restores check the manifest's digest, its field types, and
 the tree paths, shapes, dtypes and sha256 against the target state
 (``fallback=True``: the newest intact checkpoint), and re-shard: each leaf is
 built on the target's layout, whatever layout saved it. The format and the
-multi-process rules are in ``docs/guide/checkpoints.md``.
+multi-process rules are in ``docs/design/checkpoints.md``.
 
 >>> import tempfile
 >>> directory = tempfile.mkdtemp()

@@ -4,7 +4,7 @@ The commit protocol (the directory's lock, a temporary directory renamed into
 place, moving aside a checkpoint being replaced, pruning) and reading a
 checkpoint back. What a checkpoint's files hold is
 :mod:`~replicator.training.checkpoint.manifest`'s. See
-``docs/guide/checkpoints.md`` for the format and the guarantees.
+``docs/design/checkpoints.md`` for the format and the guarantees.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class CheckpointManager:
         makes the temporary directory, every process writes its own shards
         into it, all agree that they did, then process 0 commits, and every
         process returns once the checkpoint is committed (see *Multi-process
-        jobs* in ``docs/guide/checkpoints.md``). The directory must then be
+        jobs* in ``docs/design/checkpoints.md``). The directory must then be
         on a file system every process shares.
 
         Args:
@@ -271,7 +271,7 @@ class CheckpointManager:
         files that they write when done, and commits; :meth:`wait` then
         tells every process whether every part was written and committed.
         No collective ever runs in a background thread (see *Asynchronous
-        saves* in ``docs/guide/checkpoints.md``).
+        saves* in ``docs/design/checkpoints.md``).
         """
         save, lock = self._prepare(step, state, extra)
         if not save.writer and not save.multi:
