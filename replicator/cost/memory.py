@@ -91,7 +91,8 @@ REPLICATED_REASONS: dict[str, str] = {
     "parameter": "as parameters, which stage {k} leaves whole (Pipeline.default(zero_stage=3{options}) splits them)",
     "not-floating": "as not floating point",
     "not-proven": (
-        "as their new values are not computed element by element from values proven identical on every replica"
+        "as their updates, though identical on every replica, are not made element by element from values "
+        "ZeRO holds in chunks"
     ),
 }
 

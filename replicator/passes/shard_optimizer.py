@@ -22,7 +22,11 @@ identical, batch data and ``replica_id()`` vary):
   computed on chunks only if **every operand is proven invariant**; its
   same-shaped operands are then this replica's chunks (a reduce-scatter's
   result, a chunked equation's result, or a local ``dynamic_slice`` of a full
-  invariant value) and its scalar operands are used whole;
+  invariant value) and its scalar operands are used whole. A ``broadcast_in_dim``
+  of a scalar proven invariant counts as element-wise (each chunk is the scalar
+  broadcast to the chunk's shape), and top-level ``jit`` calls whose bodies are
+  only such equations (``jnp.where(is_finite, new, old)``'s ``_where``) are
+  inlined first, so that they chunk as ``lax.select`` does;
 * a state leaf read *only* by chunked equations and written from a chunk
   (Adam's ``mu``/``nu``) becomes **sharded state**: the step receives and
   returns only this replica's chunk, and between steps it lives sharded along
@@ -113,7 +117,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 
-from replicator._jax_compat import scan_operand_counts
+from replicator._jax_compat import scan_operand_counts, user_source_line
 from replicator.analysis.invariance import InvarianceInfo, analyze
 from replicator.core.buffers import is_floating, nbytes
 from replicator.core.graph import ShardedState, StepGraph
@@ -262,8 +266,26 @@ def _scatter_picks(eqn: JaxprEqn, cut: _Cut, min_bytes: int) -> list[int]:
     ]
 
 
+def _is_scalar_broadcast(eqn: JaxprEqn) -> bool:
+    """``broadcast_in_dim`` of a scalar (``jnp.where(pred, x, 0.0)``'s ``0.0``, a broadcast predicate)."""
+    return (
+        eqn.primitive.name == "broadcast_in_dim"
+        and len(eqn.invars) == 1
+        and getattr(eqn.invars[0].aval, "shape", None) == ()
+        and not eqn.params.get("sharding")
+    )
+
+
 def _elementwise_ok(eqn: JaxprEqn, cut: _Cut, info: InvarianceInfo) -> bool:
-    """The precondition for computing ``eqn`` on chunks (see the module docstring)."""
+    """The precondition for computing ``eqn`` on chunks (see the module docstring).
+
+    A ``broadcast_in_dim`` of a scalar counts as element-wise when the scalar is
+    proven identical on every replica: every chunk of the broadcast value is the
+    scalar broadcast to the chunk's shape.
+    """
+    if _is_scalar_broadcast(eqn):
+        (x,), (out,) = eqn.invars, eqn.outvars
+        return not isinstance(out, DropVar) and cut.chunkable(out.aval) and info.is_invariant(x) and not eqn.effects
     if eqn.primitive.name not in ELEMENTWISE or len(eqn.outvars) != 1 or eqn.effects:
         return False
     (out,) = eqn.outvars
@@ -296,6 +318,97 @@ def _reduction_ok(eqn: JaxprEqn, cut: _Cut, info: InvarianceInfo) -> bool:
         and cut.axis(x.aval) in eqn.params.get("axes", ())
         and info.is_invariant(x)
     )
+
+
+def _elementwise_body(eqn: JaxprEqn) -> Jaxpr | None:
+    """The body of a ``jit`` call made only of element-wise equations (``jnp.where``'s ``_where``), else None."""
+    if eqn.primitive.name != "jit" or eqn.effects:
+        return None
+    body = eqn.params["jaxpr"]
+    if isinstance(body, ClosedJaxpr):
+        if body.consts:
+            return None
+        body = body.jaxpr
+    if body.constvars or body.effects:
+        return None
+    ok = all(
+        (e.primitive.name in ELEMENTWISE or _is_scalar_broadcast(e)) and not e.effects and len(e.outvars) == 1
+        for e in body.eqns
+    )
+    return body if ok else None
+
+
+def _inline_elementwise_calls(jaxpr: Jaxpr) -> Jaxpr:
+    """``jaxpr`` with its top-level ``jit`` calls of element-wise bodies replaced by their equations.
+
+    ``jnp.where(pred, new, old)`` is ``jit(_where)`` around one ``select_n`` (and
+    ``broadcast_in_dim`` of scalar operands): inlined, the plan sees the
+    element-wise equations as it sees ``lax.select``'s. Returns ``jaxpr`` itself if
+    there is no such call.
+    """
+    env: dict[Var, Atom] = {}
+
+    def read(mapping: dict[Var, Atom], atom: Atom) -> Atom:
+        return mapping.get(atom, atom) if isinstance(atom, Var) else atom
+
+    eqns: list[JaxprEqn] = []
+    for eqn in jaxpr.eqns:
+        if env:
+            eqn = eqn.replace(invars=[read(env, v) for v in eqn.invars])
+        body = _elementwise_body(eqn)
+        if body is None:
+            eqns.append(eqn)
+            continue
+        inner: dict[Var, Atom] = dict(zip(body.invars, eqn.invars, strict=True))
+        for e in body.eqns:
+            outvars = []
+            for v in e.outvars:
+                if not isinstance(v, DropVar):
+                    inner[v] = Var(v.aval)  # fresh: one body may be called twice
+                outvars.append(read(inner, v))
+            eqns.append(e.replace(invars=[read(inner, v) for v in e.invars], outvars=outvars))
+        for var, atom in zip(eqn.outvars, body.outvars, strict=True):
+            if not isinstance(var, DropVar):
+                env[var] = read(inner, atom)
+    if not env:
+        return jaxpr
+    return jaxpr.replace(eqns=eqns, outvars=[read(env, v) for v in jaxpr.outvars], effects=merge_effects(eqns))
+
+
+def _why_whole(jaxpr: Jaxpr, info: InvarianceInfo, out: Atom) -> str:
+    """Why stage 3 leaves the state leaf whose new value is ``out`` replicated (for the notes)."""
+    if not isinstance(out, Var) or out in jaxpr.invars:
+        return "its new value is not computed by the step (a constant or another input)"
+    if not info.is_invariant(out):
+        return "its new value may differ between replicas"
+    producers = {o: e for e in jaxpr.eqns for o in _vars(e.outvars)}
+    seen: set[Var] = set()
+    stack = [out]
+    while stack:  # back through the element-wise equations to one that is not
+        v = stack.pop()
+        eqn = producers.get(v)
+        if eqn is None or v in seen:
+            continue
+        seen.add(v)
+        if eqn.primitive.name in ELEMENTWISE or _is_scalar_broadcast(eqn):
+            stack.extend(u for u in _vars(eqn.invars) if u.aval.shape == v.aval.shape)
+        else:
+            name = eqn.primitive.name
+            name = f"{name} ({eqn.params['name']})" if name == "jit" and "name" in eqn.params else name
+            return (
+                f"its new value is identical on every replica but made from the result of "
+                f"{name} at {user_source_line(eqn.source_info)}, which ZeRO does not compute "
+                f"on chunks (only updates made element by element)"
+            )
+    return (
+        "its new value is identical on every replica and made element by element, but from no value held "
+        "in chunks (a reduce-scattered gradient or a sharded leaf), or it is also returned as an output"
+    )
+
+
+def _all_chunked(indices: list[int], chunked: set[int]) -> bool:
+    """``indices`` is not empty and every equation in it is computed on chunks."""
+    return bool(indices) and all(i in chunked for i in indices)
 
 
 def _stage3_candidate(v: Var, cut: _Cut, min_bytes: int) -> bool:
@@ -346,6 +459,11 @@ def _plan(
         if any(v in chunks or v in chunk_state for v in _vars(eqns[i].invars)):
             plan.chunked.add(i)
             chunks.update(_vars(eqns[i].outvars))
+    # A broadcast scalar that only chunked equations read is made as chunks too (never whole).
+    for i in sorted(eligible):
+        out = eqns[i].outvars[0]
+        if _is_scalar_broadcast(eqns[i]) and out not in in_outvars and _all_chunked(readers.get(out, []), plan.chunked):
+            plan.chunked.add(i)
 
     def param_kept(i: int, chunks: set[Var]) -> bool:
         """Stage 3 stores parameter ``i`` sharded: its new value is its old one or a chunk nothing else returns."""
@@ -385,7 +503,8 @@ def _plan(
         drop = {
             i
             for i in plan.chunked
-            if not any(v in chunks for v in _vars(eqns[i].invars)) and not read_as_chunk(eqns[i].outvars[0])
+            if (not any(v in chunks for v in _vars(eqns[i].invars)) and not read_as_chunk(eqns[i].outvars[0]))
+            or (_is_scalar_broadcast(eqns[i]) and not _all_chunked(readers.get(eqns[i].outvars[0], []), plan.chunked))
         }
         unscatter = {i: [k for k in ks if read_as_chunk(eqns[i].outvars[k])] for i, ks in plan.scatter.items()}
         unscatter = {i: ks for i, ks in unscatter.items() if ks}
@@ -558,7 +677,8 @@ class _Emitter:
         # The same equation on chunks, built directly (re-tracing thousands of
         # small equations would dominate the pass's time).
         c = Var(self.cut.chunk_aval(outvar.aval))
-        self.out.append(eqn.replace(invars=atoms, outvars=[c]))
+        params = dict(eqn.params, shape=c.aval.shape) if _is_scalar_broadcast(eqn) else eqn.params
+        self.out.append(eqn.replace(invars=atoms, outvars=[c], params=params))
         self.chunk[outvar] = c
         self.chunk_only.add(outvar)
 
@@ -643,32 +763,36 @@ class ShardOptimizerUpdate(Pass):
         n = graph.context.num_replicas
         if n == 1:
             return PassResult(graph, False)
+        original = graph
+        inlined = _inline_elementwise_calls(graph.jaxpr.jaxpr)
+        if inlined is not graph.jaxpr.jaxpr:
+            graph = graph.with_jaxpr(ClosedJaxpr(inlined, graph.jaxpr.consts))
         try:
             info = analyze(graph)
         except ReplicationError:
             # The invariance check was disabled and the step is one it rejects:
             # nothing can be proven, so nothing is rewritten.
-            return PassResult(graph, False)
+            return PassResult(original, False)
         stacks = _scanned_stacks(graph.jaxpr.jaxpr, n) if self._slicing else frozenset()
         cut = _Cut(n, stacks)
         plan = _plan(graph, cut, info, self.shard_state, self.min_tensor_bytes, self.stage)
         jaxpr = graph.jaxpr.jaxpr
         chunks = plan.chunk_vars(jaxpr)
-        notes = self._replicated_notes(graph, plan, cut) + self._whole_stack_notes(graph, plan, cut)
+        notes = self._replicated_notes(graph, plan, cut, info) + self._whole_stack_notes(graph, plan, cut)
         if self.shard_state and not (plan.sharded or plan.params):
             # ZeRO pays by storing state in 1/N: without any, a
             # reduce-scatter + all-gather only replaces an all-reduce.
-            return PassResult(graph, False, notes)
+            return PassResult(original, False, notes)
         if not any(isinstance(v, Var) and v in chunks for v in jaxpr.outvars[: graph.num_state]):
             # No state update is computed on chunks: splitting would only add collectives.
-            return PassResult(graph, False, notes)
+            return PassResult(original, False, notes)
         return PassResult(self._emit(graph, plan, cut), True, notes)
 
     @property
     def _slicing(self) -> bool:
         return self.stage >= 3 and self.slice_scans
 
-    def _replicated_notes(self, graph: StepGraph, plan: _Plan, cut: _Cut) -> tuple[str, ...]:
+    def _replicated_notes(self, graph: StepGraph, plan: _Plan, cut: _Cut, info: InvarianceInfo) -> tuple[str, ...]:
         """Stage 3: why each floating-point state leaf of at least ``min_tensor_bytes`` stays replicated."""
         if self.stage < 3:
             return ()
@@ -681,10 +805,7 @@ class ShardOptimizerUpdate(Pass):
             if not cut.chunkable(v.aval):
                 why = f"no axis of its shape {v.aval.shape} divides by the {cut.n} replicas"
             else:
-                why = (
-                    "its new value is not computed element by element from values the variance analysis "
-                    "proves identical on every replica"
-                )
+                why = _why_whole(graph.jaxpr.jaxpr, info, graph.jaxpr.jaxpr.outvars[i])
             notes.append(
                 f"ZeRO stage {self.stage}: {graph.state_paths[i]} {v.aval.str_short()} stays replicated: {why}"
             )
