@@ -19,6 +19,15 @@ Three ways to run::
     # under SLURM (srun) or Open MPI (mpirun), one task per worker: JAX reads the cluster's settings
     srun -n 4 python -m replicator.launch train.py
 
+torchrun's spellings work where they mean the same (``--nproc-per-node 2`` is
+``--num-workers 2``; :data:`~replicator.launch.cli.TORCHRUN`), and are refused
+with what to pass where they do not (``--nnodes 1:4``); a script that does not
+exist is refused before any worker starts. Runtime chatter (Gloo's connection
+lines) is left out unless ``--show-runtime-logs``; when a worker fails, the
+launcher's diagnosis comes first and the other workers' consequential errors
+one line each; every worker's whole output is kept in ``--log-dir``
+(:mod:`~replicator.launch.relay`).
+
 ``--cores-per-worker C`` emulates ``C`` CPU devices per worker on CPU (it sets
 ``XLA_FLAGS=--xla_force_host_platform_device_count=C``; other platforms ignore
 it) and tells the script through ``REPLICATOR_CORES_PER_WORKER``; on a GPU
@@ -74,7 +83,8 @@ Library use: :func:`launch` runs a job and returns its exit code.
 
 Modules: :mod:`~replicator.launch.environment` (a worker's command line and
 environment, the coordinator's port), :mod:`~replicator.launch.processes`
-(starting, prefixing and stopping worker processes),
+(starting, prefixing and stopping worker processes), :mod:`~replicator.launch.relay`
+(what of a worker's output is shown, and its log file),
 :mod:`~replicator.launch.blame` (which failed worker to blame, in words),
 :mod:`~replicator.launch.watchdog` (verdicts on the workers' progress),
 :mod:`~replicator.launch.supervise` (the supervision loop and :func:`launch`),

@@ -4,11 +4,23 @@ The launcher's options end at the script (or ``-m MODULE``, or ``--``); the
 rest is the worker's command line. :func:`main` runs the job with
 :func:`~replicator.launch.supervise.launch` and turns ``SIGINT`` and
 ``SIGTERM`` into stopping it (exit code ``128 + signal``).
+
+torchrun's spellings are understood (:data:`TORCHRUN`): where an option of
+torchrun means what one of ours does it is an alias (``--nproc-per-node 2``
+is ``--num-workers 2`` on one machine); where it means something else it is
+refused with what to pass instead, before any worker starts. An underscore
+may stand for a dash in any option (``--max_restarts``), and an unknown
+option is answered with the closest known ones. A script that does not exist
+or cannot be read, or a module that cannot be found, is refused before any
+worker starts too.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib.machinery
+import os
 import signal
 import sys
 import threading
@@ -18,14 +30,46 @@ from replicator.launch.environment import LaunchError, worker_command
 from replicator.launch.processes import DEFAULT_KILL_GRACE_S
 from replicator.launch.restarts import DEFAULT_FAILURE_WINDOW_S
 from replicator.launch.supervise import launch
-from replicator.launch.watchdog import DEFAULT_COMPILE_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S
+from replicator.launch.watchdog import DEFAULT_COMPILE_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S, STALL_EXIT_CODE
 from replicator.runtime.distributed.startup import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     DEFAULT_START_TIMEOUT_S,
+    START_TIMEOUT_EXIT_CODE,
 )
 
-__all__ = ["main"]
+__all__ = ["TORCHRUN", "main"]
+
+#: torchrun's options and what they are here: an alias of ours (with a condition), or why not.
+#: docs/guide/multihost.md has the same table.
+TORCHRUN: dict[str, str] = {
+    "--nproc-per-node": "--num-workers on one machine; with --nnodes N > 1 it must be 1 (one worker per host)",
+    "--nnodes": "--num-workers N with one worker per host (N > 1) or none (1); MIN:MAX (elastic) is refused",
+    "--node-rank": "--worker-id (a job across hosts: one worker per host)",
+    "--master-addr": "the HOST of --coordinator HOST:PORT (worker 0's host)",
+    "--master-port": "the PORT of --coordinator HOST:PORT",
+    "--rdzv-endpoint": "--coordinator HOST:PORT (torchrun's default port 29400 when none is given)",
+    "--rdzv-backend": "c10d and static are accepted (worker 0 hosts the job's coordination, as here); others refused",
+    "--standalone": "the default for a job on one machine (127.0.0.1 at a free port)",
+    "--module": "-m MODULE",
+    "--max-restarts": "--max-restarts (the same option)",
+    "--log-dir": "--log-dir (the same option: each run gets a new directory under it)",
+}
+
+#: torchrun's options with no counterpart here, and what to do instead.
+_TORCHRUN_REFUSED: dict[str, str] = {
+    "--rdzv-id": "a job is known by its coordinator's address here (--coordinator / --rdzv-endpoint); drop it",
+    "--rdzv-conf": "there is no rendezvous to configure: workers join at --coordinator within --start-timeout",
+    "--redirects": "every worker's output is shown with a [worker I] prefix and kept whole in --log-dir",
+    "--tee": "every worker's output is shown with a [worker I] prefix and kept whole in --log-dir",
+    "--monitor-interval": "workers are watched every 0.05 s; --step-timeout bounds a stall",
+    "--no-python": "the workers run Python scripts or modules (-m); run other programs yourself",
+    "--local-ranks-filter": "every worker's output is shown, prefixed; each is kept whole in --log-dir",
+}
+
+#: torchrun's default ports, for an address given without one.
+_MASTER_PORT = 29500
+_RDZV_PORT = 29400
 
 # The options that take seconds: (flag, default, help), in --help's order.
 _SECONDS: list[tuple[str, float | None, str]] = [
@@ -67,19 +111,36 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m replicator.launch",
         usage="%(prog)s [options] (script.py | -m module) [args ...]",
         description="Run a replicator training script as the workers of a multi-process job.",
-        epilog="Example: python -m replicator.launch --num-workers 2 --cores-per-worker 4 train.py --steps 100",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # an abbreviation would also swallow the script's name as its value
     )
-    p.add_argument("--num-workers", type=int, metavar="W", help="workers (processes) in the job")
     p.add_argument(
-        "--cores-per-worker", type=int, metavar="C", help="devices per worker; on CPU this many are emulated"
+        "--num-workers",
+        type=int,
+        metavar="W",
+        help="workers (processes) in the job (torchrun: --nproc-per-node on one machine, --nnodes across hosts; "
+        "default: none, needed unless the launcher runs under SLURM or Open MPI, which say it)",
+    )
+    p.add_argument(
+        "--cores-per-worker",
+        type=int,
+        metavar="C",
+        help="devices per worker; on CPU this many are emulated (default: not set: each worker uses the devices "
+        "JAX finds, all of a GPU host's GPUs, or the CPU devices XLA_FLAGS asks for, 1 without it)",
     )
     p.add_argument(
         "--coordinator",
         metavar="HOST:PORT",
-        help="HOST:PORT of worker 0 (default for local jobs: 127.0.0.1 at a free port)",
+        help="HOST:PORT of worker 0 (torchrun: --master-addr/--master-port, --rdzv-endpoint; default for local "
+        "jobs: 127.0.0.1 at a free port)",
     )
     p.add_argument(
-        "--worker-id", type=int, metavar="I", help="start only this worker (one per host; needs --coordinator)"
+        "--worker-id",
+        type=int,
+        metavar="I",
+        help="start only this worker (one per host; needs --coordinator; torchrun: --node-rank; default: none, "
+        "every worker of the job starts on this machine)",
     )
     for flag, default, text in _SECONDS:
         p.add_argument(flag, type=float, metavar="S", default=default, help=text)
@@ -103,38 +164,290 @@ def _parser() -> argparse.ArgumentParser:
         "resume_from= restores onto the smaller mesh and keeps the global batch (keep_batch='per-replica' keeps "
         "the rows per replica instead). Default: --num-workers (never fewer)",
     )
-    p.add_argument("-m", dest="module", metavar="MODULE", help="run a module as the worker's program, like python -m")
+    p.add_argument(
+        "--log-dir",
+        metavar="DIR",
+        help="keep every worker's whole output in a new directory under DIR (worker-I.log), chatter and "
+        "tracebacks included (default: a temporary directory, removed at the end unless a line of the launcher "
+        "named a file in it: everything else was shown)",
+    )
+    p.add_argument(
+        "--show-runtime-logs",
+        action="store_true",
+        help="also show the runtime's chatter, such as Gloo's '[Gloo] Rank 0 is connected to 1 peer ranks' lines "
+        "(default: off; they are in the log files either way)",
+    )
+    p.add_argument(
+        "-m",
+        dest="module",
+        metavar="MODULE",
+        help="run a module as the worker's program, like python -m (torchrun: -m/--module; default: none, "
+        "run a script)",
+    )
+    # torchrun's spellings (hidden: the epilog and docs/guide/multihost.md list them), resolved by _from_torchrun.
+    hidden = argparse.SUPPRESS
+    p.add_argument("--nproc-per-node", dest="tr_nproc_per_node", metavar="N", help=hidden)
+    p.add_argument("--nnodes", dest="tr_nnodes", metavar="N", help=hidden)
+    p.add_argument("--node-rank", dest="tr_node_rank", type=int, metavar="I", help=hidden)
+    p.add_argument("--master-addr", dest="tr_master_addr", metavar="HOST", help=hidden)
+    p.add_argument("--master-port", dest="tr_master_port", type=int, metavar="PORT", help=hidden)
+    p.add_argument("--rdzv-endpoint", dest="tr_rdzv_endpoint", metavar="HOST:PORT", help=hidden)
+    p.add_argument("--rdzv-backend", dest="tr_rdzv_backend", metavar="NAME", help=hidden)
+    p.add_argument("--standalone", dest="tr_standalone", action="store_true", help=hidden)
     return p
 
 
+_EPILOG = f"""\
+exit codes:
+  0        every worker succeeded
+  N        the first failed worker's own exit code (128+S when a signal S killed it)
+  1        workers still running long after another one finished: stuck (see --shutdown-timeout)
+  2        bad launcher arguments, or a script or module that cannot be run (no worker started)
+  {START_TIMEOUT_EXIT_CODE}       a worker never joined the job: it gave up waiting for the others (--start-timeout),
+           or its script ended before it joined
+  {STALL_EXIT_CODE}       the watchdog stopped the job: no worker moved for --step-timeout while one waited for
+           another, or a worker left the training loop while the others went on
+  124      --max-time ran out
+  128+S    the launcher got signal S (130: Ctrl-C, 143: SIGTERM)
+  With --max-restarts, a job that failed once too often ends with its last failure's code.
+
+torchrun's options (an underscore may stand for a dash in any option):
+{chr(10).join(f"  {flag:<19}{meaning}" for flag, meaning in TORCHRUN.items())}
+
+Example: python -m replicator.launch --num-workers 2 --cores-per-worker 4 train.py --steps 100
+"""
+
+
 def _split_argv(argv: Sequence[str], parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
-    """Launcher options | the worker's command: the first positional or ``-m MOD`` ends the options."""
+    """Launcher options | the worker's command: the first positional or ``-m MOD`` ends the options.
+
+    In the options, ``--some_option`` is read as ``--some-option`` (torchrun accepts both) and
+    torchrun's ``--module`` as ``-m``.
+    """
+    known = {opt for a in parser._actions for opt in a.option_strings}
     takes_value = {opt for a in parser._actions if a.nargs is None and a.option_strings for opt in a.option_strings}
+    options: list[str] = []
     i = 0
     while i < len(argv):
         arg = argv[i]
         if arg == "--":
-            return list(argv[:i]), list(argv[i + 1 :])
+            return options, list(argv[i + 1 :])
+        if arg.startswith("--") and "_" in arg.partition("=")[0]:
+            name, eq, value = arg.partition("=")
+            if name.replace("_", "-") in known | set(_TORCHRUN_REFUSED):
+                arg = name.replace("_", "-") + eq + value
+        if arg == "--module":
+            arg = "-m"
         if arg == "-m":
-            return list(argv[: i + 2]), list(argv[i + 2 :])
+            return [*options, arg, *argv[i + 1 : i + 2]], list(argv[i + 2 :])
         if not arg.startswith("-") or arg == "-":
-            return list(argv[:i]), list(argv[i:])
-        i += 2 if arg in takes_value else 1
-    return list(argv), []
+            return options, list(argv[i:])
+        options.append(arg)
+        if arg in takes_value and i + 1 < len(argv):
+            options.append(argv[i + 1])
+            i += 1
+        i += 1
+    return options, []
+
+
+def _unknown_option(arg: str, parser: argparse.ArgumentParser) -> str:
+    """The error for an option the launcher does not know: why, or the closest known ones."""
+    name = arg.partition("=")[0]
+    if name in _TORCHRUN_REFUSED:
+        return f"{name} is torchrun's; replicator.launch has no such option: {_TORCHRUN_REFUSED[name]}."
+    visible = [
+        o for a in parser._actions if a.help != argparse.SUPPRESS for o in a.option_strings if o.startswith("--")
+    ]
+    candidates = visible + list(TORCHRUN)
+    close = [c for c in candidates if c.startswith(name) and len(name) > 2][:2]  # an abbreviation
+    close = close or difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)  # else a typo
+    hint = ""
+    if close:
+        said = [f"{c} (torchrun's: {TORCHRUN[c]})" if c in TORCHRUN and c not in visible else c for c in close]
+        hint = f"; did you mean {' or '.join(said)}?"
+    return f"unrecognized option {name}{hint} (all options: --help)"
+
+
+def _from_torchrun(args: argparse.Namespace) -> None:
+    """Resolve torchrun's options into ours (in ``args``); raise LaunchError where they mean something else."""
+    nproc, nnodes, node_rank = args.tr_nproc_per_node, args.tr_nnodes, args.tr_node_rank
+    nodes: int | None = None
+    if nnodes is not None:
+        low, sep, high = nnodes.partition(":")
+        if not (low.isdigit() and (not sep or high.isdigit())) or int(low) < 1:
+            raise LaunchError(f"--nnodes takes a number of hosts N (or torchrun's MIN:MAX), got {nnodes!r}.")
+        if sep and low != high:
+            raise LaunchError(
+                f"--nnodes {nnodes}: a job whose number of hosts changes while it runs (torchrun's elastic "
+                f"MIN:MAX) is not supported; pass --nnodes N (one worker per host, the same as --num-workers N). "
+                f"On one machine, --max-restarts R --min-workers M restarts a failing job on fewer workers."
+            )
+        nodes = int(low)
+    workers: int | None = None
+    if nproc is not None:
+        if not nproc.isdigit() or int(nproc) < 1:
+            raise LaunchError(
+                f"--nproc-per-node {nproc}: give a number of workers. Here a worker is one process that uses all "
+                f"the devices it is given (--cores-per-worker), so run one worker per GPU host "
+                f"(--nproc-per-node 1 --nnodes HOSTS), and on CPU as many as you like."
+            )
+        workers = int(nproc)
+    if nodes is not None and nodes > 1:
+        if workers is not None and workers != 1:
+            raise LaunchError(
+                f"--nproc-per-node {workers} with --nnodes {nodes}: a job across hosts runs one worker per host "
+                f"here, each with all of its host's devices; pass --nproc-per-node 1 (or leave it out) and "
+                f"--cores-per-worker for the devices."
+            )
+        workers = nodes
+        if node_rank is None:
+            raise LaunchError(
+                f"--nnodes {nodes} needs --node-rank I (the same as --worker-id I) on each host: there is no "
+                f"rendezvous here that numbers the hosts as they join."
+            )
+    elif node_rank not in (None, 0):
+        raise LaunchError(
+            f"--node-rank {node_rank} needs --nnodes N > {node_rank} (one worker per host; the same as --worker-id)."
+        )
+    if workers is not None:
+        if args.num_workers is not None and args.num_workers != workers:
+            raise LaunchError(
+                f"--num-workers {args.num_workers} and torchrun's --nproc-per-node/--nnodes (= {workers} "
+                f"workers) disagree; pass one of them."
+            )
+        args.num_workers = workers
+    if nodes is not None and nodes > 1:
+        _set(args, "worker_id", node_rank, "--node-rank")
+    backend = args.tr_rdzv_backend
+    if backend is not None and backend not in ("c10d", "static"):
+        raise LaunchError(
+            f"--rdzv-backend {backend}: there is no rendezvous service here; worker 0 hosts the job's "
+            f"coordination at --coordinator HOST:PORT (as torchrun's c10d and static backends do)."
+        )
+    address = None
+    if args.tr_rdzv_endpoint is not None:
+        host, sep, port = args.tr_rdzv_endpoint.rpartition(":")
+        address = args.tr_rdzv_endpoint if sep and host and port else f"{args.tr_rdzv_endpoint}:{_RDZV_PORT}"
+        if args.tr_master_addr is not None or args.tr_master_port is not None:
+            raise LaunchError("pass either --rdzv-endpoint HOST:PORT or --master-addr/--master-port, not both.")
+    elif args.tr_master_addr is not None or args.tr_master_port is not None:
+        port = args.tr_master_port if args.tr_master_port is not None else _MASTER_PORT
+        address = f"{args.tr_master_addr or '127.0.0.1'}:{port}"
+    if args.tr_standalone:
+        if address is not None or args.coordinator is not None or (nodes is not None and nodes > 1):
+            raise LaunchError(
+                "--standalone is a job on this machine at a free port (the default here); drop it, or drop "
+                "--coordinator/--master-addr/--rdzv-endpoint/--nnodes."
+            )
+    if address is not None:
+        _set(args, "coordinator", address, "--master-addr/--master-port/--rdzv-endpoint")
+
+
+def _set(args: argparse.Namespace, name: str, value: object, given_as: str) -> None:
+    ours = getattr(args, name)
+    if ours is not None and ours != value:
+        flag = "--" + name.replace("_", "-")
+        raise LaunchError(f"{flag} {ours} and torchrun's {given_as} (= {value}) disagree; pass one of them.")
+    setattr(args, name, value)
+
+
+def _check_program(rest: list[str], module: str | None) -> None:
+    """Raise LaunchError when the workers' script cannot be read or their module cannot be found."""
+    if module is not None:
+        if not _find_module(module, os.getcwd()):
+            raise LaunchError(
+                f"-m {module}: python -m finds no module {module!r} to run from {os.getcwd()} (a package needs a "
+                f"__main__.py; the workers' sys.path starts "
+                f"there, then PYTHONPATH and the installed packages); check its name, or cd to its project."
+            )
+        return
+    script = rest[0]
+    if not os.path.exists(script):
+        folder = os.path.dirname(script) or "."
+        try:
+            names = [n for n in os.listdir(folder) if n.endswith(".py")]
+        except OSError:
+            names = []
+        close = difflib.get_close_matches(os.path.basename(script), names, n=1)
+        hint = f"; did you mean {os.path.join(os.path.dirname(script), close[0])}?" if close else "."
+        if script in ("python", "python3") or script.endswith(("/python", "/python3")):
+            hint = f": give the script itself ({' '.join(rest[1:2]) or 'train.py'}), the launcher runs Python."
+        raise LaunchError(f"no script {script!r} (from {os.getcwd()}){hint}")
+    if os.path.isdir(script):
+        if not os.path.isfile(os.path.join(script, "__main__.py")):
+            raise LaunchError(f"{script!r} is a directory without __main__.py; give the script to run.")
+        return
+    if not os.access(script, os.R_OK):
+        raise LaunchError(f"cannot read the script {script!r} (permission denied); check its permissions.")
+
+
+def _find_module(name: str, cwd: str) -> bool:
+    """Whether ``python -m name`` run in ``cwd`` would find the module, without importing (running) anything.
+
+    A package must have a ``__main__`` module, as for ``python -m``.
+    """
+    top, *subs = name.split(".")
+    path = [cwd, *sys.path[1:]]  # the workers' sys.path: the bootstrap puts the working directory first
+    spec = None
+    for finder in sys.meta_path:  # builtins, frozen modules, editable installs' finders, then the path
+        find = getattr(finder, "find_spec", None)
+        if find is not None:
+            spec = find(top, path if finder is importlib.machinery.PathFinder else None)
+            if spec is not None:
+                break
+    if spec is None:
+        return False
+    locations = list(spec.submodule_search_locations or [])
+    for part in [*subs, "__main__"]:
+        if not locations:  # a module, not a package: nothing below it
+            return part == "__main__"
+        found = _find_in(locations, part)
+        if found is None:
+            return False
+        locations = found
+    return True
+
+
+def _find_in(locations: list[str], part: str) -> list[str] | None:
+    """Module ``part`` in a package's ``locations``: its own locations ([] for a module), or None if missing."""
+    suffixes = importlib.machinery.all_suffixes()
+    namespace = []
+    for folder in locations:
+        base = os.path.join(folder, part)
+        if os.path.isfile(os.path.join(base, "__init__.py")):
+            return [base]
+        if any(os.path.isfile(base + suffix) for suffix in suffixes):
+            return []
+        if os.path.isdir(base):
+            namespace.append(base)
+    return namespace or None
+
+
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The launcher's options, torchrun's resolved into ours, and the workers' command (script or module, args).
+
+    Exits with code 2 and a message on a bad option, a script that cannot be
+    read or a module that cannot be found: before any worker starts.
+    """
+    parser = _parser()
+    options, rest = _split_argv(argv, parser)
+    args, unknown = parser.parse_known_args(options)
+    if unknown:
+        parser.error(_unknown_option(unknown[0], parser))
+    try:
+        _from_torchrun(args)
+        if not args.module and not rest:
+            raise LaunchError("give the script to run (train.py [args]) or a module (-m pkg.train [args]).")
+        _check_program(rest, args.module)
+    except LaunchError as e:
+        parser.error(str(e))
+    return args, rest
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``python -m replicator.launch`` command; returns the exit code."""
-    parser = _parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    options, rest = _split_argv(argv, parser)
-    args = parser.parse_args(options)
-    if args.module:
-        command = worker_command(rest, module=args.module)
-    elif rest:
-        command = worker_command(rest)
-    else:
-        parser.error("give the script to run (train.py [args]) or a module (-m pkg.train [args]).")
+    args, rest = parse(list(sys.argv[1:] if argv is None else argv))
+    command = worker_command(rest, module=args.module) if args.module else worker_command(rest)
 
     interrupted = threading.Event()
 
@@ -162,9 +475,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             min_workers=args.min_workers,
             failure_window_s=args.failure_window,
             interrupted=interrupted,
+            log_dir=args.log_dir,
+            show_runtime_logs=args.show_runtime_logs,
         )
     except LaunchError as e:
-        parser.error(str(e))
+        _parser().error(str(e))
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -3,7 +3,10 @@
 Each worker runs in its own process group, so that signalling it reaches what
 it started; its output is copied line by line with a ``[worker I] `` prefix
 (the launcher's own lines get ``[launcher] ``). Stopping is ``SIGTERM``, then
-``SIGKILL`` after a grace period (JAX catches ``SIGTERM``).
+``SIGKILL`` after a grace period (JAX catches ``SIGTERM``), to each worker's whole
+process group: what a worker started (a data loader, a compiler) goes with it, also
+when the worker itself exited first (a failed worker's children would otherwise keep
+cores, ports and devices into the next start).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import IO, Any
 
+from replicator.launch.relay import WorkerLog
 from replicator.runtime.distributed import progress
 from replicator.runtime.distributed.status import read_status
 
@@ -39,6 +43,7 @@ class Worker:
     status_dir: str
     progress_file: str
     ended: float | None = None  # when it exited (set by its waiter thread: exact, for ordering)
+    log: WorkerLog | None = None  # where its output goes (None: copied as it is)
     _status: dict[str, Any] | None = None
 
     @property
@@ -77,17 +82,32 @@ class Output:
         self.write(self.stderr, f"[launcher] {message}\n")
 
 
-def _pump(pipe: IO[bytes], prefix: str, output: Output, stream: IO[str]) -> None:
+def _pump(
+    pipe: IO[bytes], prefix: str, output: Output, stream: IO[str], log: WorkerLog | None = None, stderr: bool = False
+) -> None:
     for raw in iter(pipe.readline, b""):
         line = raw.decode(errors="replace").rstrip("\r\n")
-        output.write(stream, f"{prefix}{line}\n")
+        if log is not None:
+            log.line(line, stderr=stderr)
+        else:
+            output.write(stream, f"{prefix}{line}\n")
     pipe.close()
 
 
 def start(
-    worker_id: int, command: Sequence[str], env: dict[str, str], output: Output, status_dir: str, progress_file: str
+    worker_id: int,
+    command: Sequence[str],
+    env: dict[str, str],
+    output: Output,
+    status_dir: str,
+    progress_file: str,
+    log: WorkerLog | None = None,
 ) -> Worker:
-    """Start worker ``worker_id``'s process, the threads that copy its output, and one that notes its exit."""
+    """Start worker ``worker_id``'s process, the threads that copy its output, and one that notes its exit.
+
+    With ``log`` its output goes through it (:class:`~replicator.launch.relay.WorkerLog`: chatter
+    left out, errors held, a log file); else every line is copied with its prefix.
+    """
     proc = subprocess.Popen(
         list(command),
         env=env,
@@ -98,12 +118,12 @@ def start(
     )
     prefix = f"[worker {worker_id}] "
     threads = [
-        threading.Thread(target=_pump, args=(proc.stdout, prefix, output, output.stdout), daemon=True),
-        threading.Thread(target=_pump, args=(proc.stderr, prefix, output, output.stderr), daemon=True),
+        threading.Thread(target=_pump, args=(proc.stdout, prefix, output, output.stdout, log), daemon=True),
+        threading.Thread(target=_pump, args=(proc.stderr, prefix, output, output.stderr, log, True), daemon=True),
     ]
     for t in threads:
         t.start()
-    worker = Worker(worker_id, proc, time.monotonic(), threads, status_dir, progress_file)
+    worker = Worker(worker_id, proc, time.monotonic(), threads, status_dir, progress_file, log=log)
 
     def wait() -> None:
         proc.wait()
@@ -122,8 +142,15 @@ def signal_group(worker: Worker, sig: int) -> None:
 
 
 def stop(workers: list[Worker], grace_s: float, output: Output) -> None:
-    """SIGTERM every live worker, SIGKILL those still alive after ``grace_s``."""
+    """SIGTERM every live worker's process group, SIGKILL the groups after ``grace_s`` (or once the workers exited).
+
+    The groups of workers that already exited get SIGKILL at once: what such a worker
+    started is left without it.
+    """
     alive = [w for w in workers if w.ended is None]
+    for w in workers:
+        if w.ended is not None:
+            signal_group(w, signal.SIGKILL)
     if not alive:
         return
     output.launcher(f"stopping worker(s) {[w.worker_id for w in alive]}: SIGTERM, then SIGKILL after {grace_s:g} s")
@@ -132,9 +159,8 @@ def stop(workers: list[Worker], grace_s: float, output: Output) -> None:
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(w.ended is None for w in alive):
         time.sleep(EXIT_POLL_S)
-    for w in alive:
-        if w.ended is None:
-            signal_group(w, signal.SIGKILL)
+    for w in alive:  # also a worker that exited on SIGTERM: what it started may ignore SIGTERM
+        signal_group(w, signal.SIGKILL)
     deadline = time.monotonic() + 10.0
     while time.monotonic() < deadline and any(w.ended is None for w in alive):
         time.sleep(EXIT_POLL_S)

@@ -27,6 +27,7 @@ from typing import IO
 from replicator.launch.blame import blame, exit_code
 from replicator.launch.environment import LaunchError, check_port_free, free_port, worker_env
 from replicator.launch.processes import DEFAULT_KILL_GRACE_S, EXIT_POLL_S, Output, Worker, start, stop
+from replicator.launch.relay import WorkerLog, log_path
 from replicator.launch.restarts import DEFAULT_FAILURE_WINDOW_S, Outcome, Recovery, Shrinking
 from replicator.launch.watchdog import (
     DEFAULT_COMPILE_TIMEOUT_S,
@@ -106,12 +107,17 @@ def supervise(
         if any(w.returncode != 0 for w in ended):
             # The others fail soon after a peer dies (a collective errors, or JAX aborts them):
             # let those exits land, then blame a worker that did not just echo a peer's
-            # failure, the first to end among them.
+            # failure, the first to end among them. Their error reports are held meanwhile
+            # (see replicator.launch.relay): the launcher's line comes first.
             time.sleep(0.25)
             first, line = blame(workers)
             output.launcher(line)
+            _settle(workers, {first.worker_id})
             outcome = Outcome(exit_code(first.returncode), line, restartable=True, detected=now, blamed=first.worker_id)
             break
+        for w in workers:
+            if w.log is not None and (w.ended is None or w.returncode == 0):
+                w.log.release_stale(now)
         if len(ended) == len(workers):
             return Outcome(0)
         if now >= next_watch:
@@ -120,7 +126,8 @@ def supervise(
             if verdict is not None:
                 output.launcher(f"watchdog: {verdict.message}")
                 if verdict.kind == "stalled":
-                    _dump_stacks(workers, verdict.blame, output)
+                    _dump_stacks(workers, verdict.blame, output)  # shown whole: they are the diagnosis
+                _settle(workers, set(verdict.blame))
                 output.launcher(f"stopping the job (exit code {verdict.code})")
                 blamed = verdict.blame[0] if len(verdict.blame) == 1 else None
                 outcome = Outcome(
@@ -135,19 +142,39 @@ def supervise(
                 f"finished; they are stuck (e.g. waiting in a collective for a step the others did not run)"
             )
             output.launcher(line)
+            _settle(workers, set())
             outcome = Outcome(1, line, restartable=True, detected=now)
             break
         if max_time_s is not None and now - job_start > max_time_s:
             output.launcher(f"the job ran longer than --max-time {max_time_s:g} s")
+            _settle(workers, set())
             outcome = Outcome(124)
             break
         interrupt = _interrupt(interrupted, output)
         if interrupt is not None:
+            _settle(workers, set())
             outcome = interrupt
             break
         time.sleep(EXIT_POLL_S)
     stop(workers, kill_grace_s, output)
     return outcome
+
+
+def _settle(workers: list[Worker], blamed: set[int]) -> None:
+    """The launcher has said why the job ends: the blamed workers' held errors now, the others' condensed later."""
+    for w in workers:
+        if w.log is not None:
+            w.log.settle(w.worker_id in blamed)
+
+
+def _close_logs(workers: list[Worker], blamed: int | None) -> None:
+    """After a start ended: let the workers' output threads finish, then show or condense what their logs hold."""
+    for w in workers:
+        for t in w.threads:
+            t.join(timeout=2.0)  # a grandchild may hold a pipe open: do not wait for it
+    for w in workers:
+        if w.log is not None:
+            w.log.close(blamed=w.worker_id == blamed)
 
 
 def launch(
@@ -171,6 +198,8 @@ def launch(
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
     interrupted: threading.Event | None = None,
+    log_dir: str | os.PathLike | None = None,
+    show_runtime_logs: bool = False,
 ) -> int:
     """Run ``command`` as the workers of a job; return the job's exit code.
 
@@ -203,6 +232,13 @@ def launch(
       stdout, stderr: where the prefixed output goes (default ``sys``'s).
       interrupted: set it to stop the job (the CLI sets it on SIGINT/SIGTERM,
         and its ``signum`` attribute to the signal's number).
+      log_dir: every worker's whole output goes to a file in a new directory
+        under it (``worker-I.log``; ``worker-I.restart-R.log`` after a
+        restart). Default: a new temporary directory, removed at the end
+        unless the launcher named a file in it (everything else was shown).
+      show_runtime_logs: show the runtime's chatter too (Gloo's connection
+        lines; see :mod:`~replicator.launch.relay`); it is in the log files
+        either way.
 
     Returns:
       0 if every worker succeeded, else the first failed worker's exit code
@@ -265,15 +301,18 @@ def launch(
     output = Output(stdout or sys.stdout, stderr or sys.stderr)
     interrupted = interrupted or threading.Event()
     job_start = time.monotonic()
-    every: list[Worker] = []  # of every start, to join their output threads at the end
+    every: list[Worker] = []  # of every start: whether a line named one of their log files
     recoveries: list[Recovery] = []
+    logs = _log_directory(log_dir)
     status_root = tempfile.mkdtemp(prefix="replicator-launch-")  # private (mode 0700): the workers' status files
     try:
         while True:
             restart = len(recoveries)
             workers: list[Worker] = []
             try:
-                _start_all(workers, plan, command, base, settings, restart, status_root, output)
+                _start_all(
+                    workers, plan, command, base, settings, restart, status_root, output, logs, show_runtime_logs
+                )
                 every += workers
                 outcome = supervise(
                     workers,
@@ -291,7 +330,9 @@ def launch(
                 )
             except BaseException:
                 stop(workers, kill_grace_s, output)
+                _close_logs(workers, None)
                 raise
+            _close_logs(workers, outcome.blamed)
             if not outcome.code or not outcome.restartable or restart >= max_restarts:
                 break
             stopped = time.monotonic()
@@ -321,11 +362,24 @@ def launch(
             recoveries.append(recovery)
     finally:
         shutil.rmtree(status_root, ignore_errors=True)
-    for w in every:
-        for t in w.threads:
-            t.join(timeout=2.0)  # a grandchild may hold a pipe open: do not wait for it
     _summary(outcome.code, workers, recoveries, output, num_workers)
+    condensed = any(w.log is not None and w.log.condensed for w in every)
+    if condensed or (outcome.code and log_dir is not None):
+        output.launcher(f"every worker's whole output: {os.path.join(logs, 'worker-*.log')}")
+    elif log_dir is None:  # nothing in it that was not shown
+        shutil.rmtree(logs, ignore_errors=True)
     return outcome.code
+
+
+def _log_directory(log_dir: str | os.PathLike | None) -> str:
+    """A new directory for this job's log files: under ``log_dir``, else a temporary one."""
+    try:
+        if log_dir is None:
+            return tempfile.mkdtemp(prefix="replicator-logs-")
+        os.makedirs(log_dir, exist_ok=True)
+        return tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=log_dir)
+    except OSError as e:
+        raise LaunchError(f"cannot create a directory for the workers' logs under --log-dir {log_dir}: {e}.") from None
 
 
 _PORT_WAIT_S = 10.0  # how long a restart waits for a given coordinator port to be free again, after the grace
@@ -399,10 +453,19 @@ def _start_all(
     restart: int,
     status_root: str,
     output: Output,
+    logs: str,
+    show_runtime_logs: bool,
 ) -> None:
-    """Start the workers of ``plan`` (appended to ``workers`` one by one), with their own status directory."""
+    """Start the workers of ``plan`` (appended to ``workers`` one by one), with their own status directory.
+
+    Each worker's output goes through a :class:`~replicator.launch.relay.WorkerLog` into ``logs``.
+    """
     status_dir = os.path.join(status_root, f"start-{restart}")
     os.mkdir(status_dir, 0o700)
+
+    def write(to_stderr: bool, text: str) -> None:
+        output.write(output.stderr if to_stderr else output.stdout, text)
+
     for label, address, count in plan:
         progress_file = os.path.join(status_dir, f"progress-{label}.json")
         wenv = worker_env(
@@ -415,7 +478,8 @@ def _start_all(
             restart_count=restart,
             **settings,
         )
-        workers.append(start(label, command, wenv, output, status_dir, progress_file))
+        log = WorkerLog(label, write, log_path(logs, label, restart), show_runtime_logs=show_runtime_logs)
+        workers.append(start(label, command, wenv, output, status_dir, progress_file, log))
     if len(plan) > 1 or restart:
         which = f"restart {restart}: " if restart else ""
         output.launcher(

@@ -1,0 +1,283 @@
+"""The launcher's command line (torchrun's spellings, refusals before any worker starts, --help) and its output.
+
+Output: runtime chatter left out (and kept in the log files), and, when a worker
+fails, the launcher's diagnosis first, the blamed worker's traceback after it, and
+the other workers' consequential errors one line each, naming the log file that holds
+them whole. The jobs run tests/multiproc/noisy_worker.py (no JAX) through the
+bootstrap, as ``python -m replicator.launch`` runs a script.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from replicator import launch
+from replicator.launch import cli, relay
+from replicator.launch.watchdog import STALL_EXIT_CODE
+from replicator.runtime.distributed.startup import START_TIMEOUT_EXIT_CODE
+
+ROOT = Path(__file__).resolve().parent.parent
+TOY = str(ROOT / "tests" / "multiproc" / "toy_worker.py")
+NOISY = str(ROOT / "tests" / "multiproc" / "noisy_worker.py")
+
+#: What jaxlib's gloo printed in a real 2 x 2 job (python -m replicator.launch --num-workers 2 --cores-per-worker 2).
+GLOO_LINES = [
+    "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1",
+    "[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3",
+]
+#: Worker 0's report in that job after worker 1 was killed (the frames in between cut).
+PEER_TRACEBACK = [
+    "Traceback (most recent call last):",
+    '  File "/work/main/replicator/runtime/distributed/bootstrap.py", line 154, in <module>',
+    "    sys.exit(run(sys.argv[1:]))",
+    "             ^^^^^^^^^^^^^^^^^",
+    '  File "/work/main/.venv/lib/python3.11/site-packages/jax/_src/array.py", line 623, in _value',
+    "    npy_value, did_copy = self._single_device_array_to_np_array_did_copy()",
+    "jax.errors.JaxRuntimeError: UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:538] "
+    "Read error [127.0.0.1]:59280: Connection reset by peer",
+    "replicator: worker 0 stopped by the uncaught JaxRuntimeError above; exiting now so that the other workers are "
+    "not kept waiting for it.",
+]
+
+
+def clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "REPLICATOR_"))}
+
+
+def parsed(*argv: str, script: str = TOY):
+    args, rest = cli.parse([*argv, script])
+    assert rest == [script]
+    return args
+
+
+class TestTorchrunSpellings:
+    @pytest.mark.parametrize(
+        "argv, num_workers, worker_id, coordinator",
+        [
+            (["--nproc-per-node", "2"], 2, None, None),
+            (["--nproc_per_node=3"], 3, None, None),
+            (["--nnodes", "1", "--nproc-per-node", "2", "--standalone"], 2, None, None),
+            (["--nnodes", "2:2", "--node_rank", "1", "--master_addr", "10.0.0.1", "--master-port", "1234"],
+             2, 1, "10.0.0.1:1234"),
+            (["--nnodes=4", "--nproc-per-node", "1", "--node-rank", "0", "--rdzv-endpoint", "h:5"], 4, 0, "h:5"),
+            (["--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "c10d", "--rdzv_endpoint", "h"], 2, 1, "h:29400"),
+            (["--master-port", "29501", "--nproc-per-node", "2"], 2, None, "127.0.0.1:29501"),
+            (["--num-workers", "2", "--nproc-per-node", "2"], 2, None, None),  # the same: no conflict
+        ],
+    )  # fmt: skip
+    def test_aliases_of_ours(self, argv, num_workers, worker_id, coordinator):
+        args = parsed(*argv)
+        assert (args.num_workers, args.worker_id, args.coordinator) == (num_workers, worker_id, coordinator)
+
+    def test_underscores_and_module(self):
+        args = parsed("--num_workers", "2", "--max_restarts", "3", "--log_dir", "/tmp/x")
+        assert (args.num_workers, args.max_restarts, args.log_dir) == (2, 3, "/tmp/x")
+        assert cli._split_argv(["--module", "pkg.train", "--lr_x", "1"], cli._parser()) == (
+            ["-m", "pkg.train"],
+            ["--lr_x", "1"],  # the script's own options are its own
+        )
+
+    @pytest.mark.parametrize(
+        "argv, message",
+        [
+            (["--nproc", "2"], r"unrecognized option --nproc; did you mean --nproc-per-node \(torchrun's: --num-workers"),
+            (["--num-worker", "2"], r"unrecognized option --num-worker; did you mean --num-workers\?"),
+            (["--cores", "2", "--num-workers", "2"], r"did you mean --cores-per-worker\?"),
+            (["--nnodes", "1:4"], r"--nnodes 1:4: a job whose number of hosts changes .* elastic MIN:MAX\) is not"),
+            (["--nnodes", "2", "--nproc-per-node", "2", "--node-rank", "0"], r"one worker per host here"),
+            (["--nnodes", "2"], r"--nnodes 2 needs --node-rank I \(the same as --worker-id I\)"),
+            (["--node-rank", "1", "--num-workers", "2"], r"--node-rank 1 needs --nnodes N > 1"),
+            (["--nproc-per-node", "gpu"], r"--nproc-per-node gpu: give a number of workers"),
+            (["--rdzv-backend", "etcd", "--num-workers", "2"], r"--rdzv-backend etcd: there is no rendezvous service"),
+            (["--rdzv-id", "7", "--num-workers", "2"], r"--rdzv-id is torchrun's; .* drop it"),
+            (["--num-workers", "3", "--nproc-per-node", "2"], r"--num-workers 3 and torchrun's .* disagree"),
+            (["--coordinator", "a:1", "--master-addr", "b", "--num-workers", "2"], r"--coordinator a:1 and .*disagree"),
+            (["--standalone", "--coordinator", "a:1", "--num-workers", "2"], r"--standalone is a job on this machine"),
+        ],
+    )  # fmt: skip
+    def test_refused_with_what_to_pass(self, argv, message, capsys):
+        with pytest.raises(SystemExit) as e:
+            parsed(*argv)
+        assert e.value.code == 2
+        assert re.search(message, capsys.readouterr().err), message
+
+
+class TestRefusedBeforeAnyWorkerStarts:
+    @pytest.fixture
+    def launched(self, monkeypatch) -> list:
+        calls: list = []
+        monkeypatch.setattr(cli, "launch", lambda command, **kwargs: calls.append((command, kwargs)) or 0)
+        return calls
+
+    @pytest.mark.parametrize(
+        "argv, message",
+        [
+            (["--num-workers", "2", "tests/multiproc/toy_wroker.py"], r"no script 'tests/multiproc/toy_wroker.py' "
+             r"\(from .*\); did you mean tests/multiproc/toy_worker.py\?"),
+            (["--num-workers", "2", "python", "train.py"], r"no script 'python' .*give the script itself \(train.py\)"),
+            (["--num-workers", "2", "tests"], r"'tests' is a directory without __main__.py"),
+            (["--num-workers", "2", "-m", "tests.multiproc.no_such_worker"], r"-m tests.multiproc.no_such_worker: "
+             r"python -m finds no module"),
+            (["--num-workers", "2", "-m", "json"], r"-m json: python -m finds no module 'json' to run .*__main__"),
+        ],
+    )  # fmt: skip
+    def test_a_script_or_module_that_cannot_run(self, argv, message, launched, capsys, monkeypatch):
+        monkeypatch.chdir(ROOT)
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2 and not launched
+        assert re.search(message, capsys.readouterr().err), message
+
+    @pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
+    def test_an_unreadable_script(self, tmp_path, launched, capsys):
+        script = tmp_path / "train.py"
+        script.write_text("print(1)\n")
+        script.chmod(0)
+        with pytest.raises(SystemExit):
+            cli.main(["--num-workers", "2", str(script)])
+        assert not launched and "cannot read the script" in capsys.readouterr().err
+
+    def test_what_runs_is_passed_on(self, launched, monkeypatch):
+        monkeypatch.chdir(ROOT)
+        assert cli.main(["--nproc_per_node", "2", "--show-runtime-logs", "-m", "tests.multiproc.toy_worker", "-x"]) == 0
+        assert cli.main(["--num-workers", "2", "--log-dir", "/tmp/logs", TOY]) == 0
+        (module_command, module_kwargs), (script_command, script_kwargs) = launched
+        assert module_command[-3:] == ["-m", "tests.multiproc.toy_worker", "-x"] and script_command[-1] == TOY
+        assert module_kwargs["num_workers"] == 2 and module_kwargs["show_runtime_logs"] is True
+        assert script_kwargs["log_dir"] == "/tmp/logs" and script_kwargs["show_runtime_logs"] is False
+
+    def test_command_line_end_to_end(self, tmp_path):
+        started = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-m", "replicator.launch", "--nproc-per-node", "2", str(tmp_path / "missing.py")],
+            env=clean_env(),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 2 and "no script" in proc.stderr, proc.stderr
+        assert "[launcher]" not in proc.stderr and "[worker" not in proc.stdout + proc.stderr
+        assert time.monotonic() - started < 30
+
+
+def test_help_lists_the_exit_codes_and_every_default(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    text = capsys.readouterr().out
+    for code, meaning in [
+        (START_TIMEOUT_EXIT_CODE, "a worker never joined the job"),
+        (STALL_EXIT_CODE, "the watchdog stopped the job"),
+        (124, "--max-time ran out"),
+        (2, "bad launcher arguments"),
+    ]:
+        assert re.search(rf"^  {code} +{re.escape(meaning)}", text, re.M), (code, text)
+    for flag in cli.TORCHRUN:
+        assert re.search(rf"^  {flag} ", text, re.M), flag
+    parser = cli._parser()
+    visible = [a for a in parser._actions if a.help not in (None, "==SUPPRESS==") and a.dest != "help"]
+    assert len(visible) > 15
+    for action in visible:
+        assert "default" in action.help.lower(), action.option_strings
+    assert "--cores-per-worker C  devices per worker" in text and "(default: not set" in text
+
+
+class TestChatter:
+    def test_gloo_lines_are_chatter(self):
+        for line in GLOO_LINES:
+            assert relay.strip_chatter(line) is None
+        # Printed at the same moment as the script's own line: the script's part stays.
+        assert relay.strip_chatter(GLOO_LINES[0] + "killing myself at 12.5") == "killing myself at 12.5"
+        for line in ["step 3 loss 0.25", "", "[Gloo] something else", "Rank 0 is connected to 1 peer ranks."]:
+            assert relay.strip_chatter(line) == line
+
+    def test_worker_log(self, tmp_path):
+        shown: list[tuple[bool, str]] = []
+        for show in (False, True):
+            log = relay.WorkerLog(3, lambda err, text: shown.append((err, text)), str(tmp_path / f"{show}.log"),
+                                  show_runtime_logs=show)  # fmt: skip
+            for line in [*GLOO_LINES, "step 1"]:
+                log.line(line, stderr=False)
+            log.close()
+            assert (tmp_path / f"{show}.log").read_text().splitlines() == [*GLOO_LINES, "step 1"]  # all of it
+        assert shown == [(False, "[worker 3] step 1\n"), *((False, f"[worker 3] {x}\n") for x in GLOO_LINES),
+                         (False, "[worker 3] step 1\n")]  # fmt: skip
+
+    def test_error_reports(self):
+        assert relay.starts_error(PEER_TRACEBACK[0])
+        assert relay.summarize(PEER_TRACEBACK) == PEER_TRACEBACK[-2]
+        fatal = [
+            "F1125 19:10:03.123456   8630 client.cc:77] Terminating process because the JAX distributed service "
+            "detected fatal errors.",
+            "*** Check failure stack trace: ***",
+            "    @     0x7f12a3c4d5e6  absl::log_internal::LogMessageFatal::~LogMessageFatal()",
+        ]
+        assert relay.starts_error(fatal[0]) and relay.starts_error(fatal[1]) and not relay.starts_error(fatal[2])
+        assert relay.summarize(fatal) == fatal[0].split("] ", 1)[1]
+        assert not relay.starts_error("ValueError: a message printed by the script")
+
+
+def job(*worker_args: str, **kwargs) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    kwargs = {"env": clean_env(), "max_time_s": 60, "kill_grace_s": 1, "num_workers": 2, **kwargs}
+    code = launch.launch(launch.worker_command([NOISY, *worker_args]), stdout=out, stderr=err, **kwargs)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.multiprocess
+class TestJobOutput:
+    def test_chatter_is_left_out_unless_asked_for_and_always_logged(self, tmp_path):
+        code, out, err = job(log_dir=tmp_path / "quiet")
+        assert code == 0, err
+        assert "[Gloo]" not in out + err and "[worker 1] hello from worker 1" in out.splitlines()
+        (run,) = (tmp_path / "quiet").iterdir()  # a new directory for the run
+        assert (run / "worker-1.log").read_text().splitlines()[:2] == [
+            GLOO_LINES[0].replace("Rank 0", "Rank 1"),
+            GLOO_LINES[1].replace("Rank 1 ", "Rank 2 "),
+        ]
+        code, out, err = job(show_runtime_logs=True)
+        assert code == 0, err
+        assert f"[worker 0] {GLOO_LINES[0]}" in out.splitlines()
+
+    def test_the_diagnosis_first_and_the_consequences_condensed(self, tmp_path):
+        code, out, err = job("--fail-worker", "1", "--flag", str(tmp_path / "failed"), log_dir=tmp_path / "logs")
+        assert code == 1, err
+        lines = err.splitlines()
+        diagnosis = next(i for i, x in enumerate(lines) if x.startswith("[launcher] worker 1 failed"))
+        assert lines[diagnosis].endswith(": ValueError: bad batch in worker 1"), lines[diagnosis]
+        # The blamed worker's traceback in full, after the diagnosis.
+        assert lines[diagnosis + 1] == "[worker 1] Traceback (most recent call last):", err
+        assert "[worker 1] ValueError: bad batch in worker 1" in lines[diagnosis + 2 :]
+        # Worker 0's traceback (a consequence) is one line, naming the file that holds it whole.
+        assert not [x for x in lines if x.startswith("[worker 0]")], err
+        (condensed,) = [x for x in lines if x.startswith("[launcher] worker 0, after the failure:")]
+        assert lines.index(condensed) > diagnosis
+        match = re.fullmatch(
+            r"\[launcher\] worker 0, after the failure: JaxRuntimeError: UNKNOWN: Gloo all-reduce failed: .* "
+            r"Connection reset by peer \((\d+) lines in full: (\S+)\)",
+            condensed,
+        )
+        assert match, condensed
+        whole = Path(match.group(2)).read_text().splitlines()
+        assert Path(match.group(2)).parent.parent == tmp_path / "logs" and whole[2] == "hello from worker 0"
+        assert whole[-int(match.group(1)) :][0] == "Traceback (most recent call last):"
+        assert int(match.group(1)) >= 20 and len([x for x in whole if x.startswith("  File ")]) >= 8  # every frame
+        assert whole[-1].startswith("JaxRuntimeError: UNKNOWN: Gloo all-reduce failed")
+        assert lines[-1] == f"[launcher] every worker's whole output: {Path(match.group(2)).parent}/worker-*.log"
+
+    def test_a_traceback_that_the_script_caught_is_shown(self, monkeypatch):
+        monkeypatch.setattr(relay, "HOLD_S", 0.3)
+        code, out, err = job("--caught", "--sleep", "1.5")
+        assert code == 0, err
+        for w in (0, 1):
+            assert f"[worker {w}] Traceback (most recent call last):" in err.splitlines()
+            assert f"[worker {w}] KeyError: 'a missing key, handled'" in err.splitlines()
+        assert "after the failure" not in err and "whole output" not in err
