@@ -3,6 +3,7 @@
 import io
 import logging
 import re
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,7 @@ import optax
 import pytest
 
 import replicator as rp
-from replicator.loop import CheckpointHook, EvalHook, Hook, LoggingHook, Trainer, replica_means
+from replicator.loop import CheckpointHook, EvalHook, Hook, LoggingHook, Trainer, hooks, replica_means
 from replicator.training.checkpoint import CheckpointError, CheckpointManager, save_checkpoint
 
 ROWS = 16  # rows per worker batch
@@ -189,6 +190,9 @@ class TestHooks:
 
 class TestLogging:
     LINE = re.compile(r"^step (\d+)/(\d+)  loss (\S+)  rows (\S+)  (\d+\.\d) ms/step  (\d+) samples/s$")
+    COMPILED = re.compile(
+        r"^step 1: compiled in \d+\.\d\d s \(tracing, compiling and running the first step; not in ms/step\)$"
+    )
 
     def test_plain_lines_when_not_a_tty(self, repl2d, capsys):
         log = LoggingHook(every=2)
@@ -197,6 +201,8 @@ class TestLogging:
         out = capsys.readouterr().out
         assert "\r" not in out and "[" not in out  # no progress bar
         lines = out.splitlines()
+        if log.compiles:  # step_fn is compiled on repl2d by the first test that runs it
+            assert self.COMPILED.match(lines.pop(0)), out
         assert len(lines) == 3 and all(self.LINE.match(line) for line in lines), out
         assert [self.LINE.match(line).group(1, 2) for line in lines] == [("2", "5"), ("4", "5"), ("5", "5")]
 
@@ -215,7 +221,8 @@ class TestLogging:
         with caplog.at_level(logging.INFO, logger="test_loop"):
             trainer.run(4)
         assert capsys.readouterr().out == ""
-        assert [r.getMessage().split("  ")[0] for r in caplog.records] == ["step 2/4", "step 4/4"]
+        said = [r.getMessage().split("  ")[0] for r in caplog.records]
+        assert [s for s in said if "compiled in" not in s] == ["step 2/4", "step 4/4"]
 
     def test_progress_bar_on_a_tty(self, repl):
         stream = TTY()
@@ -229,6 +236,46 @@ class TestLogging:
         visible = [part.strip() for line in out.split("\n") for part in line.split("\r")]
         assert any(re.match(r"^step 3/4  loss .* samples/s$", v) for v in visible)
         assert any(re.match(r"^step 4/4  loss .* samples/s$", v) for v in visible)
+
+    @staticmethod
+    def clocked(monkeypatch, seconds_per_step):
+        """A hook that advances the LoggingHook's clock by ``seconds_per_step(step)`` after each step."""
+        now = [0.0]
+        monkeypatch.setattr(hooks, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+
+        class Clock(Hook):
+            def after_step(self, trainer):
+                now[0] += seconds_per_step(trainer.step)
+
+        return Clock()
+
+    def test_the_compiling_step_is_left_out_and_said(self, repl, monkeypatch):
+        """The first step of a process traces and compiles (10 s here); the others take 10 ms: 10.0 ms/step."""
+        clock = self.clocked(monkeypatch, lambda step: 10.0 if step == 1 else 0.01)
+        log = LoggingHook(every=4, progress=False)
+        fresh = lambda state, batch: step_fn(state, batch)  # noqa: E731 - not compiled by another test
+        stream = io.StringIO()
+        trainer = Trainer(repl, fresh, make_input(), init_state(), hooks=[clock, log], stream=stream)
+        trainer.run(4)
+        lines = stream.getvalue().splitlines()
+        assert lines[0] == "step 1: compiled in 10.00 s (tracing, compiling and running the first step; not in ms/step)"
+        assert log.compiles == [(1, 10.0)]
+        assert self.LINE.match(lines[1]) and lines[1].endswith(" 10.0 ms/step  1600 samples/s"), lines
+        assert log.history[0]["step_time"] == pytest.approx(0.01)
+
+        trainer.run(8)  # compiled already: its first step is an ordinary one, and counted
+        assert log.compiles == [(1, 10.0)] and len(stream.getvalue().splitlines()) == 3
+        assert log.history[1]["step"] == 8 and log.history[1]["step_time"] == pytest.approx(0.01)
+
+    def test_a_line_of_only_the_compiling_step_has_no_time(self, repl, monkeypatch):
+        clock = self.clocked(monkeypatch, lambda step: 10.0 if step == 1 else 0.01)
+        log = LoggingHook(every=1, progress=False)
+        fresh = lambda state, batch: step_fn(state, batch)  # noqa: E731
+        stream = io.StringIO()
+        Trainer(repl, fresh, make_input(), init_state(), hooks=[clock, log], stream=stream).run(2)
+        lines = stream.getvalue().splitlines()
+        assert self.COMPILED.match(lines[0]) and re.fullmatch(r"step 1/2  loss \S+  rows \S+", lines[1]), lines
+        assert log.history[0]["step_time"] is None and log.history[1]["step_time"] == pytest.approx(0.01)
 
     def test_replica_means_names(self):
         outputs = {

@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import jax
+
 from replicator.errors import InputExhausted
 from replicator.loop.console import format_metrics, format_seconds
 from replicator.loop.metrics import replica_means
@@ -97,10 +99,16 @@ class LoggingHook(_Periodic):
         step 50/200  loss 0.4413  accuracy 0.8125  23.1 ms/step  11083 samples/s
 
     where the metrics are :func:`replica_means` of the last step's outputs,
-    and the times are measured over the steps since the previous line (the
-    first line includes compilation, and every line the time other hooks took,
-    such as evaluations). The hook waits for the step's outputs,
-    so only logged steps synchronize with the devices. Between lines, on a
+    and the times are measured over the steps since the previous line (every
+    line includes the time other hooks took, such as evaluations). The first
+    step of a ``run()`` that had to trace and compile the step (the first run
+    of a process: after a restart too) is left out of the times and gets a
+    line of its own::
+
+        step 1: compiled in 0.79 s (tracing, compiling and running the first step; not in ms/step)
+
+    The hook waits for the outputs of logged steps and of that first step,
+    so only those synchronize with the devices. Between lines, on a
     terminal, a progress bar shows the step, steps/s and the time left.
 
     Args:
@@ -111,7 +119,10 @@ class LoggingHook(_Periodic):
 
     Attributes:
       history: a dict per line: ``step``, ``metrics``, ``step_time`` (s),
-        ``samples_per_sec``.
+        ``samples_per_sec`` (both None for a line whose only step was the
+        compiling one, e.g. with ``every=1``).
+      compiles: ``(step, seconds)`` for each first step of a run that
+        compiled, as its line says.
     """
 
     def __init__(self, every: int = 10, *, progress: bool | None = None, bar_width: int = 30):
@@ -119,6 +130,8 @@ class LoggingHook(_Periodic):
         self.progress = progress
         self.bar_width = bar_width
         self.history: list[dict[str, Any]] = []
+        self.compiles: list[tuple[int, float]] = []
+        self._traces: int | None = None  # the Replicator's trace count before this run's first step (None: done)
         self._show_bar = False
         self._last: tuple[float, int, int] = (0.0, 0, 0)
         self._run_start: tuple[float, int] = (0.0, 0)
@@ -130,11 +143,14 @@ class LoggingHook(_Periodic):
         now = time.perf_counter()
         self._last = (now, trainer.step, trainer.samples)
         self._run_start = (now, trainer.step)
+        self._traces = getattr(trainer.replicator, "trace_count", None)
         self._show_bar = (
             self.progress if self.progress is not None else (trainer.logger is None and trainer.console.interactive)
         )
 
     def after_step(self, trainer: Trainer) -> None:
+        if self._traces is not None:
+            self._first_step(trainer, self._traces)
         super().after_step(trainer)
         if self._show_bar:
             now = time.perf_counter()
@@ -142,17 +158,34 @@ class LoggingHook(_Periodic):
                 self._last_draw = now
                 trainer.console.status(self.bar(trainer, now))
 
+    def _first_step(self, trainer: Trainer, traces_before: int) -> None:
+        """After a run's first step: if it traced (and so compiled) the step, log that time and leave it out."""
+        self._traces = None
+        if getattr(trainer.replicator, "trace_count", traces_before) == traces_before:
+            return  # compiled by an earlier run: an ordinary step
+        jax.block_until_ready(trainer.outputs)  # its run too, not only its dispatch
+        now = time.perf_counter()
+        seconds = now - self._run_start[0]
+        self.compiles.append((trainer.step, seconds))
+        trainer.log(
+            f"step {trainer.step}: compiled in {seconds:.2f} s (tracing, compiling and running the first step; "
+            f"not in ms/step)"
+        )
+        self._last = (now, trainer.step, trainer.samples)
+        self._run_start = (now, trainer.step)
+
     def act(self, trainer: Trainer) -> None:
         metrics = replica_means(trainer.outputs)  # waits for the step to finish
         now = time.perf_counter()
         then, step, samples = self._last
         elapsed = max(now - then, 1e-9)
-        steps = max(trainer.step - step, 1)
+        steps = trainer.step - step
+        timed = steps > 0  # not when the window held only the compiling step
         record = {
             "step": trainer.step,
             "metrics": metrics,
-            "step_time": elapsed / steps,
-            "samples_per_sec": (trainer.samples - samples) / elapsed,
+            "step_time": elapsed / steps if timed else None,
+            "samples_per_sec": (trainer.samples - samples) / elapsed if timed else None,
         }
         self.history.append(record)
         self._last = (now, trainer.step, trainer.samples)
@@ -161,8 +194,9 @@ class LoggingHook(_Periodic):
         parts = [f"step {trainer.step}{total}"]
         if metrics:
             parts.append(format_metrics(metrics))
-        parts.append(f"{1e3 * record['step_time']:.1f} ms/step")
-        parts.append(f"{record['samples_per_sec']:.0f} samples/s")
+        if timed:
+            parts.append(f"{1e3 * record['step_time']:.1f} ms/step")
+            parts.append(f"{record['samples_per_sec']:.0f} samples/s")
         trainer.log("  ".join(parts))
 
     def bar(self, trainer: Trainer, now: float | None = None) -> str:
