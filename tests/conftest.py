@@ -21,7 +21,8 @@ os.environ.setdefault("REPLICATOR_VERIFY", "1")
 if os.environ.get("REPLICATOR_TEST_XLA_DEFAULTS") != "1":
     os.environ["XLA_FLAGS"] = with_fast_compile_flags(os.environ.get("XLA_FLAGS", ""))
 
-rp.force_cpu_devices(int(os.environ.get("REPLICATOR_TEST_DEVICES", "8")))
+DEVICES = int(os.environ.get("REPLICATOR_TEST_DEVICES", "8"))
+rp.force_cpu_devices(DEVICES)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -43,6 +44,38 @@ def repl2d(n_devices: int) -> rp.Replicator:
     """Two workers (when the device count allows), to exercise both mesh axes."""
     workers = 2 if n_devices % 2 == 0 and n_devices >= 2 else 1
     return rp.Replicator(num_workers=workers, cores_per_worker=n_devices // workers)
+
+
+def _two_worker_meshes(n: int) -> list:
+    """``(workers, cores)`` of the two-level meshes a test runs on with ``mesh2d``.
+
+    The ``repl2d`` mesh (``2 x n/2``), on which the two groups have different sizes, and
+    the square ones (``2 x 2``; ``4 x 4`` with ``REPLICATOR_TEST_DEVICES=16``), on which
+    ``'workers'`` and ``'cores'`` have the same size: a collective over one group taken
+    for the other keeps its shapes there, and only the numbers tell.
+    """
+    shapes = [(2, n // 2)] if n % 2 == 0 and n >= 4 else []
+    params = [pytest.param(s, id=f"{s[0]}x{s[1]}") for s in shapes]
+    for k in (2, 4):
+        if (k, k) in shapes:
+            continue
+        skip = pytest.mark.skipif(k * k > n, reason=f"a {k}x{k} mesh needs {k * k} devices (REPLICATOR_TEST_DEVICES)")
+        params.append(pytest.param((k, k), id=f"{k}x{k}", marks=skip))
+    return params
+
+
+@pytest.fixture(params=_two_worker_meshes(DEVICES))
+def mesh2d(request) -> tuple[int, int]:
+    """``(workers, cores)``: each two-worker mesh in turn (the ``repl2d`` one, then square ones)."""
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def repl_square(n_devices: int) -> rp.Replicator:
+    """Two workers of two cores (on the first 4 devices): ``'workers'`` and ``'cores'`` groups of one size."""
+    if n_devices < 4:
+        pytest.skip("a 2x2 mesh needs 4 devices")
+    return rp.Replicator(num_workers=2, cores_per_worker=2, devices=jax.devices()[:4])
 
 
 #: Modules whose tests take seconds each (whole examples, the Flax ImageNet port and

@@ -57,8 +57,11 @@ variance analysis treats constants as identical everywhere).
 
 Tests (``tests/passes/test_share_slice_kernels.py``): what is rewritten and
 what is not (one slice of a shape, strided slices, slices in a ``scan`` body,
-slices of different arrays), the numbers against a one-device reference, and
-the compiled program's distinct kernels.
+slices of arrays that are not collective results, one slice each of two
+collective results), same-shaped slices of two collective results grouped
+apart (``test_slices_of_different_collective_results_are_grouped_apart``, and
+their numbers on a square mesh), the numbers against the vmap simulation and a
+one-device reference, and the compiled program's distinct kernels.
 
 >>> import replicator as rp
 >>> def step(batch):

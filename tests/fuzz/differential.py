@@ -47,6 +47,19 @@ VARIANTS: dict[str, dict] = {
 }
 RAW_VARIANTS = {"lax"}
 MESHES = ((2, 4), (1, 8))
+#: Meshes whose 'workers' and 'cores' groups have one size: a collective over one group taken for the other
+#: keeps every shape there, and only the numbers tell (the test suite's sample runs them; 4 x 4 needs 16 devices).
+SQUARE_MESHES = ((2, 2), (4, 4))
+
+
+def runs_on(variant: str, mesh: tuple[int, int]) -> bool:
+    """Whether ``variant`` can run on ``mesh``: ``replicas_per_device`` must divide the cores, or be a multiple
+    of them that divides the replicas (fold8 needs 8 replicas)."""
+    workers, cores = mesh
+    f = VARIANTS[variant].get("replicas_per_device", 1)
+    return cores % f == 0 or (f % cores == 0 and workers % (f // cores) == 0)
+
+
 STEPS = 2
 
 

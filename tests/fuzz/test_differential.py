@@ -1,7 +1,9 @@
 """The differential fuzzer's fixed-seed sample (about a minute), and checks of its reference.
 
 Each program runs replicated under one pipeline variant and mesh and is
-compared with every replica simulated at once on one device. The long run is
+compared with every replica simulated at once on one device. The sample runs
+every variant on 2 x 4 and 1 x 8, and on the square meshes (2 x 2; 4 x 4 with
+``REPLICATOR_TEST_DEVICES=16``) where the two groups have one size. The long run is
 ``python scripts/fuzz.py --programs 2000``.
 """
 
@@ -15,15 +17,37 @@ import pytest
 
 import replicator as rp
 
-from .differential import MESHES, VARIANTS, check, first_mismatch, order_sensitivity, reference
+from .differential import (
+    MESHES,
+    SQUARE_MESHES,
+    VARIANTS,
+    check,
+    first_mismatch,
+    order_sensitivity,
+    reference,
+    runs_on,
+)
 from .programs import PerReplica, Stacked, global_batches, initial_state, make_step, random_spec
 
 # (seed, variant, mesh): every variant on both meshes, a different program each.
 SAMPLE = [(100 + i, v, MESHES[i % 2]) for i, v in enumerate(VARIANTS)]
 SAMPLE += [(200 + i, v, MESHES[(i + 1) % 2]) for i, v in enumerate(VARIANTS)]
+# Square meshes: every variant that fits, a different program each.
+SAMPLE += [
+    (300 + 100 * k + i, v, m) for k, m in enumerate(SQUARE_MESHES) for i, v in enumerate(VARIANTS) if runs_on(v, m)
+]
 
 
-@pytest.mark.parametrize(("seed", "variant", "mesh"), SAMPLE, ids=[f"{s}-{v}-{w}x{c}" for s, v, (w, c) in SAMPLE])
+def _sample_param(seed: int, variant: str, mesh: tuple[int, int]):
+    workers, cores = mesh
+    needs = pytest.mark.skipif(
+        jax.device_count() < workers * cores,
+        reason=f"a {workers}x{cores} mesh needs {workers * cores} devices (REPLICATOR_TEST_DEVICES)",
+    )
+    return pytest.param(seed, variant, mesh, id=f"{seed}-{variant}-{workers}x{cores}", marks=needs)
+
+
+@pytest.mark.parametrize(("seed", "variant", "mesh"), [_sample_param(*case) for case in SAMPLE])
 def test_random_program_matches_the_stacked_reference(seed, variant, mesh):
     outcome = check(random_spec(seed, mesh[0] * mesh[1]), variant, mesh)
     assert outcome.ok, str(outcome)

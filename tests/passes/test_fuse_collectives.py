@@ -2,9 +2,11 @@
 
 Graph-level checks count ``rp.all_reduce`` equations before and after the pass
 (and ``psum`` after lowering) and type-check every rewritten graph; numeric
-checks run the step through ``Replicator.run`` on per-replica-distinct data and
-compare with ``tests.utils.simulate`` (every replica at once under ``jax.vmap``
-with ``jax.lax`` collectives: no pass or lowering of the library).
+checks run the step through ``Replicator.run`` on per-replica-distinct data (each
+worker's batch its own) and compare with ``tests.utils.simulate`` (every replica at
+once under ``jax.vmap`` with ``jax.lax`` collectives: no pass or lowering of the
+library). The groups are also checked on square meshes (``mesh2d``: ``2 x 2``), where
+``'workers'`` and ``'cores'`` have the same size and only the numbers tell them apart.
 """
 
 import inspect
@@ -94,15 +96,27 @@ def _repeat(batch):
     return input_fn
 
 
+def _worker_batch(batch, w):
+    """Worker ``w``'s batch made from ``batch``: its rows rolled by ``w``, its values times ``w + 1``.
+
+    Every worker's rows differ (so a mix-up along ``'workers'`` shows), and every value
+    keeps its sign (the predicates of the ``cond`` steps take the same branch).
+    """
+    return jax.tree.map(lambda a: np.roll(np.asarray(a), w, axis=0) * np.asarray(w + 1, np.asarray(a).dtype), batch)
+
+
 def _compare_runs(fused, step, batches, state=None):
-    """Run ``step`` with ``fused`` on ``batches`` (every worker gets each batch); compare with the reference.
+    """Run ``step`` with ``fused`` on ``batches`` (one worker's batch each: worker ``w`` gets
+    ``_worker_batch(batch, w)``); compare with the reference.
 
     The reference (``tests.utils.simulate``) runs every replica at once with
     ``jax.vmap`` and ``jax.lax`` collectives, none of the library's passes or
     lowering; results agree to ``1e-6 + 1e-5 |want|``.
     """
     W = fused.num_workers
-    global_batches = [jax.tree.map(lambda a: np.concatenate([a] * W), b) for b in batches]
+    global_batches = [
+        jax.tree.map(lambda *a: np.concatenate(a), *[_worker_batch(b, w) for w in range(W)]) for b in batches
+    ]
     return check_against_simulation(fused, step, global_batches, state, atol=1e-6, rtol=1e-5)
 
 
@@ -278,17 +292,26 @@ def _groups(b):
     )
 
 
-def test_different_groups_go_to_separate_buckets(repl2d):
-    cores = repl2d.cores_per_worker  # one worker's batch: one row per core
-    batch = {"x": np.arange(cores * 2, dtype=np.float32).reshape(cores, 2)}
-    graph = _traced(repl2d, _groups, batch)
+def test_different_groups_go_to_separate_buckets(mesh2d):
+    """On ``2 x n/2`` the groups differ in size too; on a square mesh only the group keeps them apart."""
+    workers, cores = mesh2d
+    fused = rp.Replicator(workers, cores, passes=_pipeline())
+    batch = {"x": np.arange(cores * 2, dtype=np.float32).reshape(cores, 2) + 1}  # one worker's: a row per core
+    graph = _traced(fused, _groups, batch)
     result = _fuse(graph)
     eqns = _top_level(result.graph.jaxpr.jaxpr)
     assert [(e.params["group"], _size(e)) for e in eqns] == [("cores", 4), (None, 4), ("workers", 2)]
     assert all(len(e.invars) == 1 for e in eqns)
     _lower_and_check(result.graph)
-    fused = rp.Replicator(repl2d.num_workers, repl2d.cores_per_worker, passes=_pipeline())
     _compare_runs(fused, _groups, [batch])
+    # By hand: replica (w, c) holds row c of worker w's batch; the workers' sums differ from the cores' sums.
+    x = np.stack([_worker_batch(batch, w)["x"] for w in range(workers)])  # (workers, cores, 2)
+    got = rp.local_outputs(fused.run(_groups, lambda ctx: iter([_worker_batch(batch, ctx.worker_id)])))
+    want_workers = np.broadcast_to(4 * x.sum(0, keepdims=True), x.shape).reshape(workers * cores, 2)
+    want_cores = np.broadcast_to(x.sum(1, keepdims=True), x.shape).reshape(workers * cores, 2)
+    assert not np.allclose(want_workers, 4 * want_cores)
+    np.testing.assert_allclose(got[3].reshape(want_workers.shape), want_workers, rtol=1e-6)
+    np.testing.assert_allclose(got[0].reshape(want_cores.shape), want_cores, rtol=1e-6)
 
 
 def _ops(b):

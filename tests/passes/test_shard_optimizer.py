@@ -1,4 +1,11 @@
-"""shard-optimizer-update (ZeRO-1): graph rewrite, numbers, memory."""
+"""shard-optimizer-update (ZeRO-1): graph rewrite, numbers, memory.
+
+Numbers are checked against two independent references: ``tests.utils.simulate``
+(every replica at once under ``jax.vmap`` with ``jax.lax`` collectives, each step's
+per-replica outputs and the final state) and one-device ``jax.jit`` of the same step
+on the global batch (``rp.all_mean`` the identity there). Every worker, and every
+replica, gets rows of its own: a mix-up along ``'workers'`` shows.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -36,13 +43,14 @@ def _loss(params, x):
     return jnp.mean(x**2)
 
 
-def _make_step(tx):
+def _make_step(tx, mean=None):
     def step(state, batch):
+        average = mean or rp.all_mean  # looked up when called: the vmap simulation swaps it
         params, opt = state
         loss, g = jax.value_and_grad(_loss)(params, batch["x"])
-        g = rp.all_mean(g)
+        g = average(g)
         upd, opt = tx.update(g, opt, params)
-        return (optax.apply_updates(params, upd), opt), {"loss": rp.all_mean(loss)}
+        return (optax.apply_updates(params, upd), opt), {"loss": average(loss), "local": loss}
 
     return step
 
@@ -62,13 +70,20 @@ def _train(repl, step, state, batches):
 
 
 def _check_against_reference(repl, step, state, batches):
-    """Train ``step`` with ``repl`` (every worker gets each batch) and compare every step's outputs and
-    the final state with ``tests.utils.simulate``: every replica at once under ``jax.vmap`` with
-    ``jax.lax`` collectives, no pass or lowering of the library. Tolerance ``1e-6 + 1e-5 |want|``.
+    """Train ``step`` with ``repl`` on ``batches`` (global batches: worker ``w`` gets the ``w``-th slice of
+    the rows, each of its replicas its own rows) and compare every step's outputs and the final state with
+    ``tests.utils.simulate``: every replica at once under ``jax.vmap`` with ``jax.lax`` collectives, no pass
+    or lowering of the library. Tolerance ``1e-6 + 1e-5 |want|``.
     """
-    W = repl.num_workers
-    global_batches = [jax.tree.map(lambda a: np.concatenate([a] * W), b) for b in batches]
-    return check_against_simulation(repl, step, global_batches, state, atol=1e-6, rtol=1e-5)
+    return check_against_simulation(repl, step, batches, state, atol=1e-6, rtol=1e-5)
+
+
+def _one_device(tx, state, batches):
+    """The state after ``batches`` of :func:`_make_step` under ``jax.jit`` on one device, on the global batch."""
+    step = jax.jit(_make_step(tx, mean=lambda x: x))
+    for b in batches:
+        state, _ = step(state, b)
+    return state
 
 
 def _width(n):
@@ -126,13 +141,23 @@ def test_same_training_result_as_the_reference(n_devices, tx):
     assert not np.allclose(final[0][0]["w"], state[0][0]["w"])  # training moved the parameters
 
 
-def test_two_workers(repl2d):
+@pytest.mark.parametrize("shard_state", [True, False])
+def test_two_workers(mesh2d, shard_state):
+    """On ``2 x n/2`` and on square meshes, with the state stored sharded and kept replicated (only the
+    update work split): each worker's rows of the global batch, against both references."""
+    workers, cores = mesh2d
     tx = optax.adam(1e-2)
-    n = repl2d.num_replicas
+    n = workers * cores
     _, state = _setup(n, tx)
-    batches = _batches(n, _width(n))
-    repl = rp.Replicator(repl2d.num_workers, repl2d.cores_per_worker, passes=_with_zero())
-    _check_against_reference(repl, _make_step(tx), state, batches)
+    batches = _batches(n, _width(n), steps=2)  # 2 rows per replica
+    repl = rp.Replicator(workers, cores, passes=_with_zero(shard_state=shard_state))
+    lowered = repl.lower(_make_step(tx), jax.tree.map(lambda a: a[: len(a) // workers], batches[0]), state)
+    assert lowered.stages[[s.name for s in lowered.stages].index("shard-optimizer-update")].changed
+    assert bool(lowered.final.sharded_state) == shard_state
+    final, _ = _check_against_reference(repl, _make_step(tx), state, batches)
+    ref = _one_device(tx, state, batches)
+    assert not np.allclose(ref[0][0]["w"], state[0][0]["w"])  # training moved the parameters
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5), final, ref)
 
 
 def _bytes_per_device(tree) -> int:

@@ -65,6 +65,10 @@ class TestGraph:
             pytest.param(lambda b: {"a": b[:2] * 2, "b": b[2:4] * 3}, id="not-a-collective-result"),
             pytest.param(lambda b: (lambda s: {"a": s[:2], "b": s[:2] + 1})(rp.all_sum(b[0])), id="the-same-slice"),
             pytest.param(
+                lambda b: (lambda s, m: {"a": s[:2], "b": m[2:]})(rp.all_sum(b[0]), rp.all_max(b[0])),
+                id="one-slice-each-of-two-collective-results",
+            ),
+            pytest.param(
                 lambda b: lax.scan(lambda c, x: (c + rp.all_sum(x)[:2].sum() + rp.all_sum(x)[2:].sum(), None), 0.0, b)[
                     0
                 ],
@@ -103,6 +107,18 @@ class TestGraph:
         assert all(e.invars[1].val == 0 for e in dynamic)  # axis 0: a literal
         assert all(e.invars[2] in graph.runtime_constants for e in dynamic)
 
+    def test_slices_of_different_collective_results_are_grouped_apart(self, repl):
+        """Two same-shaped slices of each of two all-reduce results: two groups, each piece cut from its own
+        result (one group would cut all four from the first result)."""
+        graph = repl.lower(_two_results_step, np.ones((repl.num_replicas, 4), np.float32)).after("fuse-collectives")
+        sliced = [e.invars[0] for e in graph.jaxpr.jaxpr.eqns if e.primitive.name == "slice"]
+        assert len(sliced) == 4 and len(set(sliced)) == 2  # two slices of each of two results
+        result = ShareSliceKernels().run(graph)
+        assert result.changed
+        dynamic = [e for e in result.graph.jaxpr.jaxpr.eqns if e.primitive.name == "dynamic_slice"]
+        assert [e.invars[0] for e in dynamic] == sliced  # every piece from the result its slice read
+        assert len(result.graph.runtime_constants) == 4
+
     def test_running_it_twice_changes_nothing(self, repl, n_devices):
         final = repl.lower(_grads_step, _batch(n_devices)).final
         assert not ShareSliceKernels().run(final).changed
@@ -116,17 +132,37 @@ class TestGraph:
             ShareSliceKernels(min_group=1)
 
 
+def _two_results_step(batch):
+    """Same-shaped halves of two all-reduce results that fusion keeps apart (another group, another op)."""
+    x = batch.sum(0)  # (4,)
+    s = rp.all_sum(x)
+    m = rp.all_max(x * 2, group="cores")
+    return {"s0": s[:2], "s1": s[2:], "m0": m[:2], "m1": m[2:]}
+
+
 class TestNumbers:
+    def test_slices_of_different_collective_results(self, mesh2d):
+        """Each piece holds its own result's elements (on a square mesh too)."""
+        workers, cores = mesh2d
+        rng = np.random.default_rng(2)
+        batches = [rng.normal(size=(2 * workers * cores, 4)).astype(np.float32)]
+        repl = rp.Replicator(workers, cores)
+        assert repl.lower(_two_results_step, batches[0][: 2 * cores]).final.runtime_constants  # the pass fired
+        check_against_simulation(repl, _two_results_step, batches)
+
     def test_fused_gradients_equal_the_simulation(self, repl, n_devices):
         batches = [_batch(n_devices) * (s + 1) for s in range(2)]
         check_against_simulation(repl, _grads_step, batches)
 
-    def test_on_a_2d_mesh_and_folded(self, repl2d, n_devices):
-        batches = [_batch(n_devices)]
-        check_against_simulation(repl2d, _grads_step, batches)
-        if n_devices % 2 == 0:
-            folded = rp.Replicator(1, n_devices, replicas_per_device=2, devices=jax.devices()[: n_devices // 2])
-            check_against_simulation(folded, _grads_step, batches)
+    def test_on_a_2d_mesh(self, mesh2d):
+        workers, cores = mesh2d
+        check_against_simulation(rp.Replicator(workers, cores), _grads_step, [_batch(workers * cores)])
+
+    def test_folded(self, n_devices):
+        if n_devices % 2:
+            pytest.skip("two replicas per device need an even device count")
+        folded = rp.Replicator(1, n_devices, replicas_per_device=2, devices=jax.devices()[: n_devices // 2])
+        check_against_simulation(folded, _grads_step, [_batch(n_devices)])
 
     @pytest.mark.parametrize("zero_stage", [0, 1, 3])
     def test_adam_on_a_deep_mlp_equals_one_device(self, n_devices, zero_stage):
@@ -163,7 +199,7 @@ class TestNumbers:
             want = jax.jit(one_device)(want, x)
         state = (params, tx.init(params))
         for x in batches:
-            state, _ = repl.run(step, lambda ctx, x=x: iter([x]), state)
+            state, _ = repl.run(step, x, state)
         assert_trees_close(jax.tree.map(np.asarray, rp.gather_outputs(state)[0]), want[0], atol=5e-6, rtol=5e-5)
 
 

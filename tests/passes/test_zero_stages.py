@@ -247,6 +247,50 @@ def test_stage2_computes_the_global_norm_on_shards(n_devices):
     assert _max_diff(got, _reference(tx, state, batches)) < tol(n_devices)
 
 
+def _extremes_step(tx, mean=None):
+    """A step whose update reads the largest and the smallest element of each reduced gradient.
+
+    Each gradient is scaled by its largest magnitude (a clipping rule) and shifted by its
+    smallest element: at stage 2 both are partial reductions of chunks completed by an
+    all-reduce (max, min), and a max taken for a min (or the reverse) changes the update.
+    """
+
+    def step(state, batch):
+        average = mean or rp.all_mean
+        params, opt = state
+        value, g = jax.value_and_grad(_loss)(params, batch["x"], batch["y"])
+        g = jax.tree.map(lambda t: t / jnp.max(jnp.abs(t)) + 0.5 * jnp.min(t), average(g))
+        upd, opt = tx.update(g, opt, params)
+        return (optax.apply_updates(params, upd), opt), {"loss": average(value)}
+
+    return step
+
+
+@pytest.mark.parametrize("mesh", [(1, None), (2, 2)], ids=["1xN", "2x2"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_max_and_min_of_the_reduced_gradient_equal_one_device(n_devices, stage, mesh):
+    """jnp.max / jnp.min over a reduced gradient (stage 2 and 3: on chunks, then an all-reduce of the partial
+    results), SGD with momentum, 3 steps: parameters equal one-device jit on the global batch."""
+    workers, cores = mesh
+    cores = cores or n_devices
+    tx = optax.sgd(0.05, momentum=0.9)
+    params = _params(np.random.default_rng(0))
+    state = (params, tx.init(params))
+    batches = _batches(4 * workers * cores)
+    repl = rp.Replicator(workers, cores, passes=rp.Pipeline.default(zero_stage=stage))
+    if stage >= 2:  # the reductions run on chunks: each weight's max and min are all-reduces of partial results
+        zero = _lower(repl, _extremes_step(tx), state).after("shard-optimizer-update").jaxpr.jaxpr
+        ops = [e.params["op"] for e in zero.eqns if e.primitive.name == "rp.all_reduce"]
+        assert ops.count("max") == ops.count("min") == DEPTH, ops
+    got = _train(repl, _extremes_step(tx), state, batches)
+    step = jax.jit(_extremes_step(tx, mean=lambda x: x))
+    ref = state
+    for b in batches:
+        ref, _ = step(ref, b)
+    assert _max_diff(ref[0], state[0]) > 1e-2  # training moved the parameters: the check below can fail
+    assert _max_diff(got, ref) < tol(workers * cores), _max_diff(got, ref)
+
+
 @pytest.mark.parametrize(("workers", "per_device"), [(2, 1), (1, 2), (2, 2)])
 def test_stage3_on_a_2d_mesh_and_folded(n_devices, workers, per_device):
     tx, state = _setup()
