@@ -1,8 +1,10 @@
 """The launcher: modes, environment, prefixed output, and stopping a failed job.
 
 Most tests run ``launch()`` on a JAX-free toy worker (tests/multiproc/toy_worker.py),
-which starts in milliseconds; one runs ``python -m replicator.launch`` itself. The
-jobs with real JAX workers are in tests/test_distributed.py.
+which starts in milliseconds; one runs ``python -m replicator.launch`` itself. Workers that
+start a child process of their own (tests/multiproc/child_worker.py) check that stopping a
+job stops what its workers started. The jobs with real JAX workers are in
+tests/test_distributed.py.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from utils import child_pids, kill_leftovers, still_running
 
 from replicator import launch
 from replicator.launch import LaunchError, blame, cli, processes
@@ -28,6 +31,7 @@ from replicator.runtime.mesh import with_device_count
 
 ROOT = Path(__file__).resolve().parent.parent
 TOY = str(Path(__file__).resolve().parent / "multiproc" / "toy_worker.py")
+CHILD_WORKER = str(Path(__file__).resolve().parent / "multiproc" / "child_worker.py")
 CLUSTER_VARS = ("SLURM_", "OMPI_", "REPLICATOR_")
 
 
@@ -340,3 +344,35 @@ def test_sigterm_to_the_launcher_stops_the_job(tmp_path):
     assert "[launcher] interrupted (SIGTERM)" in err and "job failed, exit code 143" in err
     assert "workers' exit codes: {0: -9, 1: -9}" in err  # they ignore SIGTERM: killed after the grace period
     assert time.monotonic() - start < 10
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("child", ["default", "ignores-sigterm"])
+def test_stopping_a_job_stops_what_its_workers_started(tmp_path, child):
+    """Worker 1 fails and leaves its child behind; worker 0 is stopped: no child of either outlives the launcher.
+
+    Each worker's process group is signalled, not its process alone (``os.killpg``): the
+    children of a stopped worker and of one that already exited end too, also one that
+    ignores SIGTERM (as JAX's runtime does).
+    """
+    prefix = tmp_path / "child"
+    args = ["--pids", str(prefix), "--num-workers", "2", "--fail-worker", "1"]
+    if child == "ignores-sigterm":
+        args.append("--child-ignores-sigterm")
+    out, err = io.StringIO(), io.StringIO()
+    start = time.monotonic()
+    code = launch.launch(
+        [sys.executable, CHILD_WORKER, *args], num_workers=2, kill_grace_s=0.5, max_time_s=60, env=clean_env(),
+        stdout=out, stderr=err,
+    )  # fmt: skip
+    took = time.monotonic() - start
+    pids = child_pids(prefix)
+    try:
+        assert code == 3, err.getvalue()
+        assert sorted(pids) == ["0.0", "1.0"], (pids, out.getvalue())
+        assert "stopping worker(s) [0]" in err.getvalue()
+        left = still_running(list(pids.values()))
+        assert not left, f"children {left} of {pids} outlived the launcher (workers: 0 stopped, 1 failed)"
+        assert took < 10, took  # no output thread waited on a pipe a child held open
+    finally:
+        kill_leftovers(list(pids.values()))

@@ -29,12 +29,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from utils import child_pids, kill_leftovers
 
 from replicator import launch
 from replicator.launch import LaunchError, restarts
 
 ROOT = Path(__file__).resolve().parent.parent
 TOY = str(ROOT / "tests" / "multiproc" / "toy_worker.py")
+CHILD_WORKER = str(ROOT / "tests" / "multiproc" / "child_worker.py")
 WORKER = str(ROOT / "tests" / "multiproc" / "restart_worker.py")
 COUNT_VARS = ("REPLICATOR_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "REPLICATOR_MAX_RESTARTS")
 
@@ -142,6 +144,29 @@ class TestRestartLoop:
             [*run, "--num-workers", "2", "--max-restarts", "-2", TOY], capture_output=True, text=True, timeout=60
         )
         assert bad.returncode == 2 and "--max-restarts must be a non-negative int" in bad.stderr
+
+
+@pytest.mark.multiprocess
+def test_a_restart_starts_after_what_the_failed_start_started_is_gone(tmp_path):
+    """Each worker starts a child; worker 1 fails in the first start. No child of the first start (the
+    failed worker's, left behind, nor the stopped one's) still runs when the second start begins: orphans
+    would keep cores, ports and devices (tests/multiproc/child_worker.py looks at each start)."""
+    prefix = tmp_path / "child"
+    out, err = io.StringIO(), io.StringIO()
+    args = ["--pids", str(prefix), "--num-workers", "2", "--fail-worker", "1", "--fail-starts", "1", "--sleep", "0.5"]
+    code = launch.launch(
+        [sys.executable, CHILD_WORKER, *args], num_workers=2, max_restarts=1, kill_grace_s=0.5, max_time_s=60,
+        env=clean_env(), stdout=out, stderr=err,
+    )  # fmt: skip
+    pids = child_pids(prefix)
+    try:
+        assert code == 0, err.getvalue()
+        assert sorted(pids) == ["0.0", "0.1", "1.0", "1.1"], (pids, out.getvalue())
+        for w in (0, 1):  # in the first start and in the restart
+            stale = re.findall(rf"^\[worker {w}\] stale children alive: (.*)$", out.getvalue(), re.M)
+            assert stale == ["[]", "[]"], out.getvalue()
+    finally:
+        kill_leftovers(list(pids.values()))
 
 
 SIZE_VARS = ("REPLICATOR_NUM_WORKERS", "REPLICATOR_INITIAL_NUM_WORKERS")
@@ -301,7 +326,7 @@ def test_three_sigkills_and_the_job_ends_as_if_uninterrupted(tmp_path):
     recovered = [float(s) for s in re.findall(r"restart [23] recovered in ([\d.]+) s", said)]
     assert len(recovered) == 2 and max(recovered) < RECOVERY_BOUND_S, said
     assert re.search(r"job finished after 3 restart\(s\); recovery \(failure -> first step\): restart 1: no step; "
-                     r"restart 2: [\d.]+ s; restart 3: [\d.]+ s$", said), said  # fmt: skip
+                     r"restart 2: [\d.]+ s; restart 3: [\d.]+ s$", said, re.M), said  # fmt: skip
     assert not [p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(".tmp-")]  # the cut save: gone
     restart_took = time.monotonic() - started
 

@@ -15,13 +15,19 @@ puts it on ``sys.path`` (with ``pytest`` and ``python -m pytest`` alike).
 * The deliberately wrong pass and the small step shared by the translation
   validation and bisection tests (and their command-line entry points).
 * :func:`custom_vmap_call_primitive`: found by tracing, not a private import.
+* The child processes of ``tests/multiproc/child_worker.py``: :func:`child_pids`,
+  :func:`still_running` (launcher tests: what a worker started ends with it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import signal
+import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -597,3 +603,36 @@ def custom_vmap_call_primitive() -> Any:
 
     (eqn,) = jax.make_jaxpr(identity)(1.0).eqns
     return eqn.primitive
+
+
+# -- processes a worker started (tests/multiproc/child_worker.py) -----------------------------
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited and waiting for its parent, does not)."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+
+
+def still_running(pids: list[int], within_s: float = 5.0) -> list[int]:
+    """The ``pids`` still running after waiting up to ``within_s`` for them to end."""
+    deadline = time.monotonic() + within_s
+    while any(running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if running(p)]
+
+
+def child_pids(prefix: Path) -> dict[str, int]:
+    """``{'<worker>.<start>': pid}`` of the children that tests/multiproc/child_worker.py wrote."""
+    return {p.name.split(".", 1)[1]: int(p.read_text()) for p in prefix.parent.glob(f"{prefix.name}.*.*")}
+
+
+def kill_leftovers(pids: list[int]) -> None:
+    """Clean-up after a failing test: end the children it checked (started by this test's workers)."""
+    for pid in pids:
+        if running(pid):
+            os.kill(pid, signal.SIGKILL)
