@@ -8,7 +8,10 @@ comment steers a block without showing up on the rendered page:
 
 * ``<!-- doctest: skip -->`` before a block: the next python block is not run (a fragment
   that shows a signature, or needs a cluster);
-* ``<!-- doctest: assert EXPR -->`` after a block: ``EXPR`` must be true there.
+* ``<!-- doctest: assert EXPR -->`` after a block: ``EXPR`` must be true there;
+* ``<!-- doctest: requires MODULE -->`` before a block: the rest of the file runs only
+  where ``MODULE`` imports (an optional extra, e.g. ``orbax.checkpoint``); elsewhere
+  the script ends there and passes.
 
 Docstrings: every ``>>>`` example in the package runs with :mod:`doctest`
 (``rp``, ``jax``, ``jnp``, ``np`` and ``optax`` already imported).
@@ -41,7 +44,7 @@ MARKDOWN = [
     ROOT / "BENCHMARKS.md",
     *sorted((ROOT / "docs").rglob("*.md")),
 ]
-DIRECTIVE = re.compile(r"^<!-- doctest: (?P<what>skip|assert) ?(?P<arg>.*?) ?-->$")
+DIRECTIVE = re.compile(r"^<!-- doctest: (?P<what>skip|assert|requires) ?(?P<arg>.*?) ?-->$")
 
 
 @dataclasses.dataclass
@@ -49,6 +52,7 @@ class Block:
     line: int  # of the first code line, 1-based
     code: str
     skip: bool = False
+    requires: str = ""  # a module the rest of the file needs
     asserts: list[tuple[int, str]] = dataclasses.field(default_factory=list)
 
 
@@ -57,12 +61,14 @@ def python_blocks(text: str) -> list[Block]:
     blocks: list[Block] = []
     lines = text.splitlines()
     i = 0
-    pending_skip = False
+    pending_skip, pending_requires = False, ""
     while i < len(lines):
         line = lines[i].strip()
         m = DIRECTIVE.match(line)
         if m and m["what"] == "skip":
             pending_skip = True
+        elif m and m["what"] == "requires":
+            pending_requires = m["arg"]
         elif m and m["what"] == "assert":
             if not blocks:
                 raise ValueError(f"line {i + 1}: 'doctest: assert' before any python block")
@@ -72,8 +78,8 @@ def python_blocks(text: str) -> list[Block]:
             i += 1
             while i < len(lines) and lines[i].strip() != "```":
                 i += 1
-            blocks.append(Block(start + 1, "\n".join(lines[start:i]), skip=pending_skip))
-            pending_skip = False
+            blocks.append(Block(start + 1, "\n".join(lines[start:i]), skip=pending_skip, requires=pending_requires))
+            pending_skip, pending_requires = False, ""
         i += 1
     return blocks
 
@@ -90,6 +96,11 @@ def script_for(path: pathlib.Path) -> str:
     for block in python_blocks(path.read_text()):
         if block.skip:
             continue
+        if block.requires:  # the rest of the file needs an optional module: end the script where it is missing
+            note = f"{name}:{block.line}: {block.requires} is not installed; the rest of the file is not run"
+            parts.append(
+                f"try:\n    import {block.requires}\nexcept ImportError:\n    print({note!r})\n    raise SystemExit(0)\n"
+            )
         parts.append(f"# {name}:{block.line}\n{block.code}\n")
         for line, expr in block.asserts:
             parts.append(f"assert {expr}, {f'{name}:{line}: {expr}'!r}\n")
@@ -171,6 +182,16 @@ def test_directives_are_parsed():
     skipped, ran = python_blocks(text)
     assert skipped.skip and skipped.code == "fragment(...)"
     assert not ran.skip and ran.line == 7 and ran.asserts == [(9, "x == 1")]
+
+
+def test_requires_ends_the_script_where_the_module_is_missing(tmp_path):
+    page = tmp_path / "page.md"
+    for module, rc in (("no_such_module_x", 0), ("json", 1)):  # json imports: the block runs and fails
+        page.write_text(f"<!-- doctest: requires {module} -->\n```python\nraise AssertionError\n```\n")
+        (needs,) = python_blocks(page.read_text())
+        assert needs.requires == module
+        proc = subprocess.run([sys.executable, "-c", script_for(page)], capture_output=True, text=True)
+        assert proc.returncode == rc, proc.stderr
 
 
 def _modules() -> list[str]:

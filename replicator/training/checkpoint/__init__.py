@@ -30,12 +30,15 @@ checks), :mod:`~.shards` (leaves stored as shards), :mod:`~.manager` (:class:`Ch
 and the functions), :mod:`~.agreement` (multi-process save and restore),
 :mod:`~.snapshot` and :mod:`~.background` (asynchronous saves:
 ``CheckpointManager.save_async`` holds the state at the step, a thread
-writes and commits it).
+writes and commits it), :mod:`~.interop` (``restore_orbax`` and
+``export_orbax``: checkpoints from and for orbax, with the optional extra
+``replicator[orbax]``).
 """
 
 from __future__ import annotations
 
 from replicator.training.checkpoint.encoding import CheckpointError
+from replicator.training.checkpoint.interop import export_orbax, restore_orbax
 from replicator.training.checkpoint.manager import (
     CheckpointManager,
     latest_step,
@@ -46,7 +49,9 @@ from replicator.training.checkpoint.manager import (
 __all__ = [
     "CheckpointError",
     "CheckpointManager",
+    "export_orbax",
     "latest_step",
     "restore_checkpoint",
+    "restore_orbax",
     "save_checkpoint",
 ]
