@@ -347,6 +347,26 @@ def test_sigterm_to_the_launcher_stops_the_job(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_a_job_that_succeeds_leaves_no_child_behind(tmp_path):
+    """Both workers exit 0 and leave their children running: the launcher ends their process groups too."""
+    prefix = tmp_path / "child"
+    args = ["--pids", str(prefix), "--num-workers", "2", "--sleep", "0.2", "--leave-child"]
+    out, err = io.StringIO(), io.StringIO()
+    code = launch.launch(
+        [sys.executable, CHILD_WORKER, *args], num_workers=2, kill_grace_s=0.5, max_time_s=60, env=clean_env(),
+        stdout=out, stderr=err,
+    )  # fmt: skip
+    pids = child_pids(prefix)
+    try:
+        assert code == 0, err.getvalue()
+        assert sorted(pids) == ["0.0", "1.0"], (pids, out.getvalue())
+        left = still_running(list(pids.values()))
+        assert not left, f"children {left} of {pids} outlived a job that succeeded"
+    finally:
+        kill_leftovers(list(pids.values()))
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("child", ["default", "ignores-sigterm"])
 def test_stopping_a_job_stops_what_its_workers_started(tmp_path, child):
     """Worker 1 fails and leaves its child behind; worker 0 is stopped: no child of either outlives the launcher.

@@ -119,6 +119,7 @@ def supervise(
             if w.log is not None and (w.ended is None or w.returncode == 0):
                 w.log.release_stale(now)
         if len(ended) == len(workers):
+            stop(workers, kill_grace_s, output)  # what the workers started and left running ends with them
             return Outcome(0)
         if now >= next_watch:
             next_watch = now + DIAGNOSE_INTERVAL_S

@@ -11,7 +11,9 @@ Then:
   start exists (so that the others' children run), then exits with ``--code``
   (only in the job's first ``--fail-starts`` starts, when given); its child stays
   behind, in its process group;
-* the others sleep ``--sleep`` seconds, then stop their child and exit 0.
+* the others sleep ``--sleep`` seconds, then stop their child and exit 0
+  (with ``--leave-child``: exit 0 and leave it running, as a worker that forgot a
+  background process does).
 
 ``--child-ignores-sigterm``: the child ignores SIGTERM (as JAX's runtime does).
 """
@@ -33,6 +35,7 @@ p.add_argument("--fail-starts", type=int, help="fail only while REPLICATOR_RESTA
 p.add_argument("--code", type=int, default=3)
 p.add_argument("--sleep", type=float, default=60.0)
 p.add_argument("--child-ignores-sigterm", action="store_true")
+p.add_argument("--leave-child", action="store_true", help="exit 0 without stopping the child")
 args = p.parse_args()
 
 me = int(os.environ["REPLICATOR_WORKER_ID"])
@@ -78,5 +81,7 @@ if me == args.fail_worker and failing:
         time.sleep(0.02)
     os._exit(args.code)  # no clean-up: the child stays behind
 time.sleep(args.sleep)
+if args.leave_child:
+    os._exit(0)
 child.kill()
 child.wait()
