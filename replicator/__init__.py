@@ -27,6 +27,7 @@ from replicator.core.primitives import broadcast as broadcast
 from replicator.core.primitives import num_replicas as num_replicas
 from replicator.core.primitives import reduce_scatter as reduce_scatter
 from replicator.core.primitives import replica_id as replica_id
+from replicator.core.primitives import stage_boundary as stage_boundary
 from replicator.errors import DivergentControlFlowError as DivergentControlFlowError
 from replicator.errors import DivergentStateError as DivergentStateError
 from replicator.errors import InputExhausted as InputExhausted
@@ -113,6 +114,7 @@ __all__ = [
     "restore_checkpoint",
     "save_checkpoint",
     "select_tree",
+    "stage_boundary",
     "tools",
     "wrap_optimizer",
 ]

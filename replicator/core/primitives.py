@@ -483,3 +483,90 @@ _NAMES: dict[Primitive, Callable[[dict], str]] = {
 def collective_name(prim: Primitive, params: dict) -> str:
     """The user-facing name of a placeholder equation, e.g. ``all_mean``."""
     return _NAMES[prim](params)
+
+
+# ----------------------------------------------------------------------------
+# stage_boundary: where a pipeline-parallel step is cut into stages
+# ----------------------------------------------------------------------------
+
+#: Not a placeholder: it runs (as the identity) where no pipeline splits the step.
+stage_boundary_p = Primitive("rp.stage_boundary")
+stage_boundary_p.multiple_results = True
+
+
+def stage_boundary(x: PyTree) -> PyTree:
+    """Mark the end of a pipeline stage: ``x`` is what the next stage receives.
+
+    The identity everywhere except where a pipeline splits the step: under
+    plain ``jax.jit``, in a data-parallel ``Replicator.run``, or eagerly, the
+    step computes what it computes without the marker. Under ``jax.grad`` the
+    marker is linear and its transpose is the marker again, with
+    ``transposed=True``: the backward pass holds one marker per boundary
+    crossed by a gradient, which is where the split sends the cotangent back
+    to the previous stage (docs/design/pipeline-parallelism.md). It also
+    passes through ``vmap``, ``jit``, ``scan`` and ``jax.checkpoint``; the
+    split rejects a boundary inside a loop body or a branch.
+
+    Args:
+      x: a pytree of arrays: every value the next stage reads from this one
+        (bind one marker per boundary, e.g. ``h, mask = rp.stage_boundary((h, mask))``).
+
+    Returns:
+      ``x``, unchanged.
+
+    >>> def f(w, x):
+    ...     h = rp.stage_boundary(jnp.tanh(x * w))  # stage 0 | stage 1
+    ...     return jnp.sum(h**2)
+    >>> names = [e.primitive.name for e in jax.make_jaxpr(jax.grad(f))(0.5, 2.0).eqns]
+    >>> names.count("rp.stage_boundary")  # forward and, transposed, backward
+    2
+    >>> bool(jax.grad(f)(0.5, 2.0) == jax.grad(lambda w, x: jnp.sum(jnp.tanh(x * w) ** 2))(0.5, 2.0))
+    True
+    """
+    leaves, treedef = _leaves(x, "stage_boundary")
+    if not leaves:
+        return x
+    return treedef.unflatten(stage_boundary_p.bind(*leaves, transposed=False))
+
+
+def _stage_boundary_impl(*xs: Any, transposed: bool) -> list:
+    del transposed
+    return list(xs)
+
+
+def _stage_boundary_lowering(ctx: Any, *xs: Any, transposed: bool) -> list:
+    del ctx, transposed
+    return list(xs)
+
+
+def _stage_boundary_jvp_rule(primals: list, tangents: list, *, transposed: bool) -> tuple:
+    out = stage_boundary_p.bind(*primals, transposed=transposed)
+    out_tangents: list = [_zero_tangent(y) for y in out]
+    # An integer leaf's (token ids') tangent reaches here as a symbolic zero, even one given as float0.
+    live = [i for i, t in enumerate(tangents) if type(t) is not ad.Zero]
+    if live:
+        for i, t in zip(live, stage_boundary_p.bind(*(tangents[i] for i in live), transposed=transposed), strict=True):
+            out_tangents[i] = t
+    return out, out_tangents
+
+
+def _stage_boundary_transpose_rule(cts: list, *primals: Any, transposed: bool) -> list:
+    results: list = [ad.Zero(p.aval) if ad.is_undefined_primal(p) else None for p in primals]
+    live = [i for i, ct in enumerate(cts) if type(ct) is not ad.Zero and ad.is_undefined_primal(primals[i])]
+    if live:
+        for i, ct in zip(live, stage_boundary_p.bind(*(cts[i] for i in live), transposed=not transposed), strict=True):
+            results[i] = ct
+    return results
+
+
+def _stage_boundary_batching_rule(args: list, dims: list, *, transposed: bool) -> tuple:
+    return stage_boundary_p.bind(*args, transposed=transposed), list(dims)
+
+
+stage_boundary_p.def_impl(_stage_boundary_impl)
+stage_boundary_p.def_abstract_eval(lambda *avals, transposed: list(avals))
+mlir.register_lowering(stage_boundary_p, _stage_boundary_lowering)
+ad.primitive_jvps[stage_boundary_p] = _stage_boundary_jvp_rule
+ad.primitive_transposes[stage_boundary_p] = _stage_boundary_transpose_rule
+batching.primitive_batchers[stage_boundary_p] = _stage_boundary_batching_rule
+__all__ += ["stage_boundary", "stage_boundary_p"]
