@@ -20,6 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("replicator.analysis",),
     ("replicator.pipeline",),
     ("replicator.passes",),
+    ("replicator.stages",),  # pipeline parallelism: model stages (split, schedule), not the pass pipeline
     ("replicator.cost",),
     ("replicator.runtime",),
     ("replicator.tools",),
