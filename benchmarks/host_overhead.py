@@ -9,18 +9,27 @@ batch every step, as a training loop has):
   8 leaves (the per-leaf costs of the host path).
 
 The hand-written program is ``jax.jit(jax.shard_map(...lax.pmean...))`` on the
-same mesh, the state replicated and the batch put on the devices with one
-``jax.device_put(batch, NamedSharding(mesh, P(('workers', 'cores'))))``, as
-``Replicator`` places it. Every variant keeps at most 2 steps in flight
-(``Replicator``'s default on CPU).
+same mesh, the state replicated, called two ways: ``shard_map (hand)`` is given the
+NumPy batch itself (the jitted function's own dispatch places it by the program's
+input sharding; the reference of the overheads printed), ``shard_map (hand,
+device_put)`` first puts it on the devices with one ``jax.device_put(batch,
+NamedSharding(mesh, P(('workers', 'cores'))))``. Every variant keeps at most 2 steps
+in flight (``Replicator``'s default on CPU).
 
 Printed, variants interleaved round by round (order reversed every other
 round), medians over rounds:
 
 1. microseconds per step of each variant and the overhead over the hand-written
-   call (``--rounds``, ``--steps``); ``replicator`` is the default (no prefetch on
-   CPU devices), ``prefetch=1`` draws and places the next batch right after each
-   dispatch;
+   call given the NumPy batch, ``shard_map (hand)`` (``--rounds``, ``--steps``):
+   the difference of the medians (``over hand``) and the median of the rounds'
+   differences (``paired``: steadier on a loaded machine);
+   ``replicator`` is the default (no prefetch on CPU devices: the NumPy batch goes
+   to the compiled step's own dispatch, as in the hand-written call),
+   ``prefetch=1`` draws and places the next batch with ``jax.device_put`` right
+   after each dispatch, ``replicator, batch given`` is given each batch itself
+   (``repl.run(step_fn, batch, state)``, where ``run`` takes one). ``python benchmarks/host_overhead.py --workloads trivial``
+   is the trivial step with a host batch every call against the hand-written
+   call given the same NumPy batch, interleaved, medians;
 2. the phase breakdown of one steady-state call of the default Replicator
    (skip it with ``--no-breakdown``): the same loop with a ``time.perf_counter_ns`` wrapper around each
    phase of ``Replicator.run`` (drawing from ``input_fn``, checking the batch,
@@ -94,6 +103,8 @@ from timing import interleaved_samples  # noqa: E402
 AXES = ("workers", "cores")
 MAX_IN_FLIGHT = 2
 HAS_PREFETCH = "prefetch" in inspect.signature(rp.Replicator.run).parameters
+#: Whether ``run`` takes a batch itself in place of ``input_fn`` (its annotation names the iterator form too).
+HAS_GIVEN_BATCH = "Iterator" in str(inspect.signature(rp.Replicator.run).parameters["input_fn"].annotation)
 
 Step = Callable[[], Any]  # one step; returns something to block on
 
@@ -124,15 +135,20 @@ def make_workload(name: str, n: int) -> tuple[Any, Callable[[Any], Any], Callabl
     return state0, input_fn, step_fn, per_replica
 
 
-def replicator_step(workload: str, n: int, *, sync: bool = False, **run_kwargs: Any) -> tuple[Step, rp.Replicator]:
+def replicator_step(
+    workload: str, n: int, *, sync: bool = False, given: bool = False, **run_kwargs: Any
+) -> tuple[Step, rp.Replicator]:
+    """``Replicator.run`` of the workload; ``given``: ``run`` is given each batch itself, not ``input_fn``."""
     state0, input_fn, step_fn, _ = make_workload(workload, n)
     if sync:
         input_fn = working_input(n)
     repl = rp.Replicator(1, n)
     holder = {"state": repl.broadcast_state(state0)}
+    batches = input_fn(None)
 
     def run() -> Any:
-        holder["state"], out = repl.run(step_fn, input_fn, holder["state"], **run_kwargs)
+        source = next(batches) if given else input_fn
+        holder["state"], out = repl.run(step_fn, source, holder["state"], **run_kwargs)
         if sync:
             float(out["m"][0])
         return holder["state"]
@@ -140,7 +156,9 @@ def replicator_step(workload: str, n: int, *, sync: bool = False, **run_kwargs: 
     return run, repl
 
 
-def hand_step(workload: str, n: int, mesh: Any, *, sync: bool = False) -> Step:
+def hand_step(workload: str, n: int, mesh: Any, *, sync: bool = False, device_put: bool = False) -> Step:
+    """The hand-written ``jit(shard_map)`` call; ``device_put``: place the NumPy batch first (else the jitted
+    function is given the NumPy batch and places it itself)."""
     state0, input_fn, _, per_replica = make_workload(workload, n)
     if sync:
         input_fn = working_input(n)
@@ -156,7 +174,7 @@ def hand_step(workload: str, n: int, mesh: Any, *, sync: bool = False) -> Step:
     in_flight: collections.deque = collections.deque()
 
     def run() -> Any:
-        batch = jax.device_put(next(batches), target)
+        batch = jax.device_put(next(batches), target) if device_put else next(batches)
         while len(in_flight) >= MAX_IN_FLIGHT:
             in_flight.popleft().block_until_ready()
         holder["state"], out = program(holder["state"], batch)
@@ -321,13 +339,16 @@ def cprofile(workload: str, n: int, steps: int, top: int) -> None:
 
 
 def report(title: str, samples: dict[str, list[float]], reference: str) -> None:
+    """Medians over rounds, and the median over rounds of each round's difference from the reference (the
+    variants of one round ran back to back, so a load that changes between rounds cancels there)."""
     med = {k: statistics.median(v) for k, v in samples.items()}
     print(f"\n{title}")
-    print(f"  {'variant':<26} {'us/step':>9} {'over hand':>10} {'ratio':>7}   (min-max over rounds)")
+    print(f"  {'variant':<30} {'us/step':>9} {'over hand':>10} {'ratio':>7} {'paired':>8}   (min-max over rounds)")
     for name, value in med.items():
         lo, hi = min(samples[name]), max(samples[name])
+        paired = statistics.median(a - b for a, b in zip(samples[name], samples[reference], strict=True))
         print(
-            f"  {name:<26} {value:9.1f} {value - med[reference]:+10.1f} {value / med[reference]:7.2f}"
+            f"  {name:<30} {value:9.1f} {value - med[reference]:+10.1f} {value / med[reference]:7.2f} {paired:+8.1f}"
             f"   ({lo:.0f}-{hi:.0f})"
         )
 
@@ -343,7 +364,10 @@ def main() -> int:
     )
     for workload in ARGS.workloads.split(","):
         variants: dict[str, Step] = {"shard_map (hand)": hand_step(workload, n, mesh)}
+        variants["shard_map (hand, device_put)"] = hand_step(workload, n, mesh, device_put=True)
         variants["replicator"] = replicator_step(workload, n)[0]
+        if HAS_GIVEN_BATCH:
+            variants["replicator, batch given"] = replicator_step(workload, n, given=True)[0]
         if HAS_PREFETCH:
             variants["replicator prefetch=1"] = replicator_step(workload, n, prefetch=1)[0]
         samples = interleaved(variants, ARGS.rounds, ARGS.steps)

@@ -23,9 +23,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import os
+import sys
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -42,6 +44,7 @@ from replicator.core.tracing import (
     trace_step,
 )
 from replicator.cost.report import CommunicationReport, communication_report
+from replicator.errors import InputExhausted
 from replicator.passes.fold import fold_lowered
 from replicator.pipeline.pipeline import Lowered, Pipeline
 from replicator.runtime.consistency import check_replicas_agree
@@ -54,13 +57,23 @@ from replicator.runtime.inputs import (
     BatchChecker,
     BatchSignature,
     InputContext,
+    InputRegistry,
     WorkerInputs,
     check_input_fn,
     check_worker_batch,
+    split_process_batch,
 )
 from replicator.runtime.memory import compiled_memory
 from replicator.runtime.mesh import build_mesh
-from replicator.runtime.state import broadcast_state
+from replicator.runtime.state import (
+    PerReplicaSignature,
+    broadcast_state,
+    per_replica_flags,
+    per_replica_graph,
+    per_replica_specs,
+    per_replica_step,
+    with_per_replica,
+)
 
 __all__ = ["CompiledStep", "Replicator"]
 
@@ -84,6 +97,18 @@ class CompiledStep:
 MAX_COMPILED_STEPS = 64
 #: Warn when a step has been compiled this many times already for one cause.
 RETRACE_WARNING_AFTER = 8
+#: Warn when this many new input functions of the same code in a row each ran one step before the next.
+NEW_INPUT_WARNING_AFTER = 2
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _caller_stacklevel() -> int:
+    """``warnings.warn``'s ``stacklevel`` naming the first caller outside this package (the user's line)."""
+    frame, level = sys._getframe(1), 1  # the function that calls warnings.warn
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _code_of(fn: Any) -> Any:
@@ -295,7 +320,8 @@ class Replicator:
         self._steps_run = 0
         self._cached_pipeline_key: tuple[Pipeline, tuple] | None = None
         self._in_flight: collections.deque = collections.deque()
-        self._inputs: dict[Any, WorkerInputs] = {}
+        self._inputs = InputRegistry()
+        self._contexts: list[InputContext] | None = None
         self._compiled: collections.OrderedDict[Any, CompiledStep] = collections.OrderedDict()
         self._checker = BatchChecker(self.cores_per_worker)
         self._returned: _ReturnedState | None = None
@@ -334,9 +360,12 @@ class Replicator:
             cached = self._cached_pipeline_key = (self.pipeline, self.pipeline.key())
         return cached[1]
 
-    def _compile(self, step_fn: Callable, state: PyTree | None, batch: PyTree) -> CompiledStep:
+    def _compile(
+        self, step_fn: Callable, state: PyTree | None, batch: PyTree, per_replica_state: Any = None
+    ) -> CompiledStep:
         """Trace + rewrite ``step_fn`` for a worker batch like ``batch`` (cached)."""
         state_key, _, _ = _state_key(state)
+        state_key = self._per_replica_key(state_key, state, per_replica_state)
         return self._lookup(step_fn, state_key, BatchSignature.of(batch, self.cores_per_worker), batch)
 
     def _lookup(
@@ -359,7 +388,14 @@ class Replicator:
             has_state, state_def, state_sigs = state_key.value
             state_specs = state_def.unflatten([_state_spec(s) for s in state_sigs]) if has_state else None
             batch_specs = batch_key.treedef.unflatten([signature_spec(s) for s in batch_key.replica_leaves])
-            traced = trace_step(step_fn, state_specs, batch_specs, self.context)
+            flags = tuple(type(s) is PerReplicaSignature for s in state_sigs)
+            if any(flags):  # traced with one row of each per-replica leaf, stored one row per replica
+                state_specs = per_replica_specs(state_specs, flags)
+            traced = trace_step(
+                per_replica_step(step_fn, flags) if any(flags) else step_fn, state_specs, batch_specs, self.context
+            )
+            if any(flags):
+                traced = dataclasses.replace(traced, graph=per_replica_graph(traced.graph, flags, traced.static_state))
             self.trace_count += 1
             lowered = self.pipeline.run(traced.graph, fold=self.fold)
             if self.fold.replicas_per_device > 1:
@@ -388,7 +424,7 @@ class Replicator:
                 f"call ({len(same_code) + 1} so far: a lambda or functools.partial made inside the loop), so every "
                 "step is traced and compiled again. Define it once, outside the loop.",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=_caller_stacklevel(),
             )
         elif len(same_fn) >= RETRACE_WARNING_AFTER and "new-shapes" not in self._warned_retrace:
             self._warned_retrace.add("new-shapes")
@@ -397,10 +433,12 @@ class Replicator:
                 "dtypes; each new one compiles again. Pad batches to a fixed size (drop_last, or pad and mask) "
                 "and keep the state's shapes fixed.",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=_caller_stacklevel(),
             )
 
-    def lower(self, step_fn: Callable, batch: PyTree, state: PyTree | None = None) -> Lowered:
+    def lower(
+        self, step_fn: Callable, batch: PyTree, state: PyTree | None = None, *, per_replica_state: Any = None
+    ) -> Lowered:
         """Trace ``step_fn`` and run the pipeline, without executing anything.
 
         Args:
@@ -408,14 +446,17 @@ class Replicator:
           batch: one worker's batch (arrays or ``jax.ShapeDtypeStruct``), as
             ``input_fn`` would yield it.
           state: the state (arrays or ``jax.ShapeDtypeStruct``), or None.
+          per_replica_state: as for :meth:`run`.
 
         Returns:
           A :class:`~replicator.passes.Lowered`: ``print()`` it to see the
           per-replica graph with placeholders and the graph after each pass.
         """
-        return self._compile(step_fn, state, batch).lowered
+        return self._compile(step_fn, state, batch, per_replica_state).lowered
 
-    def explain(self, step_fn: Callable, input_fn_or_batch: Any, state: PyTree | None = None) -> CommunicationReport:
+    def explain(
+        self, step_fn: Callable, input_fn_or_batch: Any, state: PyTree | None = None, *, per_replica_state: Any = None
+    ) -> CommunicationReport:
         """The collectives a step will run and what they cost, without running it.
 
         Args:
@@ -424,6 +465,7 @@ class Replicator:
             made and one batch drawn from it; the iterator used by :meth:`run`
             is not touched) or one worker's batch.
           state: as for :meth:`run`.
+          per_replica_state: as for :meth:`run`.
 
         Returns:
           A :class:`~replicator.cost.report.CommunicationReport`; ``print()`` it.
@@ -434,7 +476,7 @@ class Replicator:
                 batch = next(iter(input_fn_or_batch(self.input_context(self.local_workers[0]))))
             except StopIteration:
                 raise ValueError("explain: input_fn yielded no batch to trace the step with.") from None
-        return communication_report(self.lower(step_fn, batch, state))
+        return communication_report(self.lower(step_fn, batch, state, per_replica_state=per_replica_state))
 
     def broadcast_state(self, state: PyTree) -> PyTree:
         """Replica 0's (process 0's) ``state`` on every replica, placed on the mesh.
@@ -462,8 +504,11 @@ class Replicator:
                 token.block_until_ready()
 
     def forget_input(self, input_fn: Callable) -> None:
-        """Drop the iterators of ``input_fn`` and its prefetched batches: the next ``run`` with it starts over."""
-        self._inputs.pop(input_fn, None)
+        """Drop the iterators of ``input_fn`` and its prefetched batches: the next ``run`` with it starts over.
+
+        (An ``input_fn`` the caller no longer holds is dropped by itself: the Replicator refers to it weakly.)
+        """
+        self._inputs.forget(input_fn)
 
     def input_position(self, input_fn: Callable) -> int:
         """How many batches steps have taken from each worker's iterator of ``input_fn`` (since it was started,
@@ -471,38 +516,115 @@ class Replicator:
         inputs = self._inputs.get(input_fn)
         return inputs.taken if inputs is not None else 0
 
+    def _local_contexts(self) -> list[InputContext]:
+        if self._contexts is None:
+            self._contexts = [self.input_context(w) for w in self.local_workers]
+        return self._contexts
+
     def _worker_inputs(self, input_fn: Callable) -> WorkerInputs:
-        check_input_fn(input_fn)
         inputs = self._inputs.get(input_fn)
         if inputs is None:
-            contexts = [self.input_context(w) for w in self.local_workers]
-            inputs = self._inputs[input_fn] = WorkerInputs(input_fn, contexts)
+            check_input_fn(input_fn)
+            inputs, in_a_row = self._inputs.start(input_fn, self._local_contexts())
+            if in_a_row >= NEW_INPUT_WARNING_AFTER:
+                self._warn_new_input_fn(input_fn, in_a_row + 1)
         return inputs
+
+    def _warn_new_input_fn(self, input_fn: Callable, count: int) -> None:
+        """Warn once: ``input_fn`` is a new function on every call, so its data starts over at every step."""
+        if "new-input-function" in self._warned_retrace:
+            return
+        self._warned_retrace.add("new-input-function")
+        code = _code_of(input_fn)
+        where = f" (made at {code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+        warnings.warn(
+            f"Replicator.run: input_fn {getattr(code, 'co_name', input_fn)!r}{where} is a new function object on "
+            f"every call ({count} in a row, each used for one step: a lambda or function made inside the loop), "
+            "so every step starts a new iterator and reads its first batch: the data starts over at every step. "
+            "Define input_fn once, outside the loop (one iterator, continued from call to call), or pass the "
+            "step's batch itself, repl.run(step_fn, batch, state), or an iterator of batches, "
+            "repl.run(step_fn, batches, state), which run continues.",
+            RuntimeWarning,
+            stacklevel=_caller_stacklevel(),
+        )
+
+    def _given_batch(self, data: Any) -> Batch:
+        """The batch of a ``run`` given a batch or an iterator of batches instead of an ``input_fn``."""
+        if type(data) not in (dict, list, tuple) and not isinstance(data, (np.ndarray, jax.Array)):
+            if data is None:
+                raise TypeError(
+                    "Replicator.run takes an input_fn (a callable taking an InputContext and returning an iterable "
+                    "of batches), an iterator of batches, or one batch (a pytree of arrays); got None."
+                )
+            if isinstance(data, Iterator):
+                try:
+                    data = next(data)
+                except StopIteration:
+                    raise InputExhausted(
+                        "the iterator of batches given to run is exhausted. Stop the loop there (catch "
+                        "replicator.InputExhausted) or give it more batches (e.g. loop over epochs)."
+                    ) from None
+            elif isinstance(data, Iterable) and not hasattr(data, "__array__") and jax.tree_util.all_leaves([data]):
+                raise TypeError(
+                    f"Replicator.run was given a {type(data).__name__}, an iterable that is not an iterator: pass "
+                    f"iter(it) once, outside the loop (run then draws one batch from it per call), a batch, or an "
+                    f"input_fn."
+                )
+        return Batch(split_process_batch(data, self._local_contexts()))
 
     def run(
         self,
         step_fn: Callable,
-        input_fn: Callable[[InputContext], Any],
+        input_fn: Callable[[InputContext], Any] | Iterator[PyTree] | PyTree,
         state: PyTree | None = None,
         *,
         prefetch: int | None = None,
+        per_replica_state: Any = None,
     ) -> Any:
         """Run one step on every replica with the next batch of ``input_fn``.
 
         Args:
           step_fn: ``step_fn(batch) -> outputs`` without state, or
-            ``step_fn(state, batch) -> (new_state, outputs)`` with state.
-          input_fn: ``input_fn(ctx: InputContext) -> iterable`` of a worker's
-            batches; called once per worker, later calls continue it.
-          state: a pytree of arrays, identical on every replica, or None.
+            ``step_fn(state, batch) -> (new_state, outputs)`` with state. Give
+            the step itself, not a ``jax.pmap`` of it (a ``TypeError`` says so).
+          input_fn: where the step's batch comes from, one of:
+
+            * ``input_fn(ctx: InputContext) -> iterable`` of a worker's
+              batches; called once per worker, later calls with the same
+              function continue its iterators (held as long as the function
+              is: define it once, outside the loop);
+            * an iterator of this process's batches: one batch is drawn from
+              it per call (``rp.InputExhausted`` when it ends);
+            * one batch of this process (a pytree of arrays), for this step.
+
+            Every batch leaf is split along its leading axis over the replicas
+            in order; leaves may have different numbers of rows (one row per
+            replica next to many), each a multiple of the replicas it is split
+            over. With one worker per process (the usual) a batch of this
+            process is that worker's batch.
+          state: a pytree of arrays, identical on every replica (but for the
+            leaves of ``per_replica_state``), or None.
           prefetch: batches of ``input_fn`` to draw and place ahead, after this
             step is dispatched (default: the Replicator's ``prefetch``; ``0``
             for an ``input_fn`` whose batches depend on this step's outputs).
-            Batches prefetched before are used first either way.
+            Batches prefetched before are used first either way. Only an
+            ``input_fn`` is drawn ahead; an iterator or a batch is placed when
+            its step starts.
+          per_replica_state: which state leaves each replica keeps its own
+            copy of (as ``jax.pmap`` keeps per-device batch statistics), so
+            that they may differ between replicas: a pytree prefix of
+            ``state`` with a bool per subtree (``{'params': False,
+            'batch_stats': True}``), a bool, or a function of a leaf's path
+            (``"state['batch_stats']['mean']"``) returning one. Such a leaf
+            carries a leading axis of size ``num_replicas`` in the state
+            given and returned (row ``r``: replica ``r``'s copy, stored on
+            its device); ``step_fn`` sees this replica's row, without the
+            axis. ``None``: every leaf is identical on every replica.
 
         Returns:
           ``outputs`` or ``(new_state, outputs)``. The new state is one copy
-          (it lives replicated on the mesh: feed it back as is). Every output
+          (it lives replicated on the mesh: feed it back as is; a per-replica
+          leaf keeps its replica axis, split over the replicas). Every output
           leaf gets a leading axis of size ``num_replicas``, in replica order.
           In a multi-process job each process holds only its own replicas'
           rows: read them with ``rp.local_outputs`` / ``rp.replica_invariant``
@@ -511,15 +633,21 @@ class Replicator:
         depth = self.prefetch if prefetch is None else _check_prefetch(prefetch)
         progress.begin_step()
         try:
-            return self._run(step_fn, input_fn, state, depth)
+            return self._run(step_fn, input_fn, state, depth, per_replica_state)
         finally:
             progress.end_step()
 
-    def _run(self, step_fn: Callable, input_fn: Callable[[InputContext], Any], state: PyTree | None, depth: int) -> Any:
-        inputs = self._worker_inputs(input_fn)
-        batch = inputs.take()
+    def _run(
+        self, step_fn: Callable, data: Any, state: PyTree | None, depth: int, per_replica_state: Any = None
+    ) -> Any:
+        if callable(data):
+            inputs: WorkerInputs | None = self._worker_inputs(data)
+            batch = inputs.take()
+        else:
+            inputs, depth = None, 0
+            batch = self._given_batch(data)
         if batch.signature is None:
-            batch.signature, batch.leaves = self._checker.check(batch.batches, inputs.contexts)
+            batch.signature, batch.leaves = self._checker.check(batch.batches, self._local_contexts())
         placed_state = None
         if state is None:
             state_key, leaves, state_def = _NO_STATE, [], None
@@ -530,6 +658,7 @@ class Replicator:
                 state_key = returned.key
             else:
                 state_key, leaves, state_def = _state_key(state)
+            state_key = self._per_replica_key(state_key, state, per_replica_state)
         compiled = self._lookup(step_fn, state_key, batch.signature)
         progress.set_phase("compiling" if compiled.runs == 0 else "step", progress.current_step())
         traced = compiled.traced
@@ -537,7 +666,13 @@ class Replicator:
         if placed_state is None or returned.sharded_state != sharded_state:
             placed_state = place_state(_array_leaves(leaves, traced.static_state), self.mesh, sharded_state)
         if batch.placed is None:
-            batch.placed = place_batch(batch.leaves, self.mesh, self.num_workers, nbytes=batch.signature.nbytes)
+            # Without prefetch, host leaves go to the compiled step as they are: its own dispatch places them
+            # (faster than a device_put of ours). With prefetch every batch is placed here, as the prefetched
+            # ones are: the compiled step is given placed arrays every time (numpy and placed arrays are two
+            # entries of jit's cache, each compiled).
+            batch.placed = place_batch(
+                batch.leaves, self.mesh, self.num_workers, nbytes=batch.signature.nbytes, host=depth == 0
+            )
         self._wait_for_room()
         if compiled.runs:
             new_state, outputs = compiled.executable(placed_state, batch.placed)
@@ -561,9 +696,17 @@ class Replicator:
             return outputs
         statics = traced.static_state
         new_leaves = _merge_static(new_state, statics, traced.state_treedef.num_leaves)
-        if compiled.state_reusable:
+        if compiled.state_reusable and per_replica_state is None:
             self._returned = _ReturnedState(state_key, state_def, new_state, statics, len(new_leaves), sharded_state)
         return traced.state_treedef.unflatten(new_leaves), outputs
+
+    def _per_replica_key(self, state_key: _StateKey, state: PyTree, per_replica_state: Any) -> _StateKey:
+        """``state_key`` with the leaves ``per_replica_state`` declares kept per replica marked (see :meth:`run`)."""
+        if per_replica_state is None or state is None:
+            return state_key
+        has_state, treedef, signatures = state_key.value
+        flags = per_replica_flags(state, per_replica_state, self.num_replicas)
+        return _StateKey(has_state, treedef, with_per_replica(signatures, flags))
 
     def _prefetch(self, inputs: WorkerInputs, depth: int) -> None:
         """Draw, check and place batches of ``inputs`` until ``depth`` wait for their steps.

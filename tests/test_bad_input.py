@@ -53,7 +53,7 @@ def test_new_shapes_every_call_warn_once(n_devices):
 
     def loop():
         for n in range(1, api.RETRACE_WARNING_AFTER + 4):
-            repl.run(step, _input(np.ones((n_devices * n, 2), np.float32)))
+            repl.run(step, {"x": np.ones((n_devices * n, 2), np.float32)})  # the batch itself, new shapes each call
 
     messages = _recorded(loop)
     assert len(messages) == 1 and "different state/batch shapes" in messages[0], messages

@@ -201,10 +201,10 @@ class TestBadInput:
         with pytest.raises(ValueError, match=rf"{n + 1} rows, not divisible by cores_per_worker={n}"):
             repl.run(lambda b: b, _forever({"x": np.ones((n + 1, 2), np.float32)}))
 
-    def test_leaves_with_different_leading_sizes(self, repl):
-        n = repl.num_replicas
-        batch = {"x": np.ones((n, 2), np.float32), "y": np.ones((2 * n,), np.float32)}
-        with pytest.raises(ValueError, match=rf"different leading sizes \(batch\['x'\]: {n}, batch\['y'\]: {2 * n}\)"):
+    def test_a_leaf_whose_rows_do_not_divide_is_named(self, repl):
+        n = repl.num_replicas  # leaves may have different numbers of rows, each a multiple of the cores
+        batch = {"x": np.ones((n, 2), np.float32), "y": np.ones((n + 2,), np.float32)}
+        with pytest.raises(ValueError, match=rf"batch leaf batch\['y'\] has {n + 2} rows, not divisible by"):
             repl.run(lambda b: b, _forever(batch))
 
     def test_scalar_batch_leaf(self, repl):
@@ -241,8 +241,12 @@ class TestBadInput:
             repl.run(lambda s, b: s, _forever(batch), jnp.zeros(3))
 
     def test_input_fn_must_be_callable_returning_iterable(self, repl):
-        with pytest.raises(TypeError, match="input_fn must be a callable"):
+        with pytest.raises(TypeError, match="takes an input_fn .*, an iterator of batches, or one batch"):
+            repl.run(lambda b: b, None)
+        with pytest.raises(ValueError, match=r"batch is a Python list or tuple of numbers"):  # taken as a batch
             repl.run(lambda b: b, [1, 2])
+        with pytest.raises(TypeError, match=r"a range, an iterable that is not an iterator: pass iter\(it\)"):
+            repl.run(lambda b: b, range(3))
         with pytest.raises(TypeError, match="must return an iterable"):
             repl.run(lambda b: b, lambda ctx: 3)
 

@@ -119,6 +119,11 @@ class StepGraph:
     #: than as literals XLA can see (``share-slice-kernels``: offsets that,
     #: left visible, would make XLA compile one kernel per offset).
     runtime_constants: frozenset[Var] = frozenset()
+    #: State leaves kept per replica (``Replicator.run(..., per_replica_state=...)``): each replica
+    #: keeps its own copy, as ``jax.pmap`` keeps per-device batch statistics. They are also in
+    #: ``sharded_state``, split along axis 0: their global value has a leading axis of size
+    #: ``num_replicas`` and the jaxpr's input and output are this replica's row, of size 1.
+    per_replica_state: frozenset[int] = frozenset()
 
     @property
     def num_state(self) -> int:

@@ -26,6 +26,7 @@ __all__ = [
     "TracedStep",
     "UnboundAxisNameError",
     "canonical_dtype",
+    "check_not_pmapped",
     "is_array_leaf",
     "leaf_paths",
     "leaf_signature",
@@ -170,6 +171,30 @@ def _same_static(a: Any, b: Any) -> bool:
         return False
 
 
+def _is_pmapped(fn: Any) -> bool:
+    """Whether ``fn`` is what ``jax.pmap`` returns: a wrapper (``__wrapped__``, ``lower``) made in JAX's pmap
+    module (there is no public type to test for)."""
+    code = getattr(fn, "__code__", None)
+    if code is None or not hasattr(fn, "__wrapped__") or not callable(getattr(fn, "lower", None)):
+        return False
+    return code.co_filename.replace("\\", "/").endswith("jax/_src/pmap.py")
+
+
+def check_not_pmapped(step_fn: Any) -> None:
+    """Refuse a ``jax.pmap``-ed ``step_fn`` with the fix: the step is mapped over the replicas here."""
+    if not _is_pmapped(step_fn):
+        return
+    name = getattr(step_fn.__wrapped__, "__name__", "")
+    name = name if name.isidentifier() else "step_fn"
+    raise TypeError(
+        f"step_fn {name!r} is a jax.pmap of a function (jax.pmap(f) or @jax.pmap); Replicator.run maps the step "
+        f"over the replicas itself, so give it the function pmap wraps: repl.run({name}.__wrapped__, ...), or "
+        f"drop the jax.pmap. Map pmap's axis_name with Replicator(..., axis_name='batch') (the name you gave "
+        f"pmap), and give run the batch of this process as it is (no leading device axis: run splits every "
+        f"leaf over the replicas)."
+    )
+
+
 def trace_step(
     step_fn: Callable[..., Any],
     state_avals: PyTree | None,
@@ -189,6 +214,7 @@ def trace_step(
       The traced step; its graph's inputs are ``(*state, *batch)`` leaves and
       outputs ``(*new_state, *outputs)`` leaves.
     """
+    check_not_pmapped(step_fn)
     has_state = state_avals is not None
     all_state, state_treedef = jax.tree.flatten(state_avals if has_state else ())
     static = tuple((i, leaf) for i, leaf in enumerate(all_state) if not isinstance(leaf, jax.ShapeDtypeStruct))

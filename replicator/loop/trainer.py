@@ -50,6 +50,8 @@ class Trainer:
         each replica keeps its rows and the global batch shrinks with the
         replicas (``input_fn`` yields the same rows per worker); a learning
         rate tuned for the old global batch may need scaling.
+      per_replica_state: the state leaves kept per replica (a leading axis
+        of ``num_replicas``), as for ``Replicator.run``; default none.
       logger: where :meth:`log` writes (``logger.info``); default: stdout.
       stream: the text stream for lines and the progress bar when no
         ``logger`` is given; default: ``sys.stdout``.
@@ -85,6 +87,7 @@ class Trainer:
         hooks: Sequence[object] = (),
         resume_from: str | os.PathLike | None = None,
         keep_batch: str = "global",
+        per_replica_state: Any = None,
         logger: logging.Logger | None = None,
         stream: TextIO | None = None,
     ):
@@ -128,6 +131,7 @@ class Trainer:
         self.restored_extra: dict[str, Any] = {}
         self.should_stop = False
         self.keep_batch = keep_batch
+        self.per_replica_state = per_replica_state
         self._skip = 0
         self._expected_rows: int | None = None  # rows of the first step after resuming on other workers
         self._rows: collections.deque[int] = collections.deque()  # rows of each batch drawn, not yet taken
@@ -318,7 +322,11 @@ class Trainer:
                         # Nothing is drawn ahead for a step after this run's last (prefetch=0 there).
                         last = self.step + 1 >= self.num_steps
                         self.state, self.outputs = self.replicator.run(
-                            self.step_fn, self._feed, self.state, prefetch=0 if last else None
+                            self.step_fn,
+                            self._feed,
+                            self.state,
+                            prefetch=0 if last else None,
+                            per_replica_state=self.per_replica_state,
                         )
                     finally:
                         self._count_taken()

@@ -10,27 +10,89 @@ identical and would leave different, naming the user's line and the fix.
 
 from __future__ import annotations
 
+import os
+import sysconfig
 from typing import Any
 
-from jax.extend.core import Jaxpr, JaxprEqn
+from jax.extend.core import Jaxpr, Var
 
 from replicator._jax_compat import (
     user_source_line,
 )
 from replicator.analysis.invariance import OPAQUE_PRIMITIVES, analyze
+from replicator.core.context import ReplicaContext, group_axes
 from replicator.core.graph import StepGraph
-from replicator.core.jaxprs import iter_eqns
+from replicator.core.jaxprs import DefUse, iter_eqns, sub_jaxprs
 from replicator.errors import DivergentStateError
 from replicator.pipeline.contract import Pass, PassResult
 
 __all__ = ["CheckReplicaInvariance"]
 
 
-def _producer(jaxpr: Jaxpr, var: Any) -> JaxprEqn | None:
-    for eqn in jaxpr.eqns:
-        if any(o is var for o in eqn.outvars):
-            return eqn
-    return None
+def _library_dirs() -> tuple[str, ...]:
+    """Where library code lives: installed packages, the standard library and replicator itself."""
+    dirs = {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}  # replicator/
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            dirs.add(os.path.abspath(path))
+    return tuple(sorted(dirs))
+
+
+def _is_library(file_name: str) -> bool:
+    if file_name.startswith("<") or "site-packages" in file_name or "dist-packages" in file_name:
+        return True
+    path = os.path.abspath(file_name)
+    return any(path == d or path.startswith(d + os.sep) for d in _library_dirs())
+
+
+def user_code_line(source_info: Any) -> str:
+    """``file:line (function)`` of the innermost frame in the user's own code that made an equation.
+
+    JAX's own frames are skipped by :func:`user_source_line`; this also skips
+    installed libraries (Flax, Optax, ...), the standard library and replicator,
+    so that an update made inside ``nn.BatchNorm`` names the user's line that
+    called it. Falls back to :func:`user_source_line`.
+    """
+    try:
+        frames = source_info.traceback.frames  # innermost first
+    except AttributeError:
+        frames = []
+    for frame in frames:
+        if not _is_library(frame.file_name):
+            return f"{frame.file_name}:{frame.line_num} ({frame.function_name})"
+    return user_source_line(source_info)
+
+
+def _from_gradients(jaxpr: Jaxpr, var: Var, variance: dict) -> bool:
+    """Whether the per-replica values ``var`` is computed from include a gradient.
+
+    Walks back from ``var`` through the equations whose results may differ
+    between replicas; a gradient is a backward-pass equation among them (JAX
+    names them ``transpose(jvp(...))``), or one inside their sub-graphs.
+    """
+    facts = DefUse(jaxpr)
+    seen: set[int] = set()
+    stack = [var]
+    while stack:
+        index = facts.producer(stack.pop())
+        if index is None or index in seen:
+            continue
+        seen.add(index)
+        eqn = jaxpr.eqns[index]
+        inner = [e for sub in sub_jaxprs(eqn.params) for e in iter_eqns(sub)]
+        if any("transpose" in str(e.source_info.name_stack) for e in [eqn, *inner]):
+            return True
+        stack.extend(a for a in eqn.invars if isinstance(a, Var) and variance.get(a))
+    return False
+
+
+def _axes_named(context: ReplicaContext, axes: frozenset) -> str:
+    """The user's axis names for mesh ``axes`` (``Replicator(axis_name=...)``), or the mesh axes."""
+    live = frozenset(a for a, n in context.axis_sizes.items() if n > 1)
+    names = [n for n, group in context.axis_names if frozenset(group_axes(group)) & live == axes]
+    mesh = f"mesh axes {tuple(sorted(axes))}"
+    return f"axis {' / '.join(repr(n) for n in names)} ({mesh})" if names else mesh
 
 
 class CheckReplicaInvariance(Pass):
@@ -38,6 +100,8 @@ class CheckReplicaInvariance(Pass):
 
     Changes nothing; raises :class:`DivergentControlFlowError` or
     :class:`DivergentStateError` with the user's source line and a fix.
+    State leaves the step keeps per replica (``sharded_state``: ZeRO's chunks,
+    ``Replicator.run(..., per_replica_state=...)``) may differ and are not checked.
     """
 
     name = "check-replica-invariance"
@@ -54,23 +118,42 @@ class CheckReplicaInvariance(Pass):
             )
         ):
             if variance and index not in graph.sharded_state:
-                producer = _producer(jaxpr, var)
-                where = f" (last computed at {user_source_line(producer.source_info)})" if producer else ""
-                opaque = sorted({e.primitive.name for e in iter_eqns(jaxpr) if e.primitive.name in OPAQUE_PRIMITIVES})
-                sources = "batch data, replica_id()" + (f", or the results of {', '.join(opaque)}" if opaque else "")
-                callback_fix = (
-                    " If a jax.pure_callback in the step is a pure function of its inputs, declare it with "
-                    "rp.invariant_callback(fn): its result then varies only as its inputs do."
-                    if "pure_callback" in opaque
-                    else ""
-                )
-                raise DivergentStateError(
-                    f"{path} enters the step identical on every replica but would leave it "
-                    f"different between replicas{where}: it depends on per-replica values "
-                    f"({sources}) along mesh axes {tuple(sorted(variance))}. "
-                    f"The replicas' copies would silently drift apart.\n"
-                    f"Fix: average what updates it across replicas, e.g. "
-                    f"grads = rp.all_mean(grads) before the update (or wrap the optimizer), "
-                    f"or return the per-replica value as an output instead of state.{callback_fix}"
-                )
+                raise DivergentStateError(_divergent_state_message(graph, info, path, var, variance))
         return PassResult(graph, False)
+
+
+def _divergent_state_message(graph: StepGraph, info: Any, path: str, var: Any, variance: frozenset) -> str:
+    jaxpr = graph.jaxpr.jaxpr
+    producer = DefUse(jaxpr).producer_eqn(var)
+    where = f" (last computed at {user_code_line(producer.source_info)})" if producer else ""
+    opaque = sorted({e.primitive.name for e in iter_eqns(jaxpr) if e.primitive.name in OPAQUE_PRIMITIVES})
+    sources = "batch data, replica_id()" + (f", or the results of {', '.join(opaque)}" if opaque else "")
+    callback_fix = (
+        " If a jax.pure_callback in the step is a pure function of its inputs, declare it with "
+        "rp.invariant_callback(fn): its result then varies only as its inputs do."
+        if "pure_callback" in opaque
+        else ""
+    )
+    head = (
+        f"{path} enters the step identical on every replica but would leave it "
+        f"different between replicas{where}: it depends on per-replica values "
+        f"({sources}) along {_axes_named(graph.context, frozenset(variance))}. "
+        f"The replicas' copies would silently drift apart.\n"
+    )
+    if isinstance(var, Var) and not _from_gradients(jaxpr, var, info.variance):
+        axis = next((n for n, group in graph.context.axis_names if group is None), None)
+        mean = f"lax.pmean(stats, {axis!r}) or nn.BatchNorm(axis_name={axis!r})" if axis else "rp.all_mean(stats)"
+        return head + (
+            f"It is computed from per-replica statistics of the batch (not from gradients), as a batch "
+            f"norm's running mean and variance are.\n"
+            f"Fix: all_mean the statistics across replicas before they update the state (cross-replica "
+            f"batch norm: {mean}), or, if every replica is meant to keep its own copy (as jax.pmap keeps "
+            f"per-device batch statistics), declare the leaf per-replica: "
+            f"repl.run(step_fn, input_fn, state, per_replica_state=...) marking {path} True; it then "
+            f"carries a leading axis of size num_replicas, one row per replica.{callback_fix}"
+        )
+    return head + (
+        f"Fix: average what updates it across replicas, e.g. "
+        f"grads = rp.all_mean(grads) before the update (or wrap the optimizer), "
+        f"or return the per-replica value as an output instead of state.{callback_fix}"
+    )

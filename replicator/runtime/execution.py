@@ -395,12 +395,52 @@ def _check_host_memory(worker_leaves: list[list[Any]], mesh: Mesh) -> None:
         )
 
 
+def _is_key(x: Any) -> bool:
+    """Whether ``x`` is an array of typed PRNG keys (``jax.random.key``), which NumPy cannot hold."""
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _one_local_array(per_worker: Sequence[Any]) -> Any:
+    """The leaves of every local worker as one array of this process's rows (NumPy, or JAX for typed keys)."""
+    if len(per_worker) == 1:
+        return per_worker[0]
+    if any(map(_is_key, per_worker)):
+        if not all(map(_is_key, per_worker)) or len({x.dtype for x in per_worker}) > 1:
+            raise TypeError(
+                f"workers yielded batch leaves of different dtypes {sorted({str(x.dtype) for x in per_worker})}."
+            )
+        return jnp.concatenate(per_worker, axis=0)
+    host = [np.asarray(x) for x in per_worker]
+    dtypes = {x.dtype for x in host}
+    if len(dtypes) > 1:
+        raise TypeError(f"workers yielded batch leaves of different dtypes {sorted(map(str, dtypes))}.")
+    return np.concatenate(host, axis=0)
+
+
+def _process_local_to_global(local: Any, target: NamedSharding, global_rows: int) -> jax.Array:
+    """One global array from this process's rows (``make_array_from_process_local_data``); typed keys go as
+    their key data and are wrapped again on the devices."""
+    if not _is_key(local):
+        local = np.asarray(local)
+        return jax.make_array_from_process_local_data(target, local, (global_rows, *local.shape[1:]))
+    data = np.asarray(jax.random.key_data(local))
+    placed = jax.make_array_from_process_local_data(target, data, (global_rows, *data.shape[1:]))
+    return jax.random.wrap_key_data(placed, impl=jax.random.key_impl(local))
+
+
 def place_batch(
-    worker_leaves: list[list[Any]], mesh: Mesh, num_workers: int | None = None, *, nbytes: int | None = None
-) -> list[jax.Array]:
+    worker_leaves: list[list[Any]],
+    mesh: Mesh,
+    num_workers: int | None = None,
+    *,
+    nbytes: int | None = None,
+    host: bool = False,
+) -> list[Any]:
     """Global batch arrays from each local worker's leaves, sharded by replica.
 
-    Host leaves go to the devices in one ``jax.device_put`` call for all of them.
+    Host leaves go to the devices in one ``jax.device_put`` call for all of them. JAX arrays already laid out
+    by replica are used as they are; other JAX arrays (typed PRNG keys among them) are put there on the
+    devices.
 
     Args:
       worker_leaves: for each worker of this process, in worker order, its
@@ -411,6 +451,10 @@ def place_batch(
         several replicas share a device).
       nbytes: the bytes of all the leaves, if known (the free-memory check is
         skipped below :data:`MEMORY_CHECK_BYTES` without adding them up).
+      host: on a mesh of one process, return host (NumPy) leaves as they are,
+        for the compiled step's own dispatch to place by its input sharding (a
+        jitted function given NumPy arrays places them faster than a
+        ``jax.device_put`` call before it).
     """
     if nbytes is None or nbytes >= MEMORY_CHECK_BYTES:
         _check_host_memory(worker_leaves, mesh)
@@ -419,26 +463,25 @@ def place_batch(
     out: list[Any] = []
     to_put: list[int] = []
     for per_worker in zip(*worker_leaves, strict=True):
-        if len(per_worker) == 1:
-            local = per_worker[0]
-            if type(local) is not np.ndarray:
-                if isinstance(local, jax.Array) and local.sharding == target:
-                    out.append(local)
-                    continue
-                local = np.asarray(local)
-        else:
-            host = [np.asarray(x) for x in per_worker]
-            dtypes = {x.dtype for x in host}
-            if len(dtypes) > 1:
-                raise TypeError(f"workers yielded batch leaves of different dtypes {sorted(map(str, dtypes))}.")
-            local = np.concatenate(host, axis=0)
+        local = _one_local_array(per_worker)
+        if isinstance(local, jax.Array):
+            if local.sharding == target:
+                out.append(local)
+                continue
+            if not multi:
+                to_put.append(len(out))
+                out.append(local)
+                continue
+        elif type(local) is not np.ndarray:
+            local = np.asarray(local)
         if not multi:
-            to_put.append(len(out))
+            if not host:
+                to_put.append(len(out))
             out.append(local)
         else:
             # Every process holds the same number of workers (build_mesh checks it).
             global_rows = local.shape[0] // len(worker_leaves) * (num_workers or mesh.devices.shape[0])
-            out.append(jax.make_array_from_process_local_data(target, local, (global_rows, *local.shape[1:])))
+            out.append(_process_local_to_global(local, target, global_rows))
     if len(to_put) == 1:
         out[to_put[0]] = jax.device_put(out[to_put[0]], target)
     elif to_put:

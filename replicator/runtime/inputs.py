@@ -4,13 +4,23 @@
 returns an iterable of that worker's batches (pytrees of arrays). Every leaf's
 leading axis is split over the worker's cores in order: core ``c`` of worker
 ``w`` (replica ``w * cores_per_worker + c``) gets rows
-``[c * B/C, (c + 1) * B/C)`` of worker ``w``'s batch of ``B`` rows.
+``[c * B/C, (c + 1) * B/C)`` of a leaf of ``B`` rows in worker ``w``'s batch.
+Leaves may have different numbers of rows (``B`` of one, ``C`` of another: one
+entry per replica, such as a PRNG key each), as long as each divides evenly.
+
+The iterators of an ``input_fn`` live as long as the function itself
+(:class:`InputRegistry`): a function made for one call and dropped takes its
+iterators with it.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
+import sys
+import types
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,9 +35,11 @@ __all__ = [
     "BatchChecker",
     "BatchSignature",
     "InputContext",
+    "InputRegistry",
     "WorkerInputs",
     "check_input_fn",
     "check_worker_batch",
+    "split_process_batch",
 ]
 
 PyTree = Any
@@ -100,14 +112,16 @@ class InputContext:
 def check_worker_batch(batch: PyTree, cores_per_worker: int, worker_id: int) -> list[np.ndarray | jax.Array]:
     """Validate one worker's batch; return its leaves.
 
-    Raises a clear error for leaves without a leading axis, leaves with
-    different leading sizes, and a leading size not divisible by the cores.
+    Raises a clear error for leaves that are not numeric arrays, leaves without
+    a leading axis or with no rows, and a leaf whose leading size is not
+    divisible by the cores. Leaves may have different leading sizes: each is
+    split evenly over the cores (a leaf with one row per replica, e.g. a PRNG
+    key each, next to leaves with many).
     """
     flat, _ = jax.tree_util.tree_flatten_with_path(batch)
     if not flat:
         raise ValueError(f"input_fn of worker {worker_id} yielded an empty batch {batch!r}; yield a pytree of arrays.")
     leaves = []
-    sizes: dict[str, int] = {}
     for path, leaf in flat:
         name = "batch" + jax.tree_util.keystr(path)
         if not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
@@ -131,27 +145,46 @@ def check_worker_batch(batch: PyTree, cores_per_worker: int, worker_id: int) -> 
                 f"{name} is a scalar, but every batch leaf is split along its leading axis over "
                 f"the {cores_per_worker} cores of a worker; give it a leading batch axis."
             )
-        sizes[name] = leaf.shape[0]
+        rows = leaf.shape[0]
+        if rows == 0:
+            raise ValueError(
+                f"worker {worker_id}'s batch has 0 rows ({name} has shape {leaf.shape}); every "
+                f"replica needs at least one row (means over no rows are NaN). Skip empty batches in input_fn."
+            )
+        if rows % cores_per_worker:
+            raise ValueError(
+                f"worker {worker_id}'s batch leaf {name} has {rows} rows, not divisible by cores_per_worker="
+                f"{cores_per_worker}; every leaf is split evenly over the cores: give it a multiple of "
+                f"{cores_per_worker} rows (e.g. {max(cores_per_worker, rows - rows % cores_per_worker)}), or one "
+                f"row per replica ({cores_per_worker})."
+            )
         leaves.append(leaf)
-    if len(set(sizes.values())) > 1:
-        listing = ", ".join(f"{k}: {v}" for k, v in sizes.items())
-        raise ValueError(
-            f"the leaves of worker {worker_id}'s batch have different leading sizes ({listing}); "
-            f"every leaf must have the same number of rows, which are split over the cores."
-        )
-    rows = next(iter(sizes.values()))
-    if rows == 0:
-        raise ValueError(
-            f"worker {worker_id}'s batch has 0 rows ({next(iter(sizes))} has shape {leaves[0].shape}); every "
-            f"replica needs at least one row (means over no rows are NaN). Skip empty batches in input_fn."
-        )
-    if rows % cores_per_worker:
-        raise ValueError(
-            f"worker {worker_id}'s batch has {rows} rows, not divisible by cores_per_worker="
-            f"{cores_per_worker}; use a per-worker batch size that is a multiple of "
-            f"{cores_per_worker} (e.g. {max(cores_per_worker, rows - rows % cores_per_worker)})."
-        )
     return leaves
+
+
+def split_process_batch(batch: PyTree, contexts: list[InputContext]) -> list[PyTree]:
+    """One step's batch of this process, as ``Replicator.run`` takes it directly: one batch per local worker.
+
+    With one local worker (the usual) that is ``[batch]``; with ``W`` local workers every leaf's rows are
+    split into ``W`` equal parts in order (views, no copy), so that replica ``r`` of this process gets the
+    ``r``-th of ``W x C`` equal parts of each leaf.
+    """
+    if len(contexts) == 1:
+        return [batch]
+    workers, cores = len(contexts), contexts[0].cores_per_worker
+    flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
+    parts: list[list[Any]] = [[] for _ in contexts]
+    for path, leaf in flat:
+        rows = np.shape(leaf)[0] if np.ndim(leaf) else None
+        if rows is not None and rows % (workers * cores):
+            raise ValueError(
+                f"batch{jax.tree_util.keystr(path)} has {rows} rows, not divisible by the {workers * cores} "
+                f"replicas of this process ({workers} workers x {cores} cores), over which a batch given to run "
+                f"is split; give it a multiple of {workers * cores} rows."
+            )
+        for w in range(workers):  # a scalar or empty leaf goes to every worker, whose checks name it
+            parts[w].append(leaf if not rows else leaf[w * rows // workers : (w + 1) * rows // workers])
+    return [treedef.unflatten(p) for p in parts]
 
 
 def check_input_fn(input_fn: object) -> None:
@@ -227,6 +260,12 @@ class BatchChecker:
     def check(self, batches: list[PyTree], contexts: list[InputContext]) -> tuple[BatchSignature, list[list[Any]]]:
         """``(signature, leaves of each worker)`` of one batch per local worker, or the error of the first
         check that fails (the same error, in the same order, as checking every time)."""
+        if len(batches) == 1:  # one local worker (the usual): the shortest path
+            leaves, treedef = jax.tree.flatten(batches[0])
+            if all(map(_fast_leaf, leaves)):
+                known = self._known.get((treedef, tuple([(x.shape, x.dtype) for x in leaves])))
+                if known is not None:
+                    return known, [leaves]
         flat = [jax.tree.flatten(b) for b in batches]
         raw = _raw_signature(*flat[0])
         if raw is not None and all(_raw_signature(*f) == raw for f in flat[1:]):
@@ -336,3 +375,124 @@ class WorkerInputs:
                 ) from None
         self.steps += 1
         return batches
+
+
+def _code_of(fn: Any) -> Any:
+    """The code object a function (or a ``functools.partial`` of one) runs, or None."""
+    return getattr(fn, "__code__", None) or getattr(getattr(fn, "func", None), "__code__", None)
+
+
+def _weak_key(fn: Any, callback: Callable | None = None) -> Any:
+    """A weak reference keying ``fn``, or ``fn`` itself if it takes none.
+
+    A bound method is a new object at every attribute access (``run(step, loader.batches)``): it is keyed by
+    its object and function (``weakref.WeakMethod``), alive as long as the object.
+    """
+    try:
+        if type(fn) is types.MethodType:
+            return weakref.WeakMethod(fn, callback)
+        return weakref.ref(fn, callback)
+    except TypeError:
+        return fn
+
+
+class _Lineage:
+    """The input functions made from one piece of code (one ``def`` or ``lambda``), newest last."""
+
+    __slots__ = ("last", "last_taken", "one_step_in_a_row")
+
+    def __init__(self) -> None:
+        self.last: weakref.ref | None = None  # the newest one's WorkerInputs
+        self.last_taken: int | None = None  # its batches taken, saved when it was dropped
+        self.one_step_in_a_row = 0  # functions in a row, before the newest, that ran one step each
+
+    def taken(self) -> int | None:
+        inputs = self.last() if self.last is not None else None
+        return inputs.taken if inputs is not None else self.last_taken
+
+
+#: Lineages an :class:`InputRegistry` remembers (it starts over when full).
+MAX_LINEAGES = 1024
+
+
+class InputRegistry:
+    """The live iterators (:class:`WorkerInputs`) of every ``input_fn`` a Replicator has run.
+
+    Each is held only as long as its ``input_fn``: the registry refers to the function weakly, so a function
+    made for one call and dropped (``run(step, lambda ctx: gen(), state)`` in a loop) takes its iterators and
+    prefetched batches with it. A callable that takes no weak reference is held for good. A generator
+    function's own generators refer to the function: when a new function of the same code starts, an older
+    one that nothing but its generators holds any more is dropped too.
+
+    It also counts, for each piece of code, how many new functions in a row each ran a single step: the sign
+    of an input function made anew on every call, whose data starts over at every step.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[Any, tuple[WorkerInputs, Any]] = {}  # weak key -> (inputs, code)
+        self._lineages: dict[Any, _Lineage] = {}
+
+    def get(self, input_fn: Callable) -> WorkerInputs | None:
+        entry = self._entries.get(_weak_key(input_fn))
+        return entry[0] if entry is not None else None
+
+    def __contains__(self, input_fn: Callable) -> bool:
+        return _weak_key(input_fn) in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def forget(self, input_fn: Callable) -> None:
+        self._drop(_weak_key(input_fn))
+
+    def start(self, input_fn: Callable, contexts: list[InputContext]) -> tuple[WorkerInputs, int]:
+        """New iterators of ``input_fn``; returns them with the number of functions of the same code in a row,
+        before this one, that each ran one step (0 if there are none or ``input_fn`` has no code)."""
+        code = _code_of(input_fn)
+        inputs = WorkerInputs(input_fn, contexts)
+        in_a_row = 0
+        if code is not None:
+            self._drop_held_only_by_their_generators(code)
+            if len(self._lineages) >= MAX_LINEAGES:
+                self._lineages.clear()
+            lineage = self._lineages.setdefault(code, _Lineage())
+            if lineage.last is not None:
+                lineage.one_step_in_a_row = lineage.one_step_in_a_row + 1 if lineage.taken() == 1 else 0
+            in_a_row = lineage.one_step_in_a_row
+            lineage.last, lineage.last_taken = weakref.ref(inputs), None
+        self._entries[_weak_key(input_fn, self._drop)] = (inputs, code)
+        return inputs, in_a_row
+
+    def _drop(self, key: Any) -> None:
+        """Forget an entry (its function was dropped, or forgotten); its lineage keeps its count of steps."""
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return
+        inputs, code = entry
+        lineage = self._lineages.get(code)
+        if lineage is not None and lineage.last is not None and lineage.last() is inputs:
+            lineage.last_taken = inputs.taken
+
+    def _drop_held_only_by_their_generators(self, code: Any) -> None:
+        """Drop the entries of ``code`` whose function only their own unfinished generators still refer to.
+
+        CPython only (reference counts); where the count says anything else refers to it, it is kept.
+        """
+        getrefcount = getattr(sys, "getrefcount", None)
+        if getrefcount is None:
+            return
+        for key, (inputs, entry_code) in list(self._entries.items()):
+            if entry_code is not code or not isinstance(key, weakref.ref) or isinstance(key, weakref.WeakMethod):
+                continue
+            fn = key()
+            if fn is None:
+                continue
+            own = sum(
+                1
+                for it in inputs.iterators
+                if inspect.isgenerator(it) and it.gi_frame is not None and it.gi_code is code
+            )
+            # getrefcount's argument and the local name ``fn`` are the two other references counted.
+            if own and getrefcount(fn) <= own + 2:
+                del fn
+                self._drop(key)

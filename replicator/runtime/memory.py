@@ -66,7 +66,11 @@ def compiled_memory(executable: Callable, traced: StepGraph, final: StepGraph, m
     avals = [v.aval for v in traced.jaxpr.jaxpr.invars]
     replicas = traced.context.num_replicas
     state = [
-        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, state_spec(i, final.sharded_state)))
+        jax.ShapeDtypeStruct(
+            (replicas * a.shape[0], *a.shape[1:]) if i in traced.per_replica_state else a.shape,  # one row each
+            a.dtype,
+            sharding=NamedSharding(mesh, state_spec(i, final.sharded_state)),
+        )
         for i, a in enumerate(avals[:n_state])
     ]
     batch = [

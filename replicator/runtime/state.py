@@ -46,8 +46,17 @@ from jax.sharding import PartitionSpec as P
 
 from replicator.core import primitives
 from replicator.core.context import current_context
+from replicator.core.graph import ShardedState
 
-__all__ = ["broadcast_state"]
+__all__ = [
+    "PerReplicaSignature",
+    "broadcast_state",
+    "per_replica_flags",
+    "per_replica_graph",
+    "per_replica_specs",
+    "per_replica_step",
+    "with_per_replica",
+]
 
 PyTree = Any
 
@@ -130,3 +139,142 @@ def broadcast_state(state: PyTree, replicator: Any = None) -> PyTree:
         for i, value in zip(chosen, sent, strict=True):
             copies[i] = (_host_copy(value), False)
     return treedef.unflatten([jax.device_put(value, target) for value, _ in copies])
+
+
+# -- state kept per replica ------------------------------------------------------------------------
+
+
+class PerReplicaSignature(tuple):
+    """The ``(shape, dtype)`` cache-key entry of a state leaf kept per replica (its shape has the replica axis).
+
+    Never equal to the plain ``(shape, dtype)`` of a replicated leaf: the two compile to different steps.
+    """
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is PerReplicaSignature and tuple.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash(("per-replica", *self))
+
+
+def with_per_replica(signatures: tuple, flags: tuple[bool, ...]) -> tuple:
+    """The state's cache-key signatures with those of the per-replica leaves (``flags``) marked."""
+    return tuple(
+        PerReplicaSignature(s) if flag else (tuple(s) if type(s) is PerReplicaSignature else s)
+        for s, flag in zip(signatures, flags, strict=True)
+    )
+
+
+def per_replica_flags(state: PyTree, per_replica_state: Any, num_replicas: int) -> tuple[bool, ...]:
+    """Which leaves of ``state`` (``jax.tree.leaves`` order) are kept per replica, checked.
+
+    Args:
+      state: the state passed to ``Replicator.run``.
+      per_replica_state: a pytree prefix of ``state`` with a bool per subtree
+        (``{'params': False, 'batch_stats': True}``, as ``jax.vmap``'s
+        ``in_axes``), a bool for the whole state, or a function of the leaf's
+        path (``"state['batch_stats']['mean']"``) returning a bool.
+      num_replicas: the size the leading axis of a per-replica leaf must have.
+
+    Raises:
+      ValueError: ``per_replica_state`` is not a prefix of the state, or marks a leaf
+        that is not an array with a leading axis of size ``num_replicas``.
+
+    >>> state = {"params": {"w": np.zeros(3)}, "stats": {"mean": np.zeros((8, 3)), "var": np.ones((8, 3))}}
+    >>> per_replica_flags(state, {"params": False, "stats": True}, 8)
+    (False, True, True)
+    >>> per_replica_flags(state, lambda path: "mean" in path, 8)
+    (False, True, False)
+    """
+    from replicator.core.tracing import is_array_leaf, leaf_paths  # the layer below: a function-level import
+
+    leaves = jax.tree.leaves(state)
+    paths = leaf_paths(state, "state")
+    if callable(per_replica_state):
+        flags = [bool(per_replica_state(path)) for path in paths]
+    else:
+        try:
+            prefix = jax.tree.map(_Flag, per_replica_state)
+            flags = [f.value for sub, f in _prefix_pairs(prefix, state) for _ in jax.tree.leaves(sub)]
+            if len(flags) != len(leaves):
+                raise ValueError(f"it gives flags for {len(flags)} of the {len(leaves)} leaves")
+        except ValueError as e:
+            raise ValueError(
+                f"per_replica_state must be a bool, a function of a leaf's path, or a pytree prefix of the state "
+                f"with a bool per subtree (e.g. {{'params': False, 'batch_stats': True}}); it does not match the "
+                f"state's structure: {e}"
+            ) from None
+    for path, leaf, flag in zip(paths, leaves, flags, strict=True):
+        if not flag:
+            continue
+        shape = tuple(getattr(leaf, "shape", np.shape(leaf))) if is_array_leaf(leaf) else None
+        if shape is None or not shape or shape[0] != num_replicas:
+            got = f"shape {shape}" if shape is not None else f"a {type(leaf).__name__}"
+            raise ValueError(
+                f"per_replica_state marks {path} as kept per replica, so it must be an array with a leading axis "
+                f"of size num_replicas ({num_replicas}), one row per replica (as jax.pmap's state has one per "
+                f"device); it is {got}. Give it that axis, e.g. jnp.broadcast_to(x, (repl.num_replicas, *x.shape)) "
+                f"to start every replica from the same value, or leave it out of per_replica_state."
+            )
+    return tuple(flags)
+
+
+class _Flag:
+    """A leaf of a ``per_replica_state`` prefix (kept a leaf while the state's subtree is matched to it)."""
+
+    def __init__(self, value: Any):
+        if not isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"its leaves must be bools, got {value!r}")
+        self.value = bool(value)
+
+
+def _prefix_pairs(prefix: PyTree, state: PyTree) -> list[tuple[PyTree, _Flag]]:
+    """``(subtree of state, flag)`` pairs, in the state's leaf order."""
+    pairs: list[tuple[PyTree, _Flag]] = []
+    jax.tree.map(lambda flag, sub: pairs.append((sub, flag)), prefix, state, is_leaf=lambda x: isinstance(x, _Flag))
+    return pairs
+
+
+def per_replica_step(step_fn: Any, flags: tuple[bool, ...]) -> Any:
+    """``step_fn`` for tracing with per-replica leaves of shape ``(1, ...)``: it sees and returns them without
+    the axis (this replica's copy)."""
+
+    def step(state: PyTree, batch: PyTree) -> Any:
+        leaves, treedef = jax.tree.flatten(state)
+        state = treedef.unflatten([x[0] if flag else x for x, flag in zip(leaves, flags, strict=True)])
+        result = step_fn(state, batch)
+        if not (isinstance(result, tuple) and len(result) == 2):
+            return result  # the tracer says what is wrong
+        new_state, outputs = result
+        new_leaves, new_def = jax.tree.flatten(new_state)
+        if new_def != treedef:
+            return result  # the tracer names the structures
+        new_leaves = [jax.numpy.asarray(x)[None] if flag else x for x, flag in zip(new_leaves, flags, strict=True)]
+        return treedef.unflatten(new_leaves), outputs
+
+    return step
+
+
+def per_replica_specs(state_specs: PyTree, flags: tuple[bool, ...]) -> PyTree:
+    """The specs a step with per-replica leaves is traced with: each such leaf is one row, ``(1, ...)``."""
+    leaves, treedef = jax.tree.flatten(state_specs)
+    return treedef.unflatten(
+        [jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype) if flag else x for x, flag in zip(leaves, flags, strict=True)]
+    )
+
+
+def per_replica_graph(graph: Any, flags: tuple[bool, ...], static: tuple[tuple[int, Any], ...]) -> Any:
+    """``graph`` with its per-replica leaves stored split along axis 0 over the replicas, one row each.
+
+    ``flags``: one per state leaf; ``static``: the state's non-array leaves (not in the graph).
+    """
+    import dataclasses
+
+    statics = dict(static)
+    arrays = [flag for i, flag in enumerate(flags) if i not in statics]
+    indices = {i for i, flag in enumerate(arrays) if flag}
+    sharded = ShardedState() | graph.sharded_state | dict.fromkeys(indices, 0)
+    return dataclasses.replace(graph, sharded_state=sharded, per_replica_state=frozenset(indices))
