@@ -51,8 +51,10 @@ from replicator.runtime.mesh import force_cpu_devices as force_cpu_devices
 from replicator.runtime.state import broadcast_state as broadcast_state
 from replicator.training.checkpoint import CheckpointError as CheckpointError
 from replicator.training.checkpoint import CheckpointManager as CheckpointManager
+from replicator.training.checkpoint import export_orbax as export_orbax
 from replicator.training.checkpoint import latest_step as latest_step
 from replicator.training.checkpoint import restore_checkpoint as restore_checkpoint
+from replicator.training.checkpoint import restore_orbax as restore_orbax
 from replicator.training.checkpoint import save_checkpoint as save_checkpoint
 from replicator.training.nn import cross_replica_batch_norm as cross_replica_batch_norm
 from replicator.training.optim import accumulate_gradients as accumulate_gradients
@@ -102,6 +104,7 @@ __all__ = [
     "cost",
     "cross_replica_batch_norm",
     "distributed",
+    "export_orbax",
     "force_cpu_devices",
     "gather_outputs",
     "invariant_callback",
@@ -112,6 +115,7 @@ __all__ = [
     "replica_id",
     "replica_invariant",
     "restore_checkpoint",
+    "restore_orbax",
     "save_checkpoint",
     "select_tree",
     "stage_boundary",
