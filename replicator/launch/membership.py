@@ -1,0 +1,415 @@
+"""Rendezvous rounds: one launcher per host agrees with the others on the hosts, their ranks, the coordinator and restarts.
+
+The state of the current round is one JSON value in the store
+(:mod:`~replicator.launch.rendezvous`), changed only by compare-and-set, as
+torchrun's c10d rendezvous keeps it: its number (the restart count), whether it
+is open or closed, the launchers that joined it and, once closed, their host
+ranks. A round closes when ``max_hosts`` launchers joined, or ``min_hosts``
+did and ``last_call_s`` passed since. Host ranks are, in this order: the rank a
+launcher asked for (``--node-rank``), the rank it had in the previous round,
+the lowest free one in the order they joined. The JAX coordinator is host rank
+0's address at a port that launcher chose when it joined. Any launcher ends a
+round and opens the next (:meth:`Rendezvous.next_round`: a failure on its
+host); the others see the new number when they :meth:`~Rendezvous.poll` and
+join it. A launcher that arrives while a round is closed waits for the next.
+
+Every launcher sends a heartbeat every ``heartbeat_interval_s`` on its own
+connection; one whose last heartbeat is older than ``missed_heartbeats``
+intervals is gone, so a poll at least every interval sees a lost host within
+:attr:`Rendezvous.detection_bound_s` = ``heartbeat_interval_s * (missed_heartbeats
++ 1)`` of its last heartbeat; a lost rendezvous host is seen by the
+heartbeat thread within the same bound (its calls time out after
+``missed_heartbeats`` intervals)::
+
+    server = rendezvous.StoreServer().start()
+    with Rendezvous(server.address, min_hosts=1, max_hosts=1, last_call_s=0.0) as rdzv:
+        first = rdzv.join()  # Assignment(round=0, host_rank=0, num_hosts=1, ..., coordinator='127.0.0.1:PORT')
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from replicator.launch.rendezvous import RendezvousError, RendezvousTimeout, StoreClient, StoreServer
+
+__all__ = ["Assignment", "Rendezvous", "Status", "parse_nnodes", "serve_if_here"]
+
+DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
+DEFAULT_MISSED_HEARTBEATS = 5
+DEFAULT_LAST_CALL_S = 3.0
+DEFAULT_JOIN_TIMEOUT_S = 120.0
+#: How often a waiting launcher reads the round's state.
+POLL_S = 0.1
+
+_STATE = "rdzv/state"
+_END = "rdzv/end"
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A closed round, as one launcher sees it."""
+
+    round: int  # the restart count: 0 for the first start
+    host_rank: int  # this launcher's host: its worker's id with one worker per host
+    num_hosts: int
+    members: tuple[str, ...]  # launcher ids by host rank
+    addresses: tuple[str, ...]  # each host's address by host rank
+    coordinator: str  # HOST:PORT of JAX's coordinator: host rank 0's address and its chosen port
+
+
+@dataclass(frozen=True)
+class Status:
+    """The rendezvous seen by :meth:`Rendezvous.poll`."""
+
+    round: int  # the newest round: above the caller's when another launcher started a restart
+    closed: bool
+    gone: tuple[tuple[str, int, float], ...]  # (launcher id, host rank, seconds since its last heartbeat)
+    waiting: tuple[str, ...]  # live launchers outside the round: they join the next one
+    ended: str | None  # why the job ended, once a launcher said so (:meth:`Rendezvous.end`)
+
+
+def parse_nnodes(spec: str) -> tuple[int, int]:
+    """``N`` or ``MIN:MAX`` (torchrun's ``--nnodes``) as (min_hosts, max_hosts); ValueError saying what to pass."""
+    parts = spec.split(":")
+    if len(parts) in (1, 2) and all(p.strip().isdigit() for p in parts):
+        low, high = int(parts[0]), int(parts[-1])
+        if 1 <= low <= high:
+            return low, high
+    raise ValueError(f"--nnodes {spec!r}: give the number of hosts N, or MIN:MAX with 1 <= MIN <= MAX (e.g. 2 or 1:4).")
+
+
+def serve_if_here(endpoint: str, secret: bytes | None) -> StoreServer | None:
+    """Host the store at ``endpoint`` when it is an address of this machine not yet taken; None otherwise.
+
+    As torchrun's c10d backend: the launcher that can bind the endpoint hosts
+    it, the others connect. Refuses (ValueError) a non-loopback endpoint
+    without ``secret``.
+    """
+    host, _, port = endpoint.rpartition(":")
+    server = StoreServer(host.strip("[]"), int(port), secret=secret)
+    try:
+        return server.start()
+    except RendezvousError as e:
+        cause = e.__cause__
+        if isinstance(cause, OSError) and cause.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+            return None
+        raise
+
+
+def _initial(round_: int = 0, prev: dict[str, int] | None = None, *, nnodes: list[int]) -> dict[str, Any]:
+    return {
+        "round": round_,
+        "status": "open",
+        "joined": [],
+        "min_at": None,
+        "ranks": [],
+        "prev": prev or {},
+        "nnodes": nnodes,
+    }
+
+
+_STATE_KEYS = frozenset(_initial(nnodes=[1, 1]))
+
+
+def _ranks(joined: list[dict[str, Any]], prev: dict[str, int]) -> list[str]:
+    """Launcher ids by host rank: asked-for ranks first, then previous ones, then the free ones in join order."""
+    n = len(joined)
+    slots: list[str | None] = [None] * n
+    placed: set[str] = set()
+    for wish in ([j["rank"] for j in joined], [prev.get(j["id"]) for j in joined]):
+        for j, rank in zip(joined, wish, strict=True):
+            if j["id"] not in placed and rank is not None and rank < n and slots[rank] is None:
+                slots[rank] = j["id"]
+                placed.add(j["id"])
+    free = iter(i for i, s in enumerate(slots) if s is None)
+    for j in joined:
+        if j["id"] not in placed:
+            slots[next(free)] = j["id"]
+    return [s for s in slots if s is not None]
+
+
+class Rendezvous:
+    """This launcher's part in the rendezvous at ``endpoint``: :meth:`start`, :meth:`join`, :meth:`poll`, ...
+
+    Args:
+      endpoint: ``HOST:PORT`` of the store (:class:`~replicator.launch.rendezvous.StoreServer`).
+      min_hosts, max_hosts: the number of hosts (``--nnodes N``: both N; ``MIN:MAX``).
+      rank: the host rank asked for (``--node-rank``), None to be given one.
+      address: how the other hosts reach this one (for the coordinator when it is host rank 0).
+      secret: the shared secret, when the store checks one.
+      coordinator_port: the port this host's coordinator would use as host rank 0; None: a free one each round.
+      heartbeat_interval_s, missed_heartbeats: a launcher is gone after this many intervals without a heartbeat.
+      last_call_s: how long a round that has ``min_hosts`` waits for more before it closes.
+      join_timeout_s: the bound on :meth:`join` (and on connecting).
+      call_timeout_s: the bound on each call to the store (default: ``missed_heartbeats`` intervals).
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        min_hosts: int,
+        max_hosts: int | None = None,
+        rank: int | None = None,
+        address: str = "127.0.0.1",
+        secret: bytes | None = None,
+        launcher_id: str | None = None,
+        coordinator_port: int | None = None,
+        heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
+        missed_heartbeats: int = DEFAULT_MISSED_HEARTBEATS,
+        last_call_s: float = DEFAULT_LAST_CALL_S,
+        join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
+        call_timeout_s: float | None = None,
+    ) -> None:
+        max_hosts = min_hosts if max_hosts is None else max_hosts
+        if not 1 <= min_hosts <= max_hosts:
+            raise ValueError(f"need 1 <= min_hosts <= max_hosts, got {min_hosts}:{max_hosts}")
+        if rank is not None and not 0 <= rank < max_hosts:
+            raise ValueError(f"host rank {rank} is out of range for at most {max_hosts} hosts: give 0..{max_hosts - 1}")
+        self.endpoint, self.secret = endpoint, secret
+        self.min_hosts, self.max_hosts, self.rank, self.address = min_hosts, max_hosts, rank, address
+        self.id = launcher_id or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self.coordinator_port = coordinator_port
+        self.heartbeat_interval_s, self.missed_heartbeats = heartbeat_interval_s, missed_heartbeats
+        self.last_call_s, self.join_timeout_s = last_call_s, join_timeout_s
+        #: A launcher is gone once its last heartbeat is older than this.
+        self.gone_after_s = heartbeat_interval_s * missed_heartbeats
+        #: A lost launcher (or rendezvous host) is seen within this of its last heartbeat, polling every interval.
+        self.detection_bound_s = heartbeat_interval_s * (missed_heartbeats + 1)
+        #: Every call to the store answers within this (default: ``gone_after_s``), so a silent store is seen in time.
+        self.call_timeout_s = self.gone_after_s if call_timeout_s is None else call_timeout_s
+        self._client: StoreClient | None = None
+        self._beat: StoreClient | None = None
+        self._lost: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- connection and heartbeats -------------------------------------------------------------------------------
+
+    def start(self, connect_timeout_s: float | None = None) -> Rendezvous:
+        """Connect (retrying for ``connect_timeout_s``, default ``join_timeout_s``) and start the heartbeats."""
+        timeout = self.join_timeout_s if connect_timeout_s is None else connect_timeout_s
+        self._client = StoreClient(
+            self.endpoint, secret=self.secret, timeout_s=self.call_timeout_s, connect_timeout_s=timeout
+        )
+        self._beat = StoreClient(
+            self.endpoint, secret=self.secret, timeout_s=self.gone_after_s, connect_timeout_s=self.call_timeout_s
+        )
+        self._beat.heartbeat(self.id)
+        self._thread = threading.Thread(target=self._heartbeats, name=f"heartbeat-{self.id}", daemon=True)
+        self._thread.start()
+        return self
+
+    def _heartbeats(self) -> None:
+        assert self._beat is not None
+        while not self._stop.wait(self.heartbeat_interval_s):
+            try:
+                self._beat.heartbeat(self.id)
+            except RendezvousError as e:
+                self._lost = str(e)
+                return
+
+    def close(self, leave: bool = True) -> None:
+        """Stop the heartbeats (``leave``: say so, so that nobody counts this launcher as lost) and disconnect."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.call_timeout_s)
+        for client in (self._client, self._beat):
+            if client is None:
+                continue
+            if leave and client is self._client and self._lost is None:
+                try:
+                    client.leave(self.id)
+                except RendezvousError:
+                    pass
+            client.close()
+
+    def __enter__(self) -> Rendezvous:
+        return self.start() if self._client is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def client(self) -> StoreClient:
+        if self._client is None:
+            raise RendezvousError("the rendezvous is not started: call start() first")
+        if self._lost is not None:
+            raise RendezvousError(f"the rendezvous host is gone: {self._lost}")
+        return self._client
+
+    # -- rounds --------------------------------------------------------------------------------------------------
+
+    def _state(self) -> tuple[str | None, dict[str, Any]]:
+        raw = self.client.get(_STATE)
+        if raw is None:
+            return raw, _initial(nnodes=[self.min_hosts, self.max_hosts])
+        try:
+            state = json.loads(raw)
+            if not isinstance(state, dict) or not _STATE_KEYS <= state.keys():
+                raise ValueError("missing keys")
+        except ValueError as e:
+            raise RendezvousError(
+                f"the rendezvous state at {self.endpoint} is not one this launcher wrote ({e}): is another program "
+                f"using the store?"
+            ) from None
+        return raw, state
+
+    def _alive(self, ages: dict[str, float], launcher: str) -> bool:
+        return ages.get(launcher, math.inf) <= self.gone_after_s
+
+    def join(self) -> Assignment:
+        """Join the open round (or, if it is closed without this launcher, the next) and wait until it closes.
+
+        Raises :class:`RendezvousTimeout` after ``join_timeout_s`` (naming who
+        joined), and :class:`RendezvousError` when the host rank asked for is
+        taken, when hosts of the previous round are gone and too few are left,
+        or when the job has ended.
+        """
+        deadline = time.monotonic() + self.join_timeout_s
+        while True:
+            client = self.client
+            raw, state = self._state()
+            ended = client.get(_END)
+            if ended is not None:
+                raise RendezvousError(f"the job has ended: {ended}")
+            joined: list[dict[str, Any]] = state["joined"]
+            ids = [j["id"] for j in joined]
+            if state["status"] == "closed" and self.id in state["ranks"]:
+                return self._assignment(state)
+            if state["status"] == "open" and self.id not in ids and len(joined) < self.max_hosts:
+                self._enter(raw, state)
+                continue
+            if state["status"] == "open" and self.id in ids and self._settle(raw, state):
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RendezvousTimeout(
+                    f"round {state['round']} of the rendezvous at {self.endpoint} did not close within "
+                    f"{self.join_timeout_s:g} s: {len(joined)} of {self.min_hosts}..{self.max_hosts} hosts joined "
+                    f"({', '.join(ids) or 'none'}); start the other hosts' launchers with the same --rdzv-endpoint "
+                    f"and --nnodes."
+                )
+            time.sleep(min(POLL_S, left))
+
+    def _enter(self, raw: str | None, state: dict[str, Any]) -> None:
+        """Add this launcher to the open round (one compare-and-set; the caller reads again either way)."""
+        client = self.client
+        joined = state["joined"]
+        if state["nnodes"] != [self.min_hosts, self.max_hosts]:
+            low, high = state["nnodes"]
+            raise RendezvousError(
+                f"the job at {self.endpoint} runs on {_nnodes(low, high)} hosts but this launcher was given "
+                f"--nnodes {_nnodes(self.min_hosts, self.max_hosts)}: give every host's launcher the same --nnodes."
+            )
+        if self.rank is not None:
+            ages = client.members()
+            for j in joined:
+                if j["rank"] == self.rank and self._alive(ages, j["id"]):
+                    raise RendezvousError(
+                        f"host rank {self.rank} is taken by launcher {j['id']} ({j['address']}): give every host its "
+                        f"own --node-rank, or none."
+                    )
+        port = self.coordinator_port or _free_port(self.address)  # each round a new one: the old may linger
+        entry = {"id": self.id, "rank": self.rank, "address": self.address, "port": port}
+        new = dict(state, joined=[*joined, entry])
+        if len(new["joined"]) >= self.min_hosts and new["min_at"] is None:
+            new["min_at"] = client.server_now
+        client.compare_set(_STATE, raw, json.dumps(new))
+
+    def _settle(self, raw: str | None, state: dict[str, Any]) -> bool:
+        """Drop lost launchers from the open round, or close it when it may close. Whether it tried a change."""
+        client = self.client
+        ages = client.members()
+        joined = state["joined"]
+        alive = [j for j in joined if self._alive(ages, j["id"])]
+        if len(alive) < len(joined):
+            new = dict(state, joined=alive, min_at=state["min_at"] if len(alive) >= self.min_hosts else None)
+            client.compare_set(_STATE, raw, json.dumps(new))
+            return True
+        ids = {j["id"] for j in joined}
+        lost = [(lid, rank) for lid, rank in state["prev"].items() if lid not in ids and not self._alive(ages, lid)]
+        if lost and len(state["prev"]) - len(lost) < self.min_hosts:
+            names = ", ".join(f"host rank {rank} (launcher {lid})" for lid, rank in sorted(lost, key=lambda x: x[1]))
+            raise RendezvousError(
+                f"{names} of round {state['round'] - 1} is gone (no heartbeat for over {self.gone_after_s:g} s) "
+                f"and fewer than {self.min_hosts} hosts are left; the job cannot go on."
+            )
+        full = len(joined) >= self.max_hosts
+        enough = len(joined) >= self.min_hosts and client.server_now >= (state["min_at"] or 0.0) + self.last_call_s
+        if not (full or enough):
+            return False
+        new = dict(state, status="closed", ranks=_ranks(joined, state["prev"]))
+        client.compare_set(_STATE, raw, json.dumps(new))
+        return True
+
+    def _assignment(self, state: dict[str, Any]) -> Assignment:
+        by_id = {j["id"]: j for j in state["joined"]}
+        members = tuple(state["ranks"])
+        first = by_id[members[0]]
+        host = f"[{first['address']}]" if ":" in first["address"] else first["address"]
+        return Assignment(
+            round=state["round"],
+            host_rank=members.index(self.id),
+            num_hosts=len(members),
+            members=members,
+            addresses=tuple(by_id[m]["address"] for m in members),
+            coordinator=f"{host}:{first['port']}",
+        )
+
+    def next_round(self, after: int, reason: str) -> int:
+        """End round ``after`` and open the next (a restart), unless another launcher did; the newest round's number."""
+        while True:
+            raw, state = self._state()
+            if state["round"] != after:
+                return state["round"]
+            prev = {lid: rank for rank, lid in enumerate(state["ranks"])}
+            new = _initial(after + 1, prev, nnodes=state["nnodes"])
+            new["reason"] = reason
+            swapped, _ = self.client.compare_set(_STATE, raw, json.dumps(new))
+            if swapped:
+                return after + 1
+
+    def poll(self) -> Status:
+        """The newest round, the launchers of it that are gone, those waiting, and the end if any.
+
+        Raises :class:`RendezvousError` when the rendezvous itself is lost.
+        """
+        client = self.client
+        _, state = self._state()
+        ages = client.members()
+        ended = client.get(_END)
+        ranks: list[str] = state["ranks"]
+        gone = tuple(
+            (lid, rank, ages.get(lid, math.inf))
+            for rank, lid in enumerate(ranks)
+            if lid != self.id and not self._alive(ages, lid)
+        )
+        waiting = tuple(m for m in ages if m not in ranks and self._alive(ages, m))
+        return Status(state["round"], state["status"] == "closed", gone, waiting, ended)
+
+    def end(self, reason: str) -> str:
+        """Say that the job ended and why (the first reason given stays); that reason."""
+        _, value = self.client.compare_set(_END, None, reason)
+        return value if value is not None else reason
+
+
+def _nnodes(low: int, high: int) -> str:
+    return str(low) if low == high else f"{low}:{high}"
+
+
+def _free_port(address: str) -> int:
+    """A port free now on this host, for the coordinator should this host be rank 0."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind(("::" if family == socket.AF_INET6 else "", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,678 @@
+"""The rendezvous across hosts: its store (secure by default, robust to hostile peers, every wait bounded) and rounds.
+
+Hosts are launchers in threads of this process, and a few real processes where a
+SIGKILL must be seen (replicator/launch/rendezvous.py, membership.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from replicator.launch import hosts, membership, rendezvous
+from replicator.launch.membership import Assignment, Rendezvous, parse_nnodes
+from replicator.launch.rendezvous import RendezvousError, RendezvousTimeout, StoreClient, StoreServer
+
+ROOT = Path(__file__).resolve().parent.parent
+SECRET = b"0123456789abcdef-test-secret"
+#: Heartbeats for the tests: a lost launcher is gone after 1 s, seen within 1.25 s.
+FAST = {"heartbeat_interval_s": 0.25, "missed_heartbeats": 4}
+
+
+@pytest.fixture
+def server():
+    with StoreServer(handshake_timeout_s=0.5, frame_timeout_s=0.5, idle_timeout_s=5.0) as s:
+        yield s
+
+
+def _raw(address: str) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    return sock
+
+
+def _frame(obj: object) -> bytes:
+    body = json.dumps(obj).encode()
+    return struct.pack("!I", len(body)) + body
+
+
+def _read_frame(sock: socket.socket) -> dict:
+    (n,) = struct.unpack("!I", sock.recv(4, socket.MSG_WAITALL))
+    return json.loads(sock.recv(n, socket.MSG_WAITALL))
+
+
+def _closed_by_server(sock: socket.socket, within_s: float) -> bool:
+    """Whether the server closes ``sock`` within ``within_s`` (whatever it sent before is read and dropped)."""
+    sock.settimeout(within_s)
+    end = time.monotonic() + within_s
+    try:
+        while time.monotonic() < end:
+            if not sock.recv(1 << 16):
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+    return False
+
+
+def _served(server: StoreServer) -> None:
+    """A fresh client is served at once: the store still works."""
+    t0 = time.monotonic()
+    with StoreClient(server.address, secret=server.secret, timeout_s=2.0) as c:
+        c.set("alive", "yes")
+        assert c.get("alive") == "yes"
+    assert time.monotonic() - t0 < 1.0
+
+
+# -- the store ---------------------------------------------------------------------------------------------------
+
+
+def test_store_operations(server):
+    with StoreClient(server.address) as c:
+        assert c.get("k") is None
+        c.set("k", "v")
+        assert c.get("k") == "v"
+        assert [c.add("n"), c.add("n", 5), c.add("n", -2)] == [1, 6, 4]
+        assert c.compare_set("cas", None, "a") == (True, "a")
+        assert c.compare_set("cas", "zzz", "b") == (False, "a")
+        assert c.compare_set("cas", "a", "b") == (True, "b")
+        c.delete("k")
+        assert c.get("k") is None
+        with pytest.raises(RendezvousError, match="not a counter"):
+            c.add("cas")
+        c.heartbeat("m1")
+        assert set(c.members()) == {"m1"}
+        c.leave("m1")
+        assert c.members() == {}
+
+
+def test_wait_returns_when_another_client_sets_and_times_out_otherwise(server):
+    with StoreClient(server.address) as a, StoreClient(server.address) as b:
+        threading.Timer(0.3, lambda: b.set("late", "here")).start()
+        t0 = time.monotonic()
+        assert a.wait(["late"], timeout_s=5.0) == {"late": "here"}
+        assert 0.2 < time.monotonic() - t0 < 2.0
+        t0 = time.monotonic()
+        with pytest.raises(RendezvousTimeout, match="not all set"):
+            a.wait(["never"], timeout_s=0.4)
+        assert time.monotonic() - t0 < 1.5
+
+
+def test_counter_is_atomic_across_clients(server):
+    clients = [StoreClient(server.address) for _ in range(4)]
+    threads = [threading.Thread(target=lambda c=c: [c.add("n") for _ in range(50)]) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert clients[0].get("n") == "200"
+    for c in clients:
+        c.close()
+
+
+# -- secure by default -------------------------------------------------------------------------------------------
+
+
+def test_non_loopback_bind_needs_a_secret():
+    with pytest.raises(ValueError, match="without a shared secret.*--rdzv-secret-file"):
+        StoreServer("0.0.0.0").start()
+    assert rendezvous.is_loopback("127.0.0.1") and rendezvous.is_loopback("::1") and rendezvous.is_loopback("localhost")
+    assert not rendezvous.is_loopback("0.0.0.0") and not rendezvous.is_loopback("")
+    with StoreServer("0.0.0.0", secret=SECRET) as s:  # with one: allowed, and reached through loopback too
+        with StoreClient(f"127.0.0.1:{s.port}", secret=SECRET) as c:
+            c.set("a", "b")
+
+
+def test_wrong_or_missing_secret_is_refused_and_the_store_goes_on():
+    with StoreServer(secret=SECRET, handshake_timeout_s=0.5) as s:
+        with pytest.raises(RendezvousError, match="refused this launcher"):
+            StoreClient(s.address, secret=b"another-secret-of-enough-bytes")
+        with pytest.raises(RendezvousError, match="requires a shared secret"):
+            StoreClient(s.address)
+        assert any("wrong or missing secret" in d for d in s.dropped)
+        _served(s)
+    with StoreServer() as s, pytest.raises(RendezvousError, match="does not check a secret"):
+        StoreClient(s.address, secret=SECRET)  # a client with a secret does not trust a server without one
+
+
+def test_a_client_that_skips_the_handshake_gets_nothing(server):
+    sock = _raw(server.address)
+    _read_frame(sock)  # the server's hello
+    sock.sendall(_frame({"op": "get", "key": "k"}))  # no hello: dropped
+    assert _closed_by_server(sock, 2.0)
+    sock.close()
+    with StoreServer(secret=SECRET) as s:
+        sock = _raw(s.address)
+        hello = _read_frame(sock)
+        sock.sendall(_frame({"op": "hello", "nonce": "x" * 32, "mac": "0" * 64}))
+        assert _read_frame(sock) == {"ok": False, "error": "wrong or missing secret", "refused": True}
+        assert _closed_by_server(sock, 2.0)
+        assert hello["auth"] is True
+
+
+def test_load_secret(tmp_path, monkeypatch):
+    monkeypatch.delenv(rendezvous.ENV_SECRET, raising=False)
+    assert rendezvous.load_secret() is None
+    f = tmp_path / "secret"
+    f.write_bytes(SECRET + b"\n")
+    f.chmod(0o644)
+    with pytest.raises(ValueError, match="chmod 600"):
+        rendezvous.load_secret(str(f))
+    f.chmod(0o600)
+    assert rendezvous.load_secret(str(f)) == SECRET
+    with pytest.raises(ValueError, match="cannot read"):
+        rendezvous.load_secret(str(tmp_path / "missing"))
+    assert rendezvous.load_secret(environ={rendezvous.ENV_SECRET: SECRET.decode()}) == SECRET
+    with pytest.raises(ValueError, match="at least 16"):
+        rendezvous.load_secret(environ={rendezvous.ENV_SECRET: "short"})
+
+
+# -- hostile peers: the connection is dropped, the store goes on ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("payload", "why"),
+    [
+        pytest.param(b"\xff" + os.urandom(4095), "message length", id="random-bytes"),
+        pytest.param(struct.pack("!I", 0xFFFFFFFF), "message length", id="huge-length"),
+        pytest.param(struct.pack("!I", 0), "message length", id="zero-length"),
+        pytest.param(struct.pack("!I", 9) + b"not json!", "not JSON", id="not-json"),
+        pytest.param(_frame([1, 2]), "not a JSON object", id="json-not-object"),
+        pytest.param(struct.pack("!I", 60000) + b"[" * 60000, "not JSON", id="deep-nesting"),
+        pytest.param(struct.pack("!I", 4) + b"\xff\xfe\xfd\xfc", "not JSON", id="not-utf8"),
+    ],
+)
+def test_malformed_messages_drop_the_connection_not_the_store(server, payload, why):
+    sock = _raw(server.address)
+    _read_frame(sock)
+    t0 = time.monotonic()
+    sock.sendall(payload)
+    assert _closed_by_server(sock, 2.0)
+    assert time.monotonic() - t0 < 0.4  # at once: not by the frame timeout (0.5 s)
+    assert why in server.dropped[-1]
+    sock.close()
+    _served(server)
+
+
+def test_malformed_requests_after_the_handshake(server):
+    with StoreClient(server.address) as c:
+        for bad in (
+            {"op": "nope"},
+            {"op": "set", "key": 1, "value": "v"},
+            {"op": "add", "key": "n", "amount": True},
+            {"op": "wait", "keys": [], "timeout": 1},
+            {"op": "wait", "keys": ["k"], "timeout": -1},
+            {"op": "wait", "keys": ["k"], "timeout": 1e309},  # json: Infinity
+        ):
+            with pytest.raises(RendezvousError, match="refused"):
+                c._call(bad)
+        c.set("still", "fine")  # an error answer leaves the connection usable
+        assert c.get("still") == "fine"
+    # a frame that arrives after the handshake but is not JSON: dropped, like before it
+    sock = _raw(server.address)
+    _read_frame(sock)
+    sock.sendall(_frame({"op": "hello", "nonce": "n" * 32}))
+    assert _read_frame(sock)["ok"]
+    sock.sendall(struct.pack("!I", 3) + b"{{{")
+    assert _closed_by_server(sock, 2.0)
+    _served(server)
+
+
+def test_silent_and_slow_clients_are_dropped_while_others_are_served(server):
+    silent = _raw(server.address)  # connects, never says anything
+    slow = _raw(server.address)  # slowloris: one byte at a time
+    _read_frame(slow)
+    stop = threading.Event()
+
+    def dribble() -> None:
+        body = _frame({"op": "hello", "nonce": "n" * 32})
+        for b in body:
+            if stop.wait(0.15):
+                return
+            try:
+                slow.sendall(bytes([b]))
+            except OSError:
+                return
+
+    t = threading.Thread(target=dribble)
+    t.start()
+    _served(server)  # meanwhile
+    t0 = time.monotonic()
+    assert _closed_by_server(silent, 3.0)
+    assert _closed_by_server(slow, 3.0)
+    assert time.monotonic() - t0 < 2.0  # the handshake/frame bound (0.5 s here), with slack
+    stop.set()
+    t.join()
+    _served(server)
+
+
+def test_too_many_connections_are_turned_away_and_the_store_recovers():
+    with StoreServer(max_connections=4, handshake_timeout_s=0.5) as s:
+        hogs = [_raw(s.address) for _ in range(4)]
+        time.sleep(0.2)
+        extra = _raw(s.address)
+        assert _closed_by_server(extra, 2.0)
+        assert any("over 4 connections" in d for d in s.dropped)
+        time.sleep(0.8)  # the hogs never finish their handshakes: dropped
+        _served(s)
+        for h in hogs:
+            h.close()
+
+
+def test_every_client_call_is_bounded():
+    # nothing listens: connecting gives up after connect_timeout_s, naming the address
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousTimeout, match=f"no rendezvous at 127.0.0.1:{port} after 0.5 s"):
+        StoreClient(f"127.0.0.1:{port}", connect_timeout_s=0.5)
+    assert time.monotonic() - t0 < 2.0
+    # something listens but never answers: the handshake is bounded by timeout_s
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        t0 = time.monotonic()
+        with pytest.raises(RendezvousError, match="no valid answer"):
+            StoreClient(f"127.0.0.1:{mute.getsockname()[1]}", timeout_s=0.5)
+        assert time.monotonic() - t0 < 2.0
+    # the store goes away: the next call says so, naming it
+    s = StoreServer().start()
+    c = StoreClient(s.address)
+    s.close()
+    with pytest.raises(RendezvousError, match=f"rendezvous at {s.address}"):
+        c.get("k")
+
+
+# -- rounds ------------------------------------------------------------------------------------------------------
+
+
+def _join_all(address: str, specs: list[dict], **kw) -> tuple[list[Rendezvous], list[Assignment | BaseException]]:
+    """Start one launcher per spec in threads, join them all; their rendezvous and assignments (or errors)."""
+    rdzvs = [Rendezvous(address, **{**FAST, "last_call_s": 0.5, "join_timeout_s": 10.0, **kw, **s}) for s in specs]
+    results: list[Assignment | BaseException] = [RuntimeError("not joined")] * len(rdzvs)
+
+    def go(i: int) -> None:
+        try:
+            results[i] = rdzvs[i].start().join()
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            results[i] = e
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(rdzvs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    return rdzvs, results
+
+
+def _agree(results: list) -> None:
+    """Every launcher got the same round, members and coordinator, and its own place in it."""
+    assert all(isinstance(r, Assignment) for r in results), results
+    first = results[0]
+    for r in results:
+        assert (r.round, r.members, r.coordinator, r.num_hosts) == (
+            first.round,
+            first.members,
+            first.coordinator,
+            first.num_hosts,
+        )
+    assert sorted(r.host_rank for r in results) == list(range(len(results)))
+
+
+def test_parse_nnodes():
+    assert parse_nnodes("3") == (3, 3) and parse_nnodes("1:4") == (1, 4)
+    for bad in ("0", "3:2", "a", "1:2:3", ""):
+        with pytest.raises(ValueError, match="MIN:MAX"):
+            parse_nnodes(bad)
+
+
+def test_fixed_hosts_agree_and_asked_ranks_are_honored(server):
+    specs = [
+        {"launcher_id": "a", "rank": 2, "address": "10.0.0.1"},
+        {"launcher_id": "b", "address": "10.0.0.2"},
+        {"launcher_id": "c", "rank": 0, "address": "10.0.0.3", "coordinator_port": 4242},
+    ]
+    rdzvs, results = _join_all(server.address, specs, min_hosts=3)
+    _agree(results)
+    by_id = {r.members[r.host_rank]: r for r in results}
+    assert by_id["a"].host_rank == 2 and by_id["c"].host_rank == 0 and by_id["b"].host_rank == 1
+    assert results[0].coordinator == "10.0.0.3:4242"  # host rank 0's address and port
+    assert results[0].addresses == ("10.0.0.3", "10.0.0.2", "10.0.0.1")
+    for r in rdzvs:
+        r.close()
+
+
+def test_a_taken_rank_is_refused(server):
+    with Rendezvous(server.address, min_hosts=2, rank=1, launcher_id="a", **FAST) as first:
+        t = threading.Thread(target=lambda: pytest.raises(RendezvousTimeout, first.join))
+        first.join_timeout_s = 1.0
+        t.start()
+        time.sleep(0.3)
+        with Rendezvous(server.address, min_hosts=2, rank=1, launcher_id="b", **FAST) as second:
+            with pytest.raises(RendezvousError, match="host rank 1 is taken by launcher a"):
+                second.join()
+        t.join()
+
+
+def test_launchers_given_another_nnodes_or_a_foreign_state_are_refused(server):
+    with Rendezvous(server.address, min_hosts=2, launcher_id="a", join_timeout_s=1.0, **FAST) as a:
+        a._enter(*a._state())
+        with Rendezvous(server.address, min_hosts=1, max_hosts=3, launcher_id="b", **FAST) as b:
+            with pytest.raises(RendezvousError, match="runs on 2 hosts but this launcher was given --nnodes 1:3"):
+                b.join()
+        a.client.set("rdzv/state", '{"not": "ours"}')
+        with pytest.raises(RendezvousError, match="not one this launcher wrote"):
+            a.join()
+
+
+def test_min_max_closes_after_last_call_and_a_late_host_joins_the_next_round(server):
+    rdzvs, results = _join_all(server.address, [{"launcher_id": "a"}, {"launcher_id": "b"}], min_hosts=1, max_hosts=3)
+    _agree(results)
+    assert results[0].num_hosts == 2 and results[0].round == 0
+    a, b = rdzvs
+    late = Rendezvous(server.address, min_hosts=1, max_hosts=3, launcher_id="c", last_call_s=0.5, **FAST).start()
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(late.join()))
+    t.start()
+    time.sleep(0.5)
+    assert not box and a.poll().waiting == ("c",)  # round 0 is closed: c waits
+    # a failure on host b: a restart; every launcher sees round 1 and joins it, c too
+    assert b.next_round(0, "worker on b failed") == 1
+    assert a.next_round(0, "the same failure, seen by a") == 1  # already done: no second restart
+    assert a.poll().round == 1
+    again = [None, None]
+    ts = [threading.Thread(target=lambda i=i, r=r: again.__setitem__(i, r.join())) for i, r in enumerate(rdzvs)]
+    for x in ts:
+        x.start()
+    for x in [*ts, t]:
+        x.join(timeout=10)
+    new = [*again, *box]
+    _agree(new)
+    assert new[0].round == 1 and new[0].num_hosts == 3
+    assert new[0].members[:2] == results[0].members  # the hosts of round 0 keep their ranks
+    for r in [*rdzvs, late]:
+        r.close()
+
+
+def test_a_lost_launcher_is_dropped_from_an_open_round(server):
+    ghost = Rendezvous(server.address, min_hosts=1, max_hosts=2, launcher_id="ghost", last_call_s=60, **FAST).start()
+    ghost._enter(*ghost._state())
+    ghost.close(leave=False)  # its heartbeats stop: as if killed
+    time.sleep(ghost.detection_bound_s)
+    rdzvs, results = _join_all(server.address, [{"launcher_id": "a"}], min_hosts=1, max_hosts=2)
+    assert results[0].members == ("a",)
+    rdzvs[0].close()
+
+
+def test_join_is_bounded_and_names_who_joined(server):
+    with Rendezvous(server.address, min_hosts=2, launcher_id="alone", join_timeout_s=0.6, **FAST) as r:
+        t0 = time.monotonic()
+        with pytest.raises(RendezvousTimeout, match=r"1 of 2\.\.2 hosts joined \(alone\)"):
+            r.join()
+        assert time.monotonic() - t0 < 2.0
+
+
+def test_a_host_gone_before_a_fixed_size_restart_ends_the_join(server):
+    rdzvs, results = _join_all(server.address, [{"launcher_id": "a"}, {"launcher_id": "b"}], min_hosts=2)
+    _agree(results)
+    a, b = rdzvs
+    rank_b = results[1].host_rank
+    b.close(leave=False)
+    a.next_round(0, "b's worker failed")
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousError, match=f"host rank {rank_b} \\(launcher b\\) of round 0 is gone"):
+        a.join()
+    assert time.monotonic() - t0 <= a.detection_bound_s + 0.5
+    a.close()
+
+
+# -- real processes ---------------------------------------------------------------------------------------------
+
+_LAUNCHER = """
+import json, sys, time
+from replicator.launch.membership import Rendezvous
+r = Rendezvous(sys.argv[1], min_hosts=2, launcher_id=sys.argv[2], heartbeat_interval_s=0.25, missed_heartbeats=4,
+               last_call_s=0.5, join_timeout_s=30).start()
+a = r.join()
+print(json.dumps(a.__dict__), flush=True)
+time.sleep(120)
+"""
+
+_STORE = """
+import sys, time
+from replicator.launch.rendezvous import StoreServer
+s = StoreServer().start()
+print(s.address, flush=True)
+time.sleep(120)
+"""
+
+
+def _python(code: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True
+    )
+
+
+def _wait_gone(r: Rendezvous, launcher: str, within_s: float) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < within_s + 2.0:
+        if any(g[0] == launcher for g in r.poll().gone):
+            return time.monotonic() - t0
+        time.sleep(0.05)
+    return math.inf
+
+
+@pytest.mark.multiprocess
+def test_a_sigkilled_launcher_process_is_seen_gone_within_the_bound(server):
+    child = _python(_LAUNCHER, server.address, "child")
+    try:
+        with Rendezvous(
+            server.address, min_hosts=2, launcher_id="here", last_call_s=0.5, join_timeout_s=30, **FAST
+        ) as r:
+            mine = r.join()
+            theirs = Assignment(**{**json.loads(child.stdout.readline()), "members": (), "addresses": ()})
+            assert (theirs.round, theirs.coordinator) == (mine.round, mine.coordinator)
+            assert {theirs.host_rank, mine.host_rank} == {0, 1}
+            assert r.poll().gone == ()
+            child.kill()
+            took = _wait_gone(r, "child", r.detection_bound_s)
+            assert took <= r.detection_bound_s, f"seen gone after {took:.2f} s, bound {r.detection_bound_s} s"
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.multiprocess
+def test_a_sigkilled_rendezvous_host_ends_the_others_within_the_bound():
+    store = _python(_STORE)
+    try:
+        address = store.stdout.readline().strip()
+        r = Rendezvous(address, min_hosts=1, launcher_id="left", last_call_s=0.0, **FAST).start()
+        r.join()
+        store.kill()
+        t0 = time.monotonic()
+        with pytest.raises(RendezvousError, match=f"rendezvous at {address}"):
+            while time.monotonic() - t0 < 2 * r.detection_bound_s + 1.0:
+                r.poll()
+                time.sleep(0.05)
+        assert time.monotonic() - t0 <= r.detection_bound_s
+        r.close()
+    finally:
+        store.kill()
+        store.wait()
+
+
+@pytest.mark.multiprocess
+def test_a_frozen_rendezvous_host_ends_the_others_within_the_bound():
+    store = _python(_STORE)  # SIGSTOP: its connections stay open but nothing answers (an unreachable host)
+    try:
+        address = store.stdout.readline().strip()
+        r = Rendezvous(address, min_hosts=1, launcher_id="left", last_call_s=0.0, **FAST).start()
+        r.join()
+        os.kill(store.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(RendezvousError, match=f"rendezvous at {address}"):
+            while time.monotonic() - t0 < 2 * r.detection_bound_s + 1.0:
+                r.poll()
+                time.sleep(r.heartbeat_interval_s)
+        assert time.monotonic() - t0 <= r.detection_bound_s + r.heartbeat_interval_s
+        r.close(leave=False)
+    finally:
+        store.kill()
+        store.wait()
+
+
+def test_serve_if_here():
+    s = membership.serve_if_here("127.0.0.1:0", None)
+    assert s is not None
+    try:
+        assert membership.serve_if_here(s.address, None) is None  # taken: another launcher hosts it
+        with pytest.raises(ValueError, match="without a shared secret"):
+            membership.serve_if_here("0.0.0.0:0", None)
+    finally:
+        s.close()
+
+
+# -- hosts: one launcher per host, each a real process (replicator/launch/hosts.py) ---------------------------------
+
+TOY = str(ROOT / "tests" / "multiproc" / "toy_worker.py")
+
+_HOST = """
+import sys
+from replicator.launch import hosts, membership
+from replicator.launch.environment import worker_command
+endpoint, nnodes, name, serve, max_restarts, *rest = sys.argv[1:]
+low, high = membership.parse_nnodes(nnodes)
+store = membership.serve_if_here(endpoint, None) if serve == "serve" else None
+r = membership.Rendezvous(endpoint, min_hosts=low, max_hosts=high, launcher_id=name, heartbeat_interval_s=0.25,
+                          missed_heartbeats=4, last_call_s=3.0, join_timeout_s=30).start()
+code = hosts.run_host(worker_command(rest), r, max_restarts=int(max_restarts), kill_grace_s=1.0, store=store)
+r.close()
+sys.exit(code)
+"""
+#: The hosts' heartbeats above: a lost host or rendezvous is seen within 1.25 s.
+HOST_BOUND_S = 1.25
+
+
+def _hosts(nnodes: str, max_restarts: int, toy_args: list[str], n: int = 2) -> tuple[str, list[subprocess.Popen]]:
+    """``n`` host launchers (processes) on one machine; the first hosts the rendezvous."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{probe.getsockname()[1]}"
+    procs = []
+    for i in range(n):
+        args = [endpoint, nnodes, f"h{i}", "serve" if i == 0 else "join", str(max_restarts), TOY, *toy_args]
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", _HOST, *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                cwd=ROOT,
+                start_new_session=True,
+            )
+        )
+        if i == 0:
+            StoreClient(endpoint, connect_timeout_s=30).close()  # host 0 serves before the others come
+    return endpoint, procs
+
+
+def _finish(procs: list[subprocess.Popen], timeout_s: float = 60) -> list[tuple[int, str]]:
+    out = []
+    for p in procs:
+        try:
+            text, _ = p.communicate(timeout=timeout_s)
+        finally:
+            p.kill()
+        out.append((p.returncode, text))
+    return out
+
+
+def _wait_for_line(proc: subprocess.Popen, needle: str, timeout_s: float = 30) -> list[str]:
+    lines: list[str] = []
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if needle in line or not line:
+            return lines
+    return lines
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("how", "code"), [([], 3), (["--signal", "KILL"], 137)], ids=["exit", "sigkill"])
+def test_a_worker_failure_on_one_host_restarts_every_host(how, code):
+    toy = ["--fail-worker", "1", "--fail-starts", "1", "--after", "0.3", "--sleep", "1.5", *how]
+    _, procs = _hosts("2", 2, [*toy, "--env", "REPLICATOR_RESTART_COUNT", "REPLICATOR_NUM_WORKERS"])
+    (rc0, out0), (rc1, out1) = _finish(procs)
+    assert (rc0, rc1) == (0, 0), out0 + out1
+    assert "round 1 was started by another host" in out0
+    assert f"restart 1 of at most 2, cause: host rank 1's worker failed with exit code {code}" in out1
+    for out in (out0, out1):
+        assert "REPLICATOR_RESTART_COUNT=1" in out and "REPLICATOR_NUM_WORKERS=2" in out
+        assert "every host's worker finished (round 1)" in out
+
+
+@pytest.mark.multiprocess
+def test_a_failure_after_the_last_restart_ends_every_host_with_its_code():
+    _, procs = _hosts("2", 0, ["--fail-worker", "1", "--after", "0.3", "--sleep", "5"])
+    (rc0, out0), (rc1, out1) = _finish(procs)
+    assert (rc0, rc1) == (3, 3), out0 + out1
+    assert "the job ended: host rank 1's worker failed with exit code 3; no restart left" in out0
+    assert "round 1" not in out0 + out1  # no restart: --max-restarts 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("nnodes", ["2", "1:2"])
+def test_a_sigkilled_host_launcher(nnodes):
+    _, procs = _hosts(nnodes, 1, ["--sleep", "3"])
+    assert "host rank 1 of 2" in _wait_for_line(procs[1], "round 0")[-1]
+    time.sleep(0.3)
+    os.killpg(procs[1].pid, signal.SIGKILL)  # its launcher and its worker: the host is gone
+    t0 = time.monotonic()
+    (rc0, out0), _ = _finish(procs)
+    took = time.monotonic() - t0
+    if nnodes == "2":  # the job ends within the bound, naming the host
+        assert rc0 == hosts.HOST_LOST_EXIT_CODE, out0
+        assert "host rank 1 (launcher h1" in out0 and "at least 2 hosts needed" in out0
+        assert took <= HOST_BOUND_S + 1.0 + 1.0, (took, out0)  # + the kill grace + slack for stopping
+    else:  # the job goes on without it and finishes
+        assert rc0 == 0, out0
+        assert "round 1: host rank 0 of 1" in out0 and "every host's worker finished (round 1)" in out0
+
+
+@pytest.mark.multiprocess
+def test_a_sigkilled_rendezvous_host_ends_the_other_hosts_within_the_bound():
+    _, procs = _hosts("2", 1, ["--sleep", "5"])
+    _wait_for_line(procs[1], "round 0")
+    time.sleep(0.3)
+    os.killpg(procs[0].pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    _, (rc1, out1) = _finish(procs)
+    took = time.monotonic() - t0
+    assert rc1 == hosts.HOST_LOST_EXIT_CODE, out1
+    assert "rendezvous lost: " in out1 and "127.0.0.1:" in out1
+    assert took <= HOST_BOUND_S + 1.0 + 1.0, (took, out1)
+
+
+def test_a_launcher_that_comes_after_the_end_is_told(server):
+    with Rendezvous(server.address, min_hosts=1, launcher_id="a", last_call_s=0.0, **FAST) as a:
+        a.join()
+        assert a.end("finished") == "finished"
+        assert a.end("a later reason") == "finished"  # the first reason stands
+        with Rendezvous(server.address, min_hosts=1, launcher_id="late", join_timeout_s=2, **FAST) as late:
+            with pytest.raises(RendezvousError, match="the job has ended: finished"):
+                late.join()
