@@ -9,28 +9,48 @@ the cost model and the runtime. Modules, each testable on its own:
   step, what crosses each boundary, tied parameters, the clear errors;
 * :mod:`replicator.stages.programs`: each stage's forward and backward of one
   micro-batch, cut out of the split;
-* :mod:`replicator.stages.gpipe`: a GPipe prototype over S devices
-  (``shard_map`` + ``ppermute``), checked against one device.
+* :mod:`replicator.stages.schedule`: schedules as data (GPipe, 1F1B tick
+  tables), their bubble and per-stage live activations;
+* :mod:`replicator.stages.lower`: any table run as one loop of ticks over S
+  devices (``shard_map`` + ``lax.switch`` + ``ppermute``), a value and gradient;
+* :mod:`replicator.stages.train`: a whole training step (the loop, then each
+  stage's optax update), parameters and optimizer state kept per stage;
+* :mod:`replicator.stages.gpipe`: the first increment's entry point (the
+  ``"gpipe"`` table).
 
 Design: docs/design/pipeline-parallelism.md.
 """
 
 from replicator.stages.gpipe import gpipe_value_and_grad as gpipe_value_and_grad
+from replicator.stages.lower import pipeline_value_and_grad as pipeline_value_and_grad
 from replicator.stages.programs import StagePrograms as StagePrograms
 from replicator.stages.programs import stage_programs as stage_programs
+from replicator.stages.schedule import Schedule as Schedule
+from replicator.stages.schedule import ScheduleStats as ScheduleStats
+from replicator.stages.schedule import make_schedule as make_schedule
+from replicator.stages.schedule import schedule_stats as schedule_stats
 from replicator.stages.split import Boundary as Boundary
 from replicator.stages.split import StageSplit as StageSplit
 from replicator.stages.split import StageSplitError as StageSplitError
 from replicator.stages.split import StageSum as StageSum
 from replicator.stages.split import split_stages as split_stages
+from replicator.stages.train import PipelineTrainStep as PipelineTrainStep
+from replicator.stages.train import pipeline_train_step as pipeline_train_step
 
 __all__ = [
     "Boundary",
+    "PipelineTrainStep",
+    "Schedule",
+    "ScheduleStats",
     "StagePrograms",
     "StageSplit",
     "StageSplitError",
     "StageSum",
     "gpipe_value_and_grad",
+    "make_schedule",
+    "pipeline_train_step",
+    "pipeline_value_and_grad",
+    "schedule_stats",
     "split_stages",
     "stage_programs",
 ]

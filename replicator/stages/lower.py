@@ -1,0 +1,325 @@
+"""A tick table lowered to one SPMD loop: a marked loss's value and gradient over S stages, any schedule.
+
+One program under ``jit(shard_map)`` over a ``('stages',)`` mesh. Each tick of
+the table (:mod:`replicator.stages.schedule`), every device reads what its
+stage runs (``kind[t, s]``, ``micro[t, s]``) and runs it with one
+``lax.switch`` over ``[idle, F_0, ..., F_{S-1}, B_0, ..., B_{S-1}]``
+(:mod:`replicator.stages.programs`); then what it sends moves with two
+``ppermute`` over ``'stages'``: activations to ``s + 1``, cotangents to
+``s - 1``. A receiver reads from the table which micro-batch its neighbour
+ran, and keeps the value in an inbox slot until its own tick for that
+micro-batch (under 1F1B a value may wait several ticks). Residuals wait in a
+stash from a stage's forward to its backward of the same micro-batch.
+
+Stash and inboxes are rings: micro-batch ``m`` sits in slot ``m % K``, with
+``K`` the most micro-batches a buffer holds at once in the table (checked to
+never collide), so 1F1B keeps ``S`` residual slots where GPipe keeps ``M``.
+Heterogeneous stages pass values of different shapes as one flat buffer per
+dtype, padded to the largest stage's. Parameters are replicated on every
+device here (placing them per stage is the update phase, a later increment).
+
+>>> def loss(p, x):
+...     h = rp.stage_boundary(jnp.tanh(x @ p["a"]))
+...     return jnp.mean((h @ p["b"]) ** 2)
+>>> p = {"a": jnp.full((3, 4), 0.1), "b": jnp.full((4, 2), 0.2)}
+>>> x = jnp.linspace(-1, 1, 24).reshape(8, 3)
+>>> f = pipeline_value_and_grad(loss, num_microbatches=4, schedule="1f1b", devices=jax.devices()[:2])
+>>> value, grads = f(p, x)
+>>> want_value, want = jax.value_and_grad(loss)(p, x)
+>>> bool(jnp.allclose(value, want_value, rtol=1e-5)), bool(jnp.allclose(grads["a"], want["a"], rtol=1e-5))
+(True, True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from replicator.stages.programs import StagePrograms, stage_programs
+from replicator.stages.schedule import BACKWARD, FORWARD, IDLE, Schedule, make_schedule
+from replicator.stages.split import StageSplitError, split_stages
+
+__all__ = ["STAGE_AXIS", "pipeline_value_and_grad", "ring_slots", "tick_loop"]
+
+STAGE_AXIS = "stages"
+
+
+class _Packing:
+    """Lists of arrays of different avals, one per stage, as one flat buffer per dtype (padded to the largest)."""
+
+    def __init__(self, layouts: Sequence[Sequence[Any]]):
+        self.layouts = [list(layout) for layout in layouts]
+        sizes: dict[Any, int] = {}
+        for layout in self.layouts:
+            per: dict[Any, int] = {}
+            for aval in layout:
+                per[aval.dtype] = per.get(aval.dtype, 0) + int(np.prod(aval.shape, dtype=np.int64))
+            for dtype, n in per.items():
+                sizes[dtype] = max(sizes.get(dtype, 0), n)
+        self.sizes = dict(sorted(sizes.items(), key=lambda kv: str(kv[0])))
+
+    def zeros(self, lead: tuple[int, ...] = ()) -> dict:
+        return {str(d): jnp.zeros((*lead, n), d) for d, n in self.sizes.items()}
+
+    def pack(self, stage: int, values: Sequence[Any]) -> dict:
+        parts: dict[Any, list] = {d: [] for d in self.sizes}
+        for aval, value in zip(self.layouts[stage], values, strict=True):
+            parts[aval.dtype].append(jnp.ravel(value).astype(aval.dtype))
+        out = {}
+        for dtype, n in self.sizes.items():
+            flat = jnp.concatenate(parts[dtype]) if parts[dtype] else jnp.zeros((0,), dtype)
+            out[str(dtype)] = jnp.pad(flat, (0, n - flat.shape[0]))
+        return out
+
+    def unpack(self, stage: int, buffers: dict) -> list:
+        offsets = dict.fromkeys(self.sizes, 0)
+        values = []
+        for aval in self.layouts[stage]:
+            n = int(np.prod(aval.shape, dtype=np.int64))
+            start = offsets[aval.dtype]
+            values.append(buffers[str(aval.dtype)][start : start + n].reshape(aval.shape))
+            offsets[aval.dtype] = start + n
+        return values
+
+
+def pipeline_value_and_grad(
+    loss: Callable,
+    *,
+    num_microbatches: int,
+    schedule: str | Schedule = "gpipe",
+    devices: Sequence[Any] | None = None,
+) -> Callable[..., tuple[Any, Any]]:
+    """``jax.value_and_grad(loss)`` over the stages that ``loss``'s ``rp.stage_boundary`` markers cut.
+
+    Args:
+      loss: ``loss(params, *batch) -> scalar``, marked with ``rp.stage_boundary``; a mean over its batch.
+      num_microbatches: ``M``; the batch leaves' leading axis must be divisible by it.
+      schedule: ``"gpipe"``, ``"1f1b"`` or a :class:`~replicator.stages.schedule.Schedule` for ``S`` and ``M``.
+      devices: one device per stage (default: the first ``S`` devices).
+
+    Returns:
+      ``f(params, *batch) -> (value, grads)``: the mean over the ``M`` micro-batches of each one's
+      value and gradient (for a loss that is a mean over rows, the value and gradient on the whole batch);
+      ``f.lower(params, *batch)`` is its program, lowered.
+    """
+    m = num_microbatches
+
+    def prepare(params: Any, batch: tuple) -> tuple[Callable, list, list, Any]:
+        leaves = jax.tree.leaves(batch)
+        for leaf in leaves:
+            if np.ndim(leaf) == 0 or np.shape(leaf)[0] % m:
+                raise ValueError(
+                    f"pipeline_value_and_grad: a batch leaf of shape {np.shape(leaf)} does not split into "
+                    f"num_microbatches={m} equal micro-batches; make the batch a multiple of {m}."
+                )
+        micro = [jnp.reshape(leaf, (m, leaf.shape[0] // m, *leaf.shape[1:])) for leaf in map(jnp.asarray, leaves)]
+        batch_def = jax.tree.structure(batch)
+        param_leaves, param_def = jax.tree.flatten(params)
+
+        def one(param_leaves: list, batch_leaves: list) -> Any:
+            return jax.value_and_grad(loss)(param_def.unflatten(param_leaves), *batch_def.unflatten(batch_leaves))
+
+        # Traced on shapes alone: an argument placed on a mesh must not carry its sharding into the programs.
+        closed = jax.make_jaxpr(one)(_shapes(param_leaves), _shapes([x[0] for x in micro]))
+        split = split_stages(closed, first_batch=len(param_leaves))
+        stages = split.num_stages
+        mesh_devices = list(devices) if devices is not None else jax.devices()[:stages]
+        if len(mesh_devices) != stages:
+            raise StageSplitError(f"the loss has {stages} stages; pass {stages} devices (got {len(mesh_devices)}).")
+        table = make_schedule(schedule, stages, m)
+        programs = stage_programs(split, closed)
+        mesh = Mesh(np.array(mesh_devices), (STAGE_AXIS,))
+        return _lower(programs, table, mesh, closed.out_avals), param_leaves, micro, param_def
+
+    def run(params: Any, *batch: Any) -> tuple[Any, Any]:
+        program, param_leaves, micro, param_def = prepare(params, batch)
+        outs = program(param_leaves, micro)
+        return outs[0], param_def.unflatten(outs[1:])
+
+    def lower(params: Any, *batch: Any) -> jax.stages.Lowered:
+        """The program for these arguments, lowered (``.compile().memory_analysis()``: its memory)."""
+        program, param_leaves, micro, _ = prepare(params, batch)
+        return program.lower(param_leaves, micro)
+
+    run.lower = lower  # type: ignore[attr-defined]
+    return run
+
+
+def ring_slots(table: Schedule) -> dict[str, int]:
+    """How many slots each buffer of the lowering needs, read from ``table``: ``"stash"`` (residuals, from a
+    stage's forward of a micro-batch to its backward), ``"inbox"`` (a received activation, from the tick after
+    the previous stage's forward to this stage's) and ``"inbox_ct"`` (a received cotangent, likewise).
+    Micro-batch ``m`` sits in slot ``m % K``; ``K`` is the most micro-batches alive at once in any stage,
+    raised until no two alive at once share a slot."""
+    s_, m_ = table.num_stages, table.num_microbatches
+    tick = {(s, k, m): table.tick_of(s, k, m) for s in range(s_) for k in (FORWARD, BACKWARD) for m in range(m_)}
+    lives: dict[str, list[list[tuple[int, int]]]] = {"stash": [], "inbox": [], "inbox_ct": []}
+    for s in range(s_):
+        lives["stash"].append([(tick[s, FORWARD, m], tick[s, BACKWARD, m]) for m in range(m_)])
+        if s > 0:
+            lives["inbox"].append([(tick[s - 1, FORWARD, m] + 1, tick[s, FORWARD, m]) for m in range(m_)])
+        if s < s_ - 1:
+            lives["inbox_ct"].append([(tick[s + 1, BACKWARD, m] + 1, tick[s, BACKWARD, m]) for m in range(m_)])
+    slots = {}
+    for name, per_stage in lives.items():
+        k = max([1] + [_most_alive(spans) for spans in per_stage])
+        while k < m_ and any(_collide(spans, k) for spans in per_stage):
+            k += 1
+        slots[name] = k
+    return slots
+
+
+def _most_alive(spans: list[tuple[int, int]]) -> int:
+    ends = {t for span in spans for t in span}
+    return max(sum(a <= t <= b for a, b in spans) for t in ends)
+
+
+def _collide(spans: list[tuple[int, int]], k: int) -> bool:
+    return any(
+        i % k == j % k and spans[i][0] <= spans[j][1] and spans[j][0] <= spans[i][1]
+        for i in range(len(spans))
+        for j in range(i)
+    )
+
+
+def _lower(programs: list[StagePrograms], table: Schedule, mesh: Mesh, out_avals: Sequence[Any]) -> Callable:
+    loop = tick_loop(programs, table, out_avals)
+    mapped = jax.shard_map(loop, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)
+    return jax.jit(mapped)
+
+
+def tick_loop(
+    programs: list[StagePrograms],
+    table: Schedule,
+    out_avals: Sequence[Any],
+    params_of: Callable[[int, Any], list] | None = None,
+) -> Callable[[Any, list], list]:
+    """The loop of ``table``'s ticks, to call inside ``shard_map`` over :data:`STAGE_AXIS`.
+
+    Args:
+      programs: every stage's programs; table: the schedule; out_avals: the step's outputs.
+      params_of: ``(stage, params) -> parameter leaves`` as that stage's programs read them (its inputs before
+        the micro-batch), called inside that stage's branches; default: ``params`` is that list already.
+
+    Returns:
+      ``loop(params, micro_batches) -> outputs``: ``micro_batches`` the batch leaves, each ``(M, rows, ...)``;
+      ``outputs`` the step's outputs summed over the stages and averaged over the micro-batches (the same on
+      every device).
+    """
+    stages, m = table.num_stages, table.num_microbatches
+    params_of = params_of or (lambda stage, params: params)
+    received = _Packing([p.received for p in programs])
+    messages = _union_sizes(_Packing([p.sent for p in programs]), received)
+    received_ct = _Packing([p.received_ct for p in programs])
+    messages_ct = _union_sizes(_Packing([p.sent_ct for p in programs]), received_ct)
+    residuals = _Packing([p.residuals for p in programs])
+    sent_pack = _Packing([p.sent for p in programs])
+    sent_ct_pack = _Packing([p.sent_ct for p in programs])
+    slots = ring_slots(table)
+    forward_to = [(s, s + 1) for s in range(stages - 1)]
+    backward_to = [(s + 1, s) for s in range(stages - 1)]
+
+    def zeros(sizes: dict[str, int]) -> dict:
+        return {key: jnp.zeros((n,), jnp.dtype(key)) for key, n in sizes.items()}
+
+    def nothing(params: Any, batch: list, got: dict, got_ct: dict, kept: dict) -> tuple:
+        del params, batch, got, got_ct, kept
+        return zeros(messages), zeros(messages_ct), residuals.zeros(), [jnp.zeros(a.shape, a.dtype) for a in out_avals]
+
+    def forward(p: StagePrograms) -> Callable:
+        def branch(params: Any, batch: list, got: dict, got_ct: dict, kept: dict) -> tuple:
+            del got_ct, kept
+            inputs = [*params_of(p.stage, params), *batch]
+            out, new, outputs = p.forward(inputs, received.unpack(p.stage, got))
+            sent = _pad(sent_pack.pack(p.stage, out), messages)
+            return sent, zeros(messages_ct), residuals.pack(p.stage, new), outputs
+
+        return branch
+
+    def backward(p: StagePrograms) -> Callable:
+        def branch(params: Any, batch: list, got: dict, got_ct: dict, kept: dict) -> tuple:
+            del got
+            inputs = [*params_of(p.stage, params), *batch]
+            out, outputs = p.backward(inputs, residuals.unpack(p.stage, kept), received_ct.unpack(p.stage, got_ct))
+            sent = _pad(sent_ct_pack.pack(p.stage, out), messages_ct)
+            return zeros(messages), sent, residuals.zeros(), outputs
+
+        return branch
+
+    branches = [nothing, *(forward(p) for p in programs), *(backward(p) for p in programs)]
+    # Each stage's row, and its neighbours' (what arrives after the tick), as constants of the program.
+    kind = np.asarray(table.kind, np.int32)
+    micro = np.asarray(table.micro, np.int32)
+    idle_column = np.full((table.num_ticks, 1), IDLE, np.int32)
+    previous_kind = np.concatenate([idle_column, kind[:, :-1]], axis=1)  # stage s - 1's
+    next_kind = np.concatenate([kind[:, 1:], idle_column], axis=1)  # stage s + 1's
+    previous_micro = np.concatenate([0 * idle_column, micro[:, :-1]], axis=1)
+    next_micro = np.concatenate([micro[:, 1:], 0 * idle_column], axis=1)
+
+    def loop(params: Any, batch: list) -> list:
+        s = lax.axis_index(STAGE_AXIS)
+
+        def tick(t: jax.Array, carry: tuple) -> tuple:
+            inbox, inbox_ct, stash, total = carry
+            what, k = jnp.asarray(kind)[t, s], jnp.asarray(micro)[t, s]
+            index = jnp.where(what == FORWARD, 1 + s, jnp.where(what == BACKWARD, 1 + stages + s, 0))
+            got = {key: b[k % slots["inbox"]] for key, b in inbox.items()}
+            got_ct = {key: b[k % slots["inbox_ct"]] for key, b in inbox_ct.items()}
+            kept = {key: b[k % slots["stash"]] for key, b in stash.items()}
+            out, out_ct, new, outputs = lax.switch(index, branches, params, [x[k] for x in batch], got, got_ct, kept)
+            stash = {key: _put(b, new[key], k % slots["stash"], what == FORWARD) for key, b in stash.items()}
+            total = [a + o for a, o in zip(total, outputs, strict=True)]
+            arrived = {key: lax.ppermute(x, STAGE_AXIS, forward_to) for key, x in out.items()}
+            arrived_ct = {key: lax.ppermute(x, STAGE_AXIS, backward_to) for key, x in out_ct.items()}
+            from_previous = jnp.asarray(previous_kind)[t, s] == FORWARD
+            slot = jnp.asarray(previous_micro)[t, s] % slots["inbox"]
+            inbox = {key: _put(b, arrived[key][: b.shape[1]], slot, from_previous) for key, b in inbox.items()}
+            from_next = jnp.asarray(next_kind)[t, s] == BACKWARD
+            slot_ct = jnp.asarray(next_micro)[t, s] % slots["inbox_ct"]
+            inbox_ct = {key: _put(b, arrived_ct[key][: b.shape[1]], slot_ct, from_next) for key, b in inbox_ct.items()}
+            return inbox, inbox_ct, stash, total
+
+        carry = (
+            {key: jnp.zeros((slots["inbox"], n), jnp.dtype(key)) for key, n in messages.items()},
+            {key: jnp.zeros((slots["inbox_ct"], n), jnp.dtype(key)) for key, n in messages_ct.items()},
+            residuals.zeros((slots["stash"],)),
+            [jnp.zeros(a.shape, a.dtype) for a in out_avals],
+        )
+        *_, total = lax.fori_loop(0, table.num_ticks, tick, carry)
+        return [lax.psum(t, STAGE_AXIS) / m for t in total]
+
+    return loop
+
+
+def _shapes(leaves: list) -> list:
+    """Each leaf's shape and dtype, without its placement."""
+    return [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in leaves]
+
+
+def _put(buffer: jax.Array, value: jax.Array, slot: jax.Array, where: jax.Array) -> jax.Array:
+    """``buffer[slot] = value`` where ``where``."""
+    return buffer.at[slot].set(jnp.where(where, value, buffer[slot]))
+
+
+def _pad(packed: dict, sizes: dict[str, int]) -> dict:
+    """``packed`` (one stage's buffers) padded to ``sizes`` (every stage's), so all branches agree on types."""
+    out = {}
+    for key, n in sizes.items():
+        flat = packed.get(key, jnp.zeros((0,), jnp.dtype(key)))
+        out[key] = jnp.pad(flat, (0, n - flat.shape[0]))
+    return out
+
+
+def _union_sizes(a: _Packing, b: _Packing) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for packing in (a, b):
+        for dtype, n in packing.sizes.items():
+            sizes[str(dtype)] = max(sizes.get(str(dtype), 0), n)
+    return dict(sorted(sizes.items()))
