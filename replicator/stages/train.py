@@ -1,0 +1,273 @@
+"""A full training step over S stages: the schedule's value and gradient, then each stage's optimizer update
+on its own parameters, with parameters and optimizer state kept per stage.
+
+Each stage keeps the parameter leaves its programs read (a tied leaf, read by two stages, on both), packed
+into one flat buffer per dtype padded to the largest stage's: global shape ``(S, n)``, sharded over
+``'stages'``, so device ``s`` holds row ``s`` only. An optimizer whose state mirrors the parameters
+(optax's Adam, SGD, ... elementwise ones) is run on those buffers, so its moments are packed the same way;
+its scalars (Adam's step count) are replicated. After the tick loop (:func:`~replicator.stages.lower.tick_loop`)
+every stage packs its own leaves' gradients (a tied leaf's is the sum over its stages) and updates its row.
+
+:meth:`PipelineTrainStep.__call__` takes and returns the parameters and optimizer state with their global
+(the user's) shapes; :meth:`~PipelineTrainStep.pack`, :meth:`~PipelineTrainStep.step` and
+:meth:`~PipelineTrainStep.unpack` keep them packed across steps.
+
+>>> def loss(p, x):
+...     h = rp.stage_boundary(jnp.tanh(x @ p["a"]))
+...     return jnp.mean((h @ p["b"]) ** 2)
+>>> p = {"a": jnp.full((3, 4), 0.1), "b": jnp.full((4, 2), 0.2)}
+>>> x = jnp.linspace(-1, 1, 24).reshape(8, 3)
+>>> opt = optax.adam(1e-2)
+>>> train = pipeline_train_step(loss, opt, num_microbatches=4, schedule="1f1b", devices=jax.devices()[:2])
+>>> new_p, new_s, value = train(p, opt.init(p), x)
+>>> want_p = optax.apply_updates(p, opt.update(jax.grad(loss)(p, x), opt.init(p), p)[0])
+>>> bool(jnp.allclose(new_p["a"], want_p["a"], atol=1e-6)), train.held(p)["b"]
+(True, (1,))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from replicator._jax_compat import user_source_line
+from replicator.core.jaxprs import iter_eqns
+from replicator.stages.lower import STAGE_AXIS, _Packing, _shapes, tick_loop
+from replicator.stages.programs import stage_programs
+from replicator.stages.schedule import Schedule, make_schedule
+from replicator.stages.split import StageSplitError, split_stages
+
+__all__ = ["PipelineTrainStep", "pipeline_train_step"]
+
+
+class _Built:
+    """What one set of parameter and batch shapes compiles to."""
+
+    def __init__(self, owner: PipelineTrainStep, params: Any, batch: tuple) -> None:
+        m = owner.num_microbatches
+        param_leaves, self.param_def = jax.tree.flatten(params)
+        if not self.param_def.num_nodes > 1:
+            raise TypeError("pipeline_train_step: pass the parameters as a pytree (a dict, a list), not one array.")
+        micro = _micro_batches(batch, m)
+        batch_def = jax.tree.structure(batch)
+        loss, param_def = owner.loss, self.param_def
+
+        def one(param_leaves: list, batch_leaves: list) -> Any:
+            return jax.value_and_grad(loss)(param_def.unflatten(param_leaves), *batch_def.unflatten(batch_leaves))
+
+        # Traced on shapes alone: an argument placed on a mesh must not carry its sharding into the programs.
+        closed = jax.make_jaxpr(one)(_shapes(param_leaves), _shapes([x[0] for x in micro]))
+        split = split_stages(closed, first_batch=len(param_leaves))
+        stages = split.num_stages
+        devices = list(owner.devices) if owner.devices is not None else jax.devices()[:stages]
+        if len(devices) != stages:
+            raise StageSplitError(f"the loss has {stages} stages; pass {stages} devices (got {len(devices)}).")
+        self.mesh = Mesh(np.array(devices), (STAGE_AXIS,))
+        self.stages = stages
+        n = len(param_leaves)
+        everyone = frozenset(range(stages))
+        # A leaf is kept where it is read and where its gradient is computed (output 0 is the loss).
+        self.held = [split.input_stages[i] | split.output_stages[1 + i] or everyone for i in range(n)]
+        self.layout = [[i for i in range(n) if s in self.held[i]] for s in range(stages)]
+        self.avals = [v.aval for v in closed.jaxpr.invars[:n]]
+        self.packing = _Packing([[self.avals[i] for i in layout] for layout in self.layout])
+        table = make_schedule(owner.schedule, stages, m)
+        loop = tick_loop(stage_programs(split, closed), table, closed.out_avals, self.params_of)
+        optimizer = owner.optimizer
+        packed_def = jax.tree.structure(self.packing.zeros((stages,)))
+        self.packed_def = packed_def
+        state_shape = jax.eval_shape(optimizer.init, self.packing.zeros((stages,)))
+        _check_elementwise(optimizer, self.packing.zeros((stages,)), state_shape)
+        self.state_specs = _specs(state_shape, packed_def)
+        self.params_sharding = NamedSharding(self.mesh, P(STAGE_AXIS))
+
+        def per_device(params: dict, state: Any, batch: list) -> tuple:
+            value, *grads = loop(params, batch)
+            own = [self._pack_grads(s) for s in range(stages)]
+            grads = lax.switch(lax.axis_index(STAGE_AXIS), own, grads)
+            updates, state = optimizer.update(grads, state, params)
+            return optax.apply_updates(params, updates), state, value
+
+        params_spec = jax.tree.map(lambda _: P(STAGE_AXIS), self.packing.zeros((stages,)))
+        self.step = jax.jit(
+            jax.shard_map(
+                per_device,
+                mesh=self.mesh,
+                in_specs=(params_spec, self.state_specs, P()),
+                out_specs=(params_spec, self.state_specs, P()),
+                check_vma=False,
+            )
+        )
+
+    def _pack_grads(self, stage: int) -> Callable[[list], dict]:
+        def pack(grads: list) -> dict:
+            return {k: v[None] for k, v in self.packing.pack(stage, [grads[i] for i in self.layout[stage]]).items()}
+
+        return pack
+
+    def params_of(self, stage: int, params: dict) -> list:
+        """The parameter leaves as ``stage``'s programs read them, from its row ``params`` (``(1, n)`` each):
+        its own leaves, zeros for the others (which it does not read)."""
+        mine = self.packing.unpack(stage, {k: v[0] for k, v in params.items()})
+        leaves = [jnp.zeros(a.shape, a.dtype) for a in self.avals]
+        for i, value in zip(self.layout[stage], mine, strict=True):
+            leaves[i] = value
+        return leaves
+
+    def pack(self, tree: Any) -> dict:
+        leaves = self.param_def.flatten_up_to(tree)
+        rows = [self.packing.pack(s, [leaves[i] for i in self.layout[s]]) for s in range(self.stages)]
+        packed = {k: jnp.stack([row[k] for row in rows]) for k in rows[0]}
+        return jax.device_put(packed, self.params_sharding)
+
+    def unpack(self, packed: dict) -> Any:
+        rows = [self.packing.unpack(s, {k: v[s] for k, v in packed.items()}) for s in range(self.stages)]
+        leaves = [rows[min(self.held[i])][self.layout[min(self.held[i])].index(i)] for i in range(len(self.avals))]
+        return self.param_def.unflatten(leaves)
+
+    def pack_state(self, state: Any) -> Any:
+        def one(sub: Any) -> Any:
+            if jax.tree.structure(sub) == self.param_def:
+                return self.pack(sub)
+            return jax.device_put(sub, NamedSharding(self.mesh, P()))
+
+        return jax.tree.map(one, state, is_leaf=lambda x: jax.tree.structure(x) == self.param_def)
+
+    def unpack_state(self, state: Any) -> Any:
+        def one(sub: Any) -> Any:
+            return self.unpack(sub) if jax.tree.structure(sub) == self.packed_def else sub
+
+        return jax.tree.map(one, state, is_leaf=lambda x: jax.tree.structure(x) == self.packed_def)
+
+
+#: Primitives that read across the elements of an operand: an update with one is not the same per stage.
+_ACROSS = frozenset({"dot_general", "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin", "sort"})
+
+
+def _check_elementwise(optimizer: optax.GradientTransformation, params: dict, state: Any) -> None:
+    """Raise ``TypeError`` if ``optimizer.update`` reduces across parameter elements (a global-norm clip, LAMB's
+    trust ratio): run on each stage's row alone it would compute a different update."""
+    traced = jax.make_jaxpr(lambda g, s, p: optimizer.update(g, s, p))(params, state, params)
+    for eqn in iter_eqns(traced.jaxpr):
+        name = eqn.primitive.name
+        if (name.startswith("reduce_") and name != "reduce_precision") or name in _ACROSS:
+            raise TypeError(
+                f"pipeline_train_step: the optimizer's update reads across parameters ({name} at "
+                f"{user_source_line(eqn.source_info)}), so updating each stage's parameters alone would change it. "
+                "Use an elementwise optimizer (optax.adam, optax.sgd, ...) for now; a reduction over every stage "
+                "(optax.clip_by_global_norm) comes with the update phase cut from the step."
+            )
+
+
+def _specs(state: Any, packed_def: Any) -> Any:
+    """``P('stages')`` for the leaves of the parameter-shaped parts of an optimizer state, ``P()`` elsewhere."""
+
+    def one(sub: Any) -> Any:
+        if jax.tree.structure(sub) == packed_def:
+            return jax.tree.map(lambda _: P(STAGE_AXIS), sub)
+        return P()
+
+    return jax.tree.map(one, state, is_leaf=lambda x: jax.tree.structure(x) == packed_def)
+
+
+def _micro_batches(batch: tuple, m: int) -> list:
+    leaves = jax.tree.leaves(batch)
+    for leaf in leaves:
+        if np.ndim(leaf) == 0 or np.shape(leaf)[0] % m:
+            raise ValueError(
+                f"a batch leaf of shape {np.shape(leaf)} does not split into num_microbatches={m} equal "
+                f"micro-batches; make the batch a multiple of {m}."
+            )
+    return [jnp.reshape(x, (m, x.shape[0] // m, *x.shape[1:])) for x in map(jnp.asarray, leaves)]
+
+
+class PipelineTrainStep:
+    """``params, state, value = step(params, state, *batch)``: one optimizer step of a marked loss over its
+    stages (see the module docstring); built by :func:`pipeline_train_step`."""
+
+    def __init__(
+        self,
+        loss: Callable,
+        optimizer: optax.GradientTransformation,
+        *,
+        num_microbatches: int,
+        schedule: str | Schedule,
+        devices: Sequence[Any] | None,
+    ) -> None:
+        self.loss, self.optimizer = loss, optimizer
+        self.num_microbatches, self.schedule, self.devices = num_microbatches, schedule, devices
+        self._built: dict[Any, _Built] = {}
+
+    def built(self, params: Any, *batch: Any) -> _Built:
+        """The compiled step for these shapes (traced and split on first use)."""
+        key = (
+            jax.tree.structure((params, batch)),
+            tuple((np.shape(x), jnp.result_type(x)) for x in jax.tree.leaves((params, batch))),
+        )
+        if key not in self._built:
+            self._built[key] = _Built(self, params, batch)
+        return self._built[key]
+
+    def held(self, params: Any) -> Any:
+        """Per parameter leaf (a tree like ``params``), the stages that keep it."""
+        b = self._any(params)
+        return b.param_def.unflatten([tuple(sorted(h)) for h in b.held])
+
+    def _any(self, params: Any) -> _Built:
+        structure = jax.tree.structure(params)
+        for built in self._built.values():
+            if built.param_def == structure:
+                return built
+        raise ValueError("run the step once (or call built(params, *batch)) before asking where leaves are kept.")
+
+    def pack(self, params: Any, state: Any) -> tuple[dict, Any]:
+        """The parameters and optimizer state, global shapes, packed per stage and placed on the stages."""
+        b = self._any(params)
+        return b.pack(params), b.pack_state(state)
+
+    def unpack(self, params: Any, packed_params: dict, packed_state: Any) -> tuple[Any, Any]:
+        """Back to global shapes (``params`` gives the structure)."""
+        b = self._any(params)
+        return b.unpack(packed_params), b.unpack_state(packed_state)
+
+    def step(self, params: Any, packed_params: dict, packed_state: Any, *batch: Any) -> tuple[dict, Any, jax.Array]:
+        """One step on packed parameters and state (``params``, global, gives the shapes); returns them packed."""
+        b = self.built(params, *batch)
+        return b.step(packed_params, packed_state, _micro_batches(batch, self.num_microbatches))
+
+    def __call__(self, params: Any, state: Any, *batch: Any) -> tuple[Any, Any, jax.Array]:
+        b = self.built(params, *batch)
+        new_params, new_state, value = b.step(
+            b.pack(params), b.pack_state(state), _micro_batches(batch, self.num_microbatches)
+        )
+        return b.unpack(new_params), b.unpack_state(new_state), value
+
+
+def pipeline_train_step(
+    loss: Callable,
+    optimizer: optax.GradientTransformation,
+    *,
+    num_microbatches: int,
+    schedule: str | Schedule = "gpipe",
+    devices: Sequence[Any] | None = None,
+) -> PipelineTrainStep:
+    """A training step of ``loss`` (marked with ``rp.stage_boundary``) with ``optimizer`` over its stages.
+
+    Args:
+      loss: ``loss(params, *batch) -> scalar``, a mean over its batch.
+      optimizer: an optax transformation whose state mirrors the parameters (elementwise: Adam, SGD, ...).
+      num_microbatches: ``M``; schedule: ``"gpipe"``, ``"1f1b"`` or a table; devices: one per stage.
+
+    Returns:
+      ``step(params, state, *batch) -> (params, state, value)``, equal to one device's
+      ``jax.value_and_grad`` on the whole batch followed by ``optimizer.update``.
+    """
+    return PipelineTrainStep(loss, optimizer, num_microbatches=num_microbatches, schedule=schedule, devices=devices)

@@ -1,0 +1,101 @@
+"""The full training step (value and gradient over the stages, then each stage's Adam update on its own
+parameters) against one device: ``jax.jit`` of ``jax.value_and_grad`` + ``optax.adam`` on the whole batch,
+3 steps. And where the parameters and the optimizer state live: each stage's on its device only."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from replicator.stages.train import pipeline_train_step
+from tests.stages.test_gpipe import batch, four_stages_tied, params, three_stages, two_stages
+
+STEPS = 3
+
+
+def _reference(loss, optimizer, p, ids, y):
+    @jax.jit
+    def step(p, state):
+        value, grads = jax.value_and_grad(loss)(p, ids, y)
+        updates, state = optimizer.update(grads, state, p)
+        return optax.apply_updates(p, updates), state, value
+
+    state, values = optimizer.init(p), []
+    for _ in range(STEPS):
+        p, state, value = step(p, state)
+        values.append(value)
+    return p, state, values
+
+
+def _assert_close(got, want, tol=5e-5):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(
+    "loss, stages, m",
+    [(two_stages, 2, 4), (four_stages_tied, 4, 4), (three_stages, 3, 6)],
+    ids=["S2-M4", "S4-M4-tied", "S3-M6"],
+)
+def test_three_adam_steps_match_one_device(loss, stages, m, schedule):
+    p = params()
+    if loss is four_stages_tied:
+        del p["head"]
+    ids, y = batch()
+    opt = optax.adam(1e-2)
+    train = pipeline_train_step(loss, opt, num_microbatches=m, schedule=schedule, devices=jax.devices()[:stages])
+    got_p, state, values = p, opt.init(p), []
+    for _ in range(STEPS):  # global shapes in and out, every step
+        got_p, state, value = train(got_p, state, ids, y)
+        values.append(value)
+    want_p, want_state, want_values = _reference(loss, opt, p, ids, y)
+    _assert_close(got_p, want_p)
+    _assert_close(state, want_state)
+    np.testing.assert_allclose(values, want_values, rtol=1e-5)
+
+
+def test_state_lives_on_its_stage():
+    p = params()
+    del p["head"]
+    ids, y = batch()
+    opt = optax.adam(1e-2)
+    devices = jax.devices()[:4]
+    train = pipeline_train_step(four_stages_tied, opt, num_microbatches=4, schedule="1f1b", devices=devices)
+    train.built(p, ids, y)
+    # The embedding (read by stage 0 and, as the head, stage 3) on both; w1 on the two middle stages.
+    assert train.held(p) == {"emb": (0, 3), "w1": (1, 2), "extra": (0, 1, 2, 3)}
+    packed, packed_state = train.pack(p, opt.init(p))
+    for _ in range(STEPS):  # kept packed across steps
+        packed, packed_state, _ = train.step(p, packed, packed_state, ids, y)
+    (buffer,) = packed.values()
+    per_device = 10 * 8 + 3  # the largest stage: the embedding and the unused leaf
+    assert buffer.shape == (4, per_device)
+    assert buffer.sharding.spec == jax.sharding.PartitionSpec("stages")
+    shards = {s.device: s.data for s in buffer.addressable_shards}
+    assert all(shards[d].shape == (1, per_device) for d in devices)
+    mu = packed_state[0].mu["float32"]
+    assert mu.sharding.spec == jax.sharding.PartitionSpec("stages") and mu.addressable_shards[0].data.shape[0] == 1
+    # Device 1 holds `extra` and w1 only (in the leaves' order), then padding.
+    want_p, want_state, _ = _reference(four_stages_tied, opt, p, ids, y)
+    row = np.asarray(shards[devices[1]])[0]
+    np.testing.assert_allclose(row[:3], want_p["extra"], rtol=5e-5, atol=5e-5)
+    np.testing.assert_allclose(row[3:67].reshape(8, 8), want_p["w1"], rtol=5e-5, atol=5e-5)
+    assert not row[67:].any()
+    # The tied embedding: the same on its two stages (both updated with the summed gradient).
+    np.testing.assert_array_equal(np.asarray(shards[devices[0]]), np.asarray(shards[devices[3]]))
+    got_p, got_state = train.unpack(p, packed, packed_state)
+    _assert_close(got_p, want_p)
+    _assert_close(got_state, want_state)
+
+
+def test_an_optimizer_that_reads_across_parameters_is_refused():
+    # A global-norm clip run on each stage's row alone would clip by that stage's norm: refused at trace time.
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+    p, (ids, y) = params(), batch()
+    train = pipeline_train_step(two_stages, opt, num_microbatches=2, devices=jax.devices()[:2])
+    with pytest.raises(TypeError, match=r"reads across parameters \(reduce_sum at .*optax.*\).*optax.adam"):
+        train(p, opt.init(p), ids, y)
