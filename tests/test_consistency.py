@@ -28,8 +28,9 @@ def test_identical_replicas_pass_every_step(n_devices):
     def step(s, b):
         return {**s, "w": s["w"] + rp.all_mean(b["x"][0]), "n": s["n"] + 1}, {}
 
+    input_fn = _input(n_devices)
     for _ in range(3):
-        state, _ = repl.run(step, _input(n_devices), state)
+        state, _ = repl.run(step, input_fn, state)
     assert int(state["n"]) == 3
 
 

@@ -26,6 +26,7 @@ import dataclasses
 import os
 import signal
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -274,6 +275,14 @@ def assert_trees_close(got: Any, want: Any, *, atol: float = 1e-5, rtol: float =
             np.testing.assert_array_equal(a, b, err_msg=name)
 
 
+@contextlib.contextmanager
+def _fresh_input_on_purpose() -> Iterator[None]:
+    """Each call of these helpers starts its batches over, on purpose: no warning for an input_fn made per call."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Replicator\.run: input_fn .* is a new function object")
+        yield
+
+
 def check_against_simulation(
     repl: rp.Replicator, step: Callable, batches: Sequence[Any], state: Any = None, **tol: float
 ) -> tuple[Any, list[Any]]:
@@ -288,10 +297,11 @@ def check_against_simulation(
     want_state, want_outputs = simulate(step, W, C, batches, state)
     got_state = state
     for want in want_outputs:
-        if state is None:
-            got = repl.run(step, input_fn)
-        else:
-            got_state, got = repl.run(step, input_fn, got_state)
+        with _fresh_input_on_purpose():
+            if state is None:
+                got = repl.run(step, input_fn)
+            else:
+                got_state, got = repl.run(step, input_fn, got_state)
         assert_trees_close(rp.local_outputs(got), want, **tol)
     if state is not None:
         assert_trees_close(jax.tree.map(np.asarray, got_state), want_state, **tol)
@@ -337,7 +347,8 @@ def run_step(repl: rp.Replicator, step_fn: Callable, batch: Any, state: Any = No
         while True:
             yield local
 
-    return repl.run(step_fn, input_fn, state)
+    with _fresh_input_on_purpose():
+        return repl.run(step_fn, input_fn, state)
 
 
 def per_replica(a: Any, n: int) -> Any:
