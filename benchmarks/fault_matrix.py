@@ -27,12 +27,37 @@ parameters are compared with the uninterrupted 2 x 2 run (not bit-identical: 2
 replicas sum in another order than 4). ``tests/test_restarts.py`` checks it with 40
 steps against a one-device reference.
 
+The ``hosts-*`` rows run the same job across 2 launchers acting as hosts on this
+machine (``--nnodes ... --rdzv-endpoint 127.0.0.1:PORT --node-rank R
+--cores-per-worker 2 --max-restarts 5``, the default heartbeat of 1 s: a lost host
+or rendezvous is seen within 6 s), one worker per host, so that the job is the
+same 2 x 2 job as above:
+
+* ``hosts-kills``: three SIGKILLs of workers at phases drawn from ``--seed`` (as
+  ``restart-phases``; worker ``w`` runs on host ``w``): every host restarts; the final
+  parameters against the uninterrupted single-launcher run;
+* ``hosts-elastic``: host 1's launcher SIGKILLed (its worker dies with it) after
+  step ``--every * 2 + 3`` under ``--nnodes 1:2``: the job finishes on host 0 alone
+  (1 worker x 2 devices, the global batch kept); its final parameters against a
+  one-device ``jax.jit`` run of the whole global batch;
+* ``hosts-fixed``: the same under ``--nnodes 2``: host 0 ends with exit code 77,
+  naming host rank 1; the time from the kill to its exit;
+* ``hosts-store``: host 0's launcher, which serves the rendezvous, SIGKILLed:
+  host 1 ends with 77 naming the rendezvous; the time from the kill to its exit;
+* ``hosts-hostile``: with a shared secret (``--rdzv-secret-file``), a client with
+  the wrong secret and 4 KiB of random bytes sent to the endpoint mid-job: both
+  refused, and the job ends as if uninterrupted.
+
+``tests/test_hosts.py`` checks ``hosts-kills`` (one kill) and ``hosts-elastic``
+with fewer steps and a 0.5 s heartbeat.
+
 Usage::
 
     python benchmarks/fault_matrix.py             # every row, default timeouts (3 minutes, restarts 1-2 more)
     python benchmarks/fault_matrix.py --rows sleep,exit
     python benchmarks/fault_matrix.py --rows restarts --steps 150 --every 10 --seed 0
     python benchmarks/fault_matrix.py --rows shrink --steps 150 --every 10
+    python benchmarks/fault_matrix.py --rows hosts --steps 150 --every 10 --seed 0
 """
 
 from __future__ import annotations
@@ -75,6 +100,14 @@ RESTART_ROWS = {
     "shrink": "worker 1 SIGKILLed in every start, `--min-workers 1`: 2 x 2 -> 1 x 2",
 }
 KILL_ROWS = ["restart-phases", "restart-random"]  # --rows restarts
+HOST_ROWS = {
+    "hosts-kills": "3 SIGKILLs of workers across 2 hosts (phases drawn from the seed), `--nnodes 2`",
+    "hosts-elastic": "host 1's launcher SIGKILLed (with its worker) under `--nnodes 1:2`",
+    "hosts-fixed": "host 1's launcher SIGKILLed under `--nnodes 2`",
+    "hosts-store": "host 0's launcher, serving the rendezvous, SIGKILLed",
+    "hosts-hostile": "a client with a wrong secret, and 4 KiB of random bytes, sent to the endpoint mid-job",
+}
+HOST_LAUNCH = [sys.executable, "-m", "replicator.launch", "--cores-per-worker", "2", "--max-restarts", "5"]
 JOB_LIMIT_S = 600.0  # no restart job may take longer
 
 
@@ -207,16 +240,207 @@ def restart_rows(names: list[str], steps: int, every: int, seed: int) -> None:
         )
 
 
+def _free_endpoint() -> str:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{probe.getsockname()[1]}"
+
+
+def start_hosts(
+    nnodes: str, endpoint: str, worker_args: list[str], extra: list[str] = (), heartbeat: float = 1.0
+) -> tuple[list[subprocess.Popen], queue.Queue]:
+    """Two launchers as hosts 0 and 1 (host 0 first: it serves the rendezvous); their lines ``(time, host, line)``."""
+    from replicator.launch.rendezvous import StoreClient
+
+    lines: queue.Queue = queue.Queue()
+    procs = []
+    for rank in (0, 1):
+        command = [*HOST_LAUNCH, "--nnodes", nnodes, "--rdzv-endpoint", endpoint, "--node-rank", str(rank)]
+        command += ["--rdzv-heartbeat", f"{heartbeat:g}", "--max-time", f"{JOB_LIMIT_S:g}", *extra]
+        command += [str(RESTART_WORKER), *worker_args]
+        proc = subprocess.Popen(
+            command, env=env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        procs.append(proc)
+
+        def pump(proc: subprocess.Popen = proc, rank: int = rank) -> None:
+            for line in proc.stdout:
+                lines.put((time.time(), rank, line.rstrip("\n")))
+            lines.put((time.time(), rank, None))
+
+        threading.Thread(target=pump, daemon=True).start()
+        if rank == 0:
+            secret = None
+            if "--rdzv-secret-file" in extra:
+                secret = Path(extra[extra.index("--rdzv-secret-file") + 1]).read_bytes().strip()
+            try:
+                StoreClient(endpoint, secret=secret, connect_timeout_s=60).close()  # host 0 serves first
+            except Exception:
+                pass
+    return procs, lines
+
+
+def one_device_reference(steps: int) -> dict[str, np.ndarray]:
+    """``train.py``'s training with plain ``jax.jit`` on one device, on the whole global batch (file stems as keys)."""
+    sys.path.insert(0, str(ROOT / "tests" / "multiproc"))
+    import jax
+    import optax
+    import train as model
+
+    @jax.jit
+    def step(state, batch):
+        params, opt_state = state
+        grads = jax.grad(model.loss_fn)(params, batch)
+        updates, opt_state = model.tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params = jax.tree.map(jax.numpy.asarray, model.init_params())
+    state = (params, model.tx.init(params))
+    for k in range(steps):
+        state = step(state, model.global_batch(k))
+    return {f"w0_param_{k}": np.asarray(v) for k, v in state[0].items()}
+
+
+def run_host_row(row: str, steps: int, every: int, seed: int, tmp: str) -> dict:
+    """One ``hosts-*`` row: two launchers, the fault, and what each host said and how it ended."""
+    endpoint = _free_endpoint()
+    worker_args = ["--steps", str(steps), "--every", str(every), "--ckpt", f"{tmp}/ckpt", "--out", f"{tmp}/out"]
+    extra: list[str] = []
+    if row == "hosts-kills":
+        worker_args += ["--random-kills", str(seed)]
+    else:
+        worker_args += ["--print-steps"]
+    if row == "hosts-hostile":
+        secret = Path(tmp) / "secret"
+        secret.write_text(os.urandom(24).hex())
+        secret.chmod(0o600)
+        extra = ["--rdzv-secret-file", str(secret)]
+    procs, lines = start_hosts("1:2" if row == "hosts-elastic" else "2", endpoint, worker_args, extra)
+    victim = {"hosts-elastic": 1, "hosts-fixed": 1, "hosts-store": 0}.get(row)
+    fault_step = every * 2 + 3
+    deadline = time.monotonic() + JOB_LIMIT_S
+    got: dict = {"codes": [None, None], "where": [], "detections": [], "recoveries": {}, "said": [], "fault": None}
+    killed_at: list[float] = []
+    ended = 0
+    try:
+        while ended < 2:
+            read, host, line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            if line is None:
+                ended += 1
+                got["codes"][host] = procs[host].wait(timeout=30)
+                if got["fault"] is not None and host != victim:
+                    got["ended_after"] = read - got["fault"]
+                continue
+            if line.startswith("[launcher]"):
+                got["said"].append((host, line))
+            if found := re.search(r"\[worker (\d)\] .*?killing myself at ([\d.]+) in (\S+) after (\d+) steps", line):
+                killed_at.append(float(found.group(2)))
+                got["where"].append(f"w{found.group(1)} {found.group(3)} after {found.group(4)}")
+            if re.match(r"\[launcher\] worker \d (was killed|failed)", line) and len(got["detections"]) < len(
+                killed_at
+            ):
+                got["detections"].append(read - killed_at[len(got["detections"])])
+            if found := re.search(r"\[launcher\] restart (\d+) recovered in ([\d.]+) s", line):
+                number = int(found.group(1))
+                got["recoveries"][number] = max(got["recoveries"].get(number, 0.0), float(found.group(2)))
+            if got["fault"] is None and re.fullmatch(rf"\[worker 0\] step {fault_step}", line):
+                got["fault"] = time.time()
+                if victim is not None:
+                    os.kill(procs[victim].pid, signal.SIGKILL)  # its worker dies with it (parent-death signal)
+                    got["where"].append(f"host {victim}'s launcher after step {fault_step}")
+                else:
+                    got["where"].append(_hostile(endpoint))
+            if row == "hosts-elastic" and "round 1: host rank 0 of 1" in line and got["fault"] is not None:
+                got["went_on_after"] = read - got["fault"]
+    except queue.Empty:
+        for p in procs:
+            p.kill()
+        raise RuntimeError(f"the {row} job ran past {JOB_LIMIT_S:g} s") from None
+    return got
+
+
+def _hostile(endpoint: str) -> str:
+    """A client with a wrong secret and random bytes to ``endpoint``: how each was answered."""
+    import socket
+
+    from replicator.launch.rendezvous import RendezvousError, StoreClient
+
+    try:
+        StoreClient(endpoint, secret=b"not-the-secret-0123456789", connect_timeout_s=5).close()
+        wrong = "wrong secret ACCEPTED"
+    except RendezvousError as e:
+        wrong = f"wrong secret refused ({str(e)[:60]}...)"
+    host, _, port = endpoint.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        try:
+            sock.sendall(os.urandom(4096))
+            sock.settimeout(5)
+            while sock.recv(4096):
+                pass
+            junk = "random bytes: connection closed by the store"
+        except OSError as e:
+            junk = f"random bytes: connection closed by the store ({type(e).__name__})"
+    return f"{wrong}; {junk}"
+
+
+def host_rows(names: list[str], steps: int, every: int, seed: int) -> None:
+    import tempfile
+
+    print(
+        f"2 launchers as hosts on this machine, 1 worker x 2 devices each, {steps} steps, a checkpoint every {every},"
+    )
+    print(f"--max-restarts 5, --rdzv-heartbeat 1 (a lost host or rendezvous seen within 6 s), seed {seed}:")
+    print()
+    print("| scenario | fault | detection / recoveries (s) | ended after (s) | named | final params | exit codes |")
+    print("|---|---|---|---:|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [*LAUNCH, str(RESTART_WORKER), "--steps", str(steps), "--every", str(every)]
+        command += ["--ckpt", f"{tmp}/ckpt", "--out", f"{tmp}/out"]
+        subprocess.run(command, env=env(), cwd=ROOT, capture_output=True, timeout=JOB_LIMIT_S, check=True)
+        uninterrupted = final_params(f"{tmp}/out")
+    reference = one_device_reference(steps) if "hosts-elastic" in names else {}
+    for name in names:
+        with tempfile.TemporaryDirectory() as tmp:
+            got = run_host_row(name, steps, every, seed, tmp)
+            params = final_params(f"{tmp}/out")
+        said = got["said"]
+        if name == "hosts-elastic":
+            diff = max(float(np.max(np.abs(params[k] - reference[k]))) for k in reference) if params else None
+            same = "missing" if diff is None else f"max abs diff {diff:.1e} vs one device (global batch kept)"
+            timing = f"went on alone {got.get('went_on_after', float('nan')):.1f} s after the kill"
+        else:
+            same = compare(params, uninterrupted) if got["codes"] == [0, 0] else "-"
+            timing = ", ".join(f"{v:.1f}" for v in got["detections"])
+            timing += " / " + ", ".join(f"{v:.1f}" for _, v in sorted(got["recoveries"].items()))
+        named = ""
+        for host, line in said:
+            if found := re.search(r"(host rank \d \(launcher [^,]*)|(rendezvous lost: [^:]*:[^ ]*)", line):
+                named = f"host {host}: {found.group(0)[:70]}"
+                break
+        after = got.get("ended_after")
+        print(
+            f"| {HOST_ROWS[name]} | {'; '.join(got['where'])} | {timing} | "
+            f"{'-' if after is None or name in ('hosts-kills', 'hosts-hostile') else f'{after:.1f}'} | {named or '-'} | "
+            f"{same} | {got['codes']} |",
+            flush=True,
+        )
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", default=",".join([*ROWS, "restarts", "shrink"]), help=f"comma-separated, of "
-                   f"{list(ROWS)}, {list(RESTART_ROWS)} and 'restarts' ({KILL_ROWS})")  # fmt: skip
+    p.add_argument("--rows", default=",".join([*ROWS, "restarts", "shrink", "hosts"]), help=f"comma-separated, of "
+                   f"{list(ROWS)}, {list(RESTART_ROWS)}, {list(HOST_ROWS)}, 'restarts' ({KILL_ROWS}) and "
+                   f"'hosts' (all of {list(HOST_ROWS)})")  # fmt: skip
     p.add_argument("--steps", type=int, default=150, help="steps of the restart rows' job (default %(default)s)")
     p.add_argument("--every", type=int, default=10, help="its checkpoint interval (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="draws the restart rows' kills (default %(default)s)")
     args = p.parse_args()
-    names = [n for r in args.rows.split(",") for n in (KILL_ROWS if r == "restarts" else [r])]
-    unknown = [n for n in names if n not in ROWS and n not in RESTART_ROWS]
+    groups = {"restarts": KILL_ROWS, "hosts": list(HOST_ROWS)}
+    names = [n for r in args.rows.split(",") for n in groups.get(r, [r])]
+    unknown = [n for n in names if n not in ROWS and n not in RESTART_ROWS and n not in HOST_ROWS]
     if unknown:
         p.error(f"unknown row(s) {unknown}; choose from {list(ROWS)}, {list(RESTART_ROWS)}, restarts")
     import tempfile
@@ -233,6 +457,9 @@ def main() -> int:
     restarts = [n for n in names if n in RESTART_ROWS]
     if restarts:
         restart_rows(restarts, args.steps, args.every, args.seed)
+    across = [n for n in names if n in HOST_ROWS]
+    if across:
+        host_rows(across, args.steps, args.every, args.seed)
     return 0
 
 

@@ -67,8 +67,7 @@ class TestTorchrunSpellings:
             (["--nnodes", "1", "--nproc-per-node", "2", "--standalone"], 2, None, None),
             (["--nnodes", "2:2", "--node_rank", "1", "--master_addr", "10.0.0.1", "--master-port", "1234"],
              2, 1, "10.0.0.1:1234"),
-            (["--nnodes=4", "--nproc-per-node", "1", "--node-rank", "0", "--rdzv-endpoint", "h:5"], 4, 0, "h:5"),
-            (["--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "c10d", "--rdzv_endpoint", "h"], 2, 1, "h:29400"),
+            (["--nnodes=4", "--node-rank", "0", "--rdzv-backend", "static", "--rdzv-endpoint", "h:5"], 4, 0, "h:5"),
             (["--master-port", "29501", "--nproc-per-node", "2"], 2, None, "127.0.0.1:29501"),
             (["--num-workers", "2", "--nproc-per-node", "2"], 2, None, None),  # the same: no conflict
         ],
@@ -88,12 +87,13 @@ class TestTorchrunSpellings:
     @pytest.mark.parametrize(
         "argv, message",
         [
-            (["--nproc", "2"], r"unrecognized option --nproc; did you mean --nproc-per-node \(torchrun's: --num-workers"),
+            (["--nproc", "2"], r"unrecognized option --nproc; did you mean --nproc-per-node\?"),
             (["--num-worker", "2"], r"unrecognized option --num-worker; did you mean --num-workers\?"),
             (["--cores", "2", "--num-workers", "2"], r"did you mean --cores-per-worker\?"),
-            (["--nnodes", "1:4"], r"--nnodes 1:4: a job whose number of hosts changes .* elastic MIN:MAX\) is not"),
+            (["--nnodes", "1:4"], r"--nnodes 1:4: a job whose number of hosts may change \(MIN:MAX\) needs .* "
+             r"pass --rdzv-endpoint HOST:PORT"),
             (["--nnodes", "2", "--nproc-per-node", "2", "--node-rank", "0"], r"one worker per host here"),
-            (["--nnodes", "2"], r"--nnodes 2 needs --node-rank I \(the same as --worker-id I\)"),
+            (["--nnodes", "2"], r"--nnodes 2 needs --rdzv-endpoint HOST:PORT on each host .* or --node-rank I"),
             (["--node-rank", "1", "--num-workers", "2"], r"--node-rank 1 needs --nnodes N > 1"),
             (["--nproc-per-node", "gpu"], r"--nproc-per-node gpu: give a number of workers"),
             (["--rdzv-backend", "etcd", "--num-workers", "2"], r"--rdzv-backend etcd: there is no rendezvous service"),
@@ -108,6 +108,123 @@ class TestTorchrunSpellings:
             parsed(*argv)
         assert e.value.code == 2
         assert re.search(message, capsys.readouterr().err), message
+
+
+class TestAcrossHosts:
+    """``--nnodes N|MIN:MAX --rdzv-endpoint HOST:PORT``: one launcher per host through the rendezvous."""
+
+    @pytest.mark.parametrize(
+        "argv, hosts, nproc, rank, endpoint",
+        [
+            (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:5"], (2, 2), 1, None, "127.0.0.1:5"),
+            (["--nnodes=1:4", "--nproc_per_node", "2", "--node-rank", "3", "--rdzv-backend", "c10d",
+              "--rdzv_endpoint", "h"], (1, 4), 2, 3, "h:29400"),
+            (["--rdzv-endpoint", "h:7", "--nproc-per-node", "2"], (1, 1), 2, None, "h:7"),  # torchrun's default 1:1
+        ],
+    )  # fmt: skip
+    def test_rendezvous_mode(self, argv, hosts, nproc, rank, endpoint):
+        args = parsed(*argv)
+        assert (args.hosts, args.nproc, args.tr_node_rank, args.rdzv_endpoint) == (hosts, nproc, rank, endpoint)
+        assert (args.num_workers, args.worker_id, args.coordinator) == (None, None, None)
+
+    def test_single_launcher_modes_are_unchanged(self):
+        assert parsed("--num-workers", "2").hosts is None
+        assert parsed("--coordinator", "h:1", "--num-workers", "2", "--worker-id", "1").hosts is None
+
+    @pytest.mark.parametrize(
+        "argv, message",
+        [
+            (["--nnodes", "0:2", "--rdzv-endpoint", "h:1"], r"--nnodes '0:2': give the number of hosts N, or MIN:MAX"),
+            (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--num-workers", "2"], r"--num-workers does not go with "
+             r"--rdzv-endpoint .* pass --nproc-per-node"),
+            (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--worker-id", "1"], r"pass --node-rank"),
+            (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--coordinator", "h:2"], r"--coordinator does not go"),
+            (["--nnodes", "1:2", "--rdzv-endpoint", "h:1", "--min-workers", "1"], r"pass --nnodes MIN:MAX"),
+            (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--node-rank", "2"], r"--node-rank 2 is out of range .*0\.\.1"),
+            (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-heartbeat", "0"], r"--rdzv-heartbeat must be a positive"),
+            (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--nproc-per-node", "gpu"], r"--nproc-per-node gpu: give a"),
+            (["--num-workers", "2", "--rdzv-secret-file", "s"], r"--rdzv-secret-file goes with --rdzv-endpoint"),
+        ],
+    )  # fmt: skip
+    def test_refused_with_what_to_pass(self, argv, message, capsys):
+        with pytest.raises(SystemExit) as e:
+            parsed(*argv)
+        assert e.value.code == 2
+        assert re.search(message, capsys.readouterr().err), message
+
+    def test_a_non_loopback_endpoint_needs_a_secret_and_a_bad_secret_file_is_refused(self, tmp_path, capsys):
+        env = {**clean_env(), "JAX_PLATFORMS": "cpu"}
+        secret = tmp_path / "secret"
+        secret.write_text("0123456789abcdef0123")
+        secret.chmod(0o644)
+        for extra, message in (
+            ([], "without a shared secret"),
+            (["--rdzv-secret-file", str(secret)], "may be read by others"),
+        ):
+            proc = subprocess.run(
+                [sys.executable, "-m", "replicator.launch", "--nnodes", "2", "--rdzv-endpoint", "0.0.0.0:29401", *extra,
+                 TOY],
+                capture_output=True, text=True, cwd=ROOT, env=env, timeout=60,
+            )  # fmt: skip
+            assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+    @pytest.mark.parametrize(
+        "argv, message",
+        [
+            (["--max-time", "0"], r"--max-time must be a positive number of seconds, got 0.0"),
+            (["--kill-grace", "-1"], r"--kill-grace must be >= 0 seconds"),
+            (["--max-restarts", "-1"], r"--max-restarts must be an int >= 0"),
+        ],
+    )
+    def test_settings_are_checked_before_the_rendezvous(self, argv, message, capsys):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-join-timeout", "1", *argv, TOY])
+        assert e.value.code == 2
+        assert re.search(message, capsys.readouterr().err), message
+
+    @pytest.mark.multiprocess
+    def test_two_launchers_restart_together_and_finish(self, tmp_path):
+        """Two launchers (hosts) on this machine, 2 toy workers each; worker 3 (host 1) fails in the first start."""
+        import socket
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            endpoint = f"127.0.0.1:{probe.getsockname()[1]}"
+        env = {**clean_env(), "JAX_PLATFORMS": "cpu"}
+        common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", endpoint, "--rdzv-heartbeat", "0.25",
+                  "--max-restarts", "1", "--kill-grace", "1", "--log-dir", str(tmp_path / "logs")]  # fmt: skip
+        toy = [TOY, "--fail-worker", "3", "--fail-starts", "1", "--after", "0.3", "--sleep", "3", "--env",
+               "REPLICATOR_WORKER_ID", "REPLICATOR_NUM_WORKERS", "REPLICATOR_RESTART_COUNT"]  # fmt: skip
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "replicator.launch", *common, "--node-rank", str(rank), *toy],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                cwd=ROOT,
+                env=env,
+            )  # fmt: skip
+            for rank in (0, 1)
+        ]
+        outs = []
+        for p in procs:
+            try:
+                outs.append(p.communicate(timeout=60)[0])
+            finally:
+                p.kill()
+        assert [p.returncode for p in procs] == [0, 0], outs
+        assert "restart 1 of at most 1, cause: host rank 1: worker 3 failed with exit code 3" in outs[1], outs[1]
+        assert "round 1 was started by another host: stopping this host's workers" in outs[0], outs[0]
+        assert "[launcher] stopping worker(s) [0, 1]" in outs[0], outs[0]  # at once, not when they end
+        for host, out in enumerate(outs):
+            for local in (0, 1):
+                wid = host * 2 + local
+                assert f"[worker {wid}] REPLICATOR_WORKER_ID={wid}" in out, out
+                assert f"[worker {wid}] REPLICATOR_RESTART_COUNT=1" in out, out
+            assert "REPLICATOR_NUM_WORKERS=4" in out
+            assert "every host's workers finished (round 1)" in out
+        # whichever launcher bound the endpoint first serves the rendezvous; the other connects
+        assert sorted("(served here)" in out for out in outs) == [False, True], outs
 
 
 class TestRefusedBeforeAnyWorkerStarts:

@@ -613,17 +613,21 @@ def _wait_for_line(proc: subprocess.Popen, needle: str, timeout_s: float = 30) -
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("how", "code"), [([], 3), (["--signal", "KILL"], 137)], ids=["exit", "sigkill"])
-def test_a_worker_failure_on_one_host_restarts_every_host(how, code):
+@pytest.mark.parametrize(
+    ("how", "how_said"),
+    [([], "failed with exit code 3"), (["--signal", "KILL"], "was killed by SIGKILL")],
+    ids=["exit", "sigkill"],
+)
+def test_a_worker_failure_on_one_host_restarts_every_host(how, how_said):
     toy = ["--fail-worker", "1", "--fail-starts", "1", "--after", "0.3", "--sleep", "1.5", *how]
     _, procs = _hosts("2", 2, [*toy, "--env", "REPLICATOR_RESTART_COUNT", "REPLICATOR_NUM_WORKERS"])
     (rc0, out0), (rc1, out1) = _finish(procs)
     assert (rc0, rc1) == (0, 0), out0 + out1
     assert "round 1 was started by another host" in out0
-    assert f"restart 1 of at most 2, cause: host rank 1's worker failed with exit code {code}" in out1
+    assert f"restart 1 of at most 2, cause: host rank 1: worker 1 {how_said}" in out1
     for out in (out0, out1):
         assert "REPLICATOR_RESTART_COUNT=1" in out and "REPLICATOR_NUM_WORKERS=2" in out
-        assert "every host's worker finished (round 1)" in out
+        assert "every host's workers finished (round 1)" in out
 
 
 @pytest.mark.multiprocess
@@ -631,7 +635,7 @@ def test_a_failure_after_the_last_restart_ends_every_host_with_its_code():
     _, procs = _hosts("2", 0, ["--fail-worker", "1", "--after", "0.3", "--sleep", "5"])
     (rc0, out0), (rc1, out1) = _finish(procs)
     assert (rc0, rc1) == (3, 3), out0 + out1
-    assert "the job ended: host rank 1's worker failed with exit code 3; no restart left" in out0
+    assert "the job ended: host rank 1: worker 1 failed with exit code 3" in out0 and "no restart left" in out0
     assert "round 1" not in out0 + out1  # no restart: --max-restarts 0
 
 
@@ -651,7 +655,7 @@ def test_a_sigkilled_host_launcher(nnodes):
         assert took <= HOST_BOUND_S + 1.0 + 1.0, (took, out0)  # + the kill grace + slack for stopping
     else:  # the job goes on without it and finishes
         assert rc0 == 0, out0
-        assert "round 1: host rank 0 of 1" in out0 and "every host's worker finished (round 1)" in out0
+        assert "round 1: host rank 0 of 1" in out0 and "every host's workers finished (round 1)" in out0
 
 
 @pytest.mark.multiprocess
@@ -676,3 +680,13 @@ def test_a_launcher_that_comes_after_the_end_is_told(server):
         with Rendezvous(server.address, min_hosts=1, launcher_id="late", join_timeout_s=2, **FAST) as late:
             with pytest.raises(RendezvousError, match="the job has ended: finished"):
                 late.join()
+
+
+def test_a_join_stops_when_its_launcher_is_interrupted(server):
+    stop = threading.Event()
+    with Rendezvous(server.address, min_hosts=2, launcher_id="a", join_timeout_s=30, **FAST) as a:
+        threading.Timer(0.3, stop.set).start()
+        t0 = time.monotonic()
+        with pytest.raises(RendezvousError, match="stopped while waiting for round 0 to close"):
+            a.join(stop=stop)
+        assert time.monotonic() - t0 < 2.0

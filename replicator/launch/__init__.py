@@ -8,10 +8,14 @@ launcher passes in environment variables (``REPLICATOR_COORDINATOR``,
 is prefixed with ``[worker I] ``; the launcher's own lines with
 ``[launcher] ``.
 
-Three ways to run::
+Four ways to run::
 
     # all workers on this machine (coordinator on 127.0.0.1, a free port):
     python -m replicator.launch --num-workers 2 --cores-per-worker 4 train.py --steps 100
+
+    # across hosts, torchrun's way: the same on every host; the launchers agree through the
+    # rendezvous (served by the one that can open it) on hosts, worker ids and restarts
+    python -m replicator.launch --nnodes 1:4 --rdzv-endpoint 10.0.0.1:29400 --rdzv-secret-file S --max-restarts 3 train.py
 
     # one worker per host: run this on every host, I = 0 on the coordinator's host
     python -m replicator.launch --coordinator 10.0.0.1:29500 --num-workers 4 --worker-id I train.py
@@ -21,7 +25,7 @@ Three ways to run::
 
 torchrun's spellings work where they mean the same (``--nproc-per-node 2`` is
 ``--num-workers 2``; :data:`~replicator.launch.cli.TORCHRUN`), and are refused
-with what to pass where they do not (``--nnodes 1:4``); a script that does not
+with what to pass where they do not (``--rdzv-backend etcd``); a script that does not
 exist is refused before any worker starts. Runtime chatter (Gloo's connection
 lines) is left out unless ``--show-runtime-logs``; when a worker fails, the
 launcher's diagnosis comes first and the other workers' consequential errors

@@ -5,6 +5,12 @@ rest is the worker's command line. :func:`main` runs the job with
 :func:`~replicator.launch.supervise.launch` and turns ``SIGINT`` and
 ``SIGTERM`` into stopping it (exit code ``128 + signal``).
 
+A job across hosts runs one launcher per host, torchrun's way: ``--nnodes
+N|MIN:MAX --rdzv-endpoint HOST:PORT`` (and ``--nproc-per-node``, ``--node-rank``)
+on each; the launchers agree through the rendezvous there (hosted by whichever
+launcher can open it) on the hosts, the workers' ids and every restart
+(:func:`~replicator.launch.hosts.run_host`).
+
 torchrun's spellings are understood (:data:`TORCHRUN`): where an option of
 torchrun means what one of ours does it is an alias (``--nproc-per-node 2``
 is ``--num-workers 2`` on one machine); where it means something else it is
@@ -22,12 +28,24 @@ import difflib
 import importlib.machinery
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Sequence
 
 from replicator.launch.environment import LaunchError, worker_command
+from replicator.launch.hosts import HOST_LOST_EXIT_CODE, check_settings, run_host
+from replicator.launch.membership import (
+    DEFAULT_HEARTBEAT_INTERVAL_S,
+    DEFAULT_JOIN_TIMEOUT_S,
+    DEFAULT_LAST_CALL_S,
+    DEFAULT_MISSED_HEARTBEATS,
+    Rendezvous,
+    parse_nnodes,
+    serve_if_here,
+)
 from replicator.launch.processes import DEFAULT_KILL_GRACE_S
+from replicator.launch.rendezvous import ENV_SECRET, RendezvousError, is_loopback, load_secret
 from replicator.launch.restarts import DEFAULT_FAILURE_WINDOW_S
 from replicator.launch.supervise import launch
 from replicator.launch.watchdog import DEFAULT_COMPILE_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S, STALL_EXIT_CODE
@@ -43,13 +61,15 @@ __all__ = ["TORCHRUN", "main"]
 #: torchrun's options and what they are here: an alias of ours (with a condition), or why not.
 #: docs/guide/multihost.md has the same table.
 TORCHRUN: dict[str, str] = {
-    "--nproc-per-node": "--num-workers on one machine; with --nnodes N > 1 it must be 1 (one worker per host)",
-    "--nnodes": "--num-workers N with one worker per host (N > 1) or none (1); MIN:MAX (elastic) is refused",
-    "--node-rank": "--worker-id (a job across hosts: one worker per host)",
-    "--master-addr": "the HOST of --coordinator HOST:PORT (worker 0's host)",
-    "--master-port": "the PORT of --coordinator HOST:PORT",
-    "--rdzv-endpoint": "--coordinator HOST:PORT (torchrun's default port 29400 when none is given)",
-    "--rdzv-backend": "c10d and static are accepted (worker 0 hosts the job's coordination, as here); others refused",
+    "--nproc-per-node": "the same option: workers per host (--num-workers on one machine)",
+    "--nnodes": "the same option: N or MIN:MAX hosts, with --rdzv-endpoint; 1: a job on this machine",
+    "--node-rank": "the same option: the host rank asked for (with --rdzv-endpoint; with --master-addr: --worker-id)",
+    "--rdzv-endpoint": "the same option: HOST[:PORT] of the rendezvous (default port 29400), served by the launcher "
+    "that can open it",
+    "--rdzv-backend": "c10d (the default here: a store on one launcher) and static (--master-addr) accepted",
+    "--master-addr": "static: the HOST of --coordinator HOST:PORT (worker 0's host), with --node-rank",
+    "--master-port": "static: the PORT of --coordinator HOST:PORT",
+    "--local-addr": "the same option: this host's address, as the other hosts reach it",
     "--standalone": "the default for a job on one machine (127.0.0.1 at a free port)",
     "--module": "-m MODULE",
     "--max-restarts": "--max-restarts (the same option)",
@@ -58,8 +78,8 @@ TORCHRUN: dict[str, str] = {
 
 #: torchrun's options with no counterpart here, and what to do instead.
 _TORCHRUN_REFUSED: dict[str, str] = {
-    "--rdzv-id": "a job is known by its coordinator's address here (--coordinator / --rdzv-endpoint); drop it",
-    "--rdzv-conf": "there is no rendezvous to configure: workers join at --coordinator within --start-timeout",
+    "--rdzv-id": "a job is known by its rendezvous's address here (--rdzv-endpoint); drop it",
+    "--rdzv-conf": "use --rdzv-heartbeat, --rdzv-last-call and --rdzv-join-timeout",
     "--redirects": "every worker's output is shown with a [worker I] prefix and kept whole in --log-dir",
     "--tee": "every worker's output is shown with a [worker I] prefix and kept whole in --log-dir",
     "--monitor-interval": "workers are watched every 0.05 s; --step-timeout bounds a stall",
@@ -152,7 +172,8 @@ def _parser() -> argparse.ArgumentParser:
         help="when a worker fails (killed, an exception, the watchdog), stop the others and start every worker "
         "again, up to N times; workers read the restart number in REPLICATOR_RESTART_COUNT (and "
         "TORCHELASTIC_RESTART_COUNT) and resume from their checkpoints, e.g. Trainer(..., resume_from=DIR). "
-        "Local jobs only (default %(default)s: a failure ends the job)",
+        "On one machine, or across hosts with --rdzv-endpoint (every host's workers restart together; default "
+        "%(default)s: a failure ends the job)",
     )
     p.add_argument(
         "--min-workers",
@@ -185,13 +206,77 @@ def _parser() -> argparse.ArgumentParser:
         "run a script)",
     )
     # torchrun's spellings (hidden: the epilog and docs/guide/multihost.md list them), resolved by _from_torchrun.
+    hosts = p.add_argument_group(
+        "a job across hosts (one launcher per host, torchrun's way; exit code 77: a host or the rendezvous was lost)"
+    )
+    hosts.add_argument(
+        "--nnodes",
+        dest="tr_nnodes",
+        metavar="N|MIN:MAX",
+        help="hosts in the job, each running this launcher with the same --rdzv-endpoint: N, or MIN:MAX to go on "
+        "with at least MIN after a host is lost (at the next restart, the global batch kept; a host that comes "
+        "back joins at the restart after). Default: 1, this machine",
+    )
+    hosts.add_argument(
+        "--nproc-per-node",
+        dest="tr_nproc_per_node",
+        metavar="N",
+        help="workers on each host (worker ids host_rank * N + i; on one machine the same as --num-workers N; "
+        "each sees all of its host's GPUs: 1 on GPU hosts; default 1)",
+    )
+    hosts.add_argument(
+        "--rdzv-endpoint",
+        dest="tr_rdzv_endpoint",
+        metavar="HOST[:PORT]",
+        help="the rendezvous where the hosts' launchers agree on the hosts, worker ids and restarts: served by "
+        "the launcher that can open HOST:PORT (default port 29400), the others connect. An address other than "
+        "loopback needs a shared secret (--rdzv-secret-file)",
+    )
+    hosts.add_argument(
+        "--node-rank",
+        dest="tr_node_rank",
+        type=int,
+        metavar="I",
+        help="the host rank this host asks for (default: its rank in the round before, else the first free one)",
+    )
+    hosts.add_argument(
+        "--rdzv-secret-file",
+        metavar="PATH",
+        help=f"the rendezvous's shared secret (>= 16 bytes; chmod 600), the same on every host; default "
+        f"${ENV_SECRET}; a launcher without it is refused",
+    )
+    hosts.add_argument(
+        "--local-addr",
+        metavar="HOST",
+        help="this host's address as the other hosts reach it (JAX's coordinator is host rank 0's; default: "
+        "127.0.0.1 for a loopback endpoint, else this host's address on the route to the endpoint)",
+    )
+    hosts.add_argument(
+        "--rdzv-heartbeat",
+        type=float,
+        metavar="S",
+        default=DEFAULT_HEARTBEAT_INTERVAL_S,
+        help=f"seconds between the launchers' heartbeats: a host (or the rendezvous) silent for "
+        f"{DEFAULT_MISSED_HEARTBEATS} of them is lost, seen within {DEFAULT_MISSED_HEARTBEATS + 1} (default "
+        f"%(default)g)",
+    )
+    hosts.add_argument(
+        "--rdzv-last-call",
+        type=float,
+        metavar="S",
+        default=DEFAULT_LAST_CALL_S,
+        help="with MIN:MAX: seconds a round with MIN hosts waits for more (default %(default)g)",
+    )
+    hosts.add_argument(
+        "--rdzv-join-timeout",
+        type=float,
+        metavar="S",
+        default=DEFAULT_JOIN_TIMEOUT_S,
+        help="seconds a launcher waits for the others to join a round (default %(default)g)",
+    )
     hidden = argparse.SUPPRESS
-    p.add_argument("--nproc-per-node", dest="tr_nproc_per_node", metavar="N", help=hidden)
-    p.add_argument("--nnodes", dest="tr_nnodes", metavar="N", help=hidden)
-    p.add_argument("--node-rank", dest="tr_node_rank", type=int, metavar="I", help=hidden)
     p.add_argument("--master-addr", dest="tr_master_addr", metavar="HOST", help=hidden)
     p.add_argument("--master-port", dest="tr_master_port", type=int, metavar="PORT", help=hidden)
-    p.add_argument("--rdzv-endpoint", dest="tr_rdzv_endpoint", metavar="HOST:PORT", help=hidden)
     p.add_argument("--rdzv-backend", dest="tr_rdzv_backend", metavar="NAME", help=hidden)
     p.add_argument("--standalone", dest="tr_standalone", action="store_true", help=hidden)
     return p
@@ -207,6 +292,7 @@ exit codes:
            or its script ended before it joined
   {STALL_EXIT_CODE}       the watchdog stopped the job: no worker moved for --step-timeout while one waited for
            another, or a worker left the training loop while the others went on
+  {HOST_LOST_EXIT_CODE}       a job across hosts lost a host (without MIN:MAX room for it) or its rendezvous
   124      --max-time ran out
   128+S    the launcher got signal S (130: Ctrl-C, 143: SIGTERM)
   With --max-restarts, a job that failed once too often ends with its last failure's code.
@@ -214,7 +300,9 @@ exit codes:
 torchrun's options (an underscore may stand for a dash in any option):
 {chr(10).join(f"  {flag:<19}{meaning}" for flag, meaning in TORCHRUN.items())}
 
-Example: python -m replicator.launch --num-workers 2 --cores-per-worker 4 train.py --steps 100
+Examples: python -m replicator.launch --num-workers 2 --cores-per-worker 4 train.py --steps 100
+          python -m replicator.launch --nnodes 1:2 --rdzv-endpoint HOST0:29400 --rdzv-secret-file s.txt \\
+              --max-restarts 3 train.py   # on each host
 """
 
 
@@ -258,7 +346,7 @@ def _unknown_option(arg: str, parser: argparse.ArgumentParser) -> str:
     visible = [
         o for a in parser._actions if a.help != argparse.SUPPRESS for o in a.option_strings if o.startswith("--")
     ]
-    candidates = visible + list(TORCHRUN)
+    candidates = visible + [t for t in TORCHRUN if t not in visible]
     close = [c for c in candidates if c.startswith(name) and len(name) > 2][:2]  # an abbreviation
     close = close or difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)  # else a typo
     hint = ""
@@ -268,8 +356,54 @@ def _unknown_option(arg: str, parser: argparse.ArgumentParser) -> str:
     return f"unrecognized option {name}{hint} (all options: --help)"
 
 
+def _rendezvous_mode(args: argparse.Namespace) -> None:
+    """A job across hosts through the rendezvous: check and set ``args.hosts``, ``nproc``, ``rdzv_endpoint``."""
+    try:
+        low, high = parse_nnodes(args.tr_nnodes or "1")
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+    for given, flag, instead in (
+        (args.num_workers, "--num-workers", "--nproc-per-node (workers per host)"),
+        (args.coordinator, "--coordinator", "nothing: host rank 0's launcher picks JAX's coordinator"),
+        (args.worker_id, "--worker-id", "--node-rank (a host rank; worker ids follow from it)"),
+        (args.min_workers, "--min-workers", "--nnodes MIN:MAX (the fewest hosts to go on with)"),
+        (args.tr_master_addr, "--master-addr", "nothing: host rank 0's launcher picks JAX's coordinator"),
+        (args.tr_master_port, "--master-port", "nothing: host rank 0's launcher picks JAX's coordinator"),
+        (args.tr_standalone or None, "--standalone", "nothing, or drop --rdzv-endpoint for a job on this machine"),
+    ):
+        if given is not None:
+            raise LaunchError(
+                f"{flag} does not go with --rdzv-endpoint (a job across hosts, one launcher per host); pass {instead}."
+            )
+    nproc = args.tr_nproc_per_node or "1"
+    if not nproc.isdigit() or int(nproc) < 1:
+        raise LaunchError(f"--nproc-per-node {nproc}: give a number of workers per host (e.g. 1: one per GPU host).")
+    if args.tr_node_rank is not None and not 0 <= args.tr_node_rank < high:
+        raise LaunchError(
+            f"--node-rank {args.tr_node_rank} is out of range for --nnodes {args.tr_nnodes}: give 0..{high - 1}."
+        )
+    for flag, value in (("--rdzv-heartbeat", args.rdzv_heartbeat), ("--rdzv-join-timeout", args.rdzv_join_timeout)):
+        if not value > 0:
+            raise LaunchError(f"{flag} must be a positive number of seconds, got {value!r}.")
+    if not args.rdzv_last_call >= 0:
+        raise LaunchError(f"--rdzv-last-call must be >= 0 seconds, got {args.rdzv_last_call!r}.")
+    host, sep, port = args.tr_rdzv_endpoint.rpartition(":")
+    if not (sep and host and port.isdigit()):
+        host, port = args.tr_rdzv_endpoint, str(_RDZV_PORT)
+    if not host or not 0 < int(port) < 65536:
+        raise LaunchError(f"--rdzv-endpoint {args.tr_rdzv_endpoint!r} is not HOST[:PORT], e.g. 10.0.0.1:29400.")
+    args.hosts, args.nproc, args.rdzv_endpoint = (low, high), int(nproc), f"{host}:{port}"
+
+
 def _from_torchrun(args: argparse.Namespace) -> None:
     """Resolve torchrun's options into ours (in ``args``); raise LaunchError where they mean something else."""
+    args.hosts = None
+    if args.tr_rdzv_endpoint is not None and args.tr_rdzv_backend in (None, "c10d"):
+        _rendezvous_mode(args)
+        return
+    for flag in ("rdzv_secret_file", "local_addr"):
+        if getattr(args, flag) is not None:
+            raise LaunchError(f"--{flag.replace('_', '-')} goes with --rdzv-endpoint HOST:PORT (a job across hosts).")
     nproc, nnodes, node_rank = args.tr_nproc_per_node, args.tr_nnodes, args.tr_node_rank
     nodes: int | None = None
     if nnodes is not None:
@@ -278,9 +412,9 @@ def _from_torchrun(args: argparse.Namespace) -> None:
             raise LaunchError(f"--nnodes takes a number of hosts N (or torchrun's MIN:MAX), got {nnodes!r}.")
         if sep and low != high:
             raise LaunchError(
-                f"--nnodes {nnodes}: a job whose number of hosts changes while it runs (torchrun's elastic "
-                f"MIN:MAX) is not supported; pass --nnodes N (one worker per host, the same as --num-workers N). "
-                f"On one machine, --max-restarts R --min-workers M restarts a failing job on fewer workers."
+                f"--nnodes {nnodes}: a job whose number of hosts may change (MIN:MAX) needs the launchers to agree "
+                f"through a rendezvous: pass --rdzv-endpoint HOST:PORT (the same on every host; one of them serves "
+                f"it). On one machine, --max-restarts R --min-workers M restarts a failing job on fewer workers."
             )
         nodes = int(low)
     workers: int | None = None
@@ -302,8 +436,9 @@ def _from_torchrun(args: argparse.Namespace) -> None:
         workers = nodes
         if node_rank is None:
             raise LaunchError(
-                f"--nnodes {nodes} needs --node-rank I (the same as --worker-id I) on each host: there is no "
-                f"rendezvous here that numbers the hosts as they join."
+                f"--nnodes {nodes} needs --rdzv-endpoint HOST:PORT on each host (the launchers agree there on the "
+                f"hosts, their ranks and every restart), or --node-rank I with --master-addr HOST (the same as "
+                f"--worker-id I --coordinator HOST:29500: no restarts across hosts)."
             )
     elif node_rank not in (None, 0):
         raise LaunchError(
@@ -321,8 +456,8 @@ def _from_torchrun(args: argparse.Namespace) -> None:
     backend = args.tr_rdzv_backend
     if backend is not None and backend not in ("c10d", "static"):
         raise LaunchError(
-            f"--rdzv-backend {backend}: there is no rendezvous service here; worker 0 hosts the job's "
-            f"coordination at --coordinator HOST:PORT (as torchrun's c10d and static backends do)."
+            f"--rdzv-backend {backend}: there is no rendezvous service here; pass --rdzv-endpoint HOST:PORT "
+            f"(a store on one launcher, as torchrun's c10d backend), or --rdzv-backend static with --master-addr."
         )
     address = None
     if args.tr_rdzv_endpoint is not None:
@@ -444,6 +579,88 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, rest
 
 
+def _local_address(endpoint: str) -> str:
+    """This host's address on the route to ``endpoint`` (no packet is sent); 127.0.0.1 for a loopback one."""
+    host = endpoint.rpartition(":")[0].strip("[]")
+    if is_loopback(host):
+        return "127.0.0.1"
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((host, int(endpoint.rpartition(":")[2])))
+            return s.getsockname()[0]
+    except OSError as e:
+        raise LaunchError(
+            f"cannot find this host's address on the route to --rdzv-endpoint {endpoint} ({e}); pass --local-addr."
+        ) from None
+
+
+def _across_hosts(args: argparse.Namespace, command: list[str], interrupted: threading.Event) -> int:
+    """This host's part of a job across hosts: serve the rendezvous if it can, join it, run the rounds."""
+    check_settings(
+        args.nproc,
+        args.max_restarts,
+        args.cores_per_worker,
+        {
+            "--start-timeout": (args.start_timeout, None),
+            "--heartbeat-timeout": (args.heartbeat_timeout, None),
+            "--shutdown-timeout": (args.shutdown_timeout, None),
+            "--kill-grace": (args.kill_grace, 0),
+            "--max-time": (args.max_time, None),
+            "--step-timeout": (args.step_timeout, 0),
+            "--compile-timeout": (args.compile_timeout, None),
+        },
+    )
+    try:
+        secret = load_secret(args.rdzv_secret_file)
+        store = serve_if_here(args.rdzv_endpoint, secret)
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+    address = args.local_addr or _local_address(args.rdzv_endpoint)
+    low, high = args.hosts
+    rdzv = Rendezvous(
+        args.rdzv_endpoint,
+        min_hosts=low,
+        max_hosts=high,
+        rank=args.tr_node_rank,
+        address=address,
+        secret=secret,
+        heartbeat_interval_s=args.rdzv_heartbeat,
+        last_call_s=args.rdzv_last_call,
+        join_timeout_s=args.rdzv_join_timeout,
+    )
+    where = "served here" if store is not None else "served by another host's launcher"
+    print(f"[launcher] rendezvous at {args.rdzv_endpoint} ({where}); this host: {address}", file=sys.stderr, flush=True)
+    try:
+        try:
+            rdzv.start()
+        except RendezvousError as e:
+            print(f"[launcher] cannot join the rendezvous: {e}", file=sys.stderr, flush=True)
+            return HOST_LOST_EXIT_CODE
+        return run_host(
+            command,
+            rdzv,
+            nproc_per_host=args.nproc,
+            max_restarts=args.max_restarts,
+            cores_per_worker=args.cores_per_worker,
+            start_timeout_s=args.start_timeout,
+            heartbeat_timeout_s=args.heartbeat_timeout,
+            shutdown_timeout_s=args.shutdown_timeout,
+            kill_grace_s=args.kill_grace,
+            max_time_s=args.max_time,
+            step_timeout_s=args.step_timeout,
+            compile_timeout_s=args.compile_timeout,
+            interrupted=interrupted,
+            log_dir=args.log_dir,
+            show_runtime_logs=args.show_runtime_logs,
+            store=store,
+        )
+    finally:
+        rdzv.close()
+        if store is not None:
+            store.close()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``python -m replicator.launch`` command; returns the exit code."""
     args, rest = parse(list(sys.argv[1:] if argv is None else argv))
@@ -458,6 +675,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        if args.hosts is not None:
+            return _across_hosts(args, command, interrupted)
         return launch(
             command,
             num_workers=args.num_workers,

@@ -1,20 +1,28 @@
 """One launcher per host, agreeing through the rendezvous (:mod:`~replicator.launch.membership`): :func:`run_host`.
 
-A prototype of the loop that ``--nnodes`` will run (the command line does not
-reach it yet): each round of the rendezvous starts this host's worker as
-worker ``host_rank`` of ``num_hosts``, with the round's coordinator and the
-round number as ``REPLICATOR_RESTART_COUNT``; then it watches both the worker
-and the rendezvous, every heartbeat interval:
+What ``python -m replicator.launch --nnodes N|MIN:MAX --rdzv-endpoint HOST:PORT``
+runs on each host. Each round of the rendezvous starts this host's
+``nproc_per_host`` workers as workers ``host_rank * nproc_per_host + i`` of
+``num_hosts * nproc_per_host``, at the round's coordinator (host rank 0's
+address: its first worker hosts JAX's coordination service), with the round
+number as ``REPLICATOR_RESTART_COUNT``. They are supervised by
+:func:`~replicator.launch.supervise.supervise`, as a job on one machine is
+(blame, the watchdog, held error reports, ``--log-dir``, ``--max-time``,
+signals, recovery lines), with the rendezvous read every heartbeat interval as
+one more reason to stop them (:class:`_Watch`):
 
-* the worker failed: a restart (:meth:`~replicator.launch.membership.Rendezvous.next_round`)
-  while the rounds so far are at most ``max_restarts``, else the job ends with
-  the worker's exit code, for every host;
-* another launcher started a restart: stop the worker, join the new round;
-* a host of the round is gone: with fewer hosts allowed (``min_hosts`` below
-  the round's size) a restart without it, else the job ends with
+* a worker of this host failed (or the watchdog stopped them): a restart
+  (:meth:`~replicator.launch.membership.Rendezvous.next_round`) while the rounds
+  so far are at most ``max_restarts``, else the job ends with that exit code, for
+  every host;
+* another launcher started a restart: stop the workers, join the new round;
+* a host of the round is gone: with fewer hosts allowed (``min_hosts`` below the
+  round's size) a restart without it, else the job ends with
   :data:`HOST_LOST_EXIT_CODE`, naming the host;
 * the rendezvous is lost: the same code, naming it;
-* every host's worker finished: exit 0.
+* ``--max-time`` or a signal to this launcher: the job ends for every host with
+  that code (124, ``128 + signal``);
+* every host's workers finished: exit 0.
 """
 
 from __future__ import annotations
@@ -24,22 +32,25 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from typing import IO
 
-from replicator.launch.blame import exit_code
-from replicator.launch.environment import worker_env
+from replicator.launch.environment import LaunchError
 from replicator.launch.membership import Assignment, Rendezvous
-from replicator.launch.processes import DEFAULT_KILL_GRACE_S, EXIT_POLL_S, Output, Worker, start, stop
+from replicator.launch.processes import DEFAULT_KILL_GRACE_S, EXIT_POLL_S, Output, Worker, stop
 from replicator.launch.rendezvous import RendezvousError, StoreServer
+from replicator.launch.restarts import Outcome, Recovery
+from replicator.launch.supervise import _close_logs, _log_directory, _start_all, _summary, supervise
+from replicator.launch.watchdog import DEFAULT_COMPILE_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S
 from replicator.runtime.distributed.startup import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     DEFAULT_START_TIMEOUT_S,
 )
 
-__all__ = ["HOST_LOST_EXIT_CODE", "run_host"]
+__all__ = ["HOST_LOST_EXIT_CODE", "check_settings", "run_host"]
 
 #: The exit code of a launcher whose job ended because a host, or the rendezvous, was lost.
 HOST_LOST_EXIT_CODE = 77
@@ -48,9 +59,8 @@ HOST_LOST_EXIT_CODE = 77
 def _end(rdzv: Rendezvous, code: int, reason: str) -> tuple[int, str]:
     """Record the job's end (the first one recorded stands); its code and reason."""
     try:
-        first = json.loads(rdzv.end(json.dumps({"code": code, "reason": reason})))
-        return int(first["code"]), str(first["reason"])
-    except (RendezvousError, ValueError, KeyError, TypeError):
+        return _ended(rdzv.end(json.dumps({"code": code, "reason": reason})))
+    except RendezvousError:
         return code, reason
 
 
@@ -69,70 +79,282 @@ def _ended(value: str) -> tuple[int, str]:
         return 1, value
 
 
+class _Watch:
+    """The rendezvous as seen from one round, read every heartbeat interval: :func:`supervise`'s ``stop_when``.
+
+    :attr:`event` says what stopped the round: ``("lost" | "ended" | "restart" | "gone" | "done", code, line)``.
+    """
+
+    def __init__(self, rdzv: Rendezvous, a: Assignment, output: Output, done_key: str | None = None) -> None:
+        self.rdzv, self.a, self.output, self.done_key = rdzv, a, output, done_key
+        self.event: tuple[str, int, str] | None = None
+        self.detected = 0.0
+        self.next_poll = 0.0
+        self.gone = 0  # hosts of the round seen gone
+        self.newest = a.round  # the newest round seen
+
+    def __call__(self, now: float) -> Outcome | None:
+        if now < self.next_poll:
+            return None
+        self.next_poll = now + self.rdzv.heartbeat_interval_s
+        event = self.look()
+        if event is None:
+            return None
+        self.event, self.detected = event, now
+        self.output.launcher(event[2])
+        return Outcome(event[1], event[2], detected=now)
+
+    def look(self) -> tuple[str, int, str] | None:
+        rdzv, a = self.rdzv, self.a
+        try:
+            status = rdzv.poll()
+            done = int(rdzv.client.get(self.done_key) or 0) if self.done_key else 0
+        except (RendezvousError, ValueError) as e:
+            return "lost", HOST_LOST_EXIT_CODE, f"rendezvous lost: {e}"
+        if status.ended is not None:
+            code, reason = _ended(status.ended)
+            return "ended", code, reason if code == 0 else f"the job ended: {reason}"
+        if self.done_key and done >= a.num_hosts:
+            return "done", 0, f"every host's workers finished (round {a.round})"
+        self.newest, self.gone = status.round, len(status.gone)
+        if status.round != a.round:
+            return "restart", 1, f"round {status.round} was started by another host: stopping this host's workers"
+        if status.gone:
+            names = ", ".join(
+                f"host rank {rank} (launcher {lid}, silent for {age:.1f} s)" for lid, rank, age in status.gone
+            )
+            return "gone", HOST_LOST_EXIT_CODE, f"{names} gone (no heartbeat for over {rdzv.gone_after_s:g} s)"
+        return None
+
+
+def check_settings(
+    nproc_per_host: int, max_restarts: int, cores_per_worker: int | None, seconds: dict[str, tuple]
+) -> None:
+    """The settings :func:`~replicator.launch.supervise.launch` checks too; LaunchError saying what to pass.
+
+    ``seconds``: ``{flag: (value, lowest allowed or None for > 0)}``; a value of None is not checked.
+    """
+    for flag, count, low in (("--nproc-per-node", nproc_per_host, 1), ("--max-restarts", max_restarts, 0)):
+        if isinstance(count, bool) or not isinstance(count, int) or count < low:
+            raise LaunchError(f"{flag} must be an int >= {low}, got {count!r}.")
+    if cores_per_worker is not None and cores_per_worker < 1:
+        raise LaunchError(f"--cores-per-worker must be a positive int, got {cores_per_worker!r}.")
+    for flag, (value, low) in seconds.items():
+        if value is not None and not (value > 0 if low is None else value >= low):
+            need = "a positive number of seconds" if low is None else f">= {low} seconds"
+            raise LaunchError(f"{flag} must be {need}, got {value!r}.")
+
+
 def run_host(
     command: Sequence[str],
     rdzv: Rendezvous,
     *,
+    nproc_per_host: int = 1,
     max_restarts: int = 0,
     cores_per_worker: int | None = None,
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
     heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
     kill_grace_s: float = DEFAULT_KILL_GRACE_S,
+    max_time_s: float | None = None,
+    step_timeout_s: float | None = DEFAULT_STEP_TIMEOUT_S,
+    compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+    interrupted: threading.Event | None = None,
+    log_dir: str | os.PathLike | None = None,
+    show_runtime_logs: bool = False,
     env: dict[str, str] | None = None,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
     store: StoreServer | None = None,
 ) -> int:
-    """Run this host's worker through the rounds of ``rdzv`` (started); the job's exit code.
+    """Run this host's workers through the rounds of ``rdzv`` (started); the job's exit code.
 
     Args:
       command: the worker's command line (see :func:`~replicator.launch.environment.worker_command`).
       rdzv: this launcher's :class:`~replicator.launch.membership.Rendezvous`, started.
+      nproc_per_host: workers on this host (``--nproc-per-node``), the same on every host.
       max_restarts: how many restarts (rounds after the first) the job may have.
-      cores_per_worker, start_timeout_s, heartbeat_timeout_s, shutdown_timeout_s: as for
+      cores_per_worker, start_timeout_s, heartbeat_timeout_s, shutdown_timeout_s, kill_grace_s, max_time_s,
+        step_timeout_s, compile_timeout_s, interrupted, log_dir, show_runtime_logs, env, stdout, stderr: as for
         :func:`~replicator.launch.supervise.launch`.
-      kill_grace_s: between SIGTERM and SIGKILL when the worker is stopped.
       store: the rendezvous store, when this launcher hosts it: before returning, it waits (at most
         ``rdzv.detection_bound_s``) for the other launchers to leave, so that they read how the job ended.
+
+    Returns:
+      0 when every host's workers finished; the failed worker's exit code when no restart was left;
+      :data:`HOST_LOST_EXIT_CODE` (77) when a host (without ``MIN:MAX`` room) or the rendezvous was lost;
+      124 after ``max_time_s``; ``128 + signal`` when a launcher was interrupted; 1 when a host's workers
+      were still running long after another's finished.
     """
+    check_settings(
+        nproc_per_host,
+        max_restarts,
+        cores_per_worker,
+        {
+            "--start-timeout": (start_timeout_s, None),
+            "--heartbeat-timeout": (heartbeat_timeout_s, None),
+            "--shutdown-timeout": (shutdown_timeout_s, None),
+            "--kill-grace": (kill_grace_s, 0),
+            "--max-time": (max_time_s, None),
+            "--step-timeout": (step_timeout_s, 0),
+            "--compile-timeout": (compile_timeout_s, None),
+        },
+    )
     output = Output(stdout or sys.stdout, stderr or sys.stderr)
     base = dict(os.environ if env is None else env)
-    status_root = tempfile.mkdtemp(prefix="replicator-host-")
-    settings = {
-        "cores_per_worker": cores_per_worker,
-        "start_timeout_s": start_timeout_s,
-        "heartbeat_timeout_s": heartbeat_timeout_s,
-        "shutdown_timeout_s": shutdown_timeout_s,
-    }
+    interrupted = interrupted or threading.Event()
+    job_start = time.monotonic()
+    finish_timeout_s = 2 * shutdown_timeout_s + kill_grace_s
+    logs = _log_directory(log_dir)
+    status_root = tempfile.mkdtemp(prefix="replicator-host-")  # private (mode 0700): the workers' status files
+    every: list[Worker] = []
+    workers: list[Worker] = []
+    recoveries: list[Recovery] = []
+    pending: Recovery | None = None  # the restart the next round recovers from
     initial: int | None = None
+    code = HOST_LOST_EXIT_CODE
     try:
         while True:
             try:
-                a = rdzv.join()
+                a = rdzv.join(stop=interrupted)
             except RendezvousError as e:
+                if interrupted.is_set():
+                    signum = getattr(interrupted, "signum", 2)
+                    code = _say_end(rdzv, output, 128 + signum, f"a launcher was interrupted while joining ({e})")
+                    break
                 ended = _ended_now(rdzv)
                 if ended is not None:
                     output.launcher(f"the job ended: {ended[1]}")
-                    return ended[0]
-                return _say_end(rdzv, output, HOST_LOST_EXIT_CODE, f"rendezvous: {e}")
+                    code = ended[0]
+                else:
+                    code = _say_end(rdzv, output, HOST_LOST_EXIT_CODE, f"rendezvous: {e}")
+                break
             initial = a.num_hosts if initial is None else initial
             output.launcher(
                 f"round {a.round}: host rank {a.host_rank} of {a.num_hosts} (coordinator {a.coordinator}, "
                 f"launchers {list(a.members)})"
             )
-            worker = _start(command, a, base, status_root, output, initial, max_restarts, settings)
+            if pending is not None:
+                recoveries.append(pending)
+            plan = [
+                (a.host_rank * nproc_per_host + i, a.coordinator, a.num_hosts * nproc_per_host)
+                for i in range(nproc_per_host)
+            ]
+            settings = {
+                "cores_per_worker": cores_per_worker,
+                "start_timeout_s": start_timeout_s,
+                "heartbeat_timeout_s": heartbeat_timeout_s,
+                "shutdown_timeout_s": shutdown_timeout_s,
+                "max_restarts": max_restarts,
+                "initial_num_workers": initial * nproc_per_host,
+            }
+            watch = _Watch(rdzv, a, output)
+            workers = []
             try:
-                code = _watch(worker, a, rdzv, output, max_restarts, kill_grace_s, shutdown_timeout_s)
-            except BaseException:  # an interrupt, or a bug here: the worker does not outlive its watch
-                stop([worker], kill_grace_s, output)
+                _start_all(
+                    workers, plan, command, base, settings, a.round, status_root, output, logs, show_runtime_logs
+                )
+                every += workers
+                outcome = supervise(
+                    workers,
+                    output,
+                    kill_grace_s=kill_grace_s,
+                    finish_timeout_s=finish_timeout_s,
+                    max_time_s=max_time_s,
+                    job_start=job_start,
+                    step_timeout_s=step_timeout_s,
+                    compile_timeout_s=compile_timeout_s,
+                    interrupted=interrupted,
+                    recovery=pending,
+                    stop_when=watch,
+                )
+            except BaseException:  # an interrupt, or a bug here: the workers do not outlive their watch
+                stop(workers, kill_grace_s, output)
+                _close_logs(workers, None)
                 raise
-            if code is not None:
-                return code
+            _close_logs(workers, outcome.blamed)
+            pending = None
+            if watch.event is None and outcome.code == 0:  # this host's workers finished: wait for the others'
+                watch = _Watch(rdzv, a, output, done_key=f"hosts/done/{a.round}")
+                outcome = _finished(rdzv, watch, output, finish_timeout_s)
+            result = _next(rdzv, a, watch, outcome, output, max_restarts)
+            if isinstance(result, int):
+                code = result
+                break
+            pending = result
     finally:
         shutil.rmtree(status_root, ignore_errors=True)
         if store is not None:
             _linger(rdzv)
+    _summary(code, workers, recoveries, output, None)
+    condensed = any(w.log is not None and w.log.condensed for w in every)
+    if condensed or (code and log_dir is not None):
+        output.launcher(f"every worker's whole output: {os.path.join(logs, 'worker-*.log')}")
+    elif log_dir is None:  # nothing in it that was not shown
+        shutil.rmtree(logs, ignore_errors=True)
+    return code
+
+
+def _finished(rdzv: Rendezvous, watch: _Watch, output: Output, finish_timeout_s: float) -> Outcome:
+    """This host's workers finished: count it in the store, then watch until every host's did (or another event)."""
+    a = watch.a
+    assert watch.done_key is not None
+    finished_at = time.monotonic()
+    try:
+        rdzv.client.add(watch.done_key)
+    except RendezvousError as e:
+        watch.event = ("lost", HOST_LOST_EXIT_CODE, f"rendezvous lost: {e}")
+        output.launcher(watch.event[2])
+        return Outcome(HOST_LOST_EXIT_CODE, watch.event[2], detected=finished_at)
+    while True:
+        now = time.monotonic()
+        outcome = watch(now)
+        if outcome is not None:
+            return outcome
+        if now - finished_at > finish_timeout_s:
+            line = f"only some of the {a.num_hosts} hosts' workers finished {now - finished_at:.0f} s after this host's"
+            watch.event = ("stuck", 1, line)
+            output.launcher(line)
+            return Outcome(1, line, restartable=True, detected=now)
+        time.sleep(EXIT_POLL_S)
+
+
+def _next(
+    rdzv: Rendezvous, a: Assignment, watch: _Watch, outcome: Outcome, output: Output, max_restarts: int
+) -> int | Recovery:
+    """After a round: the job's exit code, or the restart (a :class:`Recovery` to time) that the next round is."""
+    stopped = time.monotonic()
+    kind = watch.event[0] if watch.event is not None else None
+    if kind == "done":
+        _end(rdzv, 0, watch.event[2])  # for hosts still waiting to join
+        return 0
+    if kind in ("lost", "ended"):
+        return outcome.code
+    if kind == "restart":
+        return Recovery(watch.newest, watch.event[2], watch.detected, stopped=stopped)
+    if kind == "gone":
+        if a.num_hosts - watch.gone < rdzv.min_hosts:
+            return _say_end(
+                rdzv, output, HOST_LOST_EXIT_CODE, f"{outcome.cause}; at least {rdzv.min_hosts} hosts needed"
+            )
+        cause = outcome.cause
+    elif not outcome.restartable:  # --max-time, or this launcher was interrupted: the job ends everywhere
+        why = "--max-time ran out" if outcome.code == 124 else f"host rank {a.host_rank}'s launcher was interrupted"
+        return _say_end(rdzv, output, outcome.code, f"{why} (exit code {outcome.code})")
+    else:
+        cause = f"host rank {a.host_rank}: {outcome.cause}"
+    if a.round >= max_restarts:
+        return _say_end(rdzv, output, outcome.code, f"{cause}; no restart left (--max-restarts {max_restarts})")
+    try:
+        new = rdzv.next_round(a.round, cause)
+    except RendezvousError as e:
+        output.launcher(f"rendezvous lost: {e}")
+        return HOST_LOST_EXIT_CODE
+    if rdzv.restarted_here:
+        output.launcher(f"restart {new} of at most {max_restarts}, cause: {cause}")
+    else:
+        output.launcher(f"round {new} was started by another host")
+    return Recovery(new, cause, outcome.detected or stopped, stopped=stopped)
 
 
 def _linger(rdzv: Rendezvous) -> None:
@@ -154,114 +376,3 @@ def _ended_now(rdzv: Rendezvous) -> tuple[int, str] | None:
     except RendezvousError:
         return None
     return None if status.ended is None else _ended(status.ended)
-
-
-def _start(
-    command: Sequence[str],
-    a: Assignment,
-    base: dict[str, str],
-    status_root: str,
-    output: Output,
-    initial: int,
-    max_restarts: int,
-    settings: dict,
-) -> Worker:
-    status_dir = os.path.join(status_root, f"round-{a.round}")
-    os.mkdir(status_dir, 0o700)
-    progress_file = os.path.join(status_dir, f"progress-{a.host_rank}.json")
-    wenv = worker_env(
-        base,
-        coordinator=a.coordinator,
-        num_workers=a.num_hosts,
-        worker_id=a.host_rank,
-        **settings,
-        status_dir=status_dir,
-        progress_file=progress_file,
-        restart_count=a.round,
-        max_restarts=max_restarts,
-        initial_num_workers=initial,
-    )
-    return start(a.host_rank, command, wenv, output, status_dir, progress_file)
-
-
-def _watch(
-    worker: Worker,
-    a: Assignment,
-    rdzv: Rendezvous,
-    output: Output,
-    max_restarts: int,
-    kill_grace_s: float,
-    shutdown_timeout_s: float,
-) -> int | None:
-    """Watch this host's worker and the rendezvous until the round ends: the job's exit code, or None to go on."""
-    done_key = f"hosts/done/{a.round}"
-    finished_at: float | None = None
-    next_poll = 0.0
-    while True:
-        now = time.monotonic()
-        if worker.ended is not None and worker.returncode != 0:
-            code = exit_code(worker.returncode)
-            cause = f"host rank {a.host_rank}'s worker failed with exit code {code}"
-            output.launcher(cause)
-            stop([worker], kill_grace_s, output)
-            return _after_failure(rdzv, a, output, max_restarts, cause, code)
-        if worker.ended is not None and finished_at is None:
-            finished_at = now
-            try:
-                rdzv.client.add(done_key)
-            except RendezvousError as e:
-                output.launcher(f"rendezvous: {e}")
-                return HOST_LOST_EXIT_CODE
-        if now >= next_poll:
-            next_poll = now + rdzv.heartbeat_interval_s
-            try:
-                status = rdzv.poll()
-                done = int(rdzv.client.get(done_key) or 0)
-            except RendezvousError as e:
-                stop([worker], kill_grace_s, output)
-                output.launcher(f"rendezvous lost: {e}")
-                return HOST_LOST_EXIT_CODE
-            if status.ended is not None:
-                stop([worker], kill_grace_s, output)
-                code, reason = _ended(status.ended)
-                output.launcher(f"the job ended: {reason}")
-                return code
-            if done >= a.num_hosts:
-                output.launcher(f"every host's worker finished (round {a.round})")
-                _end(rdzv, 0, f"every host's worker finished (round {a.round})")  # for hosts waiting to join
-                return 0
-            if status.round != a.round:
-                output.launcher(f"round {status.round} was started by another host: stopping this host's worker")
-                stop([worker], kill_grace_s, output)
-                return None
-            if status.gone:
-                names = ", ".join(
-                    f"host rank {rank} (launcher {lid}, silent for {age:.1f} s)" for lid, rank, age in status.gone
-                )
-                cause = f"{names} gone (no heartbeat for over {rdzv.gone_after_s:g} s)"
-                output.launcher(cause)
-                stop([worker], kill_grace_s, output)
-                if a.num_hosts - len(status.gone) < rdzv.min_hosts:
-                    return _say_end(
-                        rdzv, output, HOST_LOST_EXIT_CODE, f"{cause}; at least {rdzv.min_hosts} hosts needed"
-                    )
-                return _after_failure(rdzv, a, output, max_restarts, cause, HOST_LOST_EXIT_CODE)
-            if finished_at is not None and now - finished_at > 2 * shutdown_timeout_s + kill_grace_s:
-                line = f"only {done} of {a.num_hosts} hosts' workers finished {now - finished_at:.0f} s after this one"
-                return _say_end(rdzv, output, 1, line)
-        time.sleep(EXIT_POLL_S)
-
-
-def _after_failure(
-    rdzv: Rendezvous, a: Assignment, output: Output, max_restarts: int, cause: str, code: int
-) -> int | None:
-    """A restart if one is left (None: go on), else the job's end for every host (its code)."""
-    if a.round >= max_restarts:
-        return _say_end(rdzv, output, code, f"{cause}; no restart left (--max-restarts {max_restarts})")
-    try:
-        new = rdzv.next_round(a.round, cause)
-    except RendezvousError as e:
-        output.launcher(f"rendezvous lost: {e}")
-        return HOST_LOST_EXIT_CODE
-    output.launcher(f"restart {new} of at most {max_restarts}, cause: {cause}")
-    return None

@@ -187,6 +187,8 @@ class Rendezvous:
         self.detection_bound_s = heartbeat_interval_s * (missed_heartbeats + 1)
         #: Every call to the store answers within this (default: ``gone_after_s``), so a silent store is seen in time.
         self.call_timeout_s = self.gone_after_s if call_timeout_s is None else call_timeout_s
+        #: Whether the last :meth:`next_round` opened the round (False: another launcher did first).
+        self.restarted_here = False
         self._client: StoreClient | None = None
         self._beat: StoreClient | None = None
         self._lost: str | None = None
@@ -267,13 +269,13 @@ class Rendezvous:
     def _alive(self, ages: dict[str, float], launcher: str) -> bool:
         return ages.get(launcher, math.inf) <= self.gone_after_s
 
-    def join(self) -> Assignment:
+    def join(self, stop: threading.Event | None = None) -> Assignment:
         """Join the open round (or, if it is closed without this launcher, the next) and wait until it closes.
 
         Raises :class:`RendezvousTimeout` after ``join_timeout_s`` (naming who
         joined), and :class:`RendezvousError` when the host rank asked for is
         taken, when hosts of the previous round are gone and too few are left,
-        or when the job has ended.
+        when the job has ended, or once ``stop`` is set (the launcher was interrupted).
         """
         deadline = time.monotonic() + self.join_timeout_s
         while True:
@@ -291,6 +293,8 @@ class Rendezvous:
                 continue
             if state["status"] == "open" and self.id in ids and self._settle(raw, state):
                 continue
+            if stop is not None and stop.is_set():
+                raise RendezvousError(f"stopped while waiting for round {state['round']} to close")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RendezvousTimeout(
@@ -367,16 +371,21 @@ class Rendezvous:
         )
 
     def next_round(self, after: int, reason: str) -> int:
-        """End round ``after`` and open the next (a restart), unless another launcher did; the newest round's number."""
+        """End round ``after`` and open the next (a restart), unless another launcher did; the newest round's number.
+
+        :attr:`restarted_here` says whether this launcher opened it.
+        """
         while True:
             raw, state = self._state()
             if state["round"] != after:
+                self.restarted_here = False
                 return state["round"]
             prev = {lid: rank for rank, lid in enumerate(state["ranks"])}
             new = _initial(after + 1, prev, nnodes=state["nnodes"])
             new["reason"] = reason
             swapped, _ = self.client.compare_set(_STATE, raw, json.dumps(new))
             if swapped:
+                self.restarted_here = True
                 return after + 1
 
     def poll(self) -> Status:

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO
 
 from replicator.launch.blame import blame, exit_code
@@ -90,12 +90,16 @@ def supervise(
     compile_timeout_s: float,
     interrupted: threading.Event,
     recovery: Recovery | None = None,
+    stop_when: Callable[[float], Outcome | None] | None = None,
 ) -> Outcome:
     """Wait for the workers; on the first failure stop the rest. Returns how they ended.
 
     ``job_start`` is when the job (its first start) began, for ``max_time_s``;
     ``recovery``, after a restart, is timed to the workers' first step and
-    logged then.
+    logged then. ``stop_when(now)``, called at every look at the workers
+    (``now``: ``time.monotonic()``), is one more reason to stop them: an
+    outcome (the caller has said why) stops the job with it, None goes on; the
+    rendezvous across hosts uses it (:mod:`~replicator.launch.hosts`).
     """
     next_watch = time.monotonic() + DIAGNOSE_INTERVAL_S
     while True:
@@ -155,6 +159,11 @@ def supervise(
         if interrupt is not None:
             _settle(workers, set())
             outcome = interrupt
+            break
+        elsewhere = stop_when(now) if stop_when is not None else None
+        if elsewhere is not None:
+            _settle(workers, set())
+            outcome = elsewhere
             break
         time.sleep(EXIT_POLL_S)
     stop(workers, kill_grace_s, output)
@@ -279,9 +288,8 @@ def launch(
     if max_restarts and (worker_id is not None or num_workers is None):
         raise LaunchError(
             "--max-restarts restarts every worker of a job on this machine (--num-workers W without "
-            "--worker-id). Across hosts every host's launcher would have to agree on each restart (torchrun's "
-            "rendezvous), which replicator.launch does not do: restart such a job from outside (e.g. the "
-            "scheduler's requeue); a script with Trainer(..., resume_from=DIR) resumes from its checkpoints."
+            "--worker-id). Across hosts the launchers agree on each restart through a rendezvous: run "
+            "--nnodes N --rdzv-endpoint HOST:PORT --max-restarts R on each host instead of --coordinator/--worker-id."
         )
     shrinking = _shrinking(num_workers, worker_id, max_restarts, min_workers, failure_window_s)
     if coordinator is not None:
@@ -432,7 +440,7 @@ def _shrinking(
     if num_workers is None or worker_id is not None:
         raise LaunchError(
             "--min-workers restarts a job on this machine on fewer workers (--num-workers W without --worker-id). "
-            "A job spread over hosts goes on without a host when its scheduler restarts it on fewer; a script "
+            "Across hosts, --nnodes MIN:MAX --rdzv-endpoint HOST:PORT goes on without a lost host; a script "
             "with Trainer(..., resume_from=DIR) resumes from its checkpoints on any number of workers."
         )
     if min_workers > num_workers:

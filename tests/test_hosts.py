@@ -1,0 +1,133 @@
+"""A job across hosts, end to end: 2 launchers (``--nnodes --rdzv-endpoint``) on this machine with real JAX workers.
+
+Each launcher runs one worker of ``tests/multiproc/restart_worker.py`` (a 2 x 2
+``Trainer`` job with checkpoints and ``resume_from=``), so that the job is the one
+``tests/test_restarts.py`` runs under one launcher. ``benchmarks/fault_matrix.py
+--rows hosts`` runs these rows and three more (a launcher lost without ``MIN:MAX``,
+the rendezvous host lost, hostile clients) with more steps.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from replicator.launch.rendezvous import StoreClient
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = str(ROOT / "tests" / "multiproc" / "restart_worker.py")
+STEPS, EVERY = 30, 10
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+
+def _env() -> dict[str, str]:
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(Path.home()), "JAX_PLATFORMS": "cpu"}
+
+
+def _hosts(tmp: Path, nnodes: str, *worker_args: str) -> list[subprocess.Popen]:
+    """Launchers for host ranks 0 and 1 (host 0 first: it serves the rendezvous), their output merged per host."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{probe.getsockname()[1]}"
+    procs = []
+    for rank in (0, 1):
+        command = [sys.executable, "-m", "replicator.launch", "--nnodes", nnodes, "--rdzv-endpoint", endpoint]
+        command += ["--node-rank", str(rank), "--rdzv-heartbeat", "0.5", "--cores-per-worker", "2"]
+        command += ["--max-restarts", "3", "--kill-grace", "2", "--max-time", "240", WORKER, "--steps", str(STEPS)]
+        command += ["--every", str(EVERY), "--ckpt", str(tmp / "ckpt"), "--out", str(tmp / "out"), *worker_args]
+        procs.append(
+            subprocess.Popen(
+                command,
+                env=_env(),
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )  # fmt: skip
+        )
+        if rank == 0:
+            StoreClient(endpoint, connect_timeout_s=60).close()
+    return procs
+
+
+def _finish(procs: list[subprocess.Popen], timeout_s: float = 240) -> list[tuple[int, str]]:
+    out = []
+    for p in procs:
+        try:
+            text, _ = p.communicate(timeout=timeout_s)
+        finally:
+            p.kill()
+        out.append((p.returncode, text))
+    return out
+
+
+def _params(out: Path, worker: int) -> dict[str, np.ndarray]:
+    files = sorted(out.glob(f"w{worker}_param_*.npy"))
+    assert files, f"worker {worker} wrote no parameters into {out}"
+    return {f.stem.split("_param_")[1]: np.load(f, allow_pickle=False) for f in files}
+
+
+def _one_device_reference(steps: int) -> dict[str, np.ndarray]:
+    from test_restarts import one_device_reference
+
+    return one_device_reference(steps)
+
+
+def test_a_worker_killed_on_host_1_restarts_every_host_and_the_job_ends_as_if_uninterrupted(tmp_path):
+    (rc0, out0), (rc1, out1) = _finish(_hosts(tmp_path, "2", "--kill", "0:1:step:15"))
+    assert (rc0, rc1) == (0, 0), out0[-3000:] + out1[-3000:]
+    assert re.search(r"\[worker 1\] .*?killing myself at [\d.]+ in step after 15 steps", out1), out1
+    assert (
+        "[launcher] worker 1 was killed by SIGKILL" in out1 and "restart 1 of at most 3, cause: host rank 1: " in out1
+    )
+    for out in (out0, out1):  # every host restarted, from the checkpoint of step 10, and finished
+        assert "[launcher] round 1: host rank" in out and "restart 1 recovered in" in out, out
+        assert "from step 10" in out and "job finished after 1 restart(s)" in out, out
+    uninterrupted = subprocess.run(
+        [sys.executable, "-m", "replicator.launch", "--num-workers", "2", "--cores-per-worker", "2", WORKER,
+         "--steps", str(STEPS), "--every", str(EVERY), "--ckpt", str(tmp_path / "ckpt-whole"),
+         "--out", str(tmp_path / "whole")],
+        env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    whole, reference = _params(tmp_path / "whole", 0), _one_device_reference(STEPS)
+    for w in (0, 1):
+        got = _params(tmp_path / "out", w)
+        assert got.keys() == whole.keys() == reference.keys()
+        for name in got:
+            np.testing.assert_array_equal(got[name], whole[name], err_msg=f"worker {w}'s {name}")  # bit for bit
+            np.testing.assert_allclose(got[name], reference[name], rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_a_lost_host_under_min_max_and_the_job_finishes_on_the_other(tmp_path):
+    procs = _hosts(tmp_path, "1:2", "--print-steps")
+    lines = []
+    for line in procs[0].stdout:  # host 0's output, until worker 0 has done step 15
+        lines.append(line)
+        if re.fullmatch(r"\[worker 0\] step 15\n", line):
+            break
+    os.kill(procs[1].pid, signal.SIGKILL)  # host 1's launcher; its worker dies with it
+    killed = time.monotonic()
+    (rc0, out0), _ = _finish(procs)
+    out0 = "".join(lines) + out0
+    assert rc0 == 0, out0[-4000:]
+    assert "[launcher] round 1: host rank 0 of 1" in out0, out0
+    assert "worker 0: start 1, 1 of 2 workers, from step 10" in out0, out0  # REPLICATOR_INITIAL_NUM_WORKERS=2
+    assert "keep_batch='global': the global batch of 64 rows is kept" in out0, out0
+    assert time.monotonic() - killed < 120
+    got, reference = _params(tmp_path / "out", 0), _one_device_reference(STEPS)
+    assert got.keys() == reference.keys()
+    for name in got:
+        # The global batch is kept: one device's math, summed in another order (fault_matrix.py: 1.2e-7).
+        np.testing.assert_allclose(got[name], reference[name], rtol=0, atol=1e-5, err_msg=name)
