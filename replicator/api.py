@@ -43,7 +43,9 @@ from replicator.core.tracing import (
     signature_spec,
     trace_step,
 )
+from replicator.cost.compute import equation_time
 from replicator.cost.report import CommunicationReport, communication_report
+from replicator.cost.topology import PRESETS
 from replicator.errors import InputExhausted
 from replicator.passes.fold import fold_lowered
 from replicator.pipeline.pipeline import Lowered, Pipeline
@@ -74,6 +76,7 @@ from replicator.runtime.state import (
     per_replica_step,
     with_per_replica,
 )
+from replicator.stages.replicas import PipelinedReplicas
 
 __all__ = ["CompiledStep", "Replicator"]
 
@@ -273,6 +276,15 @@ class Replicator:
         more batch. Errors of ``input_fn`` are raised by the step whose batch
         it was drawing, and :meth:`input_position` counts only batches steps
         have taken.
+      pipeline_stages: cut the model into this many stages at its
+        ``rp.stage_boundary`` markers and run ``num_workers x cores_per_worker
+        / pipeline_stages`` data-parallel replicas of that pipeline
+        (:mod:`replicator.stages.replicas`); such a Replicator runs
+        :meth:`run_pipelined`, not :meth:`run`. Guide: docs/guide/pipeline.md.
+      microbatches: ``M``, the micro-batches each replica's share of the batch
+        is cut into (default: ``pipeline_stages``).
+      schedule: ``'1f1b'`` (at most ``S`` micro-batches' activations alive
+        per stage) or ``'gpipe'`` (all ``M``); the same bubble.
     """
 
     def __init__(
@@ -288,6 +300,9 @@ class Replicator:
         check_state_every: int | None = None,
         replicas_per_device: int = 1,
         prefetch: int | None = None,
+        pipeline_stages: int = 1,
+        microbatches: int | None = None,
+        schedule: str = "1f1b",
     ):
         axis_names = normalize_axis_names(axis_name)
         check_initialized_under_launcher()
@@ -302,6 +317,11 @@ class Replicator:
             self.mesh = build_mesh(*self.fold.device_mesh, devices=devices)
             self.num_workers, self.cores_per_worker = num_workers, cores_per_worker
         self.context = ReplicaContext(self.num_workers, self.cores_per_worker, axis_names)
+        self.pipelined: PipelinedReplicas | None = None  # pipeline parallelism: see run_pipelined
+        if pipeline_stages != 1 or microbatches is not None:
+            if replicas_per_device != 1:
+                raise ValueError("pipeline_stages does not combine with replicas_per_device yet; leave one at 1.")
+            self.pipelined = PipelinedReplicas(self.mesh.devices, pipeline_stages, microbatches, schedule)
         self.pipeline = passes if passes is not None else Pipeline.default()
         if not isinstance(self.pipeline, Pipeline):
             raise TypeError(f"passes= must be a replicator.passes.Pipeline, got {type(self.pipeline).__name__}.")
@@ -376,6 +396,12 @@ class Replicator:
         The key's parts hash in constant time (their hashes are computed once), as it is looked up on every
         step. ``batch``: one worker's batch, checked before tracing (None: checked already).
         """
+        if self.pipelined is not None:
+            raise ValueError(
+                f"this Replicator runs a pipeline ({self.pipelined!r}): call run_pipelined(loss_fn, optimizer, "
+                "batch, (params, opt_state)) (docs/guide/pipeline.md); run/lower/explain of a step_fn with its own "
+                "update is not pipelined yet."
+            )
         key = (step_fn, state_key, batch_key, self._pipeline_key())
         compiled = self._compiled.get(key)
         if compiled is not None:
@@ -477,6 +503,42 @@ class Replicator:
             except StopIteration:
                 raise ValueError("explain: input_fn yielded no batch to trace the step with.") from None
         return communication_report(self.lower(step_fn, batch, state, per_replica_state=per_replica_state))
+
+    def run_pipelined(self, loss_fn: Callable, optimizer: Any, batch: PyTree, state: tuple) -> tuple:
+        """One training step of ``loss_fn`` cut into ``pipeline_stages`` stages (the constructor's option).
+
+        A narrower entry point than :meth:`run`: the loss and the optax optimizer are given apart, and the
+        compiler averages the gradients over the data-parallel replicas (what ``rp.all_mean(grads)`` does in a
+        data-parallel step) before each stage updates its own parameters. Guide: docs/guide/pipeline.md.
+
+        Args:
+          loss_fn: ``loss_fn(params, *batch) -> scalar``, a mean over its rows, marked with ``rp.stage_boundary``.
+          optimizer: an elementwise optax transformation (Adam, SGD, ...).
+          batch: the global batch (a tuple of arrays, or one array): ``B`` rows, ``B`` divisible by
+            ``microbatches x`` the data-parallel replicas.
+          state: ``(params, opt_state)`` with their global shapes.
+
+        Returns:
+          ``((params, opt_state), loss)``: equal to one device's ``jax.value_and_grad`` on the global batch
+          followed by ``optimizer.update``.
+        """
+        if self.pipelined is None:
+            raise ValueError("run_pipelined needs Replicator(..., pipeline_stages=S, microbatches=M).")
+        return self.pipelined.run(loss_fn, optimizer, batch, state)
+
+    def describe_pipeline(self, loss_fn: Callable, optimizer: Any, batch: PyTree, state: tuple) -> Any:
+        """What :meth:`run_pipelined` runs, without running it: the schedule, its bubble, per-stage compute
+        (the cost model's, :mod:`replicator.cost.compute`, with the emulated-CPU figures) and per-stage memory.
+        ``print()`` it."""
+        if self.pipelined is None:
+            raise ValueError("describe_pipeline needs Replicator(..., pipeline_stages=S, microbatches=M).")
+        compute = PRESETS["cpu-emulated"].compute
+        assert compute is not None
+
+        def stage_cost(eqns: list) -> float:
+            return sum(equation_time(eqn, compute) for eqn in eqns)
+
+        return self.pipelined.describe(loss_fn, optimizer, batch, state, stage_cost=stage_cost)
 
     def broadcast_state(self, state: PyTree) -> PyTree:
         """Replica 0's (process 0's) ``state`` on every replica, placed on the mesh.

@@ -15,6 +15,9 @@ the cost model and the runtime. Modules, each testable on its own:
   devices (``shard_map`` + ``lax.switch`` + ``ppermute``), a value and gradient;
 * :mod:`replicator.stages.train`: a whole training step (the loop, then each
   stage's optax update), parameters and optimizer state kept per stage;
+* :mod:`replicator.stages.replicas`: data-parallel replicas of the pipeline
+  (the ``('stages', 'workers', 'cores')`` mesh), the ``Replicator`` option and
+  the description of a pipelined step;
 * :mod:`replicator.stages.gpipe`: the first increment's entry point (the
   ``"gpipe"`` table).
 
@@ -23,8 +26,14 @@ Design: docs/design/pipeline-parallelism.md.
 
 from replicator.stages.gpipe import gpipe_value_and_grad as gpipe_value_and_grad
 from replicator.stages.lower import pipeline_value_and_grad as pipeline_value_and_grad
+from replicator.stages.programs import DATA_AXES as DATA_AXES
 from replicator.stages.programs import StagePrograms as StagePrograms
 from replicator.stages.programs import stage_programs as stage_programs
+from replicator.stages.replicas import PipelinedReplicas as PipelinedReplicas
+from replicator.stages.replicas import PipelineReport as PipelineReport
+from replicator.stages.replicas import StageReport as StageReport
+from replicator.stages.replicas import describe as describe
+from replicator.stages.replicas import pipeline_mesh as pipeline_mesh
 from replicator.stages.schedule import Schedule as Schedule
 from replicator.stages.schedule import ScheduleStats as ScheduleStats
 from replicator.stages.schedule import make_schedule as make_schedule
@@ -38,7 +47,11 @@ from replicator.stages.train import PipelineTrainStep as PipelineTrainStep
 from replicator.stages.train import pipeline_train_step as pipeline_train_step
 
 __all__ = [
+    "DATA_AXES",
     "Boundary",
+    "PipelineReport",
+    "PipelinedReplicas",
+    "StageReport",
     "PipelineTrainStep",
     "Schedule",
     "ScheduleStats",
@@ -46,8 +59,10 @@ __all__ = [
     "StageSplit",
     "StageSplitError",
     "StageSum",
+    "describe",
     "gpipe_value_and_grad",
     "make_schedule",
+    "pipeline_mesh",
     "pipeline_train_step",
     "pipeline_value_and_grad",
     "schedule_stats",

@@ -21,6 +21,12 @@ micro-batches and sums.
 
 The programs are plain Python functions that bind the equations one by one
 (an interpreter), so they run under ``jit``, ``shard_map`` and ``lax.switch``.
+A collective the user wrote (``rp.all_mean``, ``rp.all_sum``, ``rp.replica_id``:
+batch norm across replicas) is bound as the mesh collective over the data-parallel
+axes :data:`DATA_AXES` of the stage that runs it (its group: ``None`` both axes,
+``'workers'`` or ``'cores'`` one), never over ``'stages'``: it means what it
+means in a data-parallel step, across the replicas of the pipeline, on the
+micro-batch at hand.
 """
 
 from __future__ import annotations
@@ -30,12 +36,20 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax.numpy as jnp
+from jax import lax
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 
-from replicator.core.jaxprs import DefUse
+from replicator._jax_compat import user_source_line
+from replicator.core.jaxprs import DefUse, iter_eqns, sub_jaxprs
+from replicator.core.primitives import PLACEHOLDERS, all_reduce_p, replica_id_p
 from replicator.stages.split import BACKWARD, FORWARD, StageSplit, StageSplitError
 
-__all__ = ["StagePrograms", "stage_programs"]
+__all__ = ["DATA_AXES", "StagePrograms", "check_collectives", "stage_programs"]
+
+#: The data-parallel axes of a pipeline's mesh, beside ``'stages'``: the same names as a data-parallel run's,
+#: so a collective the user wrote (``group=None``) keeps its meaning. A tensor axis would come innermost.
+DATA_AXES = ("workers", "cores")
+_REDUCE = {"sum": lax.psum, "mean": lax.pmean, "max": lax.pmax, "min": lax.pmin}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +83,9 @@ def _run(eqns: Sequence[JaxprEqn], env: dict[Var, Any]) -> None:
     """Bind ``eqns`` in order, reading and writing ``env`` (autodidax's ``eval_jaxpr``)."""
 
     for eqn in eqns:
+        if eqn.primitive in PLACEHOLDERS:
+            _collective(eqn, env)
+            continue
         bound = eqn.primitive.get_bind_params(eqn.params)  # older JAX: (subfuns, params); 0.10: params
         subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
         outs = eqn.primitive.bind(*subfuns, *(_read(env, v) for v in eqn.invars), **params)
@@ -76,6 +93,46 @@ def _run(eqns: Sequence[JaxprEqn], env: dict[Var, Any]) -> None:
         for var, value in zip(eqn.outvars, outs, strict=True):
             if not isinstance(var, DropVar):
                 env[var] = value
+
+
+def _axes(group: str | None) -> tuple[str, ...]:
+    return DATA_AXES if group is None else (group,)
+
+
+def _collective(eqn: JaxprEqn, env: dict[Var, Any]) -> None:
+    """A user's collective placeholder, bound as the mesh collective over the data axes of its group."""
+    args = [_read(env, v) for v in eqn.invars]
+    axes = _axes(eqn.params["group"])
+    if eqn.primitive is all_reduce_p:
+        outs = [_REDUCE[eqn.params["op"]](x, axes) for x in args]
+    elif eqn.primitive is replica_id_p:
+        outs = [lax.axis_index(axes).astype(jnp.int32)]
+    else:  # check_collectives refused it before the programs were built
+        raise AssertionError(eqn.primitive.name)
+    for var, value in zip(eqn.outvars, outs, strict=True):
+        if not isinstance(var, DropVar):
+            env[var] = value
+
+
+def check_collectives(jaxpr: Jaxpr) -> None:
+    """Raise :class:`StageSplitError` naming the line of a collective a pipelined step cannot run yet: any but
+    ``all_sum``/``all_mean``/``all_max``/``all_min`` and ``replica_id``, or one inside a sub-graph the split
+    keeps whole (a ``scan`` or ``while`` body, a ``cond`` branch, a ``jax.checkpoint``)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive in PLACEHOLDERS and eqn.primitive not in (all_reduce_p, replica_id_p):
+            raise StageSplitError(
+                f"{eqn.primitive.name} at {user_source_line(eqn.source_info)}: a pipelined loss runs rp.all_sum, "
+                "rp.all_mean, rp.all_max, rp.all_min and rp.replica_id across the data-parallel replicas; "
+                "all_gather, reduce_scatter and broadcast are not supported in a pipeline yet."
+            )
+        for sub in sub_jaxprs(eqn.params):
+            for inner in iter_eqns(sub):
+                if inner.primitive in PLACEHOLDERS:
+                    raise StageSplitError(
+                        f"{inner.primitive.name} at {user_source_line(inner.source_info)} is inside the "
+                        f"{eqn.primitive.name} at {user_source_line(eqn.source_info)}: a pipelined loss runs "
+                        "collectives at its top level only for now; move it out of the loop, branch or checkpoint."
+                    )
 
 
 def stage_programs(split: StageSplit, closed: ClosedJaxpr) -> list[StagePrograms]:

@@ -27,6 +27,9 @@ every stage packs its own leaves' gradients (a tied leaf's is the sum over its s
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,13 +42,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from replicator._jax_compat import user_source_line
+from replicator.core.context import ReplicaContext, replica_context
 from replicator.core.jaxprs import iter_eqns
 from replicator.stages.lower import STAGE_AXIS, _Packing, _shapes, tick_loop
-from replicator.stages.programs import stage_programs
+from replicator.stages.programs import DATA_AXES, check_collectives, stage_programs
 from replicator.stages.schedule import Schedule, make_schedule
 from replicator.stages.split import StageSplitError, split_stages
 
-__all__ = ["PipelineTrainStep", "pipeline_train_step"]
+__all__ = ["DATA_AXES", "PipelineTrainStep", "pipeline_train_step"]
 
 
 class _Built:
@@ -53,10 +57,11 @@ class _Built:
 
     def __init__(self, owner: PipelineTrainStep, params: Any, batch: tuple) -> None:
         m = owner.num_microbatches
+        replicas = owner.data_replicas
         param_leaves, self.param_def = jax.tree.flatten(params)
         if not self.param_def.num_nodes > 1:
             raise TypeError("pipeline_train_step: pass the parameters as a pytree (a dict, a list), not one array.")
-        micro = _micro_batches(batch, m)
+        micro = _micro_batches(batch, m, replicas)
         batch_def = jax.tree.structure(batch)
         loss, param_def = owner.loss, self.param_def
 
@@ -64,13 +69,34 @@ class _Built:
             return jax.value_and_grad(loss)(param_def.unflatten(param_leaves), *batch_def.unflatten(batch_leaves))
 
         # Traced on shapes alone: an argument placed on a mesh must not carry its sharding into the programs.
-        closed = jax.make_jaxpr(one)(_shapes(param_leaves), _shapes([x[0] for x in micro]))
+        # Inside the data-parallel replicas' context: the user's collectives (batch norm) are theirs.
+        data = (1, 1) if owner.mesh is None else tuple(owner.mesh.shape[a] for a in DATA_AXES)
+        with replica_context(ReplicaContext(*data)):
+            closed = jax.make_jaxpr(one)(_shapes(param_leaves), _shapes([x[0, 0] for x in micro]))
         split = split_stages(closed, first_batch=len(param_leaves))
+        check_collectives(split.jaxpr)
         stages = split.num_stages
-        devices = list(owner.devices) if owner.devices is not None else jax.devices()[:stages]
-        if len(devices) != stages:
-            raise StageSplitError(f"the loss has {stages} stages; pass {stages} devices (got {len(devices)}).")
-        self.mesh = Mesh(np.array(devices), (STAGE_AXIS,))
+        if owner.mesh is not None:
+            self.mesh = owner.mesh
+            if self.mesh.shape[STAGE_AXIS] != stages:
+                raise StageSplitError(
+                    f"the loss has {stages} stages (its rp.stage_boundary markers cut it {stages - 1} times) but the "
+                    f"mesh has {self.mesh.shape[STAGE_AXIS]}; mark {self.mesh.shape[STAGE_AXIS] - 1} boundaries or "
+                    f"ask for {stages} stages."
+                )
+        else:
+            devices = list(owner.devices) if owner.devices is not None else jax.devices()[:stages]
+            if len(devices) != stages:
+                raise StageSplitError(f"the loss has {stages} stages; pass {stages} devices (got {len(devices)}).")
+            self.mesh = Mesh(np.array(devices).reshape(stages, 1, 1), (STAGE_AXIS, *DATA_AXES))
+        if m < stages:
+            warnings.warn(
+                f"num_microbatches={m} < {stages} stages: most of the step is bubble (idle fraction "
+                f"{(stages - 1) / (m + stages - 1):.2f} = (S-1)/(M+S-1)); use at least {stages} micro-batches.",
+                UserWarning,
+                stacklevel=_user_stacklevel(),
+            )
+        self.closed, self.split = closed, split
         self.stages = stages
         n = len(param_leaves)
         everyone = frozenset(range(stages))
@@ -80,7 +106,8 @@ class _Built:
         self.avals = [v.aval for v in closed.jaxpr.invars[:n]]
         self.packing = _Packing([[self.avals[i] for i in layout] for layout in self.layout])
         table = make_schedule(owner.schedule, stages, m)
-        loop = tick_loop(stage_programs(split, closed), table, closed.out_avals, self.params_of)
+        self.table, self.programs = table, stage_programs(split, closed)
+        loop = tick_loop(self.programs, table, closed.out_avals, self.params_of)
         optimizer = owner.optimizer
         packed_def = jax.tree.structure(self.packing.zeros((stages,)))
         self.packed_def = packed_def
@@ -90,7 +117,10 @@ class _Built:
         self.params_sharding = NamedSharding(self.mesh, P(STAGE_AXIS))
 
         def per_device(params: dict, state: Any, batch: list) -> tuple:
-            value, *grads = loop(params, batch)
+            # Each data-parallel replica runs the pipeline on its share (a (1, M, rows, ...) block); the
+            # value and gradients are then averaged over the replicas, as rp.all_mean(grads) does today.
+            value, *grads = loop(params, [x[0] for x in batch])
+            value, grads = lax.pmean((value, grads), DATA_AXES)
             own = [self._pack_grads(s) for s in range(stages)]
             grads = lax.switch(lax.axis_index(STAGE_AXIS), own, grads)
             updates, state = optimizer.update(grads, state, params)
@@ -101,7 +131,7 @@ class _Built:
             jax.shard_map(
                 per_device,
                 mesh=self.mesh,
-                in_specs=(params_spec, self.state_specs, P()),
+                in_specs=(params_spec, self.state_specs, P(DATA_AXES)),
                 out_specs=(params_spec, self.state_specs, P()),
                 check_vma=False,
             )
@@ -148,6 +178,15 @@ class _Built:
         return jax.tree.map(one, state, is_leaf=lambda x: jax.tree.structure(x) == self.packed_def)
 
 
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the first caller outside the ``replicator`` package (the user's line)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 #: Primitives that read across the elements of an operand: an update with one is not the same per stage.
 _ACROSS = frozenset({"dot_general", "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin", "sort"})
 
@@ -178,15 +217,20 @@ def _specs(state: Any, packed_def: Any) -> Any:
     return jax.tree.map(one, state, is_leaf=lambda x: jax.tree.structure(x) == packed_def)
 
 
-def _micro_batches(batch: tuple, m: int) -> list:
+def _micro_batches(batch: tuple, m: int, replicas: int = 1) -> list:
+    """Each batch leaf ``(B, ...)`` as ``(replicas, m, B / (replicas m), ...)``: replica ``r`` takes the ``r``-th
+    contiguous block of rows (as :meth:`Replicator.run` gives replica ``r`` its share), cut into ``m``."""
     leaves = jax.tree.leaves(batch)
+    parts = m * replicas
     for leaf in leaves:
-        if np.ndim(leaf) == 0 or np.shape(leaf)[0] % m:
+        if np.ndim(leaf) == 0 or np.shape(leaf)[0] % parts:
+            rows = "a scalar" if np.ndim(leaf) == 0 else f"{np.shape(leaf)[0]} rows"
+            across = f" x {replicas} data-parallel replicas = {parts}" if replicas > 1 else ""
             raise ValueError(
-                f"a batch leaf of shape {np.shape(leaf)} does not split into num_microbatches={m} equal "
-                f"micro-batches; make the batch a multiple of {m}."
+                f"a batch leaf of shape {np.shape(leaf)} ({rows}) does not split into num_microbatches={m}"
+                f"{across} equal parts; make the batch's leading axis a multiple of {parts}."
             )
-    return [jnp.reshape(x, (m, x.shape[0] // m, *x.shape[1:])) for x in map(jnp.asarray, leaves)]
+    return [jnp.reshape(x, (replicas, m, x.shape[0] // parts, *x.shape[1:])) for x in map(jnp.asarray, leaves)]
 
 
 class PipelineTrainStep:
@@ -201,9 +245,17 @@ class PipelineTrainStep:
         num_microbatches: int,
         schedule: str | Schedule,
         devices: Sequence[Any] | None,
+        mesh: Mesh | None = None,
     ) -> None:
         self.loss, self.optimizer = loss, optimizer
         self.num_microbatches, self.schedule, self.devices = num_microbatches, schedule, devices
+        if mesh is not None and tuple(mesh.axis_names) != (STAGE_AXIS, *DATA_AXES):
+            raise ValueError(f"a pipeline's mesh has the axes {(STAGE_AXIS, *DATA_AXES)}, got {mesh.axis_names}.")
+        if mesh is not None and devices is not None:
+            raise ValueError("pass devices= (one per stage) or mesh= (stages x data-parallel replicas), not both.")
+        self.mesh = mesh
+        #: ``D``: the data-parallel replicas of the pipeline (the mesh's data axes), each on its share of the batch.
+        self.data_replicas = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in DATA_AXES]))
         self._built: dict[Any, _Built] = {}
 
     def built(self, params: Any, *batch: Any) -> _Built:
@@ -241,12 +293,12 @@ class PipelineTrainStep:
     def step(self, params: Any, packed_params: dict, packed_state: Any, *batch: Any) -> tuple[dict, Any, jax.Array]:
         """One step on packed parameters and state (``params``, global, gives the shapes); returns them packed."""
         b = self.built(params, *batch)
-        return b.step(packed_params, packed_state, _micro_batches(batch, self.num_microbatches))
+        return b.step(packed_params, packed_state, _micro_batches(batch, self.num_microbatches, self.data_replicas))
 
     def __call__(self, params: Any, state: Any, *batch: Any) -> tuple[Any, Any, jax.Array]:
         b = self.built(params, *batch)
         new_params, new_state, value = b.step(
-            b.pack(params), b.pack_state(state), _micro_batches(batch, self.num_microbatches)
+            b.pack(params), b.pack_state(state), _micro_batches(batch, self.num_microbatches, self.data_replicas)
         )
         return b.unpack(new_params), b.unpack_state(new_state), value
 
@@ -258,6 +310,7 @@ def pipeline_train_step(
     num_microbatches: int,
     schedule: str | Schedule = "gpipe",
     devices: Sequence[Any] | None = None,
+    mesh: Mesh | None = None,
 ) -> PipelineTrainStep:
     """A training step of ``loss`` (marked with ``rp.stage_boundary``) with ``optimizer`` over its stages.
 
@@ -265,9 +318,14 @@ def pipeline_train_step(
       loss: ``loss(params, *batch) -> scalar``, a mean over its batch.
       optimizer: an optax transformation whose state mirrors the parameters (elementwise: Adam, SGD, ...).
       num_microbatches: ``M``; schedule: ``"gpipe"``, ``"1f1b"`` or a table; devices: one per stage.
+      mesh: instead of ``devices``, a mesh with the axes ``('stages', 'workers', 'cores')``
+        (:func:`~replicator.stages.replicas.pipeline_mesh`): ``D = workers x cores`` data-parallel replicas of
+        the pipeline, each on its contiguous ``1/D`` of the batch's rows, their gradients averaged.
 
     Returns:
       ``step(params, state, *batch) -> (params, state, value)``, equal to one device's
       ``jax.value_and_grad`` on the whole batch followed by ``optimizer.update``.
     """
-    return PipelineTrainStep(loss, optimizer, num_microbatches=num_microbatches, schedule=schedule, devices=devices)
+    return PipelineTrainStep(
+        loss, optimizer, num_microbatches=num_microbatches, schedule=schedule, devices=devices, mesh=mesh
+    )

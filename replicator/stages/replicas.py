@@ -1,0 +1,291 @@
+"""Data-parallel replicas of a pipeline: the ``('stages', 'workers', 'cores')`` mesh, the ``Replicator`` option
+and the description of a pipelined step (schedule, bubble, per-stage compute and memory).
+
+``S`` stages x ``D`` data-parallel replicas on ``S * D`` devices. The mesh's axes are ``'stages'`` then the
+data axes ``('workers', 'cores')`` (a tensor-parallel axis would come innermost, later). The data axes keep
+their meaning: replica ``r`` of the pipeline takes the ``r``-th contiguous ``1/D`` of the batch's rows, runs
+the schedule on its ``M`` micro-batches, and the gradients and the loss are then averaged over the data axes,
+which is what ``rp.all_mean(grads)`` in a data-parallel step does (``group=None``: every replica). A stage's
+devices are the ``D`` replicas of that stage; the compiler's own collectives (``ppermute`` of boundary values,
+``psum`` of a tied leaf's gradient) are over ``'stages'`` only.
+
+Where stages sit (:func:`pipeline_mesh`): from a ``Replicator``'s ``(workers, cores)`` device grid, *within a
+worker* when ``S`` divides ``cores_per_worker`` (activations cross stages inside a host; ``C' = C / S``), else
+*across workers* when ``S`` divides ``num_workers`` (``W' = W / S``).
+
+>>> grid = np.array(jax.devices()[:8]).reshape(1, 8)
+>>> mesh = pipeline_mesh(grid, stages=2)
+>>> dict(mesh.shape), [d.id for d in mesh.devices[1].flat]
+({'stages': 2, 'workers': 1, 'cores': 4}, [4, 5, 6, 7])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.extend.core import JaxprEqn
+from jax.sharding import Mesh
+
+from replicator.stages.lower import STAGE_AXIS, ring_slots
+from replicator.stages.schedule import schedule_stats
+from replicator.stages.split import BACKWARD, FORWARD
+from replicator.stages.train import DATA_AXES, PipelineTrainStep, _Built
+
+__all__ = ["PipelineReport", "PipelinedReplicas", "StageReport", "describe", "pipeline_mesh"]
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def pipeline_mesh(grid: np.ndarray, stages: int) -> Mesh:
+    """The ``('stages', 'workers', 'cores')`` mesh of ``stages`` stages over ``grid``, a ``(workers, cores)``
+    array of devices (a ``Replicator``'s ``mesh.devices``); see the module docstring for the layout."""
+    grid = np.asarray(grid)
+    if grid.ndim != 2:
+        raise ValueError(f"pipeline_mesh: grid must be a (workers, cores) array of devices, got shape {grid.shape}.")
+    w, c = grid.shape
+    if not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"pipeline_stages must be a positive int, got {stages!r}.")
+    if c % stages == 0:  # within a worker: the cores of each worker split into S groups
+        devices = grid.reshape(w, stages, c // stages).transpose(1, 0, 2)
+    elif w % stages == 0:  # across workers: consecutive workers form a stage
+        devices = grid.reshape(stages, w // stages, c)
+    else:
+        raise ValueError(
+            f"pipeline_stages={stages} divides neither cores_per_worker={c} (stages within a worker) nor "
+            f"num_workers={w} (stages across workers), so the {w} x {c} devices do not form {stages} stages of "
+            "data-parallel replicas; pick a pipeline_stages that divides one of them."
+        )
+    return Mesh(devices, (STAGE_AXIS, *DATA_AXES))
+
+
+@dataclasses.dataclass(frozen=True)
+class StageReport:
+    """One stage of a pipelined step, per device of that stage.
+
+    Attributes:
+      stage: its index.
+      parameters: the leaves it keeps (their paths).
+      parameter_bytes: their bytes (a tied leaf counted on each stage that keeps it); the device holds the
+        packed row, padded to the largest stage's (:attr:`PipelineReport.row_bytes`).
+      forward_s, backward_s: the cost model's seconds of one micro-batch's forward, and backward, on this
+        stage (``None`` without a cost model); the step runs ``M`` of each.
+      residual_bytes: what one micro-batch's forward keeps for its backward.
+      peak_live: the most micro-batches whose residuals are alive at once under the schedule.
+    """
+
+    stage: int
+    parameters: tuple[str, ...]
+    parameter_bytes: int
+    forward_s: float | None
+    backward_s: float | None
+    residual_bytes: int
+    peak_live: int
+
+    @property
+    def compute_s(self) -> float | None:
+        """One micro-batch's forward and backward."""
+        return None if self.forward_s is None or self.backward_s is None else self.forward_s + self.backward_s
+
+    @property
+    def activation_bytes(self) -> int:
+        """Residual memory at the schedule's peak (stash slots actually alive)."""
+        return self.residual_bytes * self.peak_live
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineReport:
+    """What a pipelined step will run: printed by ``Replicator.describe_pipeline``.
+
+    Attributes:
+      schedule: the tick table (``str()`` draws it); stages: ``S``; microbatches: ``M``; replicas: ``D``.
+      ticks: the table's ticks; bubble: its idle slots over all slots (``(S-1)/(M+S-1)`` for both tables).
+      row_bytes: per device, the packed parameters (the largest stage's row); optimizer_bytes: per device,
+        the optimizer state (its parameter-shaped parts packed the same way, scalars whole).
+      stash_slots: the residual ring's slots (``M`` for GPipe, ``S`` for 1F1B).
+      per_stage: one :class:`StageReport` per stage.
+    """
+
+    schedule: Any
+    stages: int
+    microbatches: int
+    replicas: int
+    ticks: int
+    bubble: float
+    row_bytes: int
+    optimizer_bytes: int
+    stash_slots: int
+    per_stage: tuple[StageReport, ...]
+
+    def __str__(self) -> str:
+        s, m, d = self.stages, self.microbatches, self.replicas
+        lines = [
+            f"pipeline: {s} stages x {d} data-parallel replicas on {s * d} devices, {m} micro-batches, "
+            f"schedule {self.schedule.name}",
+            f"  {self.ticks} ticks, bubble {self.bubble:.3f} (= (S-1)/(M+S-1) = {s - 1}/{m + s - 1})",
+            f"  per device: parameters {_bytes(self.row_bytes)} (packed row), optimizer state "
+            f"{_bytes(self.optimizer_bytes)}, residual ring of {self.stash_slots} slots",
+            "  stage  compute/micro-batch  parameters  residuals/micro-batch  peak live  activations  leaves",
+        ]
+        for r in self.per_stage:
+            compute = "-" if r.compute_s is None else f"{r.compute_s * 1e6:.1f} us"
+            leaves = ", ".join(r.parameters) if len(r.parameters) <= 4 else f"{len(r.parameters)} leaves"
+            lines.append(
+                f"  {r.stage:5d}  {compute:>19}  {_bytes(r.parameter_bytes):>10}  {_bytes(r.residual_bytes):>21}  "
+                f"{r.peak_live:9d}  {_bytes(r.activation_bytes):>11}  {leaves}"
+            )
+        computes = [r.compute_s for r in self.per_stage]
+        if all(c is not None for c in computes) and max(computes) > 0:  # type: ignore[type-var]
+            tick = max(max(r.forward_s, r.backward_s) for r in self.per_stage)  # type: ignore[type-var]
+            lines.append(
+                f"  cost model: a tick is the slowest forward or backward of one micro-batch, {tick * 1e6:.1f} us; "
+                f"the step about {self.ticks} ticks = {self.ticks * tick * 1e3:.3f} ms; the lightest stage does "
+                f"{min(computes) / max(computes):.2f} of the heaviest's work"  # type: ignore[type-var,operator]
+            )
+        lines.append("schedule (F: forward, B: backward of micro-batch m):")
+        lines.append(str(self.schedule))
+        return "\n".join(lines)
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _nbytes(aval: Any) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64)) * jnp.dtype(aval.dtype).itemsize
+
+
+def describe(
+    step: PipelineTrainStep,
+    params: Any,
+    *batch: Any,
+    stage_cost: Callable[[Sequence[JaxprEqn]], float] | None = None,
+) -> PipelineReport:
+    """What ``step`` runs on these shapes (traced and split, not run).
+
+    Args:
+      step: a pipelined training step; params, batch: as for the step (arrays or ``jax.ShapeDtypeStruct``).
+      stage_cost: seconds for a list of equations (the cost model's, :mod:`replicator.cost.compute`; this layer
+        sits below it, so the caller passes it); ``None``: no compute column.
+    """
+    b: _Built = step.built(params, *batch)
+    split, table = b.split, b.table
+    stats = schedule_stats(table)
+    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    per_stage = []
+    for s in range(b.stages):
+        phase = {
+            p: [split.jaxpr.eqns[i] for i in split.eqns_of(s) if split.phases[i] == p] for p in (FORWARD, BACKWARD)
+        }
+        per_stage.append(
+            StageReport(
+                stage=s,
+                parameters=tuple(paths[i] for i in b.layout[s]),
+                parameter_bytes=sum(_nbytes(b.avals[i]) for i in b.layout[s]),
+                forward_s=None if stage_cost is None else float(stage_cost(phase[FORWARD])),
+                backward_s=None if stage_cost is None else float(stage_cost(phase[BACKWARD])),
+                residual_bytes=sum(_nbytes(a) for a in b.programs[s].residuals),
+                peak_live=int(stats.peak_live[s]),
+            )
+        )
+    row = sum(n * jnp.dtype(d).itemsize for d, n in b.packing.sizes.items())
+    packed = b.packing.zeros((b.stages,))
+    state = jax.eval_shape(step.optimizer.init, packed)
+    packed_def = jax.tree.structure(packed)
+
+    def per_device(sub: Any) -> int:
+        if jax.tree.structure(sub) == packed_def:
+            return sum(_nbytes(x) for x in jax.tree.leaves(sub)) // b.stages
+        return sum(_nbytes(x) for x in jax.tree.leaves(sub))
+
+    optimizer_bytes = sum(
+        per_device(sub) for sub in jax.tree.leaves(state, is_leaf=lambda x: jax.tree.structure(x) == packed_def)
+    )
+    return PipelineReport(
+        schedule=table,
+        stages=b.stages,
+        microbatches=table.num_microbatches,
+        replicas=step.data_replicas,
+        ticks=stats.ticks,
+        bubble=float(stats.bubble),
+        row_bytes=int(row),
+        optimizer_bytes=int(optimizer_bytes),
+        stash_slots=ring_slots(table)["stash"],
+        per_stage=tuple(per_stage),
+    )
+
+
+class PipelinedReplicas:
+    """The ``Replicator`` option ``pipeline_stages=S, microbatches=M, schedule=...``: what
+    ``Replicator.run_pipelined`` and ``Replicator.describe_pipeline`` run (one compiled step per loss and
+    optimizer, cached)."""
+
+    def __init__(self, grid: np.ndarray, stages: int, microbatches: int | None, schedule: str) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}.")
+        if microbatches is None:
+            microbatches = stages
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be a positive int, got {microbatches!r}.")
+        self.mesh = pipeline_mesh(grid, stages)
+        self.stages, self.microbatches, self.schedule = stages, microbatches, schedule
+        self.replicas = int(np.prod([self.mesh.shape[a] for a in DATA_AXES]))
+        self._steps: dict[tuple[int, int], tuple[Callable, Any, PipelineTrainStep]] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"PipelinedReplicas(stages={self.stages}, replicas={self.replicas}, microbatches={self.microbatches}, "
+            f"schedule={self.schedule!r})"
+        )
+
+    def step_for(self, loss_fn: Callable, optimizer: optax.GradientTransformation) -> PipelineTrainStep:
+        """The pipelined training step of ``loss_fn`` with ``optimizer`` on this mesh (built once)."""
+        key = (id(loss_fn), id(optimizer))
+        if key not in self._steps:  # the functions are kept alive with their step, so ids stay theirs
+            step = PipelineTrainStep(
+                loss_fn,
+                optimizer,
+                num_microbatches=self.microbatches,
+                schedule=self.schedule,
+                devices=None,
+                mesh=self.mesh,
+            )
+            self._steps[key] = (loss_fn, optimizer, step)
+        return self._steps[key][2]
+
+    def run(self, loss_fn: Callable, optimizer: optax.GradientTransformation, batch: Any, state: Any) -> tuple:
+        """One step: ``state = (params, opt_state)`` with global shapes; returns ``((params, opt_state), loss)``."""
+        params, opt_state = _split_state(state)
+        batch = batch if isinstance(batch, tuple) else (batch,)
+        new_params, new_opt_state, value = self.step_for(loss_fn, optimizer)(params, opt_state, *batch)
+        return (new_params, new_opt_state), value
+
+    def describe(
+        self,
+        loss_fn: Callable,
+        optimizer: optax.GradientTransformation,
+        batch: Any,
+        state: Any,
+        stage_cost: Callable[[Sequence[JaxprEqn]], float] | None = None,
+    ) -> PipelineReport:
+        """:func:`describe` of the step :meth:`run` would run."""
+        params, _ = _split_state(state)
+        batch = batch if isinstance(batch, tuple) else (batch,)
+        return describe(self.step_for(loss_fn, optimizer), params, *batch, stage_cost=stage_cost)
+
+
+def _split_state(state: Any) -> tuple[Any, Any]:
+    if not (isinstance(state, tuple) and len(state) == 2):
+        raise TypeError(
+            "run_pipelined: state must be the pair (params, opt_state) with their global shapes, "
+            f"got {type(state).__name__}."
+        )
+    return state

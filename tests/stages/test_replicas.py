@@ -1,0 +1,287 @@
+"""Data-parallel replicas of a pipeline (S stages x D replicas on S * D devices) against one device:
+``jax.jit`` of ``jax.value_and_grad`` + ``optax.adam`` on the global batch, 3 steps, through the ``Replicator``
+option. And the mesh layout, where each stage's state lives, the trace-time errors and the description."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+
+import replicator as rp
+from replicator.stages import StageSplitError
+from replicator.stages.replicas import pipeline_mesh
+from tests.stages.test_gpipe import VOCAB, four_stages_tied, params, three_stages, two_stages
+from tests.stages.test_train import STEPS, _assert_close, _reference
+
+ROWS = 32
+
+
+def global_batch(rows: int = ROWS):
+    rng = np.random.default_rng(2)
+    return rng.integers(0, VOCAB, size=(rows,)), rng.normal(size=(rows, VOCAB)).astype(np.float32)
+
+
+def _params_for(loss):
+    p = params()
+    if loss is four_stages_tied:
+        del p["head"]
+    return p
+
+
+CASES = [
+    # (num_workers, cores_per_worker, S, M, loss): D = W * C / S
+    pytest.param(1, 4, 2, 2, two_stages, id="S2xD2-M2"),
+    pytest.param(2, 4, 2, 4, two_stages, id="S2xD4-M4"),
+    pytest.param(1, 8, 4, 4, four_stages_tied, id="S4xD2-M4-tied"),
+    pytest.param(4, 2, 4, 2, four_stages_tied, id="S4xD2-across-workers-M2"),
+    pytest.param(2, 3, 3, 4, three_stages, id="S3xD2-M4"),
+]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("workers, cores, stages, m, loss", CASES)
+def test_replicated_pipeline_matches_one_device(workers, cores, stages, m, loss, schedule):
+    p, (ids, y) = _params_for(loss), global_batch()
+    opt = optax.adam(1e-2)
+    devices = jax.devices()[: workers * cores]
+    repl = rp.Replicator(workers, cores, devices=devices, pipeline_stages=stages, microbatches=m, schedule=schedule)
+    assert repl.pipelined.replicas == workers * cores // stages
+    state, values = (p, opt.init(p)), []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore" if m < stages else "error")  # M >= S: no bubble warning
+        for _ in range(STEPS):
+            state, value = repl.run_pipelined(loss, opt, (ids, y), state)
+            values.append(value)
+    want_p, want_state, want_values = _reference(loss, opt, p, ids, y)
+    _assert_close(state[0], want_p)
+    _assert_close(state[1], want_state)
+    np.testing.assert_allclose(values, want_values, rtol=1e-5)
+
+
+def test_each_replica_runs_its_own_rows():
+    # The halves of the batch pull apart: the step equals one device only if each replica takes its own
+    # rows and the replicas' gradients are averaged (not summed, not one replica's).
+    p, (ids, y) = _params_for(two_stages), global_batch()
+    y[ROWS // 2 :] += 3.0
+    opt = optax.sgd(0.1)
+    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2, microbatches=2)
+    (got, _), value = repl.run_pipelined(two_stages, opt, (ids, y), (p, opt.init(p)))
+    want_value, grads = jax.jit(jax.value_and_grad(two_stages))(p, ids, y)
+    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+    _assert_close(got, optax.apply_updates(p, opt.update(grads, opt.init(p), p)[0]))
+
+
+def test_stage_state_lives_on_its_replicas_only():
+    p, (ids, y) = _params_for(four_stages_tied), global_batch()
+    opt = optax.adam(1e-2)
+    repl = rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=4, microbatches=4)
+    train = repl.pipelined.step_for(four_stages_tied, opt)
+    train.built(p, ids, y)
+    packed, packed_state = train.pack(p, opt.init(p))
+    (buffer,) = packed.values()
+    mesh = repl.pipelined.mesh
+    assert dict(mesh.shape) == {"stages": 4, "workers": 1, "cores": 2}
+    shards = {s.device: np.asarray(s.data) for s in buffer.addressable_shards}
+    for stage in range(4):
+        devices = list(mesh.devices[stage].flat)
+        assert all(shards[d].shape == (1, buffer.shape[1]) for d in devices)
+        # The D replicas of a stage hold the same row: stage `stage`'s, and only it.
+        np.testing.assert_array_equal(shards[devices[0]], shards[devices[1]])
+        np.testing.assert_array_equal(shards[devices[0]][0], np.asarray(buffer[stage]))
+    mu = packed_state[0].mu["float32"]
+    assert mu.sharding.spec == jax.sharding.PartitionSpec("stages") and mu.addressable_shards[0].data.shape[0] == 1
+
+
+def test_pipeline_mesh_layout():
+    devices = np.array(jax.devices()[:8])
+    within = pipeline_mesh(devices.reshape(2, 4), 2)  # S divides the cores: stages inside each worker
+    assert dict(within.shape) == {"stages": 2, "workers": 2, "cores": 2}
+    assert [d.id for d in within.devices[0].flat] == [0, 1, 4, 5]
+    across = pipeline_mesh(devices.reshape(4, 2), 4)  # S divides the workers only: a stage per worker
+    assert dict(across.shape) == {"stages": 4, "workers": 1, "cores": 2}
+    assert [d.id for d in across.devices[1].flat] == [2, 3]
+    with pytest.raises(ValueError, match=r"pipeline_stages=3 divides neither cores_per_worker=4 .* num_workers=2"):
+        pipeline_mesh(devices.reshape(2, 4), 3)
+
+
+def test_batch_not_divisible_names_the_numbers():
+    p, (ids, y) = _params_for(two_stages), global_batch(rows=28)
+    opt = optax.sgd(0.1)
+    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2, microbatches=4)
+    with pytest.raises(
+        ValueError, match=r"\(28 rows\) does not split into num_microbatches=4 x 2 data-parallel replicas = 8 .*of 8"
+    ):
+        repl.run_pipelined(two_stages, opt, (ids, y), (p, opt.init(p)))
+
+
+def test_fewer_microbatches_than_stages_warns():
+    p, (ids, y) = _params_for(four_stages_tied), global_batch()
+    opt = optax.sgd(0.1)
+    repl = rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=4, microbatches=2)
+    with pytest.warns(UserWarning, match=r"num_microbatches=2 < 4 stages: most of the step is bubble .*0\.60") as got:
+        repl.describe_pipeline(four_stages_tied, opt, (ids, y), (p, opt.init(p)))
+    assert got[0].filename == __file__  # the user's line, not replicator's
+
+
+def test_one_stage_is_gradient_accumulation_over_replicas():
+    # No marker, pipeline_stages=1: M micro-batches accumulated on each of the D = 4 replicas.
+    p, (ids, y) = _params_for(two_stages), global_batch()
+    opt = optax.sgd(0.1)
+
+    def unmarked(p, ids, y):
+        return jnp.mean((jnp.tanh(p["emb"][ids] @ p["w1"]) @ p["head"] - y) ** 2)
+
+    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=1, microbatches=4)
+    (got, _), value = repl.run_pipelined(unmarked, opt, (ids, y), (p, opt.init(p)))
+    want_value, grads = jax.jit(jax.value_and_grad(unmarked))(p, ids, y)
+    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+    _assert_close(got, optax.apply_updates(p, opt.update(grads, opt.init(p), p)[0]), tol=1e-5)
+
+
+def test_stage_count_must_match_the_markers():
+    p, (ids, y) = _params_for(two_stages), global_batch()
+    opt = optax.sgd(0.1)
+    repl = rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=4, microbatches=4)
+    with pytest.raises(StageSplitError, match=r"the loss has 2 stages .* but the mesh has 4"):
+        repl.run_pipelined(two_stages, opt, (ids, y), (p, opt.init(p)))
+
+
+def test_run_of_a_pipelined_replicator_says_what_to_call():
+    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2)
+    with pytest.raises(ValueError, match="call run_pipelined"):
+        repl.run(lambda batch: batch.sum(), np.ones((4, 2), np.float32))
+
+
+def test_describe_pipeline():
+    p, (ids, y) = _params_for(four_stages_tied), global_batch()
+    opt = optax.adam(1e-2)
+    repl = rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=4, microbatches=8, schedule="1f1b")
+    report = repl.describe_pipeline(four_stages_tied, opt, (ids, y), (p, opt.init(p)))
+    assert (report.stages, report.microbatches, report.replicas, report.ticks) == (4, 8, 2, 22)
+    assert abs(report.bubble - 3 / 11) < 1e-12
+    assert [r.peak_live for r in report.per_stage] == [4, 3, 2, 1] and report.stash_slots == 4
+    # Parameters: the embedding (10 x 8) on stages 0 and 3, w1 (8 x 8) on 1 and 2; `extra` (3) everywhere.
+    assert [r.parameter_bytes for r in report.per_stage] == [4 * 83, 4 * 67, 4 * 67, 4 * 83]
+    assert report.row_bytes == 4 * 83
+    assert report.optimizer_bytes == 2 * 4 * 83 + 4  # Adam's mu and nu rows, its int32 count
+    # Compute: stage 0 is a gather; stages 1-2 matrix products of (2, 8) x (8, 8); stage 3 the head's.
+    compute = [r.compute_s for r in report.per_stage]
+    assert all(c > 0 for c in compute) and compute[0] < min(compute[1:])
+    text = str(report)
+    assert "4 stages x 2 data-parallel replicas on 8 devices, 8 micro-batches, schedule 1f1b" in text
+    assert "22 ticks, bubble 0.273 (= (S-1)/(M+S-1) = 3/11)" in text
+    gpipe = rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=4, microbatches=8, schedule="gpipe")
+    report = gpipe.describe_pipeline(four_stages_tied, opt, (ids, y), (p, opt.init(p)))
+    assert [r.peak_live for r in report.per_stage] == [8] * 4 and report.stash_slots == 8
+
+
+def bn_loss(all_mean):
+    """Batch norm in stage 1, its statistics over the data-parallel replicas (``all_mean``), a per-worker mean
+    (``group='cores'``) in stage 0."""
+
+    def loss(p, x, y):
+        h = jnp.tanh(x @ p["a"])
+        h = h - all_mean(jnp.mean(h, 0), "cores")
+        h = rp.stage_boundary(h)
+        mu = all_mean(jnp.mean(h, 0), None)
+        var = all_mean(jnp.mean((h - mu) ** 2, 0), None)
+        h = (h - mu) / jnp.sqrt(var + 1e-3) * p["scale"]
+        return jnp.mean((h @ p["b"] - y) ** 2)
+
+    return loss
+
+
+def _rp_mean(x, group):
+    return rp.all_mean(x, group=group)
+
+
+def _vmap_mean(x, group):
+    return lax.pmean(x, ("workers", "cores") if group is None else group)
+
+
+def _bn_setup(rows):
+    rng = np.random.default_rng(3)
+    p = {
+        "a": rng.normal(size=(3, 5)).astype(np.float32),
+        "scale": np.ones((5,), np.float32),
+        "b": rng.normal(size=(5, 2)).astype(np.float32),
+    }
+    return p, rng.normal(size=(rows, 3)).astype(np.float32), rng.normal(size=(rows, 2)).astype(np.float32)
+
+
+def test_collectives_in_the_loss_run_across_the_data_parallel_replicas():
+    # 2 stages x (2 workers x 2 cores) replicas, M = 2: every replica's micro-batch m normalised with the
+    # statistics of micro-batch m over all replicas (group=None) and over its worker's (group='cores').
+    # Reference: all replicas simulated with nested vmap on one device, lax.pmean over named axes.
+    workers, cores, stages, m = 2, 4, 2, 2
+    p, x, y = _bn_setup(32)
+    opt = optax.sgd(0.1)
+    repl = rp.Replicator(workers, cores, devices=jax.devices()[:8], pipeline_stages=stages, microbatches=m)
+    assert dict(repl.pipelined.mesh.shape) == {"stages": 2, "workers": 2, "cores": 2}
+    state, values = (p, opt.init(p)), []
+    for _ in range(2):
+        state, value = repl.run_pipelined(bn_loss(_rp_mean), opt, (x, y), state)
+        values.append(value)
+
+    ref_loss = bn_loss(_vmap_mean)
+    per_replica = jax.value_and_grad(ref_loss)
+    simulate = jax.vmap(jax.vmap(per_replica, (None, 0, 0), axis_name="cores"), (None, 0, 0), axis_name="workers")
+
+    @jax.jit
+    def reference_step(p):
+        xs = x.reshape(2, 2, m, -1, 3)  # (workers, cores, micro-batch, rows, features): replica r's rows in order
+        ys = y.reshape(2, 2, m, -1, 2)
+        value, grads = 0.0, jax.tree.map(jnp.zeros_like, p)
+        for k in range(m):
+            v, g = simulate(p, xs[:, :, k], ys[:, :, k])
+            value += v.mean() / m
+            grads = jax.tree.map(lambda a, b: a + b.mean((0, 1)) / m, grads, g)
+        return optax.apply_updates(p, opt.update(grads, opt.init(p), p)[0]), value
+
+    want, want_values = p, []
+    for _ in range(2):
+        want, value = reference_step(want)
+        want_values.append(value)
+    _assert_close(state[0], want, tol=1e-5)
+    np.testing.assert_allclose(values, want_values, rtol=1e-5)
+
+
+def test_collectives_mean_what_they_mean_in_a_data_parallel_step():
+    # M = 1: the pipeline's replicas are the data-parallel replicas of Replicator.run on the same rows.
+    p, x, y = _bn_setup(16)
+    opt = optax.sgd(0.1)
+    piped = rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=2, microbatches=1)
+    with pytest.warns(UserWarning, match="most of the step is bubble"):
+        (got, _), value = piped.run_pipelined(bn_loss(_rp_mean), opt, (x, y), (p, opt.init(p)))
+
+    def step(p, batch):
+        value, grads = jax.value_and_grad(bn_loss(_rp_mean))(p, batch["x"], batch["y"])
+        grads = rp.all_mean(grads)
+        return optax.apply_updates(p, opt.update(grads, opt.init(p), p)[0]), rp.all_mean(value)
+
+    plain = rp.Replicator(1, 4, devices=jax.devices()[:4])  # 4 replicas: cores groups of 4, not 2
+    want, want_value = plain.run(step, {"x": x, "y": y}, p)
+    # group='cores' spans the 4 replicas of the one worker in both.
+    assert dict(piped.pipelined.mesh.shape) == {"stages": 2, "workers": 1, "cores": 4}
+    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+    _assert_close(got, want, tol=1e-5)
+
+
+def test_unsupported_collective_in_the_loss_names_the_line():
+    def loss(p, x):
+        h = rp.stage_boundary(jnp.tanh(x @ p["a"]))
+        h = rp.all_gather(h, tiled=True)  # the line named
+        return jnp.mean(h @ p["b"])
+
+    p = {"a": np.ones((3, 4), np.float32), "b": np.ones((4, 2), np.float32)}
+    opt = optax.sgd(0.1)
+    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2, microbatches=2)
+    line = loss.__code__.co_firstlineno + 2
+    with pytest.raises(StageSplitError, match=rf"rp.all_gather at .*test_replicas.py:{line}.*not supported"):
+        repl.run_pipelined(loss, opt, np.ones((8, 3), np.float32), (p, opt.init(p)))
