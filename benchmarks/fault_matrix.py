@@ -38,8 +38,10 @@ same 2 x 2 job as above:
   parameters against the uninterrupted single-launcher run;
 * ``hosts-elastic``: host 1's launcher SIGKILLed (its worker dies with it) after
   step ``--every * 2 + 3`` under ``--nnodes 1:2``: the job finishes on host 0 alone
-  (1 worker x 2 devices, the global batch kept); its final parameters against a
-  one-device ``jax.jit`` run of the whole global batch;
+  (1 worker x 2 devices, the global batch kept); its final parameters against the
+  issue's reference, the checkpoint host 0 went on from resumed by one launcher on
+  one host (1 worker x 2 devices, ``keep_batch='global'`` as in the job), and
+  against a one-device ``jax.jit`` run of the whole global batch from step 0;
 * ``hosts-fixed``: the same under ``--nnodes 2``: host 0 ends with exit code 77,
   naming host rank 1; the time from the kill to its exit;
 * ``hosts-store``: host 0's launcher, which serves the rendezvous, SIGKILLed:
@@ -67,6 +69,7 @@ import os
 import queue
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -353,6 +356,10 @@ def run_host_row(row: str, steps: int, every: int, seed: int, tmp: str) -> dict:
                     got["where"].append(f"host {victim}'s launcher after step {fault_step}")
                 else:
                     got["where"].append(_hostile(endpoint))
+            if found := re.search(r"\[worker 0\] worker 0: start \d+, 1 of 2 workers, from step (\d+)", line):
+                got["resumed_from"] = step = int(found.group(1))  # the checkpoint the job went on alone from
+                name = f"step_{step:08d}"  # kept now: the job deletes it once 3 newer ones are saved
+                shutil.copytree(Path(tmp) / "ckpt" / name, Path(tmp) / "resume" / name)
             if row == "hosts-elastic" and "round 1: host rank 0 of 1" in line and got["fault"] is not None:
                 got["went_on_after"] = read - got["fault"]
     except queue.Empty:
@@ -360,6 +367,19 @@ def run_host_row(row: str, steps: int, every: int, seed: int, tmp: str) -> dict:
             p.kill()
         raise RuntimeError(f"the {row} job ran past {JOB_LIMIT_S:g} s") from None
     return got
+
+
+def resume_on_one_host(tmp: str, step: int, steps: int, every: int) -> dict[str, np.ndarray]:
+    """The issue's reference for ``hosts-elastic``: the checkpoint of ``step`` that host 0 went on from (copied
+    alone into ``tmp/resume`` by :func:`run_host_row` when it did) resumed to ``steps`` by one launcher on one
+    host (1 worker x 2 devices; the Trainer's ``keep_batch='global'``, as in the job: the same 64 rows a step);
+    its final parameters."""
+    command = [*LAUNCH[:3], "--num-workers", "1", "--cores-per-worker", "2", str(RESTART_WORKER), "--steps", str(steps)]
+    command += ["--every", str(every), "--ckpt", f"{tmp}/resume", "--out", f"{tmp}/resumed"]
+    done = subprocess.run(command, env=env(), cwd=ROOT, capture_output=True, text=True, timeout=JOB_LIMIT_S)
+    if done.returncode != 0 or f"from step {step}" not in done.stdout:
+        raise RuntimeError(f"the one-host resume from step {step} failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return final_params(f"{tmp}/resumed")
 
 
 def _hostile(endpoint: str) -> str:
@@ -406,10 +426,19 @@ def host_rows(names: list[str], steps: int, every: int, seed: int) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             got = run_host_row(name, steps, every, seed, tmp)
             params = final_params(f"{tmp}/out")
+            if name == "hosts-elastic" and "resumed_from" in got:
+                resumed = resume_on_one_host(tmp, got["resumed_from"], steps, every)
         said = got["said"]
         if name == "hosts-elastic":
-            diff = max(float(np.max(np.abs(params[k] - reference[k]))) for k in reference) if params else None
-            same = "missing" if diff is None else f"max abs diff {diff:.1e} vs one device (global batch kept)"
+            if not params or "resumed_from" not in got:
+                same = "missing"
+            else:
+                vs_resumed = max(float(np.max(np.abs(params[k] - resumed[k]))) for k in resumed)
+                vs_one = max(float(np.max(np.abs(params[k] - reference[k]))) for k in reference)
+                same = (
+                    f"max abs diff {vs_resumed:.1e} vs step {got['resumed_from']}'s checkpoint resumed on one host; "
+                    f"{vs_one:.1e} vs one device from step 0 (global batch kept)"
+                )
             timing = f"went on alone {got.get('went_on_after', float('nan')):.1f} s after the kill"
         else:
             same = compare(params, uninterrupted) if got["codes"] == [0, 0] else "-"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -20,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from replicator import launch
-from replicator.launch import cli, relay
+from replicator.launch import cli, hosts, relay
+from replicator.launch.rendezvous import StoreClient
 from replicator.launch.watchdog import STALL_EXIT_CODE
 from replicator.runtime.distributed.startup import START_TIMEOUT_EXIT_CODE
 
@@ -225,6 +227,99 @@ class TestAcrossHosts:
             assert "every host's workers finished (round 1)" in out
         # whichever launcher bound the endpoint first serves the rendezvous; the other connects
         assert sorted("(served here)" in out for out in outs) == [False, True], outs
+
+    @pytest.mark.multiprocess
+    @pytest.mark.slow
+    def test_a_host_that_waits_in_vain_for_a_restart_leaves_the_running_job_alone(self, tmp_path):
+        """A launcher that comes while the round runs and sees no restart within --rdzv-join-timeout ends alone."""
+        import socket
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            endpoint = f"127.0.0.1:{probe.getsockname()[1]}"
+        env = {**clean_env(), "JAX_PLATFORMS": "cpu"}
+        common = ["--nnodes", "1:2", "--rdzv-endpoint", endpoint, "--rdzv-heartbeat", "0.25", "--rdzv-last-call",
+                  "0.5", "--kill-grace", "1", "--max-time", "60"]  # fmt: skip
+        command = [sys.executable, "-m", "replicator.launch", *common]
+        first = subprocess.Popen(
+            [*command, TOY, "--sleep", "8"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+            env=env, start_new_session=True,
+        )  # fmt: skip
+        try:
+            StoreClient(endpoint, connect_timeout_s=60).close()
+            seen = []
+            for line in first.stdout:
+                seen.append(line)
+                if "round 0: host rank 0 of 1" in line:
+                    break
+            late = subprocess.run(
+                [*command, "--rdzv-join-timeout", "2", TOY], capture_output=True, text=True, cwd=ROOT, env=env,
+                timeout=60,
+            )  # fmt: skip
+            out0 = "".join(seen) + first.communicate(timeout=60)[0]
+        finally:
+            first.kill()
+        said = late.stdout + late.stderr
+        assert late.returncode == hosts.HOST_LOST_EXIT_CODE, said
+        assert "not taken into the job: round 0 runs on 1 host(s) without this one" in said, said
+        assert first.returncode == 0 and "every host's workers finished (round 0)" in out0, out0  # unaffected
+
+    @pytest.mark.multiprocess
+    @pytest.mark.slow
+    def test_a_host_that_comes_back_joins_at_the_restart_after(self, tmp_path):
+        """``--nnodes 1:2``: host 1's launcher SIGKILLed, the job goes on alone; host 1 started again joins round 2.
+
+        Round 0 has both hosts; round 1 host 0 alone (host 1 gone); the restarted host 1 waits outside the round
+        until worker 0 fails in start 1: round 2 has both hosts again, worker ids 0 and 1 of 2.
+        """
+        import socket
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            endpoint = f"127.0.0.1:{probe.getsockname()[1]}"
+        env = {**clean_env(), "JAX_PLATFORMS": "cpu"}
+        common = ["--nnodes", "1:2", "--rdzv-endpoint", endpoint, "--rdzv-heartbeat", "0.25", "--rdzv-last-call",
+                  "5", "--max-restarts", "3", "--kill-grace", "1", "--max-time", "120"]  # fmt: skip
+        toy = [TOY, "--fail-worker", "0", "--fail-in-start", "1", "--after", "3", "--sleep", "4", "--env",
+               "REPLICATOR_WORKER_ID", "REPLICATOR_NUM_WORKERS", "REPLICATOR_RESTART_COUNT"]  # fmt: skip
+
+        def host(rank: int) -> subprocess.Popen:
+            command = [sys.executable, "-m", "replicator.launch", *common, "--node-rank", str(rank), *toy]
+            return subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
+                start_new_session=True,
+            )  # fmt: skip
+
+        def until(proc: subprocess.Popen, needle: str, seen: list[str]) -> None:
+            for line in proc.stdout:
+                seen.append(line)
+                if needle in line:
+                    return
+            raise AssertionError(f"no {needle!r} in {''.join(seen)}")
+
+        procs, seen0, seen1 = [host(0)], [], []
+        try:
+            StoreClient(endpoint, connect_timeout_s=60).close()  # host 0 serves the rendezvous (it is not killed)
+            procs.append(host(1))
+            until(procs[1], "round 0: host rank 1 of 2", seen1)
+            os.killpg(procs[1].pid, signal.SIGKILL)  # host 1's launcher and its worker
+            procs[1].wait(timeout=30)
+            until(procs[0], "round 1: host rank 0 of 1", seen0)  # the job went on alone
+            procs.append(host(1))  # host 1 comes back: it waits for the next round
+            outs = [p.communicate(timeout=90)[0] for p in (procs[0], procs[2])]
+        finally:
+            for p in procs:
+                p.kill()
+        out0, back = "".join(seen0) + outs[0], outs[1]
+        assert (procs[0].returncode, procs[2].returncode) == (0, 0), out0 + back
+        assert "restart 2 of at most 3, cause: host rank 0: worker 0 failed with exit code 3" in out0, out0
+        assert "round 2: host rank 0 of 2" in out0 and "round 2: host rank 1 of 2" in back, back
+        assert "round 1:" not in back, back  # it did not join the round that was running when it came
+        for wid, out in ((0, out0), (1, back)):
+            assert f"[worker {wid}] REPLICATOR_WORKER_ID={wid}" in out, out
+            assert f"[worker {wid}] REPLICATOR_NUM_WORKERS=2" in out.split("round 2:")[-1], out
+            assert f"[worker {wid}] REPLICATOR_RESTART_COUNT=2" in out, out
+            assert "every host's workers finished (round 2)" in out, out
 
 
 class TestRefusedBeforeAnyWorkerStarts:

@@ -23,6 +23,11 @@ one more reason to stop them (:class:`_Watch`):
 * ``--max-time`` or a signal to this launcher: the job ends for every host with
   that code (124, ``128 + signal``);
 * every host's workers finished: exit 0.
+
+A launcher that comes while a round runs (a host back after it was lost, or a
+late one under ``MIN:MAX``) waits outside it and joins the round of the next
+restart; if none comes within the join timeout it ends alone
+(:data:`HOST_LOST_EXIT_CODE`), the job untouched.
 """
 
 from __future__ import annotations
@@ -182,7 +187,9 @@ def run_host(
 
     Returns:
       0 when every host's workers finished; the failed worker's exit code when no restart was left;
-      :data:`HOST_LOST_EXIT_CODE` (77) when a host (without ``MIN:MAX`` room) or the rendezvous was lost;
+      :data:`HOST_LOST_EXIT_CODE` (77) when a host (without ``MIN:MAX`` room) or the rendezvous was lost, and
+      for this launcher alone when it came while a round ran without it and no restart let it in within
+      ``rdzv.join_timeout_s`` (the job goes on);
       124 after ``max_time_s``; ``128 + signal`` when a launcher was interrupted; 1 when a host's workers
       were still running long after another's finished.
     """
@@ -223,9 +230,18 @@ def run_host(
                     code = _say_end(rdzv, output, 128 + signum, f"a launcher was interrupted while joining ({e})")
                     break
                 ended = _ended_now(rdzv)
+                outside = _running_without(rdzv)
                 if ended is not None:
                     output.launcher(f"the job ended: {ended[1]}")
                     code = ended[0]
+                elif outside is not None:  # the job runs on: this launcher leaves it alone
+                    output.launcher(
+                        f"this host was not taken into the job: round {outside[0]} runs on {outside[1]} host(s) "
+                        f"without this one and no restart came within --rdzv-join-timeout ({rdzv.join_timeout_s:g} s); "
+                        f"the job goes on; to join it at its next restart, start this launcher again or give a "
+                        f"longer --rdzv-join-timeout (exit code {HOST_LOST_EXIT_CODE})"
+                    )
+                    code = HOST_LOST_EXIT_CODE
                 else:
                     code = _say_end(rdzv, output, HOST_LOST_EXIT_CODE, f"rendezvous: {e}")
                 break
@@ -368,6 +384,18 @@ def _linger(rdzv: Rendezvous) -> None:
         if not others:
             return
         time.sleep(EXIT_POLL_S)
+
+
+def _running_without(rdzv: Rendezvous) -> tuple[int, int] | None:
+    """``(round, hosts)`` when a closed round runs without this launcher (it came late, or back), else None."""
+    try:
+        status = rdzv.poll()
+        _, state = rdzv._state()
+    except RendezvousError:
+        return None
+    if status.closed and status.ended is None and rdzv.id not in state["ranks"]:
+        return status.round, len(state["ranks"])
+    return None
 
 
 def _ended_now(rdzv: Rendezvous) -> tuple[int, str] | None:

@@ -12,7 +12,8 @@ environment variables as ``NAME=value``, then:
 * otherwise every worker sleeps ``--sleep`` seconds and exits 0.
 
 ``--fail-starts K`` makes worker ``I`` fail only in the job's first ``K`` starts
-(``REPLICATOR_RESTART_COUNT < K``: under ``--max-restarts``). ``--ignore-sigterm``
+(``REPLICATOR_RESTART_COUNT < K``: under ``--max-restarts``); ``--fail-in-start R`` only in
+start ``R``. ``--ignore-sigterm``
 makes it ignore SIGTERM, as JAX's runtime does;
 ``--ready-file PATH`` creates ``PATH.I`` once it runs.
 """
@@ -53,6 +54,7 @@ p.add_argument("--no-report", action="store_true")
 p.add_argument("--after", type=float, default=0.0)
 p.add_argument("--sleep", type=float, default=0.0)
 p.add_argument("--fail-starts", type=int, help="fail only while REPLICATOR_RESTART_COUNT < K")
+p.add_argument("--fail-in-start", type=int, help="fail only when REPLICATOR_RESTART_COUNT == R")
 p.add_argument("--ignore-sigterm", action="store_true")
 p.add_argument("--ready-file")
 args = p.parse_args()
@@ -66,7 +68,8 @@ for name in args.env:
     print(f"{name}={os.environ.get(name, '<unset>')}", flush=True)
 if args.ready_file:
     open(f"{args.ready_file}.{me}", "w").close()
-failing = args.fail_starts is None or int(os.environ.get("REPLICATOR_RESTART_COUNT", "0")) < args.fail_starts
+start = int(os.environ.get("REPLICATOR_RESTART_COUNT", "0"))
+failing = (args.fail_starts is None or start < args.fail_starts) and args.fail_in_start in (None, start)
 if args.fail_worker is not None and me == str(args.fail_worker) and failing:
     time.sleep(args.after)
     print(f"ValueError: toy failure in worker {me}", file=sys.stderr, flush=True)
