@@ -280,11 +280,15 @@ class Replicator:
         ``rp.stage_boundary`` markers and run ``num_workers x cores_per_worker
         / pipeline_stages`` data-parallel replicas of that pipeline
         (:mod:`replicator.stages.replicas`); such a Replicator runs
-        :meth:`run_pipelined`, not :meth:`run`. Guide: docs/guide/pipeline.md.
+        :meth:`run` (the update cut from ``step_fn``) and :meth:`run_pipelined`. Guide: docs/guide/pipeline.md.
       microbatches: ``M``, the micro-batches each replica's share of the batch
         is cut into (default: ``pipeline_stages``).
       schedule: ``'1f1b'`` (at most ``S`` micro-batches' activations alive
         per stage) or ``'gpipe'`` (all ``M``); the same bubble.
+      pipeline_recompute: keep only each stage's boundary inputs between a
+        micro-batch's forward and backward, and run the stage's forward again
+        before its backward (GPipe's recomputation: less memory, one more
+        forward of compute).
     """
 
     def __init__(
@@ -303,6 +307,7 @@ class Replicator:
         pipeline_stages: int = 1,
         microbatches: int | None = None,
         schedule: str = "1f1b",
+        pipeline_recompute: bool = False,
     ):
         axis_names = normalize_axis_names(axis_name)
         check_initialized_under_launcher()
@@ -321,7 +326,9 @@ class Replicator:
         if pipeline_stages != 1 or microbatches is not None:
             if replicas_per_device != 1:
                 raise ValueError("pipeline_stages does not combine with replicas_per_device yet; leave one at 1.")
-            self.pipelined = PipelinedReplicas(self.mesh.devices, pipeline_stages, microbatches, schedule)
+            self.pipelined = PipelinedReplicas(
+                self.mesh.devices, pipeline_stages, microbatches, schedule, pipeline_recompute
+            )
         self.pipeline = passes if passes is not None else Pipeline.default()
         if not isinstance(self.pipeline, Pipeline):
             raise TypeError(f"passes= must be a replicator.passes.Pipeline, got {type(self.pipeline).__name__}.")
@@ -399,8 +406,8 @@ class Replicator:
         if self.pipelined is not None:
             raise ValueError(
                 f"this Replicator runs a pipeline ({self.pipelined!r}): call run_pipelined(loss_fn, optimizer, "
-                "batch, (params, opt_state)) (docs/guide/pipeline.md); run/lower/explain of a step_fn with its own "
-                "update is not pipelined yet."
+                "batch, (params, opt_state)) or run(step_fn, batch, state) (docs/guide/pipeline.md); lower/explain of "
+                "a step_fn with its own update is not pipelined yet."
             )
         key = (step_fn, state_key, batch_key, self._pipeline_key())
         compiled = self._compiled.get(key)
@@ -524,7 +531,23 @@ class Replicator:
         """
         if self.pipelined is None:
             raise ValueError("run_pipelined needs Replicator(..., pipeline_stages=S, microbatches=M).")
-        return self.pipelined.run(loss_fn, optimizer, batch, state)
+        return self.pipelined.run(loss_fn, optimizer, self._pipelined_batch(batch), state)
+
+    def _pipelined_batch(self, data: Any) -> PyTree:
+        """The global batch of a pipelined step: ``data`` itself, the next of an iterator, or an ``input_fn``'s
+        next batch of every local worker, concatenated in worker order (one process only, for now)."""
+        if isinstance(data, Iterator):
+            return next(data)
+        if not callable(data):
+            return data
+        if jax.process_count() > 1:
+            raise ValueError(
+                "a pipelined Replicator takes an input_fn in a one-process job only, for now; pass each step's "
+                "global batch instead."
+            )
+        batches = self._worker_inputs(data).take().batches
+        assert batches is not None
+        return jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *batches)
 
     def describe_pipeline(self, loss_fn: Callable, optimizer: Any, batch: PyTree, state: tuple) -> Any:
         """What :meth:`run_pipelined` runs, without running it: the schedule, its bubble, per-stage compute
@@ -692,6 +715,14 @@ class Replicator:
           rows: read them with ``rp.local_outputs`` / ``rp.replica_invariant``
           (no communication) or ``rp.gather_outputs`` (all rows, a collective).
         """
+        if self.pipelined is not None:  # the update phase cut from step_fn: replicator/stages/user_step.py
+            if state is None or per_replica_state is not None:
+                raise ValueError(
+                    f"this Replicator runs a pipeline ({self.pipelined!r}): run(step_fn, input_fn_or_batch, state) "
+                    "needs a state, without per_replica_state; or call run_pipelined(loss_fn, optimizer, batch, "
+                    "(params, opt_state)) (docs/guide/pipeline.md)."
+                )
+            return self.pipelined.run_step(step_fn, self._pipelined_batch(input_fn), state)
         depth = self.prefetch if prefetch is None else _check_prefetch(prefetch)
         progress.begin_step()
         try:

@@ -15,6 +15,8 @@ the cost model and the runtime. Modules, each testable on its own:
   devices (``shard_map`` + ``lax.switch`` + ``ppermute``), a value and gradient;
 * :mod:`replicator.stages.train`: a whole training step (the loop, then each
   stage's optax update), parameters and optimizer state kept per stage;
+* :mod:`replicator.stages.user_step`: the user's own step (``Replicator.run`` of a pipelined
+  ``Replicator``), its update phase cut from it and run per stage;
 * :mod:`replicator.stages.replicas`: data-parallel replicas of the pipeline
   (the ``('stages', 'workers', 'cores')`` mesh), the ``Replicator`` option and
   the description of a pipelined step;
@@ -45,12 +47,14 @@ from replicator.stages.split import StageSum as StageSum
 from replicator.stages.split import split_stages as split_stages
 from replicator.stages.train import PipelineTrainStep as PipelineTrainStep
 from replicator.stages.train import pipeline_train_step as pipeline_train_step
+from replicator.stages.user_step import PipelinedStep as PipelinedStep
 
 __all__ = [
     "DATA_AXES",
     "Boundary",
     "PipelineReport",
     "PipelinedReplicas",
+    "PipelinedStep",
     "StageReport",
     "PipelineTrainStep",
     "Schedule",

@@ -95,6 +95,7 @@ def pipeline_value_and_grad(
     num_microbatches: int,
     schedule: str | Schedule = "gpipe",
     devices: Sequence[Any] | None = None,
+    recompute: bool = False,
 ) -> Callable[..., tuple[Any, Any]]:
     """``jax.value_and_grad(loss)`` over the stages that ``loss``'s ``rp.stage_boundary`` markers cut.
 
@@ -103,6 +104,9 @@ def pipeline_value_and_grad(
       num_microbatches: ``M``; the batch leaves' leading axis must be divisible by it.
       schedule: ``"gpipe"``, ``"1f1b"`` or a :class:`~replicator.stages.schedule.Schedule` for ``S`` and ``M``.
       devices: one device per stage (default: the first ``S`` devices).
+      recompute: stash only what each stage receives (its boundary inputs) between a micro-batch's forward and
+        its backward, and run the stage's forward again before the backward (GPipe's recomputation from the
+        stage boundaries: less memory, about one more forward of compute).
 
     Returns:
       ``f(params, *batch) -> (value, grads)``: the mean over the ``M`` micro-batches of each one's
@@ -136,7 +140,7 @@ def pipeline_value_and_grad(
         table = make_schedule(schedule, stages, m)
         programs = stage_programs(split, closed)
         mesh = Mesh(np.array(mesh_devices), (STAGE_AXIS,))
-        return _lower(programs, table, mesh, closed.out_avals), param_leaves, micro, param_def
+        return _lower(programs, table, mesh, closed.out_avals, recompute), param_leaves, micro, param_def
 
     def run(params: Any, *batch: Any) -> tuple[Any, Any]:
         program, param_leaves, micro, param_def = prepare(params, batch)
@@ -189,8 +193,10 @@ def _collide(spans: list[tuple[int, int]], k: int) -> bool:
     )
 
 
-def _lower(programs: list[StagePrograms], table: Schedule, mesh: Mesh, out_avals: Sequence[Any]) -> Callable:
-    loop = tick_loop(programs, table, out_avals)
+def _lower(
+    programs: list[StagePrograms], table: Schedule, mesh: Mesh, out_avals: Sequence[Any], recompute: bool = False
+) -> Callable:
+    loop = tick_loop(programs, table, out_avals, recompute=recompute)
     mapped = jax.shard_map(loop, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)
     return jax.jit(mapped)
 
@@ -200,6 +206,8 @@ def tick_loop(
     table: Schedule,
     out_avals: Sequence[Any],
     params_of: Callable[[int, Any], list] | None = None,
+    *,
+    recompute: bool = False,
 ) -> Callable[[Any, list], list]:
     """The loop of ``table``'s ticks, to call inside ``shard_map`` over :data:`STAGE_AXIS`.
 
@@ -207,6 +215,8 @@ def tick_loop(
       programs: every stage's programs; table: the schedule; out_avals: the step's outputs.
       params_of: ``(stage, params) -> parameter leaves`` as that stage's programs read them (its inputs before
         the micro-batch), called inside that stage's branches; default: ``params`` is that list already.
+      recompute: the stash keeps each stage's received boundary values instead of its residuals, and the
+        backward branch runs the stage's forward again on them first (recomputation from the boundaries).
 
     Returns:
       ``loop(params, micro_batches) -> outputs``: ``micro_batches`` the batch leaves, each ``(M, rows, ...)``;
@@ -219,7 +229,8 @@ def tick_loop(
     messages = _union_sizes(_Packing([p.sent for p in programs]), received)
     received_ct = _Packing([p.received_ct for p in programs])
     messages_ct = _union_sizes(_Packing([p.sent_ct for p in programs]), received_ct)
-    residuals = _Packing([p.residuals for p in programs])
+    # The stash: each micro-batch's residuals, or with recomputation only what the stage received.
+    residuals = _Packing([p.received if recompute else p.residuals for p in programs])
     sent_pack = _Packing([p.sent for p in programs])
     sent_ct_pack = _Packing([p.sent_ct for p in programs])
     slots = ring_slots(table)
@@ -237,9 +248,10 @@ def tick_loop(
         def branch(params: Any, batch: list, got: dict, got_ct: dict, kept: dict) -> tuple:
             del got_ct, kept
             inputs = [*params_of(p.stage, params), *batch]
-            out, new, outputs = p.forward(inputs, received.unpack(p.stage, got))
+            got_values = received.unpack(p.stage, got)
+            out, new, outputs = p.forward(inputs, got_values)
             sent = _pad(sent_pack.pack(p.stage, out), messages)
-            return sent, zeros(messages_ct), residuals.pack(p.stage, new), outputs
+            return sent, zeros(messages_ct), residuals.pack(p.stage, got_values if recompute else new), outputs
 
         return branch
 
@@ -247,7 +259,10 @@ def tick_loop(
         def branch(params: Any, batch: list, got: dict, got_ct: dict, kept: dict) -> tuple:
             del got
             inputs = [*params_of(p.stage, params), *batch]
-            out, outputs = p.backward(inputs, residuals.unpack(p.stage, kept), received_ct.unpack(p.stage, got_ct))
+            kept_values = residuals.unpack(p.stage, kept)
+            if recompute:  # the forward again, from the stashed boundary inputs; its outputs were counted then
+                _, kept_values, _ = p.forward(inputs, kept_values)
+            out, outputs = p.backward(inputs, kept_values, received_ct.unpack(p.stage, got_ct))
             sent = _pad(sent_ct_pack.pack(p.stage, out), messages_ct)
             return zeros(messages), sent, residuals.zeros(), outputs
 

@@ -36,6 +36,7 @@ from replicator.stages.lower import STAGE_AXIS, ring_slots
 from replicator.stages.schedule import schedule_stats
 from replicator.stages.split import BACKWARD, FORWARD
 from replicator.stages.train import DATA_AXES, PipelineTrainStep, _Built
+from replicator.stages.user_step import PipelinedStep
 
 __all__ = ["PipelineReport", "PipelinedReplicas", "StageReport", "describe", "pipeline_mesh"]
 
@@ -228,7 +229,9 @@ class PipelinedReplicas:
     ``Replicator.run_pipelined`` and ``Replicator.describe_pipeline`` run (one compiled step per loss and
     optimizer, cached)."""
 
-    def __init__(self, grid: np.ndarray, stages: int, microbatches: int | None, schedule: str) -> None:
+    def __init__(
+        self, grid: np.ndarray, stages: int, microbatches: int | None, schedule: str, recompute: bool = False
+    ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}.")
         if microbatches is None:
@@ -237,13 +240,17 @@ class PipelinedReplicas:
             raise ValueError(f"microbatches must be a positive int, got {microbatches!r}.")
         self.mesh = pipeline_mesh(grid, stages)
         self.stages, self.microbatches, self.schedule = stages, microbatches, schedule
+        if not isinstance(recompute, bool):
+            raise TypeError(f"pipeline_recompute must be a bool, got {recompute!r}.")
+        self.recompute = recompute
         self.replicas = int(np.prod([self.mesh.shape[a] for a in DATA_AXES]))
         self._steps: dict[tuple[int, int], tuple[Callable, Any, PipelineTrainStep]] = {}
+        self._user_steps: dict[Any, tuple[Callable, PipelinedStep]] = {}
 
     def __repr__(self) -> str:
         return (
             f"PipelinedReplicas(stages={self.stages}, replicas={self.replicas}, microbatches={self.microbatches}, "
-            f"schedule={self.schedule!r})"
+            f"schedule={self.schedule!r}{', recompute=True' if self.recompute else ''})"
         )
 
     def step_for(self, loss_fn: Callable, optimizer: optax.GradientTransformation) -> PipelineTrainStep:
@@ -257,6 +264,7 @@ class PipelinedReplicas:
                 schedule=self.schedule,
                 devices=None,
                 mesh=self.mesh,
+                recompute=self.recompute,
             )
             self._steps[key] = (loss_fn, optimizer, step)
         return self._steps[key][2]
@@ -267,6 +275,21 @@ class PipelinedReplicas:
         batch = batch if isinstance(batch, tuple) else (batch,)
         new_params, new_opt_state, value = self.step_for(loss_fn, optimizer)(params, opt_state, *batch)
         return (new_params, new_opt_state), value
+
+    def run_step(self, step_fn: Callable, batch: Any, state: Any) -> tuple[Any, Any]:
+        """``Replicator.run(step_fn, batch, state)`` on the pipeline: the user's own step, its update phase cut
+        from it (:mod:`replicator.stages.user_step`); returns ``(new_state, outputs)``, each output leaf with a
+        leading axis of the ``D`` data-parallel replicas."""
+        leaves = jax.tree.leaves((state, batch))
+        key = (
+            id(step_fn),
+            jax.tree.structure((state, batch)),
+            tuple((np.shape(x), jnp.result_type(x)) for x in leaves),
+        )
+        if key not in self._user_steps:  # step_fn kept alive with its step, so its id stays its own
+            built = PipelinedStep(step_fn, state, batch, self.mesh, self.microbatches, self.schedule, self.recompute)
+            self._user_steps[key] = (step_fn, built)
+        return self._user_steps[key][1](state, batch)
 
     def describe(
         self,

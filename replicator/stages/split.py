@@ -41,7 +41,7 @@ from jax.extend.core import primitives as jax_primitives
 
 from replicator._jax_compat import user_source_line
 from replicator.core.jaxprs import CALL_PRIMITIVES, DefUse, iter_eqns, sub_jaxprs
-from replicator.core.primitives import stage_boundary_p
+from replicator.core.primitives import all_reduce_p, stage_boundary_p
 from replicator.errors import ReplicationError
 
 __all__ = ["Boundary", "StageSplit", "StageSplitError", "StageSum", "split_stages"]
@@ -215,6 +215,11 @@ def _inline(
             for k, v in enumerate(outvars):
                 if not isinstance(v, DropVar):
                     env[v] = outvars[k] = Var(v.aval)
+        if eqn.primitive is all_reduce_p and len(eqn.invars) > 1:
+            # rp.all_mean(grads): each operand is reduced on its own, so each may live on its own stage.
+            for var, outvar in zip(eqn.invars, outvars, strict=True):
+                out.append((eqn.replace(invars=[read(var)], outvars=[outvar]), eqn_transposed))
+            continue
         out.append((eqn.replace(invars=[read(v) for v in eqn.invars], outvars=outvars), eqn_transposed))
 
 
@@ -249,7 +254,11 @@ def _where(facts: DefUse, jaxpr: Jaxpr, var: Any) -> str:
 
 
 def split_stages(
-    jaxpr: Jaxpr | ClosedJaxpr, *, num_state: int | None = None, first_batch: int | None = None
+    jaxpr: Jaxpr | ClosedJaxpr,
+    *,
+    num_state: int | None = None,
+    first_batch: int | None = None,
+    update_reads_all: bool = False,
 ) -> StageSplit:
     """Assign every equation of a traced step to the pipeline stages that run it.
 
@@ -260,6 +269,9 @@ def split_stages(
         a state leaf that an output returns unchanged is then kept where it is read. ``None``: no state.
       first_batch: the index of the first input that is per-micro-batch data (default ``num_state``, else 0);
         the inputs before it are parameters, whose products two stages may both compute.
+      update_reads_all: an update-phase equation (after the backward) that reads values of several stages
+        runs on all of them (a global-norm clip's sum of every stage's gradients): true where every stage holds
+        every gradient once the schedule is done (:mod:`replicator.stages.user_step`); else an error.
 
     Returns:
       The :class:`StageSplit`.
@@ -283,8 +295,13 @@ def split_stages(
     placements: list[Placement] = []
     boundaries: dict[int, Boundary] = {}
     sums: list[StageSum] = []
+    late: set[Var] = set()  # what the backward computed, and what reads it (the update), as _phases has it
     for index, (eqn, transposed) in enumerate(inlined):
         lived = [place[v] for v in eqn.invars if isinstance(v, Var) and place.get(v) is not None]
+        reads_late = any(isinstance(v, Var) and v in late for v in eqn.invars)
+        update = reads_late and not transposed
+        if transposed or reads_late:
+            late.update(v for v in eqn.outvars if isinstance(v, Var))
         if eqn.primitive is stage_boundary_p:
             out, boundary = _boundary_placement(index, eqn, lived)
             if boundary is not None:
@@ -297,7 +314,9 @@ def split_stages(
             sums.append(StageSum(index, out, user_source_line(eqn.source_info)))
         else:
             out = frozenset.intersection(*lived)
-            if not out:
+            if not out and update_reads_all and update:
+                out = frozenset.union(*lived)
+            elif not out:
                 _raise_crossing(flat, facts, eqn, place, transposed)
         placements.append(out)
         place.update((v, out) for v in eqn.outvars if isinstance(v, Var) and not isinstance(v, DropVar))

@@ -107,7 +107,7 @@ class _Built:
         self.packing = _Packing([[self.avals[i] for i in layout] for layout in self.layout])
         table = make_schedule(owner.schedule, stages, m)
         self.table, self.programs = table, stage_programs(split, closed)
-        loop = tick_loop(self.programs, table, closed.out_avals, self.params_of)
+        loop = tick_loop(self.programs, table, closed.out_avals, self.params_of, recompute=owner.recompute)
         optimizer = owner.optimizer
         packed_def = jax.tree.structure(self.packing.zeros((stages,)))
         self.packed_def = packed_def
@@ -246,8 +246,9 @@ class PipelineTrainStep:
         schedule: str | Schedule,
         devices: Sequence[Any] | None,
         mesh: Mesh | None = None,
+        recompute: bool = False,
     ) -> None:
-        self.loss, self.optimizer = loss, optimizer
+        self.loss, self.optimizer, self.recompute = loss, optimizer, recompute
         self.num_microbatches, self.schedule, self.devices = num_microbatches, schedule, devices
         if mesh is not None and tuple(mesh.axis_names) != (STAGE_AXIS, *DATA_AXES):
             raise ValueError(f"a pipeline's mesh has the axes {(STAGE_AXIS, *DATA_AXES)}, got {mesh.axis_names}.")
@@ -311,6 +312,7 @@ def pipeline_train_step(
     schedule: str | Schedule = "gpipe",
     devices: Sequence[Any] | None = None,
     mesh: Mesh | None = None,
+    recompute: bool = False,
 ) -> PipelineTrainStep:
     """A training step of ``loss`` (marked with ``rp.stage_boundary``) with ``optimizer`` over its stages.
 
@@ -321,11 +323,18 @@ def pipeline_train_step(
       mesh: instead of ``devices``, a mesh with the axes ``('stages', 'workers', 'cores')``
         (:func:`~replicator.stages.replicas.pipeline_mesh`): ``D = workers x cores`` data-parallel replicas of
         the pipeline, each on its contiguous ``1/D`` of the batch's rows, their gradients averaged.
+      recompute: recomputation from the stage boundaries (:func:`~replicator.stages.lower.tick_loop`).
 
     Returns:
       ``step(params, state, *batch) -> (params, state, value)``, equal to one device's
       ``jax.value_and_grad`` on the whole batch followed by ``optimizer.update``.
     """
     return PipelineTrainStep(
-        loss, optimizer, num_microbatches=num_microbatches, schedule=schedule, devices=devices, mesh=mesh
+        loss,
+        optimizer,
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        devices=devices,
+        mesh=mesh,
+        recompute=recompute,
     )

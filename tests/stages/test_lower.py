@@ -21,11 +21,13 @@ def _batch():
     return np.concatenate([ids, ids[:4]]), np.concatenate([y, y[:4] * 0.5])
 
 
-def _compare(loss, stages, m, schedule, p=None):
+def _compare(loss, stages, m, schedule, p=None, recompute=False):
     p = params() if p is None else p
     ids, y = _batch()
     assert len(ids) == ROWS
-    f = pipeline_value_and_grad(loss, num_microbatches=m, schedule=schedule, devices=jax.devices()[:stages])
+    f = pipeline_value_and_grad(
+        loss, num_microbatches=m, schedule=schedule, devices=jax.devices()[:stages], recompute=recompute
+    )
     value, grads = f(p, ids, y)
     want_value, want = jax.jit(jax.value_and_grad(loss))(p, ids, y)
     np.testing.assert_allclose(value, want_value, rtol=1e-5, atol=1e-6)
@@ -111,3 +113,41 @@ def test_1f1b_memory_does_not_grow_with_m():
 
     assert temp("1f1b", 8) == temp("1f1b", 2)
     assert temp("gpipe", 8) - temp("gpipe", 2) >= 6 * rows * 64 * 4  # 6 more micro-batches' residuals at least
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(
+    "loss, stages, m",
+    [(two_stages, 2, 4), (four_stages_tied, 4, 8), (jax.checkpoint(three_stages), 3, 4)],
+    ids=["S2-M4", "S4-M8-tied", "S3-M4-checkpoint"],
+)
+def test_recomputation_from_the_boundaries_matches_one_device(loss, stages, m, schedule):
+    p = params()
+    if loss is four_stages_tied:
+        del p["head"]
+    _compare(loss, stages, m, schedule, p, recompute=True)
+
+
+def test_recomputation_stashes_only_the_boundary_inputs():
+    # XLA's memory analysis of the compiled GPipe loop (CPU): each stage's three tanh layers keep their
+    # activations for the backward; recomputing from the boundaries keeps only what stage 1 received.
+    def loss(p, x):
+        h = rp.stage_boundary(jnp.tanh(jnp.tanh(jnp.tanh(x @ p["a"]) @ p["b"]) @ p["c"]))
+        return jnp.mean(jnp.tanh(jnp.tanh(jnp.tanh(h @ p["a"]) @ p["b"]) @ p["c"]))
+
+    p = {k: jnp.full((64, 64), 0.01) for k in "abc"}
+    rows = 32
+    boundary = rows * 64 * 4  # one micro-batch's (32, 64) float32 boundary value: 8 KiB
+
+    def temp(m, recompute):
+        f = pipeline_value_and_grad(
+            loss, num_microbatches=m, schedule="gpipe", devices=jax.devices()[:2], recompute=recompute
+        )
+        return f.lower(p, jnp.ones((rows * m, 64))).compile().memory_analysis().temp_size_in_bytes
+
+    plain = {m: temp(m, False) for m in (4, 8)}
+    again = {m: temp(m, True) for m in (4, 8)}
+    for m in (4, 8):
+        assert again[m] < 0.5 * plain[m], (m, again[m], plain[m])
+    assert again[8] - again[4] <= 4 * boundary  # the stash grows by one boundary value per micro-batch
+    assert plain[8] - plain[4] >= 4 * 3 * boundary  # against at least three activations without recomputation

@@ -14,6 +14,7 @@ import pytest
 from jax import lax
 
 import replicator as rp
+from replicator.core.context import replica_context
 from replicator.stages import StageSplitError, split_stages
 
 S0, S1, S2 = frozenset({0}), frozenset({1}), frozenset({2})
@@ -271,3 +272,27 @@ class TestErrors:
         split = split_stages(closed, num_state=len(paths))
         assert split.num_stages == 2
         assert split.input_stages[len(paths)] == frozenset({0, 1})  # ids
+
+
+def test_an_update_reading_every_stages_gradients():
+    # A global-norm clip sums the gradients of all stages: refused by default; with update_reads_all (every
+    # device holds every gradient after the loop) the sum runs on every stage and each update on its own.
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
+    closed, paths = traced_step(mlp3, params(), opt)
+    with pytest.raises(StageSplitError, match="global-norm clip"):
+        split_stages(closed, num_state=len(paths))
+    split = split_stages(closed, num_state=len(paths), update_reads_all=True)
+    held = by_path(split, paths)
+    assert held["[0]['emb']"] == [0] and held["[0]['w1']"] == [1] and held["[0]['head']"] == [2]
+
+
+def test_all_mean_of_several_stages_gradients_splits_per_operand():
+    # rp.all_mean(grads) binds one equation for every leaf; each leaf's mean lives on its own stage.
+    def step(p, ids, y):
+        value, g = jax.value_and_grad(mlp3)(p, ids, y)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, rp.all_mean(g)), value
+
+    with replica_context(rp.ReplicaContext(1, 2)):
+        closed = jax.make_jaxpr(step)(params(), *BATCH)
+    split = split_stages(closed, num_state=3)
+    assert [sorted(s) for s in split.state_stages(3)] == [[0], [2], [1]]  # emb, head, w1

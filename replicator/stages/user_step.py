@@ -1,0 +1,274 @@
+"""The user's own training step over S stages: ``Replicator.run(step_fn, batch, state)`` on a pipelined
+``Replicator``, the update phase cut from the step.
+
+``step_fn(state, batch) -> (new_state, outputs)`` is written as for data parallelism: a loss marked with
+``rp.stage_boundary``, ``jax.value_and_grad`` of it, ``rp.all_mean(grads)``, an optax update. It is traced
+once on one micro-batch's shapes (in the data-parallel replicas' context) and split
+(:func:`~replicator.stages.split.split_stages`, which labels each equation ``forward``, ``backward`` or
+``update``). The cut:
+
+* the *cut values* are what the forward and backward compute from the batch and the update or the step's
+  outputs read: the gradients before ``rp.all_mean``, the loss, a metric;
+* the forward and backward, with the cut values as outputs, run under the schedule's tick loop
+  (:func:`~replicator.stages.lower.tick_loop`), which averages them over the ``M`` micro-batches and sums
+  each over the stages (every device then holds every cut value, as the loop has always done);
+* the update (every other equation, the cut values as inputs) runs once per step on each stage, pruned to
+  the state leaves that stage keeps (its ``U_s``); its ``rp.all_mean`` is the mean over the data axes.
+
+A cut value is a mean over the micro-batch's rows (a loss, its gradients, a metric), so its average over
+the micro-batches is the replica's value on its whole share; anything else a step feeds the update (a sum,
+a maximum) would differ, so only means go through: the common shape above. The update of stage ``s`` may
+read any cut value (all gradients: a global-norm clip works) but only the state leaves ``s`` keeps; an
+update that reads another stage's state is refused at trace time, naming the leaves.
+
+>>> def loss(p, x):
+...     h = rp.stage_boundary(jnp.tanh(x @ p["a"]))
+...     return jnp.mean((h @ p["b"]) ** 2)
+>>> opt = optax.sgd(0.1)
+>>> def step(state, x):
+...     params, opt_state = state
+...     value, grads = jax.value_and_grad(loss)(params, x)
+...     updates, opt_state = opt.update(rp.all_mean(grads), opt_state, params)
+...     return (optax.apply_updates(params, updates), opt_state), rp.all_mean(value)
+>>> p = {"a": jnp.full((3, 4), 0.1), "b": jnp.full((4, 2), 0.2)}
+>>> x = jnp.linspace(-1, 1, 24).reshape(8, 3)
+>>> repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2, microbatches=2)
+>>> (new_p, _), value = repl.run(step, x, (p, opt.init(p)))
+>>> want_p = optax.apply_updates(p, opt.update(jax.grad(loss)(p, x), opt.init(p), p)[0])
+>>> bool(jnp.allclose(new_p["a"], want_p["a"], atol=1e-6)), value.shape
+(True, (2,))
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from replicator._jax_compat import user_source_line
+from replicator.core.context import ReplicaContext, replica_context
+from replicator.core.primitives import PLACEHOLDERS
+from replicator.stages.lower import STAGE_AXIS, _Packing, _shapes, tick_loop
+from replicator.stages.programs import DATA_AXES, _run, check_collectives, stage_programs
+from replicator.stages.schedule import make_schedule
+from replicator.stages.split import UPDATE, StageSplitError, split_stages
+from replicator.stages.train import _micro_batches, _user_stacklevel
+
+__all__ = ["PipelinedStep"]
+
+SUPPORTED = (
+    "a pipelined Replicator.run supports the step `loss, grads = jax.value_and_grad(loss_fn)(params, batch)` "
+    "(loss_fn marked with rp.stage_boundary), `grads = rp.all_mean(grads)`, an optax update, and outputs "
+    "computed from the loss (or other means over the batch)"
+)
+ALTERNATIVE = (
+    "or give the loss and the optimizer apart: repl.run_pipelined(loss_fn, optimizer, batch, (params, opt_state))"
+)
+
+
+def _prune(eqns: Sequence[JaxprEqn], wanted: Sequence[Any]) -> tuple[list[JaxprEqn], set[Var]]:
+    """The equations ``wanted`` (atoms) needs, in order, and the variables they read that none defines."""
+    need = {v for v in wanted if isinstance(v, Var)}
+    kept: list[JaxprEqn] = []
+    for eqn in reversed(eqns):
+        if any(isinstance(v, Var) and v in need for v in eqn.outvars):
+            kept.append(eqn)
+            need.update(v for v in eqn.invars if isinstance(v, Var))
+    kept.reverse()
+    defined = {v for eqn in kept for v in eqn.outvars}
+    return kept, {v for v in need if v not in defined}
+
+
+class PipelinedStep:
+    """``step_fn`` on the pipeline mesh for one state and batch shape (see the module docstring)."""
+
+    def __init__(
+        self,
+        step_fn: Any,
+        state: Any,
+        batch: Any,
+        mesh: Mesh,
+        microbatches: int,
+        schedule: str,
+        recompute: bool = False,
+    ) -> None:
+        replicas = int(np.prod([mesh.shape[a] for a in DATA_AXES]))
+        state_leaves, self.state_def = jax.tree.flatten(state)
+        batch_leaves, batch_def = jax.tree.flatten(batch)
+        n = len(state_leaves)
+        if n == 0:
+            raise TypeError(
+                f"a pipelined Replicator.run needs a state (the parameters and optimizer state); {SUPPORTED}."
+            )
+        self.micro_leaves = lambda b: _micro_batches(tuple(jax.tree.leaves(b)), microbatches, replicas)
+        micro = self.micro_leaves(batch)
+        state_def = self.state_def
+
+        def one(state_leaves: list, batch_leaves: list) -> Any:
+            return step_fn(state_def.unflatten(state_leaves), batch_def.unflatten(batch_leaves))
+
+        data = tuple(mesh.shape[a] for a in DATA_AXES)
+        with replica_context(ReplicaContext(*data)):
+            closed = jax.make_jaxpr(one, return_shape=True)(_shapes(state_leaves), _shapes([x[0, 0] for x in micro]))
+        closed, out_shape = closed
+        if not (isinstance(out_shape, tuple) and len(out_shape) == 2):
+            raise TypeError(f"step_fn must return (new_state, outputs); {SUPPORTED}.")
+        if jax.tree.structure(out_shape[0]) != state_def:
+            raise TypeError("step_fn's new state must have the structure of the state it is given.")
+        self.outputs_def = jax.tree.structure(out_shape[1])
+        whole = split_stages(closed, num_state=n, update_reads_all=True)
+        flat: Jaxpr = whole.jaxpr
+        stages = whole.num_stages
+        if mesh.shape[STAGE_AXIS] != stages:
+            raise StageSplitError(
+                f"the step has {stages} stages (its rp.stage_boundary markers cut it {stages - 1} times) but the "
+                f"Replicator asks for pipeline_stages={mesh.shape[STAGE_AXIS]}; mark "
+                f"{mesh.shape[STAGE_AXIS] - 1} boundaries or ask for {stages} stages."
+            )
+        if microbatches < stages:
+            warnings.warn(
+                f"microbatches={microbatches} < {stages} stages: most of the step is bubble (idle fraction "
+                f"{(stages - 1) / (microbatches + stages - 1):.2f} = (S-1)/(M+S-1)).",
+                UserWarning,
+                stacklevel=_user_stacklevel(),
+            )
+
+        # The cut: values of the micro-batch part read by the update or returned.
+        late = {
+            v
+            for i, eqn in enumerate(flat.eqns)
+            if whole.phases[i] != UPDATE and not whole.free[i]
+            for v in eqn.outvars
+            if isinstance(v, Var)
+        }
+        update_eqns = [eqn for i, eqn in enumerate(flat.eqns) if whole.phases[i] == UPDATE]
+        cut: dict[Var, None] = {}
+        for eqn in update_eqns:
+            cut.update((v, None) for v in eqn.invars if isinstance(v, Var) and v in late)
+        cut.update((v, None) for v in flat.outvars if isinstance(v, Var) and v in late)
+        for eqn in update_eqns:
+            reads = [v for v in eqn.invars if isinstance(v, Var) and v in cut]
+            mean = eqn.primitive in PLACEHOLDERS and eqn.params.get("op") == "mean" and eqn.params.get("group") is None
+            if reads and not mean:
+                raise StageSplitError(
+                    f"'{eqn.primitive.name}' at {user_source_line(eqn.source_info)} reads the gradients (or another "
+                    f"value of the batch) before rp.all_mean: the data-parallel replicas would update apart. "
+                    f"{SUPPORTED}; {ALTERNATIVE}."
+                )
+        for v in cut:
+            if not jnp.issubdtype(v.aval.dtype, jnp.inexact):
+                raise StageSplitError(
+                    f"{SUPPORTED}; the step returns or updates with an integer value computed from the batch "
+                    f"(shape {v.aval.shape}, {v.aval.dtype}), which is not a mean over micro-batches; {ALTERNATIVE}."
+                )
+        self.cut = list(cut)
+        # The micro-batch part: forward and backward, the cut values its outputs.
+        fb_eqns, _ = _prune([e for i, e in enumerate(flat.eqns) if whole.phases[i] != UPDATE], self.cut)
+        fb = ClosedJaxpr(
+            Jaxpr(flat.constvars, flat.invars, self.cut, fb_eqns, flat.effects, flat.debug_info), closed.consts
+        )
+        fb_split = split_stages(fb, num_state=None, first_batch=n)
+        check_collectives(fb_split.jaxpr)
+        if fb_split.num_stages != stages:
+            raise StageSplitError(f"the update phase holds stage boundaries; {SUPPORTED}; {ALTERNATIVE}.")
+        everyone = frozenset(range(stages))
+        state_stages = whole.state_stages(n)
+        self.held = [(state_stages[i] | fb_split.input_stages[i]) or everyone for i in range(n)]
+        self.layout = [[i for i in range(n) if s in self.held[i]] for s in range(stages)]
+        self.avals = [v.aval for v in flat.invars[:n]]
+        self.packing = _Packing([[self.avals[i] for i in layout] for layout in self.layout])
+        self.stages, self.mesh, self.recompute = stages, mesh, recompute
+        paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+
+        # The update per stage: every equation but the micro-batch part, pruned to the leaves the stage keeps.
+        rest = [e for e in flat.eqns if not any(isinstance(v, Var) and v in late for v in e.outvars)]
+        state_in = {v: i for i, v in enumerate(flat.invars[:n])}
+        batch_in = set(flat.invars[n:])
+        outputs = flat.outvars[n:]
+        self.updates = []
+        for s in range(stages):
+            wanted = [flat.outvars[i] for i in self.layout[s]]
+            eqns, reads = _prune(rest, [*wanted, *outputs])
+            foreign = sorted(state_in[v] for v in reads if v in state_in and s not in self.held[state_in[v]])
+            if foreign:
+                raise StageSplitError(
+                    f"the update of stage {s}'s state (or the step's outputs) reads "
+                    f"{', '.join(paths[i] for i in foreign)}, kept by stages "
+                    f"{sorted(set().union(*(self.held[i] for i in foreign)))} only; {SUPPORTED}; {ALTERNATIVE}."
+                )
+            if reads & batch_in:
+                raise StageSplitError(
+                    f"the update reads the batch outside the loss's value and gradient; {SUPPORTED}; {ALTERNATIVE}."
+                )
+            self.updates.append((eqns, wanted))
+
+        programs = stage_programs(fb_split, fb)
+        table = make_schedule(schedule, stages, microbatches)
+        self.table = table
+        loop = tick_loop(programs, table, fb.out_avals, self.params_of, recompute=recompute)
+        consts = dict(zip(flat.constvars, closed.consts, strict=True))
+
+        def update(stage: int) -> Any:
+            eqns, wanted = self.updates[stage]
+
+            def branch(row: dict, cut_values: list) -> tuple:
+                env: dict[Any, Any] = dict(consts)
+                env.update(zip(flat.invars[:n], self.params_of(stage, row), strict=True))
+                env.update(zip(self.cut, cut_values, strict=True))
+                _run(eqns, env)
+                read = [v.val if isinstance(v, Literal) else env[v] for v in wanted]
+                packed = {k: v[None] for k, v in self.packing.pack(stage, read).items()}
+                outs = [v.val if isinstance(v, Literal) else env[v] for v in outputs]
+                return packed, [jnp.asarray(o)[None] for o in outs]
+
+            return branch
+
+        branches = [update(s) for s in range(stages)]
+
+        def per_device(row: dict, batch: list) -> tuple:
+            cut_values = loop(row, [x[0] for x in batch])
+            return lax.switch(lax.axis_index(STAGE_AXIS), branches, row, cut_values)
+
+        row_spec = jax.tree.map(lambda _: P(STAGE_AXIS), self.packing.zeros((stages,)))
+        self.sharding = NamedSharding(mesh, P(STAGE_AXIS))
+        self.step = jax.jit(
+            jax.shard_map(
+                per_device,
+                mesh=mesh,
+                in_specs=(row_spec, P(DATA_AXES)),
+                out_specs=(row_spec, [P(DATA_AXES)] * len(outputs)),
+                check_vma=False,
+            )
+        )
+
+    def params_of(self, stage: int, row: dict) -> list:
+        """The state leaves as ``stage`` reads them from its row (``(1, n)`` each): zeros for the others."""
+        mine = self.packing.unpack(stage, {k: v[0] for k, v in row.items()})
+        leaves = [jnp.zeros(a.shape, a.dtype) for a in self.avals]
+        for i, value in zip(self.layout[stage], mine, strict=True):
+            leaves[i] = value
+        return leaves
+
+    def pack(self, state: Any) -> dict:
+        """The state, global shapes, as one row per stage placed on its devices."""
+        leaves = self.state_def.flatten_up_to(state)
+        rows = [self.packing.pack(s, [leaves[i] for i in self.layout[s]]) for s in range(self.stages)]
+        return jax.device_put({k: jnp.stack([row[k] for row in rows]) for k in rows[0]}, self.sharding)
+
+    def unpack(self, packed: dict) -> Any:
+        """Back to global shapes: each leaf from the first stage that keeps it."""
+        rows = [self.packing.unpack(s, {k: v[s] for k, v in packed.items()}) for s in range(self.stages)]
+        owner = [min(h) for h in self.held]
+        return self.state_def.unflatten([rows[o][self.layout[o].index(i)] for i, o in enumerate(owner)])
+
+    def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
+        packed, outs = self.step(self.pack(state), self.micro_leaves(batch))
+        return self.unpack(packed), self.outputs_def.unflatten(outs)

@@ -1,0 +1,192 @@
+"""``Replicator.run(step_fn, batch, state)`` on a pipelined ``Replicator``: the user's own step (value_and_grad
+of a marked loss, ``rp.all_mean(grads)``, an optax update), its update phase cut from it, against one device's
+``jax.jit`` of the same step on the global batch (``rp.all_mean`` is then the identity), 3 steps."""
+
+from __future__ import annotations
+
+import functools
+import io
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import replicator as rp
+from replicator.stages import StageSplitError
+from tests.stages.test_gpipe import four_stages_tied, two_stages
+from tests.stages.test_replicas import _params_for, global_batch
+from tests.stages.test_train import STEPS, _assert_close
+
+
+def make_step(loss, opt, mean=True):
+    """The data-parallel step; ``mean=False``: without ``rp.all_mean`` (one device's, where it is the identity)."""
+    average = rp.all_mean if mean else (lambda x: x)
+
+    def step(state, batch):
+        params, opt_state = state
+        value, grads = jax.value_and_grad(loss)(params, *batch)
+        grads = average(grads)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), {"loss": average(value)}
+
+    return step
+
+
+def _one_device(step, state, batch):
+    compiled, values = jax.jit(step), []
+    for _ in range(STEPS):
+        state, out = compiled(state, batch)
+        values.append(out["loss"])
+    return state, values
+
+
+CASES = [
+    # (num_workers, cores_per_worker, S, M, loss, optimizer): D = W * C / S = 2
+    pytest.param(1, 4, 2, 2, two_stages, "adam", id="S2xD2-M2-adam"),
+    pytest.param(1, 4, 2, 4, two_stages, "adamw", id="S2xD2-M4-adamw"),
+    pytest.param(1, 8, 4, 4, four_stages_tied, "adam", id="S4xD2-M4-tied-adam"),
+    pytest.param(4, 2, 4, 4, four_stages_tied, "sgd", id="S4xD2-across-workers-M4-sgd"),
+]
+OPTIMIZERS = {
+    "adam": lambda: optax.adam(1e-2),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+    "sgd": lambda: optax.sgd(0.1, momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("workers, cores, stages, m, loss, optimizer", CASES)
+def test_run_of_the_users_step_matches_one_device(workers, cores, stages, m, loss, optimizer, schedule):
+    p, batch = _params_for(loss), global_batch()
+    batch[1][: len(batch[1]) // 2] += 2.0  # the replicas' halves pull apart: each must take its own rows
+    opt = OPTIMIZERS[optimizer]()
+    step = make_step(loss, opt)
+    devices = jax.devices()[: workers * cores]
+    repl = rp.Replicator(workers, cores, devices=devices, pipeline_stages=stages, microbatches=m, schedule=schedule)
+    state, values = (p, opt.init(p)), []
+    for _ in range(STEPS):
+        state, out = repl.run(step, batch, state)
+        assert out["loss"].shape == (repl.pipelined.replicas,)  # a row per data-parallel replica, as run gives
+        values.append(out["loss"][0])
+    want_state, want_values = _one_device(make_step(loss, opt, mean=False), (p, opt.init(p)), batch)
+    _assert_close(state, want_state)
+    np.testing.assert_allclose(values, want_values, rtol=1e-5)
+
+
+@pytest.mark.parametrize("entry", ["run", "run_pipelined"])
+def test_recomputation_through_the_replicator(entry):
+    p, batch = _params_for(four_stages_tied), global_batch()
+    opt = optax.adam(1e-2)
+    repl = rp.Replicator(
+        1, 8, devices=jax.devices()[:8], pipeline_stages=4, microbatches=4, schedule="gpipe", pipeline_recompute=True
+    )
+    assert "recompute=True" in repr(repl.pipelined)
+    step, state = make_step(four_stages_tied, opt), (p, opt.init(p))
+    for _ in range(STEPS):
+        if entry == "run":
+            state, _ = repl.run(step, batch, state)
+        else:
+            state, _ = repl.run_pipelined(four_stages_tied, opt, batch, state)
+    built = [b for _, b in repl.pipelined._user_steps.values()] + [repl.pipelined.step_for(four_stages_tied, opt)]
+    assert [b.recompute for b in built] == ([True, True] if entry == "run" else [True])
+    want_state, _ = _one_device(make_step(four_stages_tied, opt, mean=False), (p, opt.init(p)), batch)
+    _assert_close(state, want_state)
+
+
+def test_a_global_norm_clip_reads_every_stages_gradients():
+    # The update reads all gradients (summed over the stages after the loop): clipping by the global norm works.
+    p, batch = _params_for(two_stages), global_batch()
+    opt = optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2))
+    step = make_step(two_stages, opt)
+    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2, microbatches=2)
+    state = (p, opt.init(p))
+    for _ in range(STEPS):
+        state, _ = repl.run(step, batch, state)
+    want_state, _ = _one_device(make_step(two_stages, opt, mean=False), (p, opt.init(p)), batch)
+    _assert_close(state, want_state)
+
+
+def test_gradients_without_all_mean_are_refused():
+    p, batch = _params_for(two_stages), global_batch()
+    opt = optax.sgd(0.1)
+    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2, microbatches=2)
+    with pytest.raises(StageSplitError, match=r"before rp\.all_mean.*run_pipelined"):
+        repl.run(make_step(two_stages, opt, mean=False), batch, (p, opt.init(p)))
+
+
+def test_an_update_reading_another_stages_parameter_keeps_it_on_both():
+    # Stage 0's update of w1 reads the head (stage 1's): the head is kept, and updated, on both stages.
+    p, batch = _params_for(two_stages), global_batch()
+    opt = optax.sgd(0.1)
+
+    def step(state, batch, average=rp.all_mean):
+        params, opt_state = state
+        value, grads = jax.value_and_grad(two_stages)(params, *batch)
+        grads = average(grads)
+        grads["w1"] = grads["w1"] + 0.1 * jnp.sum(params["head"])
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), {"loss": average(value)}
+
+    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2, microbatches=2)
+    state = (p, opt.init(p))
+    for _ in range(STEPS):
+        state, _ = repl.run(step, batch, state)
+    (built,) = [b for _, b in repl.pipelined._user_steps.values()]
+    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path((p, opt.init(p)))[0]]
+    assert built.held[paths.index("[0]['head']")] == {0, 1}
+    want_state, _ = _one_device(functools.partial(step, average=lambda x: x), (p, opt.init(p)), batch)
+    _assert_close(state, want_state)
+
+
+@pytest.mark.parametrize("entry", ["run", "run_pipelined"])
+def test_an_input_fn_gives_each_workers_rows(entry):
+    # Two workers, each its own half of the global batch (the halves pull apart): the step is one device's on
+    # the whole batch only if every worker's batch is used, once (a mean over rows does not see their order).
+    p, batch = _params_for(two_stages), global_batch()
+    batch[1][: len(batch[1]) // 2] += 2.0
+    rows = len(batch[0]) // 2
+
+    def input_fn(ctx):
+        mine = slice(ctx.worker_id * rows, (ctx.worker_id + 1) * rows)
+        while True:
+            yield batch[0][mine], batch[1][mine]
+
+    opt = optax.adam(1e-2)
+    repl = rp.Replicator(2, 4, devices=jax.devices()[:8], pipeline_stages=2, microbatches=2)
+    step, state = make_step(two_stages, opt), (p, opt.init(p))
+    for _ in range(STEPS):
+        if entry == "run":
+            state, _ = repl.run(step, input_fn, state)
+        else:
+            state, _ = repl.run_pipelined(two_stages, opt, input_fn, state)
+    want_state, _ = _one_device(make_step(two_stages, opt, mean=False), (p, opt.init(p)), batch)
+    _assert_close(state, want_state)
+
+
+def test_the_trainer_drives_a_pipelined_replicator():
+    p, batch = _params_for(four_stages_tied), global_batch()
+    batch[1][: len(batch[1]) // 2] += 2.0
+    rows = len(batch[0]) // 2
+
+    def input_fn(ctx):  # each of the two workers its half, for STEPS steps
+        mine = slice(ctx.worker_id * rows, (ctx.worker_id + 1) * rows)
+        for _ in range(STEPS):
+            yield batch[0][mine], batch[1][mine]
+
+    opt = optax.adam(1e-2)
+    repl = rp.Replicator(2, 4, devices=jax.devices()[:8], pipeline_stages=4, microbatches=4, schedule="1f1b")
+    trainer = rp.Trainer(repl, make_step(four_stages_tied, opt), input_fn, (p, opt.init(p)), stream=io.StringIO())
+    state = trainer.run(STEPS + 2)  # the input ends after STEPS batches: the Trainer stops there
+    assert (trainer.step, trainer.input_position) == (STEPS, STEPS)
+    assert trainer.outputs["loss"].shape == (2,)
+    want_state, want_values = _one_device(make_step(four_stages_tied, opt, mean=False), (p, opt.init(p)), batch)
+    _assert_close(state, want_state)
+    np.testing.assert_allclose(trainer.outputs["loss"][0], want_values[-1], rtol=1e-5)
+
+
+def test_a_stateless_step_is_refused():
+    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2, microbatches=2)
+    with pytest.raises(ValueError, match="needs a state.*run_pipelined"):
+        repl.run(lambda batch: batch.sum(), np.ones((4, 2), np.float32))
