@@ -205,8 +205,10 @@ class TestManager:
             CheckpointManager(tmp_path, keep=0)
         with pytest.raises(CheckpointError, match="step must be a non-negative int"):
             save_checkpoint(tmp_path, -1, {"x": jnp.zeros(1)})
-        with pytest.raises(CheckpointError, match=r"state\['s'\] is of type str.*numbers or booleans"):
-            save_checkpoint(tmp_path, 1, {"s": "abc"})
+        with pytest.raises(CheckpointError, match=r"state\['s'\] is of type str; .*numbers or booleans"):
+            save_checkpoint(tmp_path, 1, {"s": "abc"})  # no dtype to name
+        with pytest.raises(CheckpointError, match=r"state\['s'\] is of type ndarray and dtype <U1; .*numbers or"):
+            save_checkpoint(tmp_path, 1, {"s": np.array(["a", "b"])})
         with pytest.raises(CheckpointError, match="extra= must be JSON-serializable.*tolist"):
             save_checkpoint(tmp_path, 1, {"x": jnp.zeros(1)}, extra={"pos": np.arange(2)})
         assert os.listdir(tmp_path) == []  # nothing was written

@@ -1,14 +1,17 @@
 """Replica-invariance analysis and the check-replica-invariance pass."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
-from utils import assert_identical_where_claimed
+from jax import custom_batching, lax
+from utils import assert_identical_where_claimed, custom_vmap_call_primitive
 
 import replicator as rp
-from replicator.passes import Pipeline, analyze_invariance
+from replicator.analysis.invariance import RULES, VarianceAnalysis, rule_for
+from replicator.passes import Pipeline, analyze_invariance, check_invariance
 
 THIS_FILE = __file__.rsplit("/", 1)[-1]
 
@@ -371,3 +374,81 @@ class TestClaimsHoldWhenRun:
             assert_identical_where_claimed([rows], [SAME], 2, 4)
         with pytest.raises(AssertionError, match="called identical along 'cores'"):
             assert_identical_where_claimed([np.arange(8.0)], [BY_WORKER], 2, 4)
+
+
+class TestLibraryFrames:
+    """Which frames :func:`user_code_line` skips as library code, wherever the library is installed."""
+
+    @pytest.mark.parametrize(
+        "file_name",
+        [
+            "/usr/lib/python3/dist-packages/flax/linen/normalization.py",  # Debian's system packages
+            "/opt/conda/lib/python3.11/site-packages/optax/_src/transform.py",  # another environment's
+            "<frozen importlib._bootstrap>",
+        ],
+    )
+    def test_installed_packages_outside_this_environment_are_libraries(self, file_name):
+        assert check_invariance._is_library(file_name)
+
+    def test_user_files_are_not(self):
+        assert not check_invariance._is_library("/home/u/project/train.py")
+
+
+class TestMeshCollectiveRules:
+    """The rules for JAX's own psum / all_gather over the mesh axes, as lowered graphs hold them."""
+
+    @pytest.mark.parametrize(
+        "collective, expected",
+        [
+            (lambda x: lax.psum(x, ("workers", "cores")), SAME),
+            (lambda x: lax.psum(x, "cores"), BY_WORKER),
+            (lambda x: lax.pmax(x, "workers"), BY_CORE),
+            (lambda x: lax.all_gather(x, "workers"), BY_CORE),
+        ],
+    )
+    def test_a_reduction_removes_the_variance_along_its_axes(self, collective, expected):
+        sizes = {"workers": 2, "cores": 4}
+        (eqn,) = jax.make_jaxpr(collective, axis_env=list(sizes.items()))(jnp.ones(3)).jaxpr.eqns
+        analysis = VarianceAnalysis(sizes)
+        assert rule_for(eqn.primitive)(analysis, eqn, [VARIES]) == [expected]
+        assert rule_for(eqn.primitive)(analysis, eqn, [SAME]) == [SAME]
+
+    def test_the_result_is_immutable(self, repl):
+        info = analyze_invariance(repl.lower(lambda b: rp.all_sum(b["x"]), _batch(repl.num_replicas)).traced)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            info.output_variance = ()  # type: ignore[misc]
+
+
+@custom_batching.custom_vmap
+def _mean_then_max(x):
+    return rp.all_max(rp.all_mean(x))
+
+
+@_mean_then_max.def_vmap
+def _mean_then_max_vmap(axis_size, in_batched, x):
+    del axis_size
+    return rp.all_max(rp.all_mean(x)), in_batched[0]
+
+
+class TestRulesEdgeCases:
+    def test_an_unknown_primitive_is_named_with_its_first_collective(self, repl, monkeypatch):
+        """The error names the first collective inside (all_mean), with its own parameters (not all_max's)."""
+        monkeypatch.delitem(RULES, custom_vmap_call_primitive())
+        batch = {"x": np.ones((repl.num_replicas, 1), np.float32)}
+        with pytest.raises(rp.UnanalyzableStepError, match=r"^all_mean at .*custom_vmap_call.*no rule") as e:
+            repl.lower(lambda w, b: (w + _mean_then_max(b["x"].sum()), {}), batch, jnp.float32(0))
+        assert "all_max" not in str(e.value)
+
+    def test_while_loop_body_constants_are_not_carry(self, repl):
+        """A while loop whose body (not its condition) closes over values: the carry starts after both consts."""
+
+        def step(b):
+            x = b["x"]  # varies
+            s = jnp.sum(rp.all_sum(x))  # identical on every replica
+            count, same, varying = lax.while_loop(
+                lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] + s, c[2] + x), (0, jnp.zeros(()), jnp.zeros_like(x))
+            )
+            return count, same, varying
+
+        count, same, varying = _output_variance(repl, step)
+        assert (count, same, varying) == (SAME, SAME, frozenset({"cores"}))  # one worker: only 'cores' is live
