@@ -289,22 +289,9 @@ def start_hosts(
 def one_device_reference(steps: int) -> dict[str, np.ndarray]:
     """``train.py``'s training with plain ``jax.jit`` on one device, on the whole global batch (file stems as keys)."""
     sys.path.insert(0, str(ROOT / "tests" / "multiproc"))
-    import jax
-    import optax
     import train as model
 
-    @jax.jit
-    def step(state, batch):
-        params, opt_state = state
-        grads = jax.grad(model.loss_fn)(params, batch)
-        updates, opt_state = model.tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    params = jax.tree.map(jax.numpy.asarray, model.init_params())
-    state = (params, model.tx.init(params))
-    for k in range(steps):
-        state = step(state, model.global_batch(k))
-    return {f"w0_param_{k}": np.asarray(v) for k, v in state[0].items()}
+    return {f"w0_param_{k}": v for k, v in model.one_device_reference(steps).items()}
 
 
 def run_host_row(row: str, steps: int, every: int, seed: int, tmp: str) -> dict:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from utils import finish
 
 from replicator.launch.rendezvous import StoreClient
 
@@ -65,14 +66,7 @@ def _hosts(tmp: Path, nnodes: str, *worker_args: str) -> list[subprocess.Popen]:
 
 
 def _finish(procs: list[subprocess.Popen], timeout_s: float = 240) -> list[tuple[int, str]]:
-    out = []
-    for p in procs:
-        try:
-            text, _ = p.communicate(timeout=timeout_s)
-        finally:
-            p.kill()
-        out.append((p.returncode, text))
-    return out
+    return finish(procs, timeout_s)
 
 
 def _params(out: Path, worker: int) -> dict[str, np.ndarray]:

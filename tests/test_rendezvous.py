@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from utils import finish
 
 from replicator.launch import hosts, membership, rendezvous
 from replicator.launch.membership import Assignment, Rendezvous, parse_nnodes
@@ -591,14 +592,7 @@ def _hosts(nnodes: str, max_restarts: int, toy_args: list[str], n: int = 2) -> t
 
 
 def _finish(procs: list[subprocess.Popen], timeout_s: float = 60) -> list[tuple[int, str]]:
-    out = []
-    for p in procs:
-        try:
-            text, _ = p.communicate(timeout=timeout_s)
-        finally:
-            p.kill()
-        out.append((p.returncode, text))
-    return out
+    return finish(procs, timeout_s)
 
 
 def _wait_for_line(proc: subprocess.Popen, needle: str, timeout_s: float = 30) -> list[str]:

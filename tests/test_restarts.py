@@ -288,22 +288,9 @@ def params(out: Path, worker: int) -> dict[str, np.ndarray]:
 def one_device_reference(steps: int) -> dict[str, np.ndarray]:
     """The same training with plain ``jax.jit`` on one device, on the whole global batch."""
     sys.path.insert(0, str(ROOT / "tests" / "multiproc"))
-    import jax
-    import optax
     import train as model
 
-    @jax.jit
-    def step(state, batch):
-        params, opt_state = state
-        grads = jax.grad(model.loss_fn)(params, batch)
-        updates, opt_state = model.tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    params = jax.tree.map(jax.numpy.asarray, model.init_params())
-    state = (params, model.tx.init(params))
-    for k in range(steps):
-        state = step(state, model.global_batch(k))
-    return {k: np.asarray(v) for k, v in state[0].items()}
+    return model.one_device_reference(steps)
 
 
 @pytest.mark.multiprocess

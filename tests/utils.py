@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import subprocess
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -627,6 +628,18 @@ def running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (ProcessLookupError, FileNotFoundError):
         return False
+
+
+def finish(procs: Sequence[subprocess.Popen], timeout_s: float) -> list[tuple[int, str]]:
+    """``(exit code, output)`` of each process, in order, waiting at most ``timeout_s`` for each (then killed)."""
+    out = []
+    for p in procs:
+        try:
+            text, _ = p.communicate(timeout=timeout_s)
+        finally:
+            p.kill()
+        out.append((p.returncode, text))
+    return out
 
 
 def still_running(pids: list[int], within_s: float = 5.0) -> list[int]:

@@ -94,6 +94,24 @@ def train_step(state, batch):
     return (optax.apply_updates(params, updates), opt_state), {"loss": rp.all_mean(loss)}
 
 
+def one_device_reference(steps: int) -> dict[str, np.ndarray]:
+    """This training with plain ``jax.jit`` on one device, on the whole global batch: the parameters after
+    ``steps`` steps (the reference of the restart and fault-matrix runs)."""
+
+    @jax.jit
+    def step(state, batch):
+        params, opt_state = state
+        grads = jax.grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params = jax.tree.map(jnp.asarray, init_params())
+    state = (params, tx.init(params))
+    for k in range(steps):
+        state = step(state, global_batch(k))
+    return {k: np.asarray(v) for k, v in state[0].items()}
+
+
 def probe_step(batch):
     """Collectives over every group, on integer replica ids and float data."""
     rid = rp.replica_id()
