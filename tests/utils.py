@@ -284,6 +284,19 @@ def _fresh_input_on_purpose() -> Iterator[None]:
         yield
 
 
+def train_on_global_batches(repl: rp.Replicator, step: Callable, state: Any, batches: Sequence[Any]) -> Any:
+    """``repl.run`` once per global batch of ``batches`` (worker ``w`` takes its contiguous rows); the last state."""
+
+    def input_fn(ctx):
+        rows = len(batches[0]["x"]) // repl.num_workers
+        for b in batches:
+            yield jax.tree.map(lambda a: a[ctx.worker_id * rows : (ctx.worker_id + 1) * rows], b)
+
+    for _ in batches:
+        state, _ = repl.run(step, input_fn, state)
+    return state
+
+
 def check_against_simulation(
     repl: rp.Replicator, step: Callable, batches: Sequence[Any], state: Any = None, **tol: float
 ) -> tuple[Any, list[Any]]:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from utils import sum_rounding_scale
+from utils import sum_rounding_scale, train_on_global_batches
 
 import replicator as rp
 from replicator.cost.memory import state_bytes_per_device
@@ -57,17 +57,6 @@ def _batches(rows, steps=3, width=WIDTH):
         {"x": rng.normal(size=(rows, width)).astype(np.float32), "y": rng.normal(size=(rows, width)).astype(np.float32)}
         for _ in range(steps)
     ]
-
-
-def _train(repl, step, state, batches):
-    def input_fn(ctx):
-        rows = len(batches[0]["x"]) // repl.num_workers
-        for b in batches:
-            yield jax.tree.map(lambda a: a[ctx.worker_id * rows : (ctx.worker_id + 1) * rows], b)
-
-    for _ in batches:
-        state, _ = repl.run(step, input_fn, state)
-    return state
 
 
 def _reference(tx, state, batches, loss=_loss):
@@ -116,7 +105,7 @@ def test_three_adam_steps_equal_one_device(n_devices, stage):
     tx, state = _setup()
     batches = _batches(4 * n_devices)
     repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(zero_stage=stage))
-    got = _train(repl, _make_step(tx), state, batches)
+    got = train_on_global_batches(repl, _make_step(tx), state, batches)
     ref = _reference(tx, state, batches)
     assert _max_diff(ref[0], state[0]) > 1e-3  # training moved the parameters: the check below can fail
     assert _max_diff(got, ref) < tol(n_devices)
@@ -208,7 +197,7 @@ def test_stage3_with_bf16_compute_gathers_in_bf16(n_devices):
     gathered = [e.invars[0].aval.dtype for e in zero.jaxpr.jaxpr.eqns if e.primitive.name == "rp.all_gather"]
     assert gathered and all(d == jnp.bfloat16 for d in gathered), gathered
     batches = _batches(4 * n_devices)
-    got = _train(repl, _make_step(tx, bf16_loss), state, batches)
+    got = train_on_global_batches(repl, _make_step(tx, bf16_loss), state, batches)
     ref = _reference(tx, state, batches, bf16_loss)
     moved = _max_diff(ref[0], state[0])
     assert moved > 1e-2
@@ -226,7 +215,7 @@ def test_stage3_with_jax_checkpoint_and_clipping(n_devices):
 
     batches = _batches(4 * n_devices)
     repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(zero_stage=3))
-    got = _train(repl, _make_step(tx, remat_loss), state, batches)
+    got = train_on_global_batches(repl, _make_step(tx, remat_loss), state, batches)
     assert _max_diff(got, _reference(tx, state, batches, remat_loss)) < tol(n_devices)
 
 
@@ -243,7 +232,7 @@ def test_stage2_computes_the_global_norm_on_shards(n_devices):
     assert counts[2]["rp.all_gather"] == DEPTH
     assert counts[2]["rp.all_reduce"] == counts[1]["rp.all_reduce"] + DEPTH
     batches = _batches(4 * n_devices)
-    got = _train(repl, _make_step(tx), state, batches)
+    got = train_on_global_batches(repl, _make_step(tx), state, batches)
     assert _max_diff(got, _reference(tx, state, batches)) < tol(n_devices)
 
 
@@ -282,7 +271,7 @@ def test_max_and_min_of_the_reduced_gradient_equal_one_device(n_devices, stage, 
         zero = _lower(repl, _extremes_step(tx), state).after("shard-optimizer-update").jaxpr.jaxpr
         ops = [e.params["op"] for e in zero.eqns if e.primitive.name == "rp.all_reduce"]
         assert ops.count("max") == ops.count("min") == DEPTH, ops
-    got = _train(repl, _extremes_step(tx), state, batches)
+    got = train_on_global_batches(repl, _extremes_step(tx), state, batches)
     step = jax.jit(_extremes_step(tx, mean=lambda x: x))
     ref = state
     for b in batches:
@@ -298,7 +287,7 @@ def test_stage3_on_a_2d_mesh_and_folded(n_devices, workers, per_device):
     repl = rp.Replicator(
         workers, n_devices // workers, replicas_per_device=per_device, passes=rp.Pipeline.default(zero_stage=3)
     )
-    got = _train(repl, _make_step(tx), state, batches)
+    got = train_on_global_batches(repl, _make_step(tx), state, batches)
     assert _max_diff(got, _reference(tx, state, batches)) < tol(n_devices)
     w = got[0][0]["w"]
     assert not w.sharding.is_fully_replicated  # stored 1/N per device between steps
@@ -316,7 +305,7 @@ def test_gradient_accumulation_under_stage3(n_devices):
         return (optax.apply_updates(params, upd), opt), {}
 
     repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(zero_stage=3))
-    got = _train(repl, step, state, batches)
+    got = train_on_global_batches(repl, step, state, batches)
     assert _max_diff(got, _reference(tx, state, batches)) < tol(n_devices)
 
 
@@ -380,7 +369,7 @@ def test_stage3_shards_conv_kernels_along_an_axis_that_divides(n_devices, worker
     split = 3 * sum(4 * int(np.prod(s)) for s in CONV_SHAPES.values())
     assert state_bytes_per_device(final) == whole - split + split // n
 
-    got = _train(repl, step, state, batches)
+    got = train_on_global_batches(repl, step, state, batches)
     ref = _reference(tx, state, batches, _conv_loss)
     assert _max_diff(ref[0], state[0]) > 1e-3
     assert _max_diff(got, ref) < tol(n_devices)
@@ -479,7 +468,7 @@ def test_stage3_scanned_stack_trains_as_on_one_device(n_devices, workers, per_de
         zero = lowered.after("shard-optimizer-update").jaxpr.jaxpr
         assert not any(len(e.outvars[0].aval.shape) == 3 for e in zero.eqns if e.primitive.name == "rp.all_gather")
         assert all(count_primitives(scan.params["jaxpr"])["rp.all_gather"] for scan in _scans(zero))
-    got = _train(repl, _make_step(tx, loss), state, batches)
+    got = train_on_global_batches(repl, _make_step(tx, loss), state, batches)
     ref = _reference(tx, state, batches, loss)
     assert _max_diff(ref[0], state[0]) > 1e-3
     assert _max_diff(got, ref) < tol(n_devices)

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 from jax import lax
-from utils import sum_rounding_scale
+from utils import sum_rounding_scale, train_on_global_batches
 
 import replicator as rp
 from replicator.passes import count_primitives
@@ -104,17 +104,6 @@ def test_a_broadcast_scalar_is_made_as_chunks():
     assert count_primitives(graph, ["jit"]).get("jit", 0) == 0
 
 
-def _train(repl, step, state, batches):
-    def input_fn(ctx):
-        rows = len(batches[0]["x"]) // repl.num_workers
-        for b in batches:
-            yield jax.tree.map(lambda a: a[ctx.worker_id * rows : (ctx.worker_id + 1) * rows], b)
-
-    for _ in batches:
-        state, _ = repl.run(step, input_fn, state)
-    return state
-
-
 def _max_diff(a, b) -> float:
     return max(
         float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
@@ -132,7 +121,7 @@ def test_a_non_finite_step_keeps_the_state_as_on_one_device(n_devices, workers, 
     repl = rp.Replicator(workers, cores, passes=rp.Pipeline.default(zero_stage=stage))
     step = _make_step(tx, _where)
     assert _sharded_paths(repl, step, state)[0]  # the run below is sharded
-    got = _train(repl, step, state, batches)
+    got = train_on_global_batches(repl, step, state, batches)
 
     reference = jax.jit(_make_step(tx, _where, mean=lambda x: x))
     ref = state
