@@ -283,8 +283,8 @@ class Replicator:
         :meth:`run` (the update cut from ``step_fn``) and :meth:`run_pipelined`. Guide: docs/guide/pipeline.md.
       microbatches: ``M``, the micro-batches each replica's share of the batch
         is cut into (default: ``pipeline_stages``).
-      schedule: ``'1f1b'`` (at most ``S`` micro-batches' activations alive
-        per stage) or ``'gpipe'`` (all ``M``); the same bubble.
+      schedule: ``'1f1b'`` (the default: at most ``S`` micro-batches'
+        activations alive per stage) or ``'gpipe'`` (all ``M``); the same bubble.
       pipeline_recompute: keep only each stage's boundary inputs between a
         micro-batch's forward and backward, and run the stage's forward again
         before its backward (GPipe's recomputation: less memory, one more
@@ -306,7 +306,7 @@ class Replicator:
         prefetch: int | None = None,
         pipeline_stages: int = 1,
         microbatches: int | None = None,
-        schedule: str = "1f1b",
+        schedule: str | None = None,
         pipeline_recompute: bool = False,
     ):
         axis_names = normalize_axis_names(axis_name)
@@ -323,11 +323,19 @@ class Replicator:
             self.num_workers, self.cores_per_worker = num_workers, cores_per_worker
         self.context = ReplicaContext(self.num_workers, self.cores_per_worker, axis_names)
         self.pipelined: PipelinedReplicas | None = None  # pipeline parallelism: see run_pipelined
+        if pipeline_stages == 1 and microbatches is None and (schedule is not None or pipeline_recompute):
+            given = ", ".join(
+                name for name, value in (("schedule", schedule), ("pipeline_recompute", pipeline_recompute)) if value
+            )
+            raise ValueError(
+                f"{given} only applies to a pipelined Replicator, and this one has pipeline_stages=1: pass "
+                "pipeline_stages=S (the stages cut at rp.stage_boundary markers) or leave these options out."
+            )
         if pipeline_stages != 1 or microbatches is not None:
             if replicas_per_device != 1:
                 raise ValueError("pipeline_stages does not combine with replicas_per_device yet; leave one at 1.")
             self.pipelined = PipelinedReplicas(
-                self.mesh.devices, pipeline_stages, microbatches, schedule, pipeline_recompute
+                self.mesh.devices, pipeline_stages, microbatches, schedule or "1f1b", pipeline_recompute
             )
         self.pipeline = passes if passes is not None else Pipeline.default()
         if not isinstance(self.pipeline, Pipeline):

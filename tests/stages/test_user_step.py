@@ -190,3 +190,18 @@ def test_a_stateless_step_is_refused():
     repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2, microbatches=2)
     with pytest.raises(ValueError, match="needs a state.*run_pipelined"):
         repl.run(lambda batch: batch.sum(), np.ones((4, 2), np.float32))
+
+
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        ({"schedule": "gpipe"}, "schedule"),
+        ({"schedule": "1f1b"}, "schedule"),
+        ({"pipeline_recompute": True}, "pipeline_recompute"),
+    ],
+)
+def test_pipeline_options_without_stages_are_refused(options, named):
+    """A schedule or recomputation asked of a Replicator that has no stages would be ignored: refuse it."""
+    with pytest.raises(ValueError, match=rf"{named} only applies to a pipelined Replicator.*pipeline_stages=S"):
+        rp.Replicator(1, 8, devices=jax.devices()[:8], **options)
+    rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=2, **options)  # with stages, accepted
