@@ -414,8 +414,9 @@ class Replicator:
         if self.pipelined is not None:
             raise ValueError(
                 f"this Replicator runs a pipeline ({self.pipelined!r}): call run_pipelined(loss_fn, optimizer, "
-                "batch, (params, opt_state)) or run(step_fn, batch, state) (docs/guide/pipeline.md); lower/explain of "
-                "a step_fn with its own update is not pipelined yet."
+                "batch, (params, opt_state)) or run(step_fn, batch, state) (docs/guide/pipeline.md); a pipelined step "
+                "has no pass-pipeline graph to lower: explain(step_fn, batch, state) describes it (the schedule, its "
+                "bubble, per-stage compute and memory)."
             )
         key = (step_fn, state_key, batch_key, self._pipeline_key())
         compiled = self._compiled.get(key)
@@ -509,8 +510,23 @@ class Replicator:
           per_replica_state: as for :meth:`run`.
 
         Returns:
-          A :class:`~replicator.cost.report.CommunicationReport`; ``print()`` it.
+          A :class:`~replicator.cost.report.CommunicationReport`; ``print()`` it. On a pipelined Replicator
+          (``pipeline_stages=S``), a :class:`~replicator.stages.replicas.PipelineReport` of the step
+          :meth:`run` would run: the schedule, its bubble, per stage the leaves it keeps, the cost model's
+          compute and its residuals, and XLA's memory analysis of the compiled step per device.
         """
+        if self.pipelined is not None:
+            if per_replica_state is not None:
+                raise ValueError("a pipelined Replicator keeps no per-replica state; leave per_replica_state out.")
+            if callable(input_fn_or_batch):  # fresh iterators, as below: run's are not touched
+                try:
+                    parts = [next(iter(input_fn_or_batch(self.input_context(w)))) for w in self.local_workers]
+                except StopIteration:
+                    raise ValueError("explain: input_fn yielded no batch to trace the step with.") from None
+                input_fn_or_batch = jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *parts)
+            return self.pipelined.describe_step(
+                step_fn, input_fn_or_batch, state, stage_cost=self._stage_cost(), memory=True
+            )
         batch = input_fn_or_batch
         if callable(input_fn_or_batch):
             try:
@@ -557,19 +573,26 @@ class Replicator:
         assert batches is not None
         return jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *batches)
 
-    def describe_pipeline(self, loss_fn: Callable, optimizer: Any, batch: PyTree, state: tuple) -> Any:
+    def describe_pipeline(
+        self, loss_fn: Callable, optimizer: Any, batch: PyTree, state: tuple, *, memory: bool = False
+    ) -> Any:
         """What :meth:`run_pipelined` runs, without running it: the schedule, its bubble, per-stage compute
-        (the cost model's, :mod:`replicator.cost.compute`, with the emulated-CPU figures) and per-stage memory.
-        ``print()`` it."""
+        (the cost model's, :mod:`replicator.cost.compute`, with the emulated-CPU figures) and per-stage memory;
+        ``memory=True`` also compiles the step and adds XLA's memory analysis per device. ``print()`` it."""
         if self.pipelined is None:
             raise ValueError("describe_pipeline needs Replicator(..., pipeline_stages=S, microbatches=M).")
+        return self.pipelined.describe(loss_fn, optimizer, batch, state, stage_cost=self._stage_cost(), memory=memory)
+
+    @staticmethod
+    def _stage_cost() -> Callable[[list], float]:
+        """Seconds of a stage's equations by the cost model (the emulated-CPU figures)."""
         compute = PRESETS["cpu-emulated"].compute
         assert compute is not None
 
         def stage_cost(eqns: list) -> float:
             return sum(equation_time(eqn, compute) for eqn in eqns)
 
-        return self.pipelined.describe(loss_fn, optimizer, batch, state, stage_cost=stage_cost)
+        return stage_cost
 
     def broadcast_state(self, state: PyTree) -> PyTree:
         """Replica 0's (process 0's) ``state`` on every replica, placed on the mesh.

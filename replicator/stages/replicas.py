@@ -30,15 +30,24 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.extend.core import JaxprEqn
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from replicator.stages.lower import STAGE_AXIS, ring_slots
 from replicator.stages.schedule import schedule_stats
 from replicator.stages.split import BACKWARD, FORWARD
-from replicator.stages.train import DATA_AXES, PipelineTrainStep, _Built
+from replicator.stages.train import DATA_AXES, PipelineTrainStep, _Built, _micro_batches
 from replicator.stages.user_step import PipelinedStep
 
-__all__ = ["PipelineReport", "PipelinedReplicas", "StageReport", "describe", "pipeline_mesh"]
+__all__ = [
+    "DeviceMemory",
+    "PipelineReport",
+    "PipelinedReplicas",
+    "StageReport",
+    "compiled_memory",
+    "describe",
+    "pipeline_mesh",
+]
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -107,9 +116,11 @@ class PipelineReport:
       schedule: the tick table (``str()`` draws it); stages: ``S``; microbatches: ``M``; replicas: ``D``.
       ticks: the table's ticks; bubble: its idle slots over all slots (``(S-1)/(M+S-1)`` for both tables).
       row_bytes: per device, the packed parameters (the largest stage's row); optimizer_bytes: per device,
-        the optimizer state (its parameter-shaped parts packed the same way, scalars whole).
+        the optimizer state (its parameter-shaped parts packed the same way, scalars whole), or ``None`` where
+        the row holds the whole state (the user's own step: parameters and optimizer state alike).
       stash_slots: the residual ring's slots (``M`` for GPipe, ``S`` for 1F1B).
       per_stage: one :class:`StageReport` per stage.
+      device_memory: XLA's memory analysis of the compiled step (:class:`DeviceMemory`), where asked for.
     """
 
     schedule: Any
@@ -119,9 +130,10 @@ class PipelineReport:
     ticks: int
     bubble: float
     row_bytes: int
-    optimizer_bytes: int
+    optimizer_bytes: int | None
     stash_slots: int
     per_stage: tuple[StageReport, ...]
+    device_memory: DeviceMemory | None = None
 
     def __str__(self) -> str:
         s, m, d = self.stages, self.microbatches, self.replicas
@@ -130,7 +142,10 @@ class PipelineReport:
             f"schedule {self.schedule.name}",
             f"  {self.ticks} ticks, bubble {self.bubble:.3f} (= (S-1)/(M+S-1) = {s - 1}/{m + s - 1})",
             f"  per device: parameters {_bytes(self.row_bytes)} (packed row), optimizer state "
-            f"{_bytes(self.optimizer_bytes)}, residual ring of {self.stash_slots} slots",
+            f"{_bytes(self.optimizer_bytes)}, residual ring of {self.stash_slots} slots"
+            if self.optimizer_bytes is not None
+            else f"  per device: state {_bytes(self.row_bytes)} (packed row: parameters and optimizer state), "
+            f"residual ring of {self.stash_slots} slots",
             "  stage  compute/micro-batch  parameters  residuals/micro-batch  peak live  activations  leaves",
         ]
         for r in self.per_stage:
@@ -148,6 +163,13 @@ class PipelineReport:
                 f"the step about {self.ticks} ticks = {self.ticks * tick * 1e3:.3f} ms; the lightest stage does "
                 f"{min(computes) / max(computes):.2f} of the heaviest's work"  # type: ignore[type-var,operator]
             )
+        if self.device_memory is not None:
+            mem = self.device_memory
+            lines.append(
+                f"  compiled, per device (XLA's memory analysis): peak {_bytes(mem.peak)} = arguments "
+                f"{_bytes(mem.arguments)} + outputs {_bytes(mem.outputs)} + temporaries {_bytes(mem.temporaries)}"
+                + (f" - aliased {_bytes(mem.aliased)}" if mem.aliased else "")
+            )
         lines.append("schedule (F: forward, B: backward of micro-batch m):")
         lines.append(str(self.schedule))
         return "\n".join(lines)
@@ -164,11 +186,76 @@ def _nbytes(aval: Any) -> int:
     return int(np.prod(aval.shape, dtype=np.int64)) * jnp.dtype(aval.dtype).itemsize
 
 
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    """XLA's memory analysis of the compiled step, per device (bytes): what the step's arguments, its outputs
+    and its temporaries (activations, residual rings, the optimizer's scratch) take, and the output bytes that
+    reuse an argument's buffer (donation). ``peak`` is their sum less the aliased bytes."""
+
+    arguments: int
+    outputs: int
+    temporaries: int
+    aliased: int
+
+    @property
+    def peak(self) -> int:
+        return self.arguments + self.outputs + self.temporaries - self.aliased
+
+
+def compiled_memory(jitted: Any, *args: Any) -> DeviceMemory:
+    """Compile ``jitted`` for ``args`` (``jax.ShapeDtypeStruct`` with their shardings) and read XLA's memory
+    analysis of one device's program."""
+    stats = jitted.lower(*args).compile().memory_analysis()
+    return DeviceMemory(
+        arguments=int(stats.argument_size_in_bytes),
+        outputs=int(stats.output_size_in_bytes),
+        temporaries=int(stats.temp_size_in_bytes),
+        aliased=int(stats.alias_size_in_bytes),
+    )
+
+
+def _placed(tree: Any, mesh: Mesh, specs: Any) -> Any:
+    """Shapes of ``tree`` (arrays or shapes) as ``jax.ShapeDtypeStruct`` placed on ``mesh`` by ``specs``."""
+    return jax.tree.map(
+        lambda x, spec: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=NamedSharding(mesh, spec)), tree, specs
+    )
+
+
+def _stage_reports(
+    split: Any,
+    programs: Sequence[Any],
+    layout: Sequence[Sequence[int]],
+    avals: Sequence[Any],
+    paths: Sequence[str],
+    peak_live: Sequence[int],
+    stage_cost: Callable[[Sequence[JaxprEqn]], float] | None,
+) -> tuple[StageReport, ...]:
+    """Per stage: the leaves it keeps, the cost model's forward and backward of one micro-batch, its residuals."""
+    reports = []
+    for s in range(len(layout)):
+        phase = {
+            p: [split.jaxpr.eqns[i] for i in split.eqns_of(s) if split.phases[i] == p] for p in (FORWARD, BACKWARD)
+        }
+        reports.append(
+            StageReport(
+                stage=s,
+                parameters=tuple(paths[i] for i in layout[s]),
+                parameter_bytes=sum(_nbytes(avals[i]) for i in layout[s]),
+                forward_s=None if stage_cost is None else float(stage_cost(phase[FORWARD])),
+                backward_s=None if stage_cost is None else float(stage_cost(phase[BACKWARD])),
+                residual_bytes=sum(_nbytes(a) for a in programs[s].residuals),
+                peak_live=int(peak_live[s]),
+            )
+        )
+    return tuple(reports)
+
+
 def describe(
     step: PipelineTrainStep,
     params: Any,
     *batch: Any,
     stage_cost: Callable[[Sequence[JaxprEqn]], float] | None = None,
+    memory: bool = False,
 ) -> PipelineReport:
     """What ``step`` runs on these shapes (traced and split, not run).
 
@@ -176,29 +263,14 @@ def describe(
       step: a pipelined training step; params, batch: as for the step (arrays or ``jax.ShapeDtypeStruct``).
       stage_cost: seconds for a list of equations (the cost model's, :mod:`replicator.cost.compute`; this layer
         sits below it, so the caller passes it); ``None``: no compute column.
+      memory: also compile the step and report XLA's memory analysis per device (:class:`DeviceMemory`).
     """
     b: _Built = step.built(params, *batch)
-    split, table = b.split, b.table
+    table = b.table
     stats = schedule_stats(table)
     paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    per_stage = []
-    for s in range(b.stages):
-        phase = {
-            p: [split.jaxpr.eqns[i] for i in split.eqns_of(s) if split.phases[i] == p] for p in (FORWARD, BACKWARD)
-        }
-        per_stage.append(
-            StageReport(
-                stage=s,
-                parameters=tuple(paths[i] for i in b.layout[s]),
-                parameter_bytes=sum(_nbytes(b.avals[i]) for i in b.layout[s]),
-                forward_s=None if stage_cost is None else float(stage_cost(phase[FORWARD])),
-                backward_s=None if stage_cost is None else float(stage_cost(phase[BACKWARD])),
-                residual_bytes=sum(_nbytes(a) for a in b.programs[s].residuals),
-                peak_live=int(stats.peak_live[s]),
-            )
-        )
     row = sum(n * jnp.dtype(d).itemsize for d, n in b.packing.sizes.items())
-    packed = b.packing.zeros((b.stages,))
+    packed = jax.eval_shape(lambda: b.packing.zeros((b.stages,)))
     state = jax.eval_shape(step.optimizer.init, packed)
     packed_def = jax.tree.structure(packed)
 
@@ -210,6 +282,15 @@ def describe(
     optimizer_bytes = sum(
         per_device(sub) for sub in jax.tree.leaves(state, is_leaf=lambda x: jax.tree.structure(x) == packed_def)
     )
+    device_memory = None
+    if memory:
+        micro = jax.eval_shape(lambda *xs: _micro_batches(xs, table.num_microbatches, step.data_replicas), *batch)
+        device_memory = compiled_memory(
+            b.step,
+            _placed(packed, b.mesh, jax.tree.map(lambda _: P(STAGE_AXIS), packed)),
+            _placed(state, b.mesh, b.state_specs),
+            _placed(micro, b.mesh, [P(DATA_AXES)] * len(micro)),
+        )
     return PipelineReport(
         schedule=table,
         stages=b.stages,
@@ -220,7 +301,44 @@ def describe(
         row_bytes=int(row),
         optimizer_bytes=int(optimizer_bytes),
         stash_slots=ring_slots(table)["stash"],
-        per_stage=tuple(per_stage),
+        per_stage=_stage_reports(b.split, b.programs, b.layout, b.avals, paths, stats.peak_live, stage_cost),
+        device_memory=device_memory,
+    )
+
+
+def describe_user_step(
+    step: PipelinedStep,
+    batch: Any,
+    *,
+    stage_cost: Callable[[Sequence[JaxprEqn]], float] | None = None,
+    memory: bool = False,
+) -> PipelineReport:
+    """What the user's own step cut over the stages (:class:`PipelinedStep`) runs on ``batch``'s shapes, as
+    :func:`describe`: its packed rows hold the whole state, parameters and optimizer state alike."""
+    stats = schedule_stats(step.table)
+    device_memory = None
+    if memory:
+        packed = jax.eval_shape(lambda: step.packing.zeros((step.stages,)))
+        micro = jax.eval_shape(step.micro_leaves, batch)
+        device_memory = compiled_memory(
+            step.step,
+            _placed(packed, step.mesh, jax.tree.map(lambda _: P(STAGE_AXIS), packed)),
+            _placed(micro, step.mesh, [P(DATA_AXES)] * len(micro)),
+        )
+    return PipelineReport(
+        schedule=step.table,
+        stages=step.stages,
+        microbatches=step.table.num_microbatches,
+        replicas=int(np.prod([step.mesh.shape[a] for a in DATA_AXES])),
+        ticks=stats.ticks,
+        bubble=float(stats.bubble),
+        row_bytes=int(sum(n * jnp.dtype(d).itemsize for d, n in step.packing.sizes.items())),
+        optimizer_bytes=None,
+        stash_slots=ring_slots(step.table)["stash"],
+        per_stage=_stage_reports(
+            step.split, step.programs, step.layout, step.avals, step.paths, stats.peak_live, stage_cost
+        ),
+        device_memory=device_memory,
     )
 
 
@@ -280,6 +398,22 @@ class PipelinedReplicas:
         """``Replicator.run(step_fn, batch, state)`` on the pipeline: the user's own step, its update phase cut
         from it (:mod:`replicator.stages.user_step`); returns ``(new_state, outputs)``, each output leaf with a
         leading axis of the ``D`` data-parallel replicas."""
+        return self.user_step(step_fn, batch, state)(state, batch)
+
+    def describe_step(
+        self,
+        step_fn: Callable,
+        batch: Any,
+        state: Any,
+        stage_cost: Callable[[Sequence[JaxprEqn]], float] | None = None,
+        memory: bool = False,
+    ) -> PipelineReport:
+        """What :meth:`run_step` runs on these shapes (:func:`describe_user_step`)."""
+        built = self.user_step(step_fn, batch, state)
+        return describe_user_step(built, batch, stage_cost=stage_cost, memory=memory)
+
+    def user_step(self, step_fn: Callable, batch: Any, state: Any) -> PipelinedStep:
+        """The user's step cut for these shapes (built once per ``step_fn``, structure and shapes)."""
         leaves = jax.tree.leaves((state, batch))
         key = (
             id(step_fn),
@@ -289,7 +423,7 @@ class PipelinedReplicas:
         if key not in self._user_steps:  # step_fn kept alive with its step, so its id stays its own
             built = PipelinedStep(step_fn, state, batch, self.mesh, self.microbatches, self.schedule, self.recompute)
             self._user_steps[key] = (step_fn, built)
-        return self._user_steps[key][1](state, batch)
+        return self._user_steps[key][1]
 
     def describe(
         self,
@@ -298,11 +432,12 @@ class PipelinedReplicas:
         batch: Any,
         state: Any,
         stage_cost: Callable[[Sequence[JaxprEqn]], float] | None = None,
+        memory: bool = False,
     ) -> PipelineReport:
         """:func:`describe` of the step :meth:`run` would run."""
         params, _ = _split_state(state)
         batch = batch if isinstance(batch, tuple) else (batch,)
-        return describe(self.step_for(loss_fn, optimizer), params, *batch, stage_cost=stage_cost)
+        return describe(self.step_for(loss_fn, optimizer), params, *batch, stage_cost=stage_cost, memory=memory)
 
 
 def _split_state(state: Any) -> tuple[Any, Any]:

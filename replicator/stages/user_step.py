@@ -212,7 +212,7 @@ class PipelinedStep:
 
         programs = stage_programs(fb_split, fb)
         table = make_schedule(schedule, stages, microbatches)
-        self.table = table
+        self.table, self.split, self.programs, self.paths = table, fb_split, programs, paths
         loop = tick_loop(programs, table, fb.out_avals, self.params_of, recompute=recompute)
         consts = dict(zip(flat.constvars, closed.consts, strict=True))
 

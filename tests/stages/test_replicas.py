@@ -285,3 +285,20 @@ def test_unsupported_collective_in_the_loss_names_the_line():
     line = loss.__code__.co_firstlineno + 2
     with pytest.raises(StageSplitError, match=rf"rp.all_gather at .*test_replicas.py:{line}.*not supported"):
         repl.run_pipelined(loss, opt, np.ones((8, 3), np.float32), (p, opt.init(p)))
+
+
+def test_describe_pipeline_measures_the_compiled_steps_memory():
+    p, (ids, y) = _params_for(four_stages_tied), global_batch()
+    opt = optax.adam(1e-2)
+    memory = {}
+    for schedule in ("1f1b", "gpipe"):
+        repl = rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=4, microbatches=8, schedule=schedule)
+        report = repl.describe_pipeline(four_stages_tied, opt, (ids, y), (p, opt.init(p)), memory=True)
+        memory[schedule] = mem = report.device_memory
+        # Arguments per device: the packed parameter row, Adam's two rows and count, this replica's batch share.
+        rows = 3 * 4 * 83 + 4
+        assert rows <= mem.arguments <= rows + ids.nbytes // 2 + y.nbytes // 2 + 64
+        assert mem.peak == mem.arguments + mem.outputs + mem.temporaries - mem.aliased
+        assert "compiled, per device (XLA's memory analysis)" in str(report)
+    assert memory["gpipe"].temporaries > memory["1f1b"].temporaries  # 8 residual slots against 4
+    assert repl.describe_pipeline(four_stages_tied, opt, (ids, y), (p, opt.init(p))).device_memory is None

@@ -205,3 +205,35 @@ def test_pipeline_options_without_stages_are_refused(options, named):
     with pytest.raises(ValueError, match=rf"{named} only applies to a pipelined Replicator.*pipeline_stages=S"):
         rp.Replicator(1, 8, devices=jax.devices()[:8], **options)
     rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=2, **options)  # with stages, accepted
+
+
+def test_explain_of_a_pipelined_step_describes_the_schedule_and_measures_memory():
+    p, batch = _params_for(four_stages_tied), global_batch()
+    opt = optax.adam(1e-2)
+    step, state = make_step(four_stages_tied, opt), (p, opt.init(p))
+    reports = {}
+    for schedule in ("1f1b", "gpipe"):
+        repl = rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=4, microbatches=8, schedule=schedule)
+        reports[schedule] = report = repl.explain(step, batch, state)
+        assert (report.stages, report.microbatches, report.replicas, report.ticks) == (4, 8, 2, 22)
+        # The rows hold the whole state: each stage's parameters, Adam's mu and nu of them, and the step count.
+        row = [83, 67, 67, 83]  # parameters per stage (floats): as in test_describe_pipeline
+        assert [r.parameter_bytes for r in report.per_stage] == [3 * 4 * n + 4 for n in row]
+        assert report.optimizer_bytes is None and report.row_bytes == 3 * 4 * 83 + 4
+        assert all(r.compute_s > 0 for r in report.per_stage)
+        assert report.device_memory is not None and report.device_memory.peak > 0
+        text = str(report)
+        assert "state 1000 B (packed row: parameters and optimizer state)" in text
+        assert "compiled, per device (XLA's memory analysis): peak" in text
+    assert [r.peak_live for r in reports["1f1b"].per_stage] == [4, 3, 2, 1]
+    assert [r.peak_live for r in reports["gpipe"].per_stage] == [8] * 4
+    # GPipe keeps all 8 micro-batches' residuals, 1F1B a ring of 4: the compiled step's temporaries show it.
+    assert reports["gpipe"].device_memory.temporaries > reports["1f1b"].device_memory.temporaries
+
+
+def test_lower_of_a_pipelined_step_points_to_explain():
+    p, batch = _params_for(two_stages), global_batch()
+    opt = optax.sgd(0.1)
+    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2)
+    with pytest.raises(ValueError, match=r"explain\(step_fn, batch, state\) describes it"):
+        repl.lower(make_step(two_stages, opt), batch, (p, opt.init(p)))
