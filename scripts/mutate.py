@@ -140,18 +140,41 @@ TESTS: dict[str, tuple[str, ...]] = {
         "tests/test_report.py",
         "tests/passes/test_mutation_gaps.py",
     ),
+    # Every test runs the verifier (REPLICATOR_VERIFY=1 in conftest.py): a mutant that makes it
+    # raise fails them all; one that lets a broken graph through fails only the tests that build one.
     "replicator/pipeline/verify.py": (
         "tests/passes/test_validate.py",
         "tests/passes/test_pipeline.py",
         "tests/passes/test_soundness.py",
+        "tests/test_bad_input.py",
     ),
-    "replicator/runtime/execution.py": ("tests/test_run.py", "tests/test_bad_input.py", "tests/passes/test_fold.py"),
-    "replicator/runtime/state.py": ("tests/test_state.py", "tests/test_optim.py"),
+    "replicator/runtime/execution.py": (
+        "tests/test_run.py",
+        "tests/test_bad_input.py",
+        "tests/passes/test_fold.py",
+        "tests/test_per_replica_state.py",
+        "tests/test_porting_inputs.py",
+        "tests/test_state.py",
+        "tests/passes/test_zero_stages.py",
+        "tests/test_execution*.py",
+        "tests/passes/test_share_slice_kernels.py",
+        "tests/test_distributed.py",
+    ),
+    "replicator/runtime/state.py": (
+        "tests/test_state.py",
+        "tests/test_state_*.py",
+        "tests/test_per_replica_state.py",
+        "tests/test_optim.py",
+        "tests/test_run.py",
+        "tests/test_divergence.py",
+    ),
     "replicator/runtime/inputs.py": (
         "tests/test_run.py",
         "tests/test_bad_input.py",
         "tests/test_prefetch.py",
         "tests/test_inputs*.py",
+        "tests/test_porting_inputs.py",
+        "tests/test_loop.py",
     ),
     "replicator/training/checkpoint/": ("tests/test_checkpoint.py", "tests/test_checkpoint_*.py"),
     "replicator/launch/": (
@@ -160,6 +183,7 @@ TESTS: dict[str, tuple[str, ...]] = {
         "tests/test_watchdog.py",
         "tests/test_restarts.py",
         "tests/test_faults.py",
+        "tests/test_rendezvous.py",
     ),
 }
 PYTEST_ARGS = ("-x", "-q", "-m", "not slow", "-p", "no:cacheprovider", "-p", "_mutation_probe")

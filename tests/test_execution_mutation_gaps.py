@@ -1,0 +1,138 @@
+"""Placement of batches and state on the mesh: what mutation testing found untested (scripts/mutate.py).
+
+The paths of a mesh that spans processes are run in this one process by making ``spans_processes`` say so
+(every device is still this process's, so the global arrays can be checked against NumPy).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import replicator as rp
+from replicator.core.context import REPLICA_AXES
+from replicator.runtime import execution
+from replicator.runtime.execution import place_batch, place_state, sharded, spans_processes
+
+
+class _FakeDevice:
+    def __init__(self, process_index: int):
+        self.process_index = process_index
+
+
+class _FakeMesh:
+    """Only what ``spans_processes`` reads: ``devices`` (hashable by identity, as its cache needs)."""
+
+    def __init__(self, process_indices: list[int]):
+        self.devices = np.array([_FakeDevice(p) for p in process_indices], dtype=object)
+
+
+@pytest.mark.parametrize(
+    ("process_count", "device_processes", "expected"),
+    [
+        (1, [0, 0, 0, 0], False),
+        (2, [0, 0, 0, 0], False),  # a mesh of this process's devices alone, in a job of two
+        (2, [0, 0, 1, 1], True),
+        (3, [0, 1, 2, 2], True),
+    ],
+)
+def test_spans_processes_only_with_devices_of_several_processes(
+    monkeypatch: pytest.MonkeyPatch, process_count: int, device_processes: list[int], expected: bool
+) -> None:
+    monkeypatch.setattr(jax, "process_count", lambda: process_count)
+    assert spans_processes(_FakeMesh(device_processes)) is expected
+
+
+def test_a_batch_leaf_already_laid_out_by_replica_is_used_as_it_is(repl2d: rp.Replicator) -> None:
+    rows = np.arange(repl2d.num_replicas * 3, dtype=np.float32).reshape(repl2d.num_replicas, 3)
+    laid_out = jax.device_put(rows, sharded(repl2d.mesh))
+    (placed,) = place_batch([[laid_out]], repl2d.mesh)
+    assert placed is laid_out
+
+
+def _one_gib_leaf() -> np.ndarray:
+    """A leaf that says it is 1 GiB (the size at which the free-memory check starts) without the memory."""
+    leaf = np.zeros((8, 2), np.float32)
+    return np.lib.stride_tricks.as_strided(leaf, shape=(8, (1 << 30) // 32), strides=(8, 0))
+
+
+def test_a_small_batch_is_not_checked_against_the_free_memory(
+    repl: rp.Replicator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(execution, "available_host_memory", lambda: 1)  # would refuse any batch
+    rows = np.arange(repl.num_replicas, dtype=np.float32)
+    (placed,) = place_batch([[rows]], repl.mesh)
+    np.testing.assert_array_equal(np.asarray(placed), rows)
+
+
+def test_a_batch_larger_than_the_free_memory_is_a_memory_error_naming_the_fix(
+    repl: rp.Replicator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(execution, "available_host_memory", lambda: 1 << 29)
+    with pytest.raises(MemoryError, match=r"needs 1\.0 GiB .* only 0\.5 GiB .* Yield smaller batches"):
+        execution._check_host_memory([[_one_gib_leaf()]], repl.mesh)
+
+
+def test_a_large_batch_is_placed_when_the_free_memory_is_unknown(
+    repl: rp.Replicator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(execution, "available_host_memory", lambda: None)  # no /proc/meminfo
+    execution._check_host_memory([[_one_gib_leaf()]], repl.mesh)  # no error
+
+
+@pytest.fixture
+def as_if_multiprocess(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Take the placement paths of a mesh that spans processes (each process passes its own workers' rows)."""
+    monkeypatch.setattr(execution, "spans_processes", lambda mesh: True)
+
+
+@pytest.mark.parametrize("num_workers", [None, 2])
+def test_process_local_rows_become_one_global_batch_in_worker_order(
+    repl2d: rp.Replicator, as_if_multiprocess: None, num_workers: int | None
+) -> None:
+    workers, cores = repl2d.mesh.devices.shape
+    per_worker = [np.arange(cores * 3, dtype=np.float32).reshape(cores, 3) + 100 * w for w in range(workers)]
+    (placed,) = place_batch([[x] for x in per_worker], repl2d.mesh, workers if num_workers else None)
+    assert placed.shape == (workers * cores, 3)
+    assert placed.sharding.is_equivalent_to(NamedSharding(repl2d.mesh, P(REPLICA_AXES)), 2)
+    np.testing.assert_array_equal(np.asarray(placed), np.concatenate(per_worker))
+
+
+def test_folded_workers_rows_become_one_global_batch(n_devices: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four workers on a mesh of two device rows (two replicas per device): the batch has every worker's rows."""
+    monkeypatch.setattr(execution, "spans_processes", lambda mesh: True)
+    repl = rp.Replicator(4, n_devices // 2, replicas_per_device=2)
+    rows = n_devices // 2
+    per_worker = [np.full((rows, 2), w, np.int32) for w in range(4)]
+    (placed,) = place_batch([[x] for x in per_worker], repl.mesh, 4)
+    np.testing.assert_array_equal(np.asarray(placed), np.concatenate(per_worker))
+
+
+def test_process_local_typed_keys_become_global_typed_keys(repl2d: rp.Replicator, as_if_multiprocess: None) -> None:
+    keys = jax.random.split(jax.random.key(7), repl2d.num_replicas)
+    workers = repl2d.mesh.devices.shape[0]
+    (placed,) = place_batch([[k] for k in jnp.split(keys, workers)], repl2d.mesh)
+    assert jax.dtypes.issubdtype(placed.dtype, jax.dtypes.prng_key)
+    assert jax.random.key_impl(placed) == jax.random.key_impl(keys)
+    np.testing.assert_array_equal(np.asarray(jax.random.key_data(placed)), np.asarray(jax.random.key_data(keys)))
+    assert placed.sharding.is_equivalent_to(NamedSharding(repl2d.mesh, P(REPLICA_AXES)), 1)
+
+
+def test_state_on_this_process_devices_takes_process_0s_values(
+    repl: rp.Replicator, as_if_multiprocess: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank-0 semantics on a mesh that spans processes: a device array of this process (not yet on the mesh)
+    is replaced by process 0's value like a host one, not kept as this process built it."""
+    from jax.experimental import multihost_utils
+
+    process_0 = [np.full((3,), 5.0, np.float32), np.full((2,), 6.0, np.float32)]
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda leaves: process_0)
+    mine = [jax.device_put(jnp.zeros((3,), jnp.float32), jax.devices()[0]), np.zeros((2,), np.float32)]
+    placed = place_state(mine, repl.mesh)
+    for got, want in zip(placed, process_0, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want)
+        assert got.sharding.is_fully_replicated and got.sharding.mesh == repl.mesh
