@@ -167,3 +167,17 @@ def test_flax_imagenet_step_written_for_pmap_runs_unchanged(n_devices, workers, 
     diffs = [float(x) for x in re.findall(r"max \|replicator - (?:pmap|one device)\| ([0-9.e+-]+)", out)]
     assert len(diffs) == 4 and max(diffs) <= 1e-5, out
     assert re.search(r"all_sum +all +native +float32 +[0-9.]+ KiB +[2-9]\d* ", out), "no fused all-reduce:\n" + out
+
+
+def test_vit_pipeline_matches_single_device(n_devices):
+    if n_devices < 8:
+        pytest.skip("the ViT runs 4 stages x 2 replicas: 8 devices")
+    out = run_example("--devices", "8", "--steps", "3", "--batch", "32", "--log-every", "1", script="vit_pipeline.py")
+    assert out.splitlines()[-1] == "PASS", out
+    assert "4 stages (blocks [0, 1, 2, 3] start them) x 2 data-parallel replicas" in out, out
+    diff = float(
+        re.search(r"^max \|pipelined - one device\| parameter difference after 3 steps: ([0-9.e+-]+)", out, re.M)[1]
+    )
+    assert diff < 1e-4, out
+    losses = [float(x) for x in re.findall(r"^step +\d+/3 +loss ([0-9.]+)", out, flags=re.M)]
+    assert len(losses) == 3 and losses[-1] < losses[0], out

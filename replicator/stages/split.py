@@ -181,16 +181,27 @@ def _body(eqn: JaxprEqn) -> tuple[Jaxpr, list[Any]]:
 
 
 def _inline(
-    jaxpr: Jaxpr, env: dict[Var, Any], transposed: bool, out: list[tuple[JaxprEqn, bool]], *, rename: bool
+    jaxpr: Jaxpr,
+    env: dict[Var, Any],
+    transposed: bool,
+    out: list[tuple[JaxprEqn, bool]],
+    *,
+    rename: bool,
+    stack: Any = None,
 ) -> None:
     """Append ``jaxpr``'s equations to ``out``, calls inlined (see :data:`_PLAIN_CALLS`), each with whether it
     is under ``jax.grad``'s transpose. ``env`` maps ``jaxpr``'s variables to the atoms that stand for them;
-    an inlined body's results get fresh variables (a body may be inlined twice)."""
+    an inlined body's results get fresh variables (a body may be inlined twice). ``stack``: the name stack of
+    the call being inlined, put before each of its equations' own (which are relative to the call), so that
+    the flat graph keeps the ``transpose`` of a ``jax.jit``-ed function's backward (``log_softmax`` in a
+    cross-entropy) for any later split of it."""
 
     def read(atom: Any) -> Any:
         return env.get(atom, atom) if isinstance(atom, Var) else atom
 
     for eqn in jaxpr.eqns:
+        if stack is not None:
+            eqn = eqn.replace(source_info=eqn.source_info.replace(name_stack=stack + eqn.source_info.name_stack))
         eqn_transposed = transposed or "transpose" in str(eqn.source_info.name_stack)
         inlinable = eqn.primitive in CALL_PRIMITIVES and (eqn.primitive in _PLAIN_CALLS or _holds_boundary(eqn))
         if inlinable:
@@ -203,7 +214,7 @@ def _inline(
                 )
             inner = {**dict(zip(body.constvars, consts, strict=True))}
             inner.update(zip(body.invars, (read(v) for v in eqn.invars), strict=True))
-            _inline(body, inner, eqn_transposed, out, rename=True)
+            _inline(body, inner, eqn_transposed, out, rename=True, stack=eqn.source_info.name_stack)
             for var, atom in zip(eqn.outvars, body.outvars, strict=True):
                 if not isinstance(var, DropVar):
                     env[var] = inner.get(atom, atom) if isinstance(atom, Var) else atom
