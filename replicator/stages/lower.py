@@ -46,7 +46,7 @@ from replicator.stages.programs import StagePrograms, stage_programs
 from replicator.stages.schedule import BACKWARD, FORWARD, IDLE, Schedule, make_schedule
 from replicator.stages.split import StageSplitError, split_stages
 
-__all__ = ["STAGE_AXIS", "pipeline_value_and_grad", "ring_slots", "tick_loop"]
+__all__ = ["STAGE_AXIS", "OutputLayout", "pipeline_value_and_grad", "ring_slots", "tick_loop"]
 
 STAGE_AXIS = "stages"
 
@@ -201,6 +201,56 @@ def _lower(
     return jax.jit(mapped)
 
 
+class OutputLayout:
+    """Where the tick loop accumulates the step's outputs when each stage's caller reads only some of them.
+
+    An output is *own* to stage ``s`` when only ``s`` adds to it and only ``s`` reads it after the loop (a
+    gradient of a leaf only that stage keeps): it accumulates in a packed row on ``s``'s devices, padded to the
+    largest stage's, and never crosses stages. Every other output that some stage reads is *shared*: each
+    stage accumulates its part, and one ``psum`` over the stages after the loop adds them (the loss, a tied
+    leaf's gradient, one that another stage's update reads). An output no stage reads is not accumulated.
+    Without a layout the loop keeps and sums every output, as if every stage read all of them.
+
+    Args:
+      programs: every stage's programs (their ``contributes``); out_avals: the step's outputs.
+      needed: per stage, the positions of the outputs its caller reads after the loop.
+    """
+
+    def __init__(self, programs: Sequence[StagePrograms], out_avals: Sequence[Any], needed: Sequence[Sequence[int]]):
+        stages = len(programs)
+        readers: dict[int, set[int]] = {}
+        for s, positions in enumerate(needed):
+            for p in positions:
+                readers.setdefault(p, set()).add(s)
+        adders = {p: {s for s in range(stages) if p in programs[s].contributes} for p in range(len(out_avals))}
+        self.own = [
+            [p for p in sorted(readers) if adders[p] <= {s} and readers[p] == {s} and adders[p]] for s in range(stages)
+        ]
+        owned = {p for positions in self.own for p in positions}
+        self.shared = [p for p in sorted(readers) if p not in owned]
+        self.out_avals = list(out_avals)
+        self.packing = _Packing([[out_avals[p] for p in positions] for positions in self.own])
+
+    def split(self, stage: int, outputs: Sequence[Any]) -> tuple[dict, list]:
+        """One stage's outputs (every position, as its programs return them) as its own row and the shared."""
+        own = _pad(self.packing.pack(stage, [outputs[p] for p in self.own[stage]]), self.sizes)
+        return own, [outputs[p] for p in self.shared]
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {str(d): n for d, n in self.packing.sizes.items()}
+
+    def values(self, stage: int, own: dict, shared: Sequence[Any]) -> list:
+        """Every output position as ``stage`` sees it after the loop: its own and the shared values, zeros for
+        the outputs it does not read."""
+        out = [jnp.zeros(a.shape, a.dtype) for a in self.out_avals]
+        for p, value in zip(self.own[stage], self.packing.unpack(stage, own), strict=True):
+            out[p] = value
+        for p, value in zip(self.shared, shared, strict=True):
+            out[p] = value
+        return out
+
+
 def tick_loop(
     programs: list[StagePrograms],
     table: Schedule,
@@ -208,7 +258,8 @@ def tick_loop(
     params_of: Callable[[int, Any], list] | None = None,
     *,
     recompute: bool = False,
-) -> Callable[[Any, list], list]:
+    layout: OutputLayout | None = None,
+) -> Callable[[Any, list], Any]:
     """The loop of ``table``'s ticks, to call inside ``shard_map`` over :data:`STAGE_AXIS`.
 
     Args:
@@ -217,11 +268,13 @@ def tick_loop(
         the micro-batch), called inside that stage's branches; default: ``params`` is that list already.
       recompute: the stash keeps each stage's received boundary values instead of its residuals, and the
         backward branch runs the stage's forward again on them first (recomputation from the boundaries).
+      layout: accumulate each output where it is read (:class:`OutputLayout`); then the loop returns
+        ``(own, shared)``, which ``layout.values(stage, own, shared)`` reads, both averaged over the micro-batches.
 
     Returns:
       ``loop(params, micro_batches) -> outputs``: ``micro_batches`` the batch leaves, each ``(M, rows, ...)``;
       ``outputs`` the step's outputs summed over the stages and averaged over the micro-batches (the same on
-      every device).
+      every device); with a ``layout``, ``(own, shared)``.
     """
     stages, m = table.num_stages, table.num_microbatches
     params_of = params_of or (lambda stage, params: params)
@@ -240,9 +293,17 @@ def tick_loop(
     def zeros(sizes: dict[str, int]) -> dict:
         return {key: jnp.zeros((n,), jnp.dtype(key)) for key, n in sizes.items()}
 
+    def no_outputs() -> Any:
+        if layout is None:
+            return [jnp.zeros(a.shape, a.dtype) for a in out_avals]
+        return zeros(layout.sizes), [jnp.zeros(out_avals[p].shape, out_avals[p].dtype) for p in layout.shared]
+
+    def gathered(stage: int, outputs: list) -> Any:
+        return outputs if layout is None else layout.split(stage, outputs)
+
     def nothing(params: Any, batch: list, got: dict, got_ct: dict, kept: dict) -> tuple:
         del params, batch, got, got_ct, kept
-        return zeros(messages), zeros(messages_ct), residuals.zeros(), [jnp.zeros(a.shape, a.dtype) for a in out_avals]
+        return zeros(messages), zeros(messages_ct), residuals.zeros(), no_outputs()
 
     def forward(p: StagePrograms) -> Callable:
         def branch(params: Any, batch: list, got: dict, got_ct: dict, kept: dict) -> tuple:
@@ -251,7 +312,8 @@ def tick_loop(
             got_values = received.unpack(p.stage, got)
             out, new, outputs = p.forward(inputs, got_values)
             sent = _pad(sent_pack.pack(p.stage, out), messages)
-            return sent, zeros(messages_ct), residuals.pack(p.stage, got_values if recompute else new), outputs
+            stashed = residuals.pack(p.stage, got_values if recompute else new)
+            return sent, zeros(messages_ct), stashed, gathered(p.stage, outputs)
 
         return branch
 
@@ -264,7 +326,7 @@ def tick_loop(
                 _, kept_values, _ = p.forward(inputs, kept_values)
             out, outputs = p.backward(inputs, kept_values, received_ct.unpack(p.stage, got_ct))
             sent = _pad(sent_ct_pack.pack(p.stage, out), messages_ct)
-            return zeros(messages), sent, residuals.zeros(), outputs
+            return zeros(messages), sent, residuals.zeros(), gathered(p.stage, outputs)
 
         return branch
 
@@ -290,7 +352,7 @@ def tick_loop(
             kept = {key: b[k % slots["stash"]] for key, b in stash.items()}
             out, out_ct, new, outputs = lax.switch(index, branches, params, [x[k] for x in batch], got, got_ct, kept)
             stash = {key: _put(b, new[key], k % slots["stash"], what == FORWARD) for key, b in stash.items()}
-            total = [a + o for a, o in zip(total, outputs, strict=True)]
+            total = jax.tree.map(jnp.add, total, outputs)
             arrived = {key: lax.ppermute(x, STAGE_AXIS, forward_to) for key, x in out.items()}
             arrived_ct = {key: lax.ppermute(x, STAGE_AXIS, backward_to) for key, x in out_ct.items()}
             from_previous = jnp.asarray(previous_kind)[t, s] == FORWARD
@@ -305,10 +367,13 @@ def tick_loop(
             {key: jnp.zeros((slots["inbox"], n), jnp.dtype(key)) for key, n in messages.items()},
             {key: jnp.zeros((slots["inbox_ct"], n), jnp.dtype(key)) for key, n in messages_ct.items()},
             residuals.zeros((slots["stash"],)),
-            [jnp.zeros(a.shape, a.dtype) for a in out_avals],
+            no_outputs(),
         )
         *_, total = lax.fori_loop(0, table.num_ticks, tick, carry)
-        return [lax.psum(t, STAGE_AXIS) / m for t in total]
+        if layout is None:
+            return [lax.psum(t, STAGE_AXIS) / m for t in total]
+        own, shared = total
+        return {key: v / m for key, v in own.items()}, [lax.psum(t, STAGE_AXIS) / m for t in shared]
 
     return loop
 

@@ -63,6 +63,8 @@ class StagePrograms:
       received: avals of the forward values ``stage`` receives (in boundary order), and
       sent: of those it sends; ``residuals``: of what its forward keeps for its backward;
       received_ct, sent_ct: the same for the cotangents of the backward.
+      contributes: the positions of the step's outputs to which this stage's programs may add a part (the
+        outputs it owns, and the cross-stage sums every stage adds to); its other outputs are always zeros.
     """
 
     stage: int
@@ -73,6 +75,7 @@ class StagePrograms:
     residuals: tuple[Any, ...]
     received_ct: tuple[Any, ...]
     sent_ct: tuple[Any, ...]
+    contributes: tuple[int, ...] = ()
 
 
 def _read(env: dict[Var, Any], atom: Any) -> Any:
@@ -254,6 +257,7 @@ def _programs_of(
         residuals=tuple(v.aval for v in residuals),
         received_ct=tuple(v.aval for v in received_ct),
         sent_ct=tuple(v.aval for v in sent_ct),
+        contributes=tuple(i for i, o in enumerate(owner) if o is None or o == stage),
     )
 
 

@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 from replicator._jax_compat import user_source_line
 from replicator.core.context import ReplicaContext, replica_context
 from replicator.core.jaxprs import iter_eqns
-from replicator.stages.lower import STAGE_AXIS, _Packing, _shapes, tick_loop
+from replicator.stages.lower import STAGE_AXIS, OutputLayout, _Packing, _shapes, tick_loop
 from replicator.stages.programs import DATA_AXES, check_collectives, stage_programs
 from replicator.stages.schedule import Schedule, make_schedule
 from replicator.stages.split import StageSplitError, split_stages
@@ -107,7 +107,13 @@ class _Built:
         self.packing = _Packing([[self.avals[i] for i in layout] for layout in self.layout])
         table = make_schedule(owner.schedule, stages, m)
         self.table, self.programs = table, stage_programs(split, closed)
-        loop = tick_loop(self.programs, table, closed.out_avals, self.params_of, recompute=owner.recompute)
+        # Each stage reads the loss and the gradients of the leaves it keeps: those accumulate where they are read.
+        self.outputs = OutputLayout(
+            self.programs, closed.out_avals, [[0, *(1 + i for i in lay)] for lay in self.layout]
+        )
+        loop = tick_loop(
+            self.programs, table, closed.out_avals, self.params_of, recompute=owner.recompute, layout=self.outputs
+        )
         optimizer = owner.optimizer
         packed_def = jax.tree.structure(self.packing.zeros((stages,)))
         self.packed_def = packed_def
@@ -119,10 +125,9 @@ class _Built:
         def per_device(params: dict, state: Any, batch: list) -> tuple:
             # Each data-parallel replica runs the pipeline on its share (a (1, M, rows, ...) block); the
             # value and gradients are then averaged over the replicas, as rp.all_mean(grads) does today.
-            value, *grads = loop(params, [x[0] for x in batch])
-            value, grads = lax.pmean((value, grads), DATA_AXES)
-            own = [self._pack_grads(s) for s in range(stages)]
-            grads = lax.switch(lax.axis_index(STAGE_AXIS), own, grads)
+            own, shared = lax.pmean(loop(params, [x[0] for x in batch]), DATA_AXES)
+            packers = [self._pack_grads(s) for s in range(stages)]
+            grads, value = lax.switch(lax.axis_index(STAGE_AXIS), packers, own, shared)
             updates, state = optimizer.update(grads, state, params)
             return optax.apply_updates(params, updates), state, value
 
@@ -137,9 +142,12 @@ class _Built:
             )
         )
 
-    def _pack_grads(self, stage: int) -> Callable[[list], dict]:
-        def pack(grads: list) -> dict:
-            return {k: v[None] for k, v in self.packing.pack(stage, [grads[i] for i in self.layout[stage]]).items()}
+    def _pack_grads(self, stage: int) -> Callable[[dict, list], tuple[dict, jax.Array]]:
+        def pack(own: dict, shared: list) -> tuple[dict, jax.Array]:
+            """This stage's gradients packed as its row, and the loss."""
+            value, *grads = self.outputs.values(stage, own, shared)
+            row = self.packing.pack(stage, [grads[i] for i in self.layout[stage]])
+            return {k: v[None] for k, v in row.items()}, value
 
         return pack
 

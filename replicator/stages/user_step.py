@@ -56,7 +56,7 @@ from jax.sharding import PartitionSpec as P
 from replicator._jax_compat import user_source_line
 from replicator.core.context import ReplicaContext, replica_context
 from replicator.core.primitives import PLACEHOLDERS
-from replicator.stages.lower import STAGE_AXIS, _Packing, _shapes, tick_loop
+from replicator.stages.lower import STAGE_AXIS, OutputLayout, _Packing, _shapes, tick_loop
 from replicator.stages.programs import DATA_AXES, _run, check_collectives, stage_programs
 from replicator.stages.schedule import make_schedule
 from replicator.stages.split import UPDATE, StageSplitError, split_stages
@@ -213,13 +213,22 @@ class PipelinedStep:
         programs = stage_programs(fb_split, fb)
         table = make_schedule(schedule, stages, microbatches)
         self.table, self.split, self.programs, self.paths = table, fb_split, programs, paths
-        loop = tick_loop(programs, table, fb.out_avals, self.params_of, recompute=recompute)
+        # Each stage's update reads some cut values (its leaves' gradients, the loss; a global-norm clip reads
+        # them all): those accumulate where they are read (OutputLayout), the rest is never summed over stages.
+        position = {v: i for i, v in enumerate(self.cut)}
+        needed = []
+        for eqns, wanted in self.updates:
+            read = {v for e in eqns for v in e.invars if isinstance(v, Var)} | set(wanted) | set(outputs)
+            needed.append(sorted(position[v] for v in read if isinstance(v, Var) and v in position))
+        self.outputs_layout = OutputLayout(programs, fb.out_avals, needed)
+        loop = tick_loop(programs, table, fb.out_avals, self.params_of, recompute=recompute, layout=self.outputs_layout)
         consts = dict(zip(flat.constvars, closed.consts, strict=True))
 
         def update(stage: int) -> Any:
             eqns, wanted = self.updates[stage]
 
-            def branch(row: dict, cut_values: list) -> tuple:
+            def branch(row: dict, own: dict, shared: list) -> tuple:
+                cut_values = self.outputs_layout.values(stage, own, shared)
                 env: dict[Any, Any] = dict(consts)
                 env.update(zip(flat.invars[:n], self.params_of(stage, row), strict=True))
                 env.update(zip(self.cut, cut_values, strict=True))
@@ -234,8 +243,8 @@ class PipelinedStep:
         branches = [update(s) for s in range(stages)]
 
         def per_device(row: dict, batch: list) -> tuple:
-            cut_values = loop(row, [x[0] for x in batch])
-            return lax.switch(lax.axis_index(STAGE_AXIS), branches, row, cut_values)
+            own, shared = loop(row, [x[0] for x in batch])
+            return lax.switch(lax.axis_index(STAGE_AXIS), branches, row, own, shared)
 
         row_spec = jax.tree.map(lambda _: P(STAGE_AXIS), self.packing.zeros((stages,)))
         self.sharding = NamedSharding(mesh, P(STAGE_AXIS))
