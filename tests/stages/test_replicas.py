@@ -302,3 +302,26 @@ def test_describe_pipeline_measures_the_compiled_steps_memory():
         assert "compiled, per device (XLA's memory analysis)" in str(report)
     assert memory["gpipe"].temporaries > memory["1f1b"].temporaries  # 8 residual slots against 4
     assert repl.describe_pipeline(four_stages_tied, opt, (ids, y), (p, opt.init(p))).device_memory is None
+
+
+def test_only_shared_outputs_cross_stages():
+    """Gradients of leaves one stage keeps accumulate on that stage: the only psum over 'stages' after the tick
+    loop is of the loss and the gradients two stages share (here `extra`, which every stage keeps, no tied
+    leaf), not of the whole model's gradient."""
+    from replicator.core.jaxprs import iter_eqns
+
+    p, (ids, y) = _params_for(two_stages), global_batch()
+    opt = optax.adam(1e-2)
+    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2, microbatches=2)
+    step = repl.pipelined.step_for(two_stages, opt)
+    built = step.built(p, ids, y)
+    layout = built.outputs
+    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(p)[0]]
+    assert [paths[i - 1] if i else "loss" for i in layout.shared] == ["loss", "['extra']"]
+    assert sorted(paths[i - 1] for s in (0, 1) for i in layout.own[s]) == ["['emb']", "['head']", "['w1']"]
+    packed, state = step.pack(p, opt.init(p))
+    micro = [x.reshape(2, 2, -1, *x.shape[1:]) for x in (ids, y)]
+    jaxpr = jax.make_jaxpr(built.step)(packed, state, micro)
+    crossing = [e for e in iter_eqns(jaxpr.jaxpr) if e.primitive.name == "psum" and "stages" in e.params["axes"]]
+    sizes = sorted(int(np.prod(v.aval.shape)) for e in crossing for v in e.invars)
+    assert sizes == [1, 3], sizes  # the loss and `extra`; was every gradient (emb, w1, head, extra)
