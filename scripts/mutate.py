@@ -143,6 +143,7 @@ TESTS: dict[str, tuple[str, ...]] = {
     # Every test runs the verifier (REPLICATOR_VERIFY=1 in conftest.py): a mutant that makes it
     # raise fails them all; one that lets a broken graph through fails only the tests that build one.
     "replicator/pipeline/verify.py": (
+        "tests/passes/test_verify_graph.py",
         "tests/passes/test_validate.py",
         "tests/passes/test_pipeline.py",
         "tests/passes/test_soundness.py",
