@@ -46,6 +46,7 @@ from replicator.core.context import ReplicaContext, replica_context
 from replicator.core.jaxprs import iter_eqns
 from replicator.stages.lower import STAGE_AXIS, OutputLayout, _Packing, _shapes, tick_loop
 from replicator.stages.programs import DATA_AXES, check_collectives, stage_programs
+from replicator.stages.rows import LastRows, RowPacker, RowUnpacker
 from replicator.stages.schedule import Schedule, make_schedule
 from replicator.stages.split import StageSplitError, split_stages
 
@@ -121,6 +122,9 @@ class _Built:
         _check_elementwise(optimizer, self.packing.zeros((stages,)), state_shape)
         self.state_specs = _specs(state_shape, packed_def)
         self.params_sharding = NamedSharding(self.mesh, P(STAGE_AXIS))
+        self._packer = RowPacker(self.packing, self.layout, self.mesh)
+        self._unpacker = RowUnpacker(self.packing, self.layout, [min(h) for h in self.held])
+        self.last = LastRows()
 
         def per_device(params: dict, state: Any, batch: list) -> tuple:
             # Each data-parallel replica runs the pipeline on its share (a (1, M, rows, ...) block); the
@@ -161,15 +165,10 @@ class _Built:
         return leaves
 
     def pack(self, tree: Any) -> dict:
-        leaves = self.param_def.flatten_up_to(tree)
-        rows = [self.packing.pack(s, [leaves[i] for i in self.layout[s]]) for s in range(self.stages)]
-        packed = {k: jnp.stack([row[k] for row in rows]) for k in rows[0]}
-        return jax.device_put(packed, self.params_sharding)
+        return self._packer(self.param_def.flatten_up_to(tree))
 
     def unpack(self, packed: dict) -> Any:
-        rows = [self.packing.unpack(s, {k: v[s] for k, v in packed.items()}) for s in range(self.stages)]
-        leaves = [rows[min(self.held[i])][self.layout[min(self.held[i])].index(i)] for i in range(len(self.avals))]
-        return self.param_def.unflatten(leaves)
+        return self.param_def.unflatten(self._unpacker(packed))
 
     def pack_state(self, state: Any) -> Any:
         def one(sub: Any) -> Any:
@@ -306,10 +305,15 @@ class PipelineTrainStep:
 
     def __call__(self, params: Any, state: Any, *batch: Any) -> tuple[Any, Any, jax.Array]:
         b = self.built(params, *batch)
-        new_params, new_state, value = b.step(
-            b.pack(params), b.pack_state(state), _micro_batches(batch, self.num_microbatches, self.data_replicas)
-        )
-        return b.unpack(new_params), b.unpack_state(new_state), value
+        given = jax.tree.leaves((params, state))
+        packed = b.last.rows_for(given)  # the leaves the last call returned: their rows as they are
+        if packed is None:
+            packed = (b.pack(params), b.pack_state(state))
+        micro = _micro_batches(batch, self.num_microbatches, self.data_replicas)
+        new_params, new_state, value = b.step(*packed, micro)
+        out = b.unpack(new_params), b.unpack_state(new_state)
+        b.last.remember(jax.tree.leaves(out), (new_params, new_state))
+        return *out, value
 
 
 def pipeline_train_step(

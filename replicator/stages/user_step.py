@@ -58,6 +58,7 @@ from replicator.core.context import ReplicaContext, replica_context
 from replicator.core.primitives import PLACEHOLDERS
 from replicator.stages.lower import STAGE_AXIS, OutputLayout, _Packing, _shapes, tick_loop
 from replicator.stages.programs import DATA_AXES, _run, check_collectives, stage_programs
+from replicator.stages.rows import LastRows, RowPacker, RowUnpacker
 from replicator.stages.schedule import make_schedule
 from replicator.stages.split import UPDATE, StageSplitError, split_stages
 from replicator.stages.train import _micro_batches, _user_stacklevel
@@ -248,6 +249,9 @@ class PipelinedStep:
 
         row_spec = jax.tree.map(lambda _: P(STAGE_AXIS), self.packing.zeros((stages,)))
         self.sharding = NamedSharding(mesh, P(STAGE_AXIS))
+        self._packer = RowPacker(self.packing, self.layout, mesh)
+        self._unpacker = RowUnpacker(self.packing, self.layout, [min(h) for h in self.held])
+        self._last = LastRows()
         self.step = jax.jit(
             jax.shard_map(
                 per_device,
@@ -268,16 +272,15 @@ class PipelinedStep:
 
     def pack(self, state: Any) -> dict:
         """The state, global shapes, as one row per stage placed on its devices."""
-        leaves = self.state_def.flatten_up_to(state)
-        rows = [self.packing.pack(s, [leaves[i] for i in self.layout[s]]) for s in range(self.stages)]
-        return jax.device_put({k: jnp.stack([row[k] for row in rows]) for k in rows[0]}, self.sharding)
+        return self._packer(self.state_def.flatten_up_to(state))
 
     def unpack(self, packed: dict) -> Any:
         """Back to global shapes: each leaf from the first stage that keeps it."""
-        rows = [self.packing.unpack(s, {k: v[s] for k, v in packed.items()}) for s in range(self.stages)]
-        owner = [min(h) for h in self.held]
-        return self.state_def.unflatten([rows[o][self.layout[o].index(i)] for i, o in enumerate(owner)])
+        return self.state_def.unflatten(self._unpacker(packed))
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
-        packed, outs = self.step(self.pack(state), self.micro_leaves(batch))
-        return self.unpack(packed), self.outputs_def.unflatten(outs)
+        packed = self._last.rows_for(self.state_def.flatten_up_to(state))  # the leaves the last call returned
+        packed, outs = self.step(self.pack(state) if packed is None else packed, self.micro_leaves(batch))
+        new_state = self.unpack(packed)
+        self._last.remember(self.state_def.flatten_up_to(new_state), packed)
+        return new_state, self.outputs_def.unflatten(outs)
