@@ -44,7 +44,12 @@ round), medians over rounds:
    work (a fresh random batch of 512 x 64 floats), by default and with
    ``prefetch=1``, where the Replicator has that option;
 4. with ``--cprofile K``: the K functions with the most own time over a profiled
-   steady-state loop of the ``trivial`` workload.
+   steady-state loop of the ``trivial`` workload;
+5. with ``--count-calls``: the Python calls (``sys.setprofile`` "call" events) each
+   variant makes per steady-state step of the ``trivial`` workload, by function beyond
+   the hand-written call's, and whether any frame of jax's ``pjit.py`` ran (a miss of
+   the jitted function's C++ fast path). Deterministic: it does not depend on the
+   machine's load, unlike the timings.
 
 Usage::
 
@@ -79,6 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefetch-table", action="store_true", help="also time a loop that reads an output every step")
     p.add_argument("--cprofile", type=int, default=0, metavar="K", help="print the K top functions by own time")
     p.add_argument("--cprofile-workload", default="trivial", help="the workload --cprofile profiles")
+    p.add_argument("--count-calls", action="store_true", help="print the Python calls per step of each variant")
     p.add_argument("--import-from", default=None, metavar="DIR", help="import replicator from DIR")
     return p.parse_args(argv)
 
@@ -335,6 +341,50 @@ def cprofile(workload: str, n: int, steps: int, top: int) -> None:
     pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(top)
 
 
+def calls_per_step(fn: Step, steps: int = 50) -> tuple[float, collections.Counter]:
+    """Median Python calls per call of ``fn`` (steady state), and the calls by ``file:function`` over ``steps``."""
+    for _ in range(20):
+        fn()
+    jax.block_until_ready(fn())
+    per_step: list[int] = []
+    by_function: collections.Counter = collections.Counter()
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            per_step[-1] += 1
+            code = frame.f_code
+            parts = code.co_filename.replace(os.sep, "/").split("/")
+            by_function[f"{'/'.join(parts[-2:])}:{code.co_name}"] += 1
+
+    for _ in range(steps):
+        per_step.append(0)
+        sys.setprofile(profile)
+        try:
+            out = fn()
+        finally:
+            sys.setprofile(None)
+        jax.block_until_ready(out)
+    return statistics.median(per_step), by_function
+
+
+def count_calls(n: int, mesh: Any, steps: int = 50) -> None:
+    """The Python calls per steady-state step of each variant of the ``trivial`` workload."""
+    variants: dict[str, Step] = {"shard_map (hand)": hand_step("trivial", n, mesh)}
+    variants["replicator"] = replicator_step("trivial", n)[0]
+    if HAS_GIVEN_BATCH:
+        variants["replicator, batch given"] = replicator_step("trivial", n, given=True)[0]
+    counted = {name: calls_per_step(fn, steps) for name, fn in variants.items()}
+    reference, reference_calls = counted["shard_map (hand)"]
+    print(f"\nPython calls per steady-state step, trivial (median of {steps} steps; beyond the hand-written call):")
+    for name, (calls, by_function) in counted.items():
+        pjit = sorted(k for k in by_function if "/pjit.py:" in k)
+        print(f"  {name:<30} {calls:6.1f} ({calls - reference:+.1f}); jax's pjit.py frames: {pjit or 'none'}")
+        extra = by_function - reference_calls
+        for function, count in sorted(extra.items(), key=lambda kv: (-kv[1], kv[0])):
+            if count / steps >= 0.5:
+                print(f"      {count / steps:5.1f}  {function}")
+
+
 # -- main ------------------------------------------------------------------------------
 
 
@@ -388,6 +438,8 @@ def main() -> int:
         )
     if ARGS.cprofile:
         cprofile(ARGS.cprofile_workload, n, ARGS.steps * 3, ARGS.cprofile)
+    if ARGS.count_calls:
+        count_calls(n, mesh)
     load = os.getloadavg()
     print(f"\nload average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     return 0

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import operator
 import os
 import sys
 import warnings
@@ -184,13 +185,21 @@ class _ReturnedState:
     call's state: its arrays are then on the mesh already and its key is known, so neither is worked out
     again for every leaf."""
 
-    __slots__ = ("arrays", "key", "n", "sharded_state", "statics", "treedef")
+    __slots__ = ("arrays", "compiled", "key", "n", "sharded_state", "statics", "treedef")
 
     def __init__(
-        self, key: _StateKey, treedef: Any, arrays: list, statics: tuple, n: int, sharded_state: frozenset[int]
+        self,
+        key: _StateKey,
+        treedef: Any,
+        arrays: list,
+        statics: tuple,
+        n: int,
+        sharded_state: frozenset[int],
+        compiled: CompiledStep | None = None,
     ):
         self.key, self.treedef, self.statics, self.n, self.sharded_state = key, treedef, statics, n, sharded_state
-        self.arrays = [weakref.ref(a) for a in arrays]
+        self.compiled = compiled  # the step that returned it
+        self.arrays = list(map(weakref.ref, arrays))
 
     def match(self, leaves: list, treedef: Any) -> list | None:
         """The array leaves of ``leaves`` if they are this state's, else None."""
@@ -201,11 +210,13 @@ class _ReturnedState:
                 return None
             static = dict(self.statics)
             leaves = [leaf for i, leaf in enumerate(leaves) if i not in static]
-        if len(leaves) != len(self.arrays) or any(
-            ref() is not leaf for ref, leaf in zip(self.arrays, leaves, strict=True)
-        ):
+        if len(leaves) != len(self.arrays) or not all(map(operator.is_, map(_deref, self.arrays), leaves)):
             return None
         return leaves
+
+
+#: ``ref()`` of a weak reference, in C (``map`` over it makes no Python call per leaf).
+_deref = weakref.ref.__call__
 
 
 def _merge_static(arrays: list, statics: tuple, n: int) -> list:
@@ -403,6 +414,10 @@ class Replicator:
         state_key = self._per_replica_key(state_key, state, per_replica_state)
         return self._lookup(step_fn, state_key, BatchSignature.of(batch, self.cores_per_worker), batch)
 
+    #: ``(step_fn, state_key, batch_key, pipeline, compiled)`` of the last :meth:`_lookup`: the most recently
+    #: used entry of the cache, found again by identity (no hashing) when a step repeats.
+    _last_lookup: tuple | None = None
+
     def _lookup(
         self, step_fn: Callable, state_key: _StateKey, batch_key: BatchSignature, batch: PyTree | None = None
     ) -> CompiledStep:
@@ -422,6 +437,7 @@ class Replicator:
         compiled = self._compiled.get(key)
         if compiled is not None:
             self._compiled.move_to_end(key)
+            self._last_lookup = (step_fn, state_key, batch_key, self.pipeline, compiled)
             return compiled
         with progress.phase("compiling"), gc_paused():
             self._warn_if_retracing(key)
@@ -451,6 +467,7 @@ class Replicator:
             self._compiled[key] = compiled
             while len(self._compiled) > MAX_COMPILED_STEPS:
                 self._compiled.popitem(last=False)  # the least recently used
+        self._last_lookup = (step_fn, state_key, batch_key, self.pipeline, compiled)
         return compiled
 
     def _warn_if_retracing(self, key: tuple) -> None:
@@ -686,7 +703,9 @@ class Replicator:
                     f"iter(it) once, outside the loop (run then draws one batch from it per call), a batch, or an "
                     f"input_fn."
                 )
-        return Batch(split_process_batch(data, self._local_contexts()))
+        return Batch(
+            split_process_batch(data, self._contexts if self._contexts is not None else self._local_contexts())
+        )
 
     def run(
         self,
@@ -755,40 +774,67 @@ class Replicator:
                 )
             return self.pipelined.run_step(step_fn, self._pipelined_batch(input_fn), state)
         depth = self.prefetch if prefetch is None else _check_prefetch(prefetch)
-        progress.begin_step()
+        step = progress.begin_step()
         try:
-            return self._run(step_fn, input_fn, state, depth, per_replica_state)
+            return self._run(step_fn, input_fn, state, depth, per_replica_state, step)
         finally:
             progress.end_step()
 
     def _run(
-        self, step_fn: Callable, data: Any, state: PyTree | None, depth: int, per_replica_state: Any = None
+        self,
+        step_fn: Callable,
+        data: Any,
+        state: PyTree | None,
+        depth: int,
+        per_replica_state: Any = None,
+        step: int | None = None,
     ) -> Any:
+        # Every step runs this: a step like the last one (same step_fn, input_fn, state returned by the last
+        # call, batch structure) is found by identity, with as few Python calls as possible
+        # (tests/test_host_path.py counts them).
         if callable(data):
-            inputs: WorkerInputs | None = self._worker_inputs(data)
+            inputs: WorkerInputs | None = self._inputs.get(data) or self._worker_inputs(data)
             batch = inputs.take()
         else:
             inputs, depth = None, 0
             batch = self._given_batch(data)
         if batch.signature is None:
-            batch.signature, batch.leaves = self._checker.check(batch.batches, self._local_contexts())
-        placed_state = None
+            contexts = self._contexts if self._contexts is not None else self._local_contexts()
+            batch.signature, batch.leaves = self._checker.check(batch.batches, contexts)
+        placed_state = returned = None
         if state is None:
             state_key, leaves, state_def = _NO_STATE, [], None
         else:
-            leaves, state_def = jax.tree.flatten(state)
+            leaves, state_def = jax.tree_util.tree_flatten(state)
             returned = self._returned
             if returned is not None and (placed_state := returned.match(leaves, state_def)) is not None:
                 state_key = returned.key
             else:
+                returned = None
                 state_key, leaves, state_def = _state_key(state)
-            state_key = self._per_replica_key(state_key, state, per_replica_state)
-        compiled = self._lookup(step_fn, state_key, batch.signature)
-        progress.set_phase("compiling" if compiled.runs == 0 else "step", progress.current_step())
+            if per_replica_state is not None:
+                state_key = self._per_replica_key(state_key, state, per_replica_state)
+        last = self._last_lookup
+        if (
+            last is not None
+            and last[0] is step_fn
+            and last[1] is state_key
+            and last[2] is batch.signature
+            and last[3] is self.pipeline
+        ):
+            compiled = last[4]
+        else:
+            compiled = self._lookup(step_fn, state_key, batch.signature)
+        progress.set_phase(
+            "compiling" if compiled.runs == 0 else "step", progress.current_step() if step is None else step
+        )
         traced = compiled.traced
-        sharded_state = compiled.lowered.final.sharded_state
-        if placed_state is None or returned.sharded_state != sharded_state:
-            placed_state = place_state(_array_leaves(leaves, traced.static_state), self.mesh, sharded_state)
+        # The state the last call returned, from this compiled step, is laid out as it needs.
+        same_step = returned is not None and returned.compiled is compiled and per_replica_state is None
+        if not same_step:
+            sharded_state = compiled.lowered.final.sharded_state
+            if placed_state is None or returned.sharded_state != sharded_state:
+                placed_state = place_state(_array_leaves(leaves, traced.static_state), self.mesh, sharded_state)
         if batch.placed is None:
             # Without prefetch, host leaves go to the compiled step as they are: its own dispatch places them
             # (faster than a device_put of ours). With prefetch every batch is placed here, as the prefetched
@@ -804,6 +850,7 @@ class Replicator:
             with gc_paused():  # the first call lowers the step and compiles it with XLA
                 new_state, outputs = compiled.executable(placed_state, batch.placed)
         if compiled.runs == 0 and new_state:  # would place_state take the new state as it is?
+            sharded_state = compiled.lowered.final.sharded_state
             compiled.state_reusable = not any(getattr(a, "weak_type", False) for a in new_state) and all(
                 a is b for a, b in zip(place_state(new_state, self.mesh, sharded_state), new_state, strict=True)
             )
@@ -819,9 +866,19 @@ class Replicator:
         if state is None:
             return outputs
         statics = traced.static_state
-        new_leaves = _merge_static(new_state, statics, traced.state_treedef.num_leaves)
-        if compiled.state_reusable and per_replica_state is None:
-            self._returned = _ReturnedState(state_key, state_def, new_state, statics, len(new_leaves), sharded_state)
+        new_leaves = _merge_static(new_state, statics, traced.state_treedef.num_leaves) if statics else new_state
+        if same_step and compiled.state_reusable:
+            returned.arrays = list(map(weakref.ref, new_state))  # its key, structure and layout are the same
+        elif compiled.state_reusable and per_replica_state is None:
+            self._returned = _ReturnedState(
+                state_key,
+                state_def,
+                new_state,
+                statics,
+                len(new_leaves),
+                compiled.lowered.final.sharded_state,
+                compiled,
+            )
         return traced.state_treedef.unflatten(new_leaves), outputs
 
     def _per_replica_key(self, state_key: _StateKey, state: PyTree, per_replica_state: Any) -> _StateKey:

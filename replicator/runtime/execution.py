@@ -362,6 +362,8 @@ def place_state(leaves: Sequence[Any], mesh: Mesh, sharded_state: frozenset[int]
 
 #: Batches below this many bytes are not checked against the free memory (the check reads /proc/meminfo).
 MEMORY_CHECK_BYTES = 1 << 30
+#: A set of leaf types with nothing but NumPy arrays (subclasses left out: they go through ``np.asarray``).
+_NUMPY_ONLY = frozenset({np.ndarray})
 
 
 def available_host_memory() -> int | None:
@@ -458,6 +460,10 @@ def place_batch(
     """
     if nbytes is None or nbytes >= MEMORY_CHECK_BYTES:
         _check_host_memory(worker_leaves, mesh)
+    elif host and len(worker_leaves) == 1 and set(map(type, worker_leaves[0])) <= _NUMPY_ONLY:
+        # The usual step without prefetch: one worker's NumPy leaves go to the compiled step as they are.
+        if not spans_processes(mesh):
+            return list(worker_leaves[0])
     target = sharded(mesh)
     multi = spans_processes(mesh)
     out: list[Any] = []

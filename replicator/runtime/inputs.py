@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import inspect
+import operator
 import sys
 import types
 import weakref
@@ -244,6 +245,25 @@ def _fast_leaf(x: Any) -> bool:
     return type(x) is np.ndarray or isinstance(x, jax.Array)
 
 
+#: The types of leaves found to be :func:`_fast_leaf`: a batch of only these is checked without a Python call
+#: per leaf (it grows by the JAX array types met).
+_FAST_TYPES: set[type] = {np.ndarray}
+#: ``(shape, dtype)`` of an array, in C.
+_SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
+
+
+def _all_fast(leaves: list[Any]) -> bool:
+    """Whether every leaf is a NumPy or JAX array (:func:`_fast_leaf`); a set of types seen before is answered
+    without looking at each leaf in Python."""
+    types = set(map(type, leaves))
+    if types <= _FAST_TYPES:
+        return True
+    if all(map(_fast_leaf, leaves)):
+        _FAST_TYPES.update(types)
+        return True
+    return False
+
+
 class BatchChecker:
     """The checks of a step's batches (:func:`check_worker_batch`, the same structure on every worker),
     run once per batch signature.
@@ -260,10 +280,10 @@ class BatchChecker:
     def check(self, batches: list[PyTree], contexts: list[InputContext]) -> tuple[BatchSignature, list[list[Any]]]:
         """``(signature, leaves of each worker)`` of one batch per local worker, or the error of the first
         check that fails (the same error, in the same order, as checking every time)."""
-        if len(batches) == 1:  # one local worker (the usual): the shortest path
-            leaves, treedef = jax.tree.flatten(batches[0])
-            if all(map(_fast_leaf, leaves)):
-                known = self._known.get((treedef, tuple([(x.shape, x.dtype) for x in leaves])))
+        if len(batches) == 1:  # one local worker (the usual): the shortest path, no Python call per leaf
+            leaves, treedef = jax.tree_util.tree_flatten(batches[0])
+            if set(map(type, leaves)) <= _FAST_TYPES or _all_fast(leaves):
+                known = self._known.get((treedef, tuple(map(_SHAPE_DTYPE, leaves))))
                 if known is not None:
                     return known, [leaves]
         flat = [jax.tree.flatten(b) for b in batches]
@@ -290,9 +310,9 @@ class BatchChecker:
 
 def _raw_signature(leaves: list[Any], treedef: Any) -> tuple | None:
     """``(treedef, (shape, dtype) of each leaf)`` if every leaf is a NumPy or JAX array, else None."""
-    if not all(map(_fast_leaf, leaves)):
+    if not _all_fast(leaves):
         return None
-    return (treedef, tuple((x.shape, x.dtype) for x in leaves))
+    return (treedef, tuple(map(_SHAPE_DTYPE, leaves)))
 
 
 @dataclasses.dataclass(eq=False)
@@ -433,7 +453,9 @@ class InputRegistry:
         self._lineages: dict[Any, _Lineage] = {}
 
     def get(self, input_fn: Callable) -> WorkerInputs | None:
-        entry = self._entries.get(_weak_key(input_fn))
+        # A plain function (the usual, looked up at every step) takes a weak reference: no call to _weak_key.
+        key = weakref.ref(input_fn) if type(input_fn) is types.FunctionType else _weak_key(input_fn)
+        entry = self._entries.get(key)
         return entry[0] if entry is not None else None
 
     def __contains__(self, input_fn: Callable) -> bool:
