@@ -345,6 +345,13 @@ class Replicator:
         if pipeline_stages != 1 or microbatches is not None:
             if replicas_per_device != 1:
                 raise ValueError("pipeline_stages does not combine with replicas_per_device yet; leave one at 1.")
+            if passes is not None:
+                raise ValueError(
+                    "passes= does not apply to a pipelined Replicator yet: its stages run their own program (the "
+                    "schedule's loop), not the pass pipeline, so ZeRO, fusion or compression options would be "
+                    "ignored. Leave passes out (ZeRO on each stage's data-parallel axis comes later), or drop "
+                    "pipeline_stages to run the step data parallel with these passes."
+                )
             self.pipelined = PipelinedReplicas(
                 self.mesh.devices, pipeline_stages, microbatches, schedule or "1f1b", pipeline_recompute
             )

@@ -237,3 +237,10 @@ def test_lower_of_a_pipelined_step_points_to_explain():
     repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2)
     with pytest.raises(ValueError, match=r"explain\(step_fn, batch, state\) describes it"):
         repl.lower(make_step(two_stages, opt), batch, (p, opt.init(p)))
+
+
+def test_passes_on_a_pipelined_replicator_are_refused():
+    """ZeRO asked of a pipelined Replicator would be silently ignored (its stages do not run the pass pipeline)."""
+    with pytest.raises(ValueError, match=r"passes= does not apply to a pipelined Replicator yet.*ZeRO"):
+        rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2, passes=rp.Pipeline.default(zero_stage=1))
+    rp.Replicator(1, 4, devices=jax.devices()[:4], passes=rp.Pipeline.default(zero_stage=1))  # data parallel: fine
