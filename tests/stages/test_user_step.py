@@ -177,8 +177,11 @@ def test_the_trainer_drives_a_pipelined_replicator():
 
     opt = optax.adam(1e-2)
     repl = rp.Replicator(2, 4, devices=jax.devices()[:8], pipeline_stages=4, microbatches=4, schedule="1f1b")
-    trainer = rp.Trainer(repl, make_step(four_stages_tied, opt), input_fn, (p, opt.init(p)), stream=io.StringIO())
+    log = io.StringIO()
+    hook = rp.LoggingHook(every=1)
+    trainer = rp.Trainer(repl, make_step(four_stages_tied, opt), input_fn, (p, opt.init(p)), hooks=[hook], stream=log)
     state = trainer.run(STEPS + 2)  # the input ends after STEPS batches: the Trainer stops there
+    assert "step 1: compiled in" in log.getvalue() and [s for s, _ in hook.compiles] == [1]  # not in ms/step
     assert (trainer.step, trainer.input_position) == (STEPS, STEPS)
     assert trainer.outputs["loss"].shape == (2,)
     want_state, want_values = _one_device(make_step(four_stages_tied, opt, mean=False), (p, opt.init(p)), batch)
