@@ -136,3 +136,43 @@ def test_state_on_this_process_devices_takes_process_0s_values(
     for got, want in zip(placed, process_0, strict=True):
         np.testing.assert_array_equal(np.asarray(got), want)
         assert got.sharding.is_fully_replicated and got.sharding.mesh == repl.mesh
+
+
+@pytest.mark.parametrize("state_comes_out_batched", [False, True])
+def test_a_folded_step_trains_like_one_device_in_either_form_of_its_state(
+    state_comes_out_batched: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folded step's replicated state leaves vmap unbatched; where JAX says one came out batched (its
+    ``out_axes=None`` error, met on the block's trace), the step takes replica 0's copy instead: both forms
+    train to one device's numbers."""
+    if state_comes_out_batched:
+        make_jaxpr = jax.make_jaxpr
+
+        def batched(fn, *args, **kwargs):
+            if "_folded" in getattr(fn, "__qualname__", ""):  # the trace of the folded block only
+                traced = make_jaxpr(fn, *args, **kwargs)
+
+                def refuse(*a, **k):
+                    traced(*a, **k)
+                    raise ValueError("vmap has mapped output but out_axes is None")
+
+                return refuse
+            return make_jaxpr(fn, *args, **kwargs)
+
+        monkeypatch.setattr(execution.jax, "make_jaxpr", batched)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 3)).astype(np.float32), rng.normal(size=(16, 1)).astype(np.float32)
+    w0 = np.zeros((3, 1), np.float32)
+
+    def loss(w, x, y):
+        return jnp.mean((x @ w - y) ** 2)
+
+    def step(w, batch):
+        return w - 0.1 * rp.all_mean(jax.grad(loss)(w, *batch)), rp.all_mean(loss(w, *batch))
+
+    repl = rp.Replicator(2, 4, devices=jax.devices()[:4], replicas_per_device=2)
+    w, want = w0, w0
+    for _ in range(3):
+        w, _ = repl.run(step, (x, y), w)
+        want = want - 0.1 * jax.grad(loss)(want, x, y)
+    np.testing.assert_allclose(np.asarray(w), np.asarray(want), rtol=1e-5, atol=1e-6)
