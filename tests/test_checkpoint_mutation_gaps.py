@@ -215,3 +215,19 @@ def test_a_shard_index_that_is_not_start_stop_pairs_is_refused(sharded, index):
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ckpt_manifest.DamagedCheckpoint, match=r"record 0 has index .*, expected \[start, stop\]"):
         restore_checkpoint(directory, target, step=2)
+
+
+def test_a_snapshot_holds_this_process_shards_matched_by_value_not_identity():
+    """A process finds its own shard records by its index's value: in a job of more than 256 processes the
+    record's index and ``jax.process_index()`` are equal ints that are different objects."""
+    from replicator.training.checkpoint import shards, snapshot
+
+    device = jax.devices()[0]
+    leaf = jax.device_put(jnp.arange(4.0), device)
+    process = int("300")  # as jax.process_index() would return it
+    record = shards.Record(0, ((0, 4),), 299 + 1, device, 0, 16)  # as the plan computes it
+    assert record.process == process and record.process is not process
+    entries = [{"shape": [4], "dtype": "float32"}]
+    snap = snapshot.capture([leaf], entries, {0: [record]}, process, writer=False, copy_on_device=False)
+    assert list(snap.shards) == [(0, ((0, 4),))]
+    np.testing.assert_array_equal(np.asarray(snap.shards[0, ((0, 4),)]), np.arange(4.0))
