@@ -7,6 +7,7 @@ place, loudly. Each helper names the public API it stands in for, if any.
 from __future__ import annotations
 
 import os
+import sysconfig
 from typing import Any
 
 from jax._src import source_info_util as _source_info_util
@@ -56,6 +57,42 @@ def user_source_line(source_info: Any) -> str:
     if frame is None:
         return UNKNOWN_LOCATION
     return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """Where library code lives: installed packages, the standard library and replicator itself."""
+    dirs = {os.path.dirname(os.path.abspath(__file__))}  # replicator/
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            dirs.add(os.path.abspath(path))
+    return tuple(sorted(dirs))
+
+
+def _is_library(file_name: str) -> bool:
+    if file_name.startswith("<") or "site-packages" in file_name or "dist-packages" in file_name:
+        return True
+    path = os.path.abspath(file_name)
+    return any(path == d or path.startswith(d + os.sep) for d in _library_dirs())
+
+
+def user_code_line(source_info: Any) -> str:
+    """``file:line (function)`` of the innermost frame in the user's own code that made an equation.
+
+    JAX's own frames are skipped by :func:`user_source_line`; this also skips
+    installed libraries (Flax, Optax, ...), the standard library and replicator,
+    so that an update made inside ``nn.BatchNorm`` (or a loop made by Flax's
+    ``nn.scan``) names the user's line that called it. Falls back to
+    :func:`user_source_line`.
+    """
+    try:
+        frames = source_info.traceback.frames  # innermost first
+    except AttributeError:
+        frames = []
+    for frame in frames:
+        if not _is_library(frame.file_name):
+            return f"{frame.file_name}:{frame.line_num} ({frame.function_name})"
+    return user_source_line(source_info)
 
 
 def extend_axis_env(axis_env: list[tuple[str, int]]) -> Any:

@@ -39,7 +39,7 @@ from typing import Any
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 from jax.extend.core import primitives as jax_primitives
 
-from replicator._jax_compat import user_source_line
+from replicator._jax_compat import user_code_line, user_source_line
 from replicator.core.jaxprs import CALL_PRIMITIVES, DefUse, iter_eqns, sub_jaxprs
 from replicator.core.primitives import all_reduce_p, stage_boundary_p
 from replicator.errors import ReplicationError
@@ -247,8 +247,8 @@ def _raise_nested(eqn: JaxprEqn) -> None:
         "reach cannot be scheduled. Move rp.stage_boundary out of the cond/switch, after it."
     )
     raise StageSplitError(
-        f"rp.stage_boundary at {user_source_line(marker.source_info)} is inside {where} of the "
-        f"'{eqn.primitive.name}' at {user_source_line(eqn.source_info)}. {hint}"
+        f"rp.stage_boundary at {user_code_line(marker.source_info)} is inside {where} of the "
+        f"'{eqn.primitive.name}' at {user_code_line(eqn.source_info)}. {hint}"
     )
 
 
