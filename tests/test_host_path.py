@@ -22,10 +22,10 @@ from replicator.pipeline.pipeline import Pipeline
 
 AXES = ("workers", "cores")
 #: Python calls a steady-state ``run`` of a trivial step makes beyond the hand-written call's (measured
-#: 18: run, _run, begin_step, end_step, set_phase x 3, the input registry's get, take, next_batches, the Batch,
+#: 16: run, _run, begin_step, end_step, set_phase, the input registry's get, take, next_batches, the Batch,
 #: the batch check, two tree flattens, the returned state's match, place_batch, spans_processes,
 #: _wait_for_room). Before the identity fast paths it was 42. Raise it only for work every step needs.
-MAX_EXTRA_CALLS = 18
+MAX_EXTRA_CALLS = 16
 
 _REPLICATOR_DIR = os.path.dirname(os.path.abspath(rp.__file__)) + os.sep
 

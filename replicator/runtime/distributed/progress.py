@@ -137,10 +137,11 @@ def phase(name: str, detail: str = "") -> Iterator[None]:
 def begin_step() -> int:
     """A call of ``Replicator.run`` starts: its step index, in phase ``input``."""
     s = _STATE
-    with s.lock:
+    with s.lock:  # set_phase("input", k), inline: this runs on every step
         k = s.steps_started
-        s.steps_started += 1
-    set_phase("input", k)
+        s.steps_started = k + 1
+        s.phase, s.step, s.detail, s.since = "input", k, "", time.time()
+        s.version += 1
     return k
 
 
@@ -156,8 +157,11 @@ def end_step() -> None:
     :data:`WRITE_INTERVAL_S` later: the launcher times a restart's recovery to
     it, and a worker whose steps are short may die before the thread writes.
     """
-    set_phase("own-code", _STATE.steps_started)
-    if _STATE.steps_started == 1:
+    s = _STATE
+    with s.lock:  # set_phase("own-code", steps_started), inline: this runs on every step
+        s.phase, s.step, s.detail, s.since = "own-code", s.steps_started, "", time.time()
+        s.version += 1
+    if s.steps_started == 1:
         _write()
 
 
