@@ -10,6 +10,8 @@ Usage::
     python scripts/fuzz.py --programs 2000 --seed 0
     python scripts/fuzz.py --programs 50 --variants default,zero
     python scripts/fuzz.py --only 1234 --variants zero       # one program again
+    python scripts/fuzz.py --pipelines --programs 500         # pipelined training steps (tests/fuzz/pipelines.py)
+    python scripts/fuzz.py --pipelines --only 7 --variants pipe-S4-M8-1f1b
 
 XLA compiles with its optimizations off (``_jax_compat.fast_compile_xla_flags``, as in
 the tests); ``REPLICATOR_FUZZ_XLA_DEFAULTS=1`` keeps XLA's defaults.
@@ -40,6 +42,8 @@ if os.environ.get("REPLICATOR_FUZZ_XLA_DEFAULTS") != "1":
 rp.force_cpu_devices(8)
 
 from tests.fuzz.differential import MESHES, VARIANTS, run_program  # noqa: E402
+from tests.fuzz.pipelines import PIPE_MESHES, PIPE_VARIANTS  # noqa: E402
+from tests.fuzz.pipelines import run_program as run_pipeline_program  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,12 +51,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--programs", type=int, default=100)
     p.add_argument("--seed", type=int, default=0, help="the first program's seed; the others follow")
     p.add_argument("--only", type=int, help="run just the program with this seed")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {list(VARIANTS)}")
+    p.add_argument("--variants", help=f"comma-separated, of {list(VARIANTS)} (with --pipelines: {list(PIPE_VARIANTS)})")
+    p.add_argument(
+        "--pipelines",
+        action="store_true",
+        help="random pipelined training steps against one device (tests/fuzz/pipelines.py), each on one mesh of "
+        f"its stage count in turn ({PIPE_MESHES})",
+    )
     args = p.parse_args(argv)
-    variants = args.variants.split(",")
-    unknown = set(variants) - set(VARIANTS)
+    known = PIPE_VARIANTS if args.pipelines else VARIANTS
+    variants = args.variants.split(",") if args.variants else list(known)
+    unknown = set(variants) - set(known)
     if unknown:
-        p.error(f"unknown variants {sorted(unknown)}; choose from {list(VARIANTS)}")
+        p.error(f"unknown variants {sorted(unknown)}; choose from {list(known)}")
+    meshes = "one mesh per program and stage count" if args.pipelines else f"{len(MESHES)} meshes"
+    run = run_pipeline_program if args.pipelines else run_program
     seeds = [args.only] if args.only is not None else range(args.seed, args.seed + args.programs)
     checked: collections.Counter = collections.Counter()
     executions: collections.Counter = collections.Counter()
@@ -71,10 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     # Ctrl-C or SIGTERM ends a long run after the program under way, with the summary so far.
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    print(f"fuzzing {len(seeds)} programs from seed {seeds[0]}, variants {variants}, meshes {MESHES}", flush=True)
+    where = PIPE_MESHES if args.pipelines else MESHES
+    print(f"fuzzing {len(seeds)} programs from seed {seeds[0]}, variants {variants}, meshes {where}", flush=True)
     try:
         for n, seed in enumerate(seeds, 1):
-            for outcome in run_program(seed, variants, stats=executions):
+            for outcome in run(seed, variants, stats=executions):
                 checked[outcome.variant] += 1
                 if outcome.order_sensitive:
                     sensitive[outcome.variant] += 1
@@ -95,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         stopped = " (stopped by a second signal; the runs of the program under way are counted below)"
     seen = f"seeds {seeds[0]}..{seeds[0] + done - 1}" if done else "none complete"
-    print(f"\nchecked {done} programs ({seen}) x {len(MESHES)} meshes in {time.time() - start:.0f} s{stopped}")
+    print(f"\nchecked {done} programs ({seen}) x {meshes} in {time.time() - start:.0f} s{stopped}")
     print(
         f"  {executions['runs']} variant runs executed {executions['graphs']} distinct final graphs "
         "(variants whose passes produced an identical graph share its execution)"

@@ -1,0 +1,419 @@
+"""Random pipelined training steps for the differential fuzzer, and their one-device reference.
+
+A program is a random :class:`PipeSpec`: a loss cut into ``S`` segments by
+``rp.stage_boundary`` (random layers per segment; an embedding of integer inputs
+or a dense input layer in the first; optionally the embedding reused as the head,
+a tuple crossing one boundary, a parameter-only term, inputs rounded to bf16), a
+random optax optimizer, and the user's step as written for data parallelism
+(``jax.value_and_grad``, ``rp.all_mean(grads)``, the optax update, outputs
+``{'loss': rp.all_mean(value)}``). :func:`random_pipe_spec` is seeded by the
+program's index and the stage count.
+
+The reference (:func:`reference`) is the same step under ``jax.jit`` on one
+device on the global batch, with ``rp.all_mean`` replaced by the identity (the
+markers are the identity outside a pipeline): nothing of the library's
+splitting, scheduling or lowering runs in it.
+
+Statistics across rows (batch norm, ``rp.all_mean`` inside the loss) are left
+out: inside a pipeline they are per micro-batch (``tests/stages/test_replicas.py``
+``bn_loss``), so the step would equal one device's only with one micro-batch per
+replica, and no variant here has that. Every layer is per row and the loss is a
+mean over rows, so the mean over micro-batches and replicas of their values and
+gradients is one device's on the global batch.
+
+:func:`check` runs one program under one variant (``S``, ``M``, schedule,
+recomputation, optionally ``passes=Pipeline.default(zero_stage=1)``) on one mesh
+of 8 devices and compares the whole state (parameters and optimizer state) and
+the losses of every step.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+import replicator as rp
+
+LAYERS = ("dense-tanh", "dense-relu", "dense-gelu", "elementwise", "residual", "layernorm")
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+STEPS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class PipeSpec:
+    """One random pipelined program (a loss of ``stages`` segments, an optimizer, a batch)."""
+
+    seed: int
+    stages: int
+    segments: tuple[tuple[str, ...], ...]  # layer kinds of each segment
+    width: int
+    embed: bool  # integer inputs and an embedding lookup in segment 0 (else a dense input layer)
+    vocab: int
+    in_dim: int
+    tied: bool  # (with embed) the head is the embedding, transposed: read by stages 0 and S-1
+    tuple_at: int | None  # the boundary after this segment carries (h, skip); the next segment adds skip
+    ids_cross: bool  # (with embed and tuple_at) the tuple's second item is the ids, not an activation
+    free_at: int | None  # the segment that adds a parameter-only term
+    bf16: bool  # segment 0's input rounded to bfloat16 and cast back (straight-through gradient)
+    cross_entropy: bool  # integer labels and softmax cross-entropy, else a squared error
+    out_dim: int
+    optimizer: str
+    lr: float
+    rows: int  # global batch rows
+
+    def describe(self) -> str:
+        parts = [f"S={self.stages}", f"width={self.width}", f"rows={self.rows}"]
+        parts.append(f"input=embed({self.vocab})" if self.embed else f"input=dense({self.in_dim})")
+        parts += [f"seg{i}={list(s)}" for i, s in enumerate(self.segments)]
+        for flag in ("tied", "ids_cross", "bf16", "cross_entropy"):
+            if getattr(self, flag):
+                parts.append(flag)
+        if self.tuple_at is not None:
+            parts.append(f"tuple_at={self.tuple_at}")
+        if self.free_at is not None:
+            parts.append(f"free_at={self.free_at}")
+        parts.append(f"{self.optimizer}(lr={self.lr})")
+        return " ".join(parts)
+
+
+def random_pipe_spec(seed: int, stages: int) -> PipeSpec:
+    """The program of index ``seed`` with ``stages`` segments (reproducible)."""
+    rng = np.random.default_rng([seed, stages, 7])
+    embed = bool(rng.random() < 0.6)
+    width = int(rng.choice([4, 6, 8]))
+    vocab = int(rng.choice([8, 11, 16]))
+    tied = embed and bool(rng.random() < 0.5)
+    cross_entropy = bool(rng.random() < 0.4)
+    out_dim = vocab if tied else int(rng.choice([2, 3, 5]))
+    segments = tuple(
+        tuple(str(k) for k in rng.choice(LAYERS, size=int(rng.integers(0 if i == 0 else 1, 3)))) for i in range(stages)
+    )
+    tuple_at = int(rng.integers(0, stages - 1)) if rng.random() < 0.5 else None
+    return PipeSpec(
+        seed=seed,
+        stages=stages,
+        segments=segments,
+        width=width,
+        embed=embed,
+        vocab=vocab,
+        in_dim=int(rng.choice([3, 5])),
+        tied=tied,
+        tuple_at=tuple_at,
+        ids_cross=embed and tuple_at is not None and bool(rng.random() < 0.5),
+        free_at=int(rng.integers(0, stages)) if rng.random() < 0.5 else None,
+        bf16=bool(rng.random() < 0.3),
+        cross_entropy=cross_entropy,
+        out_dim=out_dim,
+        optimizer=str(rng.choice(OPTIMIZERS)),
+        lr=float(rng.choice([0.01, 0.05])),
+        rows=int(rng.choice([16, 32])),  # splits into M x D = 8 or 16 for every variant
+    )
+
+
+# -- the loss, the parameters, the batch ----------------------------------------------------
+
+
+def _layer(kind: str, p: dict, name: str, h: jax.Array) -> jax.Array:
+    if kind.startswith("dense-"):
+        act = {"tanh": jnp.tanh, "relu": jax.nn.relu, "gelu": jax.nn.gelu}[kind.split("-")[1]]
+        return act(h @ p[name]["w"] + p[name]["b"])
+    if kind == "elementwise":
+        return h * jnp.sin(h) * p[name]["s"] + jnp.exp(-(h**2)) - 0.5
+    if kind == "residual":
+        return h + jnp.tanh(h @ p[name]["w"])
+    if kind == "layernorm":
+        mu = jnp.mean(h, -1, keepdims=True)
+        var = jnp.mean((h - mu) ** 2, -1, keepdims=True)
+        return (h - mu) / jnp.sqrt(var + 1e-3) * p[name]["g"] + p[name]["b"]
+    raise ValueError(kind)
+
+
+def _round_bf16(h: jax.Array) -> jax.Array:
+    """``h`` rounded to bfloat16 and cast back; the gradient passes straight through (no rounding of it)."""
+    return h + lax.stop_gradient(h.astype(jnp.bfloat16).astype(jnp.float32) - h)
+
+
+def make_loss(spec: PipeSpec):
+    """The loss ``(params, inputs, targets) -> scalar``, a mean over rows, with ``S - 1`` markers."""
+
+    def loss(p, inputs, targets):
+        ids = inputs if spec.embed else None
+        # bf16 rounds what is exact on every side (the gathered rows, the batch's features): rounding a computed
+        # value can flip on a 1-ulp difference of the f32 sums, which Adam amplifies (seed 82, S=2, M=4: 2.3e-4).
+        x = _round_bf16(inputs) if spec.bf16 and not spec.embed else inputs
+        h = p["emb"][inputs] if spec.embed else jnp.tanh(x @ p["inp"]["w"] + p["inp"]["b"])
+        if spec.bf16 and spec.embed:
+            h = _round_bf16(h)
+        skip, extra = None, 0.0
+        for i, kinds in enumerate(spec.segments):
+            if skip is not None:  # the tuple's second item, from the boundary before this segment
+                h = h + (0.1 * jnp.sin(skip.astype(jnp.float32))[:, None] if spec.ids_cross else 0.5 * skip)
+                skip = None
+            for j, kind in enumerate(kinds):
+                h = _layer(kind, p, f"l{i}_{j}", h)
+            if spec.free_at == i:
+                extra = extra + 0.05 * jnp.sum(p["free"] ** 2)
+            if i == spec.stages - 1:
+                break
+            if spec.tuple_at == i:
+                h, skip = rp.stage_boundary((h, ids if spec.ids_cross else h))
+            else:
+                h = rp.stage_boundary(h)
+        logits = h @ (p["emb"].T if spec.tied else p["head"])
+        if spec.cross_entropy:
+            value = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets))
+        else:
+            value = jnp.mean((logits - targets) ** 2)
+        return value + extra
+
+    return loss
+
+
+def initial_params(spec: PipeSpec) -> dict:
+    rng = np.random.default_rng([spec.seed, spec.stages, 11])
+    d = spec.width
+
+    def normal(*shape, scale=1.0):
+        return (scale * rng.normal(size=shape)).astype(np.float32)
+
+    p: dict[str, Any] = {}
+    if spec.embed:
+        p["emb"] = normal(spec.vocab, d)
+    else:
+        p["inp"] = {"w": normal(spec.in_dim, d, scale=spec.in_dim**-0.5), "b": normal(d, scale=0.1)}
+    for i, kinds in enumerate(spec.segments):
+        for j, kind in enumerate(kinds):
+            name = f"l{i}_{j}"
+            if kind.startswith("dense-"):
+                p[name] = {"w": normal(d, d, scale=d**-0.5), "b": normal(d, scale=0.1)}
+            elif kind == "elementwise":
+                p[name] = {"s": 1.0 + normal(d, scale=0.1)}
+            elif kind == "residual":
+                p[name] = {"w": normal(d, d, scale=0.5 * d**-0.5)}
+            else:
+                p[name] = {"g": 1.0 + normal(d, scale=0.1), "b": normal(d, scale=0.1)}
+    if not spec.tied:
+        p["head"] = normal(d, spec.out_dim, scale=d**-0.5)
+    if spec.free_at is not None:
+        p["free"] = normal(3)
+    return p
+
+
+def global_batches(spec: PipeSpec) -> list[tuple[np.ndarray, np.ndarray]]:
+    """One global batch per step: inputs (ids or features) and targets (labels or values)."""
+    rng = np.random.default_rng([spec.seed, spec.stages, 13])
+    out = []
+    for _ in range(STEPS):
+        if spec.embed:
+            inputs = rng.integers(0, spec.vocab, size=(spec.rows,)).astype(np.int32)
+        else:
+            inputs = rng.normal(size=(spec.rows, spec.in_dim)).astype(np.float32)
+        if spec.cross_entropy:
+            targets = rng.integers(0, spec.out_dim, size=(spec.rows,)).astype(np.int32)
+        else:
+            targets = rng.normal(size=(spec.rows, spec.out_dim)).astype(np.float32)
+        targets_shift = rng.random() < 0.5
+        if targets_shift and not spec.cross_entropy:  # the replicas' halves pull apart
+            targets[: spec.rows // 2] += 1.0
+        out.append((inputs, targets))
+    return out
+
+
+def make_optimizer(spec: PipeSpec) -> optax.GradientTransformation:
+    return {
+        "sgd": lambda: optax.sgd(spec.lr),
+        "momentum": lambda: optax.sgd(spec.lr, momentum=0.9),
+        "adam": lambda: optax.adam(spec.lr),
+        "adamw": lambda: optax.adamw(spec.lr, weight_decay=0.1),
+    }[spec.optimizer]()
+
+
+def make_step(spec: PipeSpec, mean=rp.all_mean):
+    """The user's data-parallel step; ``mean=identity`` is one device's (where ``rp.all_mean`` is the identity)."""
+    loss, opt = make_loss(spec), make_optimizer(spec)
+
+    def step(state, batch):
+        params, opt_state = state
+        value, grads = jax.value_and_grad(loss)(params, *batch)
+        grads = mean(grads)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), {"loss": mean(value)}
+
+    return step
+
+
+def initial_state(spec: PipeSpec) -> tuple:
+    p = initial_params(spec)
+    return p, make_optimizer(spec).init(p)
+
+
+# -- the reference and the variants -----------------------------------------------------------
+
+
+def reference(spec: PipeSpec) -> tuple[Any, list[float]]:
+    """Final state and each step's loss: ``jax.jit`` of the step on one device on the global batch."""
+    step = jax.jit(make_step(spec, mean=lambda x: x))
+    state, losses = initial_state(spec), []
+    for batch in global_batches(spec):
+        state, out = step(state, batch)
+        losses.append(float(out["loss"]))
+    return jax.tree.map(np.asarray, state), losses
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    stages: int
+    microbatches: int
+    schedule: str
+    recompute: bool = False
+    zero: bool = False  # passes=rp.Pipeline.default(zero_stage=1, ...)
+
+    @property
+    def name(self) -> str:
+        tail = ("-recompute" if self.recompute else "") + ("-zero" if self.zero else "")
+        return f"pipe-S{self.stages}-M{self.microbatches}-{self.schedule}{tail}"
+
+
+#: name -> variant: S in {2, 4}, M in {S, 2S}, 1F1B, GPipe, GPipe with recomputation; each also with ZeRO asked.
+PIPE_VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for s in (2, 4)
+    for m in (s, 2 * s)
+    for zero in (False, True)
+    for v in (Variant(s, m, "1f1b", zero=zero), Variant(s, m, "gpipe", zero=zero), Variant(s, m, "gpipe", True, zero))
+}
+#: (num_workers, cores_per_worker) of 8 devices per stage count: stages within a worker (S divides the cores),
+#: then across workers (S divides num_workers only).
+PIPE_MESHES: dict[int, tuple[tuple[int, int], ...]] = {2: ((1, 8), (2, 4), (8, 1)), 4: ((1, 8), (2, 4), (4, 2))}
+
+
+def mesh_for(seed: int, stages: int) -> tuple[int, int]:
+    """The mesh a program runs on: the meshes of its stage count in turn, by program index."""
+    meshes = PIPE_MESHES[stages]
+    return meshes[seed % len(meshes)]
+
+
+def replicated(spec: PipeSpec, variant: Variant, mesh: tuple[int, int]) -> tuple[Any, list[float]]:
+    """Final state and each step's loss (replica 0's; every replica's must agree) from ``repl.run``."""
+    workers, cores = mesh
+    passes = rp.Pipeline.default(zero_stage=1, shard_optimizer_min_bytes=0) if variant.zero else None
+    repl = rp.Replicator(
+        workers,
+        cores,
+        devices=jax.devices()[: workers * cores],
+        passes=passes,
+        pipeline_stages=variant.stages,
+        microbatches=variant.microbatches,
+        schedule=variant.schedule,
+        pipeline_recompute=variant.recompute,
+    )
+    step, state, losses = make_step(spec), initial_state(spec), []
+    for batch in global_batches(spec):
+        state, out = repl.run(step, batch, state)
+        rows = np.asarray(out["loss"])
+        if rows.shape != (repl.pipelined.replicas,) or not np.all(rows == rows[0]):
+            raise AssertionError(f"loss rows {rows}: expected {repl.pipelined.replicas} identical values")
+        losses.append(float(rows[0]))
+    return jax.tree.map(np.asarray, state), losses
+
+
+def tolerance(want: np.ndarray) -> float:
+    """Allowed absolute difference of a float leaf: 2e-4 of its scale (at least 1), as the data-parallel fuzzer."""
+    return 2e-4 * max(1.0, float(np.max(np.abs(want)))) if want.size else 0.0
+
+
+def first_mismatch(got: Any, want: Any) -> str | None:
+    """The first leaf of ``got`` beyond :func:`tolerance` of ``want`` (integers: equal), or None."""
+    got_leaves = jax.tree_util.tree_leaves_with_path(got)
+    want_leaves = jax.tree.leaves(want)
+    if jax.tree.structure(got) != jax.tree.structure(want):
+        return f"structure {jax.tree.structure(got)}, expected {jax.tree.structure(want)}"
+    for (path, a), b in zip(got_leaves, want_leaves, strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        name = jax.tree_util.keystr(path)
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return f"{name}: {a.dtype}{a.shape}, expected {b.dtype}{b.shape}"
+        if not np.issubdtype(b.dtype, np.floating):
+            if not np.array_equal(a, b):
+                return f"{name}: {a.ravel()[:6]} != {b.ravel()[:6]}"
+            continue
+        diff = np.abs(a.astype(np.float64) - b)
+        if not np.all(diff <= tolerance(b)):  # NaN fails too
+            i = np.unravel_index(np.nanargmax(np.where(np.isnan(diff), np.inf, diff)), diff.shape)
+            return f"{name}: max |difference| {float(diff[i]):.3g} at {tuple(int(k) for k in i)} (tolerance {tolerance(b):.3g})"
+    return None
+
+
+@dataclasses.dataclass
+class PipeOutcome:
+    spec: PipeSpec
+    variant: str
+    mesh: tuple[int, int]
+    error: str | None = None
+    mismatch: str | None = None
+    order_sensitive: None = None  # as the data-parallel fuzzer's Outcome (scripts/fuzz.py reads it); unused here
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.mismatch is None
+
+    def __str__(self) -> str:
+        what = "ok" if self.ok else (f"CRASH {self.error}" if self.error else f"MISMATCH {self.mismatch}")
+        return (
+            f"seed={self.spec.seed} variant={self.variant} mesh={self.mesh}: {what}\n  program: {self.spec.describe()}"
+        )
+
+
+def check(
+    spec: PipeSpec, variant: Variant, mesh: tuple[int, int], ref: tuple[Any, list[float]] | None = None
+) -> PipeOutcome:
+    """Run one program under one variant and mesh against one device; a crash is an outcome, not an exception."""
+    outcome = PipeOutcome(spec, variant.name, mesh)
+    try:
+        want_state, want_losses = ref if ref is not None else reference(spec)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the bubble warning (M < S) never applies here; others are not findings
+            got_state, got_losses = replicated(spec, variant, mesh)
+    except ValueError as e:
+        if variant.zero and "passes= does not apply to a pipelined Replicator" in str(e):
+            return outcome  # ZeRO on a pipeline is refused, saying so (replicator/api.py): the expected outcome
+        outcome.error = f"{type(e).__name__}: {str(e)[:400]}"
+        return outcome
+    except Exception as e:  # noqa: BLE001 - every crash is a finding
+        outcome.error = f"{type(e).__name__}: {str(e)[:400]}"
+        return outcome
+    outcome.mismatch = first_mismatch(got_state, want_state)
+    if outcome.mismatch is None:
+        for i, (g, w) in enumerate(zip(got_losses, want_losses, strict=True)):
+            if not abs(g - w) <= 1e-5 * max(1.0, abs(w)):
+                outcome.mismatch = f"step {i} loss {g!r}, expected {w!r}"
+                break
+    return outcome
+
+
+def run_program(seed: int, variants: list[str], stats: collections.Counter | None = None) -> list[PipeOutcome]:
+    """Program ``seed`` for each stage count the variants ask, on :func:`mesh_for`, under every variant."""
+    stats = collections.Counter() if stats is None else stats
+    outcomes = []
+    for stages in sorted({PIPE_VARIANTS[v].stages for v in variants}):
+        spec = random_pipe_spec(seed, stages)
+        mesh = mesh_for(seed, stages)
+        try:
+            ref = reference(spec)
+        except Exception as e:  # noqa: BLE001 - a reference failure is a generator bug
+            outcomes.append(PipeOutcome(spec, "reference", mesh, error=f"{type(e).__name__}: {str(e)[:400]}"))
+            continue
+        for v in variants:
+            if PIPE_VARIANTS[v].stages == stages:
+                outcomes.append(check(spec, PIPE_VARIANTS[v], mesh, ref))
+                stats["runs"] += 1
+                stats["graphs"] += 1  # every run compiles its own pipelined step
+    return outcomes

@@ -1,0 +1,118 @@
+"""The pipeline fuzzer's fixed-seed sample, and checks of its generator and comparison.
+
+Each program is a random pipelined training step (``tests/fuzz/pipelines.py``) run by
+``Replicator.run`` on a pipelined ``Replicator`` of 8 devices and compared, the whole
+state and every step's loss, with ``jax.jit`` of the same step on one device. The quick
+sample covers both stage counts, both schedules, recomputation, both micro-batch counts
+and both layouts (stages within a worker, across workers); the rest of the variants are
+marked slow. The long run is ``python scripts/fuzz.py --pipelines --programs 500``.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import numpy as np
+import pytest
+
+import replicator as rp
+
+from . import pipelines
+from .pipelines import (
+    LAYERS,
+    OPTIMIZERS,
+    PIPE_VARIANTS,
+    check,
+    first_mismatch,
+    random_pipe_spec,
+    reference,
+)
+
+# (seed, variant, mesh): a different program each.
+QUICK = [
+    (1, "pipe-S2-M2-1f1b", (2, 4)),
+    (2, "pipe-S2-M4-gpipe", (8, 1)),  # stages across workers
+    (3, "pipe-S2-M4-gpipe-recompute", (1, 8)),
+    (4, "pipe-S4-M4-1f1b", (4, 2)),  # stages across workers
+    (5, "pipe-S4-M8-gpipe-recompute", (2, 4)),
+    (6, "pipe-S4-M8-1f1b-zero", (1, 8)),
+]
+SLOW = [
+    (100 + i, name, pipelines.mesh_for(100 + i, v.stages))
+    for i, (name, v) in enumerate(PIPE_VARIANTS.items())
+    if name not in {q[1] for q in QUICK}
+]
+
+
+def _param(seed: int, variant: str, mesh: tuple[int, int], slow: bool = False):
+    marks = [pytest.mark.slow] if slow else []
+    return pytest.param(seed, variant, mesh, id=f"{seed}-{variant}-{mesh[0]}x{mesh[1]}", marks=marks)
+
+
+@pytest.mark.parametrize(
+    ("seed", "variant", "mesh"), [_param(*c) for c in QUICK] + [_param(*c, slow=True) for c in SLOW]
+)
+def test_random_pipelined_step_matches_one_device(seed, variant, mesh):
+    v = PIPE_VARIANTS[variant]
+    outcome = check(random_pipe_spec(seed, v.stages), v, mesh)
+    assert outcome.ok, str(outcome)
+
+
+def test_every_variant_is_in_the_sample():
+    assert {v for _, v, _ in QUICK + SLOW} == set(PIPE_VARIANTS)
+    assert {(v.stages, v.microbatches) for v in PIPE_VARIANTS.values()} == {(2, 2), (2, 4), (4, 4), (4, 8)}
+
+
+def test_the_generator_is_reproducible_and_covers_every_feature():
+    assert random_pipe_spec(17, 4) == random_pipe_spec(17, 4)
+    assert random_pipe_spec(17, 4) != random_pipe_spec(18, 4)
+    specs = [random_pipe_spec(seed, s) for seed in range(200) for s in (2, 4)]
+    assert all(len(spec.segments) == spec.stages for spec in specs)
+    assert {k for spec in specs for seg in spec.segments for k in seg} == set(LAYERS)
+    assert {spec.optimizer for spec in specs} == set(OPTIMIZERS)
+    for flag in ("embed", "tied", "ids_cross", "bf16", "cross_entropy"):
+        assert any(getattr(spec, flag) for spec in specs), flag
+    assert {spec.tuple_at for spec in specs} >= {None, 0, 1, 2}
+    assert {spec.free_at for spec in specs} >= {None, 0, 1, 2, 3}
+    # The loss has S - 1 markers: jax.jit of it runs (the markers are the identity outside a pipeline).
+    spec = random_pipe_spec(3, 4)
+    _, losses = reference(spec)
+    assert len(losses) == pipelines.STEPS and np.all(np.isfinite(losses))
+
+
+def test_a_gradient_off_by_ten_percent_is_caught(monkeypatch):
+    # The comparison can fail: the replicated step's averaged gradients scaled by 1.1 (SGD: the update too).
+    seed = next(s for s in range(100) if random_pipe_spec(s, 2).optimizer == "sgd")
+    spec = random_pipe_spec(seed, 2)
+    real = pipelines.make_step
+
+    def scaled(spec, mean=rp.all_mean):
+        return real(spec, mean=lambda x: jax.tree.map(lambda a: 1.1 * a, mean(x)))
+
+    ref = reference(spec)
+    monkeypatch.setattr(pipelines, "make_step", scaled)
+    outcome = check(spec, PIPE_VARIANTS["pipe-S2-M2-1f1b"], (1, 8), ref)
+    assert outcome.mismatch is not None and outcome.error is None, str(outcome)
+
+
+def test_first_mismatch_names_the_leaf_and_allows_the_tolerance():
+    want = {"a": np.ones((2, 3), np.float32), "n": np.int32(3)}
+    assert first_mismatch({"a": want["a"] + 1e-4, "n": np.int32(3)}, want) is None
+    found = first_mismatch({"a": want["a"] + np.array([[0, 0, 1e-3], [0, 0, 0]], np.float32), "n": np.int32(3)}, want)
+    assert found is not None and "['a']" in found and "(0, 2)" in found, found
+    assert "['n']" in first_mismatch({"a": want["a"], "n": np.int32(4)}, want)
+
+
+def test_run_program_counts_one_run_per_variant():
+    stats = collections.Counter()
+    outcomes = pipelines.run_program(9, ["pipe-S2-M2-1f1b"], stats=stats)
+    assert [o.ok for o in outcomes] == [True], [str(o) for o in outcomes]
+    assert stats["runs"] == 1
+
+
+def test_zero_on_a_pipelined_replicator_is_refused():
+    """ZeRO (passes=) asked of a pipelined Replicator was silently ignored; it is refused, saying why."""
+    passes = rp.Pipeline.default(zero_stage=1, shard_optimizer_min_bytes=0)
+    with pytest.raises(ValueError, match="passes= does not apply to a pipelined Replicator"):
+        rp.Replicator(1, 8, devices=jax.devices()[:8], passes=passes, pipeline_stages=2, microbatches=2)
