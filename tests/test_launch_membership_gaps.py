@@ -215,6 +215,7 @@ def test_stop_kills_what_a_worker_started_after_the_worker_ended_on_sigterm(tmp_
         assert worker.returncode == -signal.SIGTERM  # the worker itself went on SIGTERM
         assert still_running([child], within_s=2.0) == []
         assert not running(child)
+        assert "did not die" not in output.stderr.getvalue()  # said only of a worker SIGKILL could not end
     finally:
         try:
             os.killpg(worker.proc.pid, signal.SIGKILL)
@@ -278,3 +279,31 @@ def test_an_error_in_the_launcher_stops_the_workers_before_it_propagates(
         assert still_running([pid], within_s=3.0) == [], err.getvalue()
     finally:
         kill_leftovers([pid])
+
+
+class _Polled:
+    """A rendezvous that only answers poll(), with the status given."""
+
+    heartbeat_interval_s = 0.25
+    gone_after_s = 1.0
+
+    def __init__(self, status: object) -> None:
+        self.status = status
+
+    def poll(self) -> object:
+        return self.status
+
+
+def test_a_round_started_elsewhere_stops_this_hosts_workers_as_a_failure() -> None:
+    """Another host opening round 2 must stop this host's round-1 workers with a non-zero code (a restart, not a
+    job that finished), naming the round."""
+    from replicator.launch.membership import Assignment, Status
+
+    a = Assignment(1, 0, 2, ("a", "b"), ("h0", "h1"), "h0:1")
+    output = _output()
+    watch = hosts._Watch(_Polled(Status(2, True, (), (), None)), a, output)  # type: ignore[arg-type]
+    outcome = watch(now=10.0)
+    assert outcome is not None and outcome.code != 0
+    assert watch.event is not None and watch.event[0] == "restart" and watch.event[1] == outcome.code
+    assert "round 2 was started by another host: stopping this host's workers" in _said(output)
+    assert hosts._Watch(_Polled(Status(1, True, (), (), None)), a, _output())(now=10.0) is None  # its own round
