@@ -28,7 +28,7 @@ import os
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -217,6 +217,12 @@ class _ReturnedState:
 
 #: ``ref()`` of a weak reference, in C (``map`` over it makes no Python call per leaf).
 _deref = weakref.ref.__call__
+
+
+def _in_worker_order(batches: Sequence[PyTree]) -> PyTree:
+    """One batch of every local worker as the global batch of a pipelined step: each leaf concatenated in
+    worker order."""
+    return jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *batches)
 
 
 def _merge_static(arrays: list, statics: tuple, n: int) -> list:
@@ -547,7 +553,7 @@ class Replicator:
                     parts = [next(iter(input_fn_or_batch(self.input_context(w)))) for w in self.local_workers]
                 except StopIteration:
                     raise ValueError("explain: input_fn yielded no batch to trace the step with.") from None
-                input_fn_or_batch = jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *parts)
+                input_fn_or_batch = _in_worker_order(parts)
             return self.pipelined.describe_step(
                 step_fn, input_fn_or_batch, state, stage_cost=self._stage_cost(), memory=True
             )
@@ -595,7 +601,7 @@ class Replicator:
             )
         batches = self._worker_inputs(data).take().batches
         assert batches is not None
-        return jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *batches)
+        return _in_worker_order(batches)
 
     def describe_pipeline(
         self, loss_fn: Callable, optimizer: Any, batch: PyTree, state: tuple, *, memory: bool = False

@@ -121,7 +121,6 @@ class _Built:
         state_shape = jax.eval_shape(optimizer.init, self.packing.zeros((stages,)))
         _check_elementwise(optimizer, self.packing.zeros((stages,)), state_shape)
         self.state_specs = _specs(state_shape, packed_def)
-        self.params_sharding = NamedSharding(self.mesh, P(STAGE_AXIS))
         self._packer = RowPacker(self.packing, self.layout, self.mesh)
         self._unpacker = RowUnpacker(self.packing, self.layout, [min(h) for h in self.held])
         self.last = LastRows()

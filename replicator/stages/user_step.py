@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from replicator._jax_compat import user_source_line
@@ -248,7 +248,6 @@ class PipelinedStep:
             return lax.switch(lax.axis_index(STAGE_AXIS), branches, row, own, shared)
 
         row_spec = jax.tree.map(lambda _: P(STAGE_AXIS), self.packing.zeros((stages,)))
-        self.sharding = NamedSharding(mesh, P(STAGE_AXIS))
         self._packer = RowPacker(self.packing, self.layout, mesh)
         self._unpacker = RowUnpacker(self.packing, self.layout, [min(h) for h in self.held])
         self._last = LastRows()
