@@ -65,9 +65,9 @@ STEPS = 2
 
 @dataclasses.dataclass
 class Outcome:
-    """What one (program, variant, mesh) run found."""
+    """What one (program, variant, mesh) run found (also of a pipelined program: ``tests/fuzz/pipelines.py``)."""
 
-    spec: Spec
+    spec: Spec  # or a pipelines.PipeSpec: a seed and describe()
     variant: str
     mesh: tuple[int, int]
     error: str | None = None  # a crash

@@ -41,6 +41,7 @@ import optax
 from jax import lax
 
 import replicator as rp
+from tests.fuzz.differential import Outcome
 
 LAYERS = ("dense-tanh", "dense-relu", "dense-gelu", "elementwise", "residual", "layernorm")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
@@ -352,24 +353,9 @@ def first_mismatch(got: Any, want: Any) -> str | None:
     return None
 
 
-@dataclasses.dataclass
-class PipeOutcome:
-    spec: PipeSpec
-    variant: str
-    mesh: tuple[int, int]
-    error: str | None = None
-    mismatch: str | None = None
-    order_sensitive: None = None  # as the data-parallel fuzzer's Outcome (scripts/fuzz.py reads it); unused here
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and self.mismatch is None
-
-    def __str__(self) -> str:
-        what = "ok" if self.ok else (f"CRASH {self.error}" if self.error else f"MISMATCH {self.mismatch}")
-        return (
-            f"seed={self.spec.seed} variant={self.variant} mesh={self.mesh}: {what}\n  program: {self.spec.describe()}"
-        )
+#: What one (program, variant, mesh) run found: the data-parallel fuzzer's record (its ``order_sensitive`` is
+#: never set here), so scripts/fuzz.py reads both alike.
+PipeOutcome = Outcome
 
 
 def check(

@@ -18,6 +18,7 @@ import pytest
 
 import replicator as rp
 from tests.stages.test_train import _assert_close
+from tests.stages.test_user_step import make_step
 
 WORKERS, CORES, MICROBATCHES = 2, 4, 4
 ROWS, WIDTH, STEPS, SAVED_AT = 32, 8, 4, 2
@@ -36,16 +37,6 @@ def layered_loss(stages: int):
         return jnp.mean((h @ p["head"] - y) ** 2)
 
     return loss
-
-
-def make_step(loss, opt, mean=rp.all_mean):
-    def step(state, batch):
-        params, opt_state = state
-        value, grads = jax.value_and_grad(loss)(params, *batch)
-        updates, opt_state = opt.update(mean(grads), opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), {"loss": mean(value)}
-
-    return step
 
 
 def init_params():
@@ -77,7 +68,7 @@ def replicator_for(stages: int) -> rp.Replicator:
 
 
 def one_device(opt):
-    step = jax.jit(make_step(layered_loss(1), opt, mean=lambda x: x))
+    step = jax.jit(make_step(layered_loss(1), opt, mean=False))
     p = init_params()
     state = (p, opt.init(p))
     for i in range(STEPS):

@@ -20,24 +20,13 @@ import pytest
 
 import replicator as rp
 from replicator.stages import StageSplitError
+from tests.stages.test_user_step import make_step
 
 STEPS = 3
 TOLERANCE = 5e-5
 # Both schedules where it is cheap; the other tests take one each (both covered across the file), as each
 # pipelined step compiles for seconds on the emulated devices.
 SCHEDULES = pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-
-
-def make_step(loss: Callable, opt: optax.GradientTransformation, average: Callable = rp.all_mean) -> Callable:
-    """The data-parallel step; ``average=lambda x: x`` is one device's."""
-
-    def step(state, batch):
-        params, opt_state = state
-        value, grads = jax.value_and_grad(loss)(params, *batch)
-        updates, opt_state = opt.update(average(grads), opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), {"loss": average(value)}
-
-    return step
 
 
 def train(
@@ -59,7 +48,7 @@ def train(
     for _ in range(steps):
         state, out = repl.run(make_step(loss, opt), batch, state)
         values.append(float(out["loss"][0]))
-    one_device = jax.jit(make_step(loss, opt, average=lambda x: x))
+    one_device = jax.jit(make_step(loss, opt, mean=False))
     want, want_values = (params, opt.init(params)), []
     for _ in range(steps):
         want, out = one_device(want, batch)
