@@ -53,7 +53,13 @@ from replicator.pipeline.pipeline import Lowered, Pipeline
 from replicator.runtime.consistency import check_replicas_agree
 from replicator.runtime.distributed import progress
 from replicator.runtime.distributed.startup import check_initialized_under_launcher
-from replicator.runtime.execution import build_executable, place_batch, place_state, spans_processes
+from replicator.runtime.execution import (
+    MEMORY_CHECK_BYTES,
+    build_executable,
+    place_batch,
+    place_state,
+    spans_processes,
+)
 from replicator.runtime.gc_pause import gc_paused
 from replicator.runtime.inputs import (
     Batch,
@@ -77,6 +83,7 @@ from replicator.runtime.state import (
     per_replica_step,
     with_per_replica,
 )
+from replicator.runtime.steady import SteadyStep
 from replicator.stages.replicas import PipelinedReplicas
 
 __all__ = ["CompiledStep", "Replicator"]
@@ -384,6 +391,7 @@ class Replicator:
         self._compiled: collections.OrderedDict[Any, CompiledStep] = collections.OrderedDict()
         self._checker = BatchChecker(self.cores_per_worker)
         self._returned: _ReturnedState | None = None
+        self._steady: SteadyStep | None = None  # the last call, if the next one may run as it did
         self._warned_retrace: set[str] = set()
         self.trace_count = 0
 
@@ -654,7 +662,7 @@ class Replicator:
 
         (An ``input_fn`` the caller no longer holds is dropped by itself: the Replicator refers to it weakly.)
         """
-        self._inputs.forget(input_fn)
+        self._inputs.forget(input_fn)  # a steady step holds its inputs weakly: no longer steady
 
     def input_position(self, input_fn: Callable) -> int:
         """How many batches steps have taken from each worker's iterator of ``input_fn`` (since it was started,
@@ -792,9 +800,40 @@ class Replicator:
         depth = self.prefetch if prefetch is None else _check_prefetch(prefetch)
         step = progress.begin_step()
         try:
+            steady = self._steady  # a call like the last one: replicator/runtime/steady.py
+            if (
+                steady is not None
+                and steady.step_fn is step_fn
+                and steady.input_fn() is input_fn
+                and depth == 0
+                and per_replica_state is None
+                and steady.pipeline is self.pipeline
+                and (taken := steady.take(state)) is not None
+            ):
+                return self._run_steady(steady, taken[1], taken[2], step)
             return self._run(step_fn, input_fn, state, depth, per_replica_state, step)
         finally:
             progress.end_step()
+
+    def _run_steady(self, steady: SteadyStep, state_leaves: list, batch_leaves: list, step: int) -> Any:
+        """The general path's step (:meth:`_run`) for a call like the last one, its checks done by ``steady``."""
+        progress.set_phase("step", step)
+        in_flight = self._in_flight
+        while self.max_in_flight and len(in_flight) >= self.max_in_flight:
+            token = in_flight.popleft()
+            if not token.is_deleted():
+                token.block_until_ready()
+        compiled = steady.compiled
+        new_state, outputs = compiled.executable(state_leaves, batch_leaves)
+        compiled.runs += 1
+        if self.max_in_flight:
+            in_flight.append(new_state[0])
+        self._steps_run += 1
+        if self.check_state_every and self._steps_run % self.check_state_every == 0:
+            check_replicas_agree(new_state, compiled.lowered.final.state_paths)
+        steady.returned.arrays = list(map(weakref.ref, new_state))
+        traced = compiled.traced
+        return traced.state_treedef.unflatten(new_state), traced.output_treedef.unflatten(outputs)
 
     def _run(
         self,
@@ -805,9 +844,9 @@ class Replicator:
         per_replica_state: Any = None,
         step: int | None = None,
     ) -> Any:
-        # Every step runs this: a step like the last one (same step_fn, input_fn, state returned by the last
-        # call, batch structure) is found by identity, with as few Python calls as possible
-        # (tests/test_host_path.py counts them).
+        # Every step but the steady ones (run_steady) runs this: a step like the last one (same step_fn, state
+        # returned by the last call, batch structure) is found by identity, with few Python calls.
+        self._steady = None
         if callable(data):
             inputs: WorkerInputs | None = self._inputs.get(data) or self._worker_inputs(data)
             batch = inputs.take()
@@ -894,6 +933,28 @@ class Replicator:
                 len(new_leaves),
                 compiled.lowered.final.sharded_state,
                 compiled,
+            )
+        if (
+            inputs is not None
+            and not depth
+            and not statics
+            and new_state
+            and compiled.state_reusable
+            and per_replica_state is None
+            and len(batch.leaves) == 1
+            and len(batch.placed) == len(batch.leaves[0])
+            and all(map(operator.is_, batch.placed, batch.leaves[0]))  # host leaves, as they were
+            and batch.signature.nbytes < MEMORY_CHECK_BYTES
+        ):
+            self._steady = SteadyStep(
+                step_fn,
+                data,
+                inputs,
+                self.pipeline,
+                compiled,
+                self._returned,
+                batch.leaves[0],
+                jax.tree_util.tree_structure(batch.batches[0]),
             )
         return traced.state_treedef.unflatten(new_leaves), outputs
 

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -22,10 +23,10 @@ from replicator.pipeline.pipeline import Pipeline
 
 AXES = ("workers", "cores")
 #: Python calls a steady-state ``run`` of a trivial step makes beyond the hand-written call's (measured
-#: 16: run, _run, begin_step, end_step, set_phase, the input registry's get, take, next_batches, the Batch,
-#: the batch check, two tree flattens, the returned state's match, place_batch, spans_processes,
-#: _wait_for_room). Before the identity fast paths it was 42. Raise it only for work every step needs.
-MAX_EXTRA_CALLS = 16
+#: 8: run, begin_step, end_step, set_phase, the steady step's take and _run_steady, and two tree flattens,
+#: the state's and the batch's, jax's Python wrapper of a C call). The general path made 16, and 42 before
+#: its identity fast paths. Raise it only for work every step needs.
+MAX_EXTRA_CALLS = 8
 
 _REPLICATOR_DIR = os.path.dirname(os.path.abspath(rp.__file__)) + os.sep
 
@@ -179,3 +180,194 @@ def test_a_float_leaf_after_repeated_numpy_batches_is_refused(n_devices):
         assert "scalar" in str(e)
     else:
         raise AssertionError("a scalar batch leaf was accepted")
+
+
+# -- the steady path (replicator/runtime/steady.py): a call like the last one --------------------------------
+
+
+def _batches_of(*rows: int, n: int) -> Callable[[Any], Iterator[dict]]:
+    """An ``input_fn`` yielding one batch per entry of ``rows`` (that many rows per replica), then ending."""
+
+    def input_fn(ctx: Any) -> Iterator[dict]:
+        for i, r in enumerate(rows):
+            yield {"x0": np.arange(r * n, dtype=np.float32) + 100 * i}
+
+    return input_fn
+
+
+def _means(*rows: int, n: int) -> list[float]:
+    return [float(np.mean(np.arange(r * n, dtype=np.float32) + 100 * i)) for i, r in enumerate(rows)]
+
+
+def test_steady_steps_run_each_batch_once_in_order_across_a_change_of_shape(n_devices):
+    """A batch of a new shape after steady steps is not lost: it is checked, compiled and run at its own step."""
+    rows = (8, 8, 8, 4, 4, 8, 8)
+    repl = rp.Replicator(1, n_devices)
+    input_fn = _batches_of(*rows, n=n_devices)
+    state = repl.broadcast_state([np.zeros((), np.float32)])
+    total = 0.0
+    for want in _means(*rows, n=n_devices):
+        state, out = repl.run(_step, input_fn, state)
+        total += want
+        np.testing.assert_allclose(np.asarray(out["m"]), np.full(n_devices, want), rtol=1e-6)
+        np.testing.assert_allclose(float(state[0]), total, rtol=1e-6)
+    assert repl.trace_count == 2
+    assert repl.input_position(input_fn) == len(rows)
+    with pytest.raises(rp.InputExhausted, match=f"exhausted after {len(rows)} batches"):
+        repl.run(_step, input_fn, state)
+
+
+def test_a_bad_batch_after_steady_steps_gets_the_batch_checks_error(n_devices):
+    def input_fn(ctx: Any) -> Iterator[dict]:
+        for _ in range(3):
+            yield {"x0": _rows(n_devices)}
+        yield {"x0": np.arange(8 * n_devices + 1, dtype=np.float32)}  # rows not divisible by the replicas
+
+    repl = rp.Replicator(1, n_devices)
+    state = repl.broadcast_state([np.zeros((), np.float32)])
+    for _ in range(3):
+        state, _ = repl.run(_step, input_fn, state)
+    with pytest.raises(ValueError, match="divisible"):
+        repl.run(_step, input_fn, state)
+
+
+def test_a_state_that_is_not_the_returned_one_is_placed_and_used(n_devices):
+    """A step after steady steps given a state other than the one returned runs on that state."""
+    repl = rp.Replicator(1, n_devices)
+    input_fn = _forever(n_devices)
+    mean = float(np.mean(_rows(n_devices)))
+    state = repl.broadcast_state([np.zeros((), np.float32)])
+    for _ in range(3):
+        state, _ = repl.run(_step, input_fn, state)
+    state, _ = repl.run(_step, input_fn, [np.full((), 10.0, np.float32)])
+    np.testing.assert_allclose(float(state[0]), 10.0 + mean, rtol=1e-6)
+    state, _ = repl.run(_step, input_fn, state)
+    np.testing.assert_allclose(float(state[0]), 10.0 + 2 * mean, rtol=1e-6)
+    older = state
+    state, _ = repl.run(_step, input_fn, state)
+    state, _ = repl.run(_step, input_fn, older)  # an earlier state, not the last one returned
+    np.testing.assert_allclose(float(state[0]), 10.0 + 3 * mean, rtol=1e-6)
+
+
+def test_two_input_functions_alternating_each_continue_their_own_iterator(n_devices):
+    repl = rp.Replicator(1, n_devices)
+    a, b = _batches_of(8, 8, 8, n=n_devices), _batches_of(8, 8, 8, n=n_devices)
+    want = _means(8, 8, 8, n=n_devices)
+    state = repl.broadcast_state([np.zeros((), np.float32)])
+    seen = []
+    for fn in (a, a, b, a, b, b):
+        state, out = repl.run(_step, fn, state)
+        seen.append(float(out["m"][0]))
+    np.testing.assert_allclose(seen, [want[0], want[1], want[0], want[2], want[1], want[2]], rtol=1e-6)
+
+
+def test_forget_input_after_steady_steps_starts_the_input_over(n_devices):
+    repl = rp.Replicator(1, n_devices)
+    input_fn = _batches_of(8, 8, 8, n=n_devices)
+    want = _means(8, 8, 8, n=n_devices)
+    state = repl.broadcast_state([np.zeros((), np.float32)])
+    for _ in range(2):
+        state, _ = repl.run(_step, input_fn, state)
+    repl.forget_input(input_fn)
+    state, out = repl.run(_step, input_fn, state)
+    np.testing.assert_allclose(float(out["m"][0]), want[0], rtol=1e-6)
+
+
+def test_a_dropped_input_function_takes_its_iterator_with_it_after_steady_steps(n_devices):
+    import gc
+    import weakref
+
+    repl = rp.Replicator(1, n_devices)
+    alive = []
+
+    class Rows:
+        def __iter__(self) -> Rows:
+            return self
+
+        def __next__(self) -> dict:
+            return {"x0": _rows(n_devices)}
+
+    def input_fn(ctx: Any) -> Rows:
+        it = Rows()
+        alive.append(weakref.ref(it))
+        return it
+
+    state = repl.broadcast_state([np.zeros((), np.float32)])
+    for _ in range(4):
+        state, _ = repl.run(_step, input_fn, state)
+    del input_fn
+    gc.collect()
+    assert [r() for r in alive] == [None]
+
+
+def test_prefetch_turned_on_after_steady_steps_draws_ahead(n_devices):
+    drawn: list[int] = []
+
+    def input_fn(ctx: Any) -> Iterator[dict]:
+        for i in range(5):
+            drawn.append(i)
+            yield {"x0": _rows(n_devices) + 100 * i}
+
+    repl = rp.Replicator(1, n_devices, prefetch=0)
+    state = repl.broadcast_state([np.zeros((), np.float32)])
+    seen = []
+    for k, prefetch in enumerate((None, None, 1, None)):
+        state, out = repl.run(_step, input_fn, state, prefetch=prefetch)
+        seen.append(float(out["m"][0]))
+        assert len(drawn) == k + 1 + (prefetch or 0)
+    np.testing.assert_allclose(seen, [float(np.mean(_rows(n_devices))) + 100 * i for i in range(4)], rtol=1e-6)
+
+
+def test_a_device_array_batch_after_steady_numpy_steps_is_placed_by_replica(n_devices):
+    """A batch of the same shapes as JAX arrays on one device goes to the general path, which places it."""
+    repl = rp.Replicator(1, n_devices)
+    x = _rows(n_devices)
+
+    def input_fn(ctx: Any) -> Iterator[dict]:
+        for i in range(3):
+            yield {"x0": x + i}
+        yield {"x0": jax.device_put(x + 3, jax.devices()[1])}
+
+    state = repl.broadcast_state([np.zeros((), np.float32)])
+    for i in range(4):
+        state, out = repl.run(_step, input_fn, state)
+        np.testing.assert_allclose(np.asarray(out["m"]), np.full(n_devices, x.mean() + i), rtol=1e-6)
+
+
+def test_steady_steps_check_the_replicas_agree_every_k_steps(n_devices, monkeypatch):
+    """``check_state_every`` still runs on steps of the steady path."""
+    import replicator.api as api
+
+    checked: list[int] = []
+    monkeypatch.setattr(api, "check_replicas_agree", lambda state, paths: checked.append(len(state)))
+    repl = rp.Replicator(1, n_devices, check_state_every=2)
+    loop = _replicator_loop(repl, n_devices)
+    for _ in range(6):
+        loop()
+    assert checked == [1, 1, 1]
+
+
+def test_a_state_of_another_shape_after_steady_steps_is_traced_for_its_shape(n_devices):
+    repl = rp.Replicator(1, n_devices)
+    input_fn = _forever(n_devices)
+    mean = float(np.mean(_rows(n_devices)))
+    state = repl.broadcast_state([np.zeros((), np.float32)])
+    for _ in range(3):
+        state, _ = repl.run(_step, input_fn, state)
+    state, _ = repl.run(_step, input_fn, [np.zeros((2,), np.float32)])
+    assert state[0].shape == (2,) and repl.trace_count == 2
+    np.testing.assert_allclose(np.asarray(state[0]), [mean, mean], rtol=1e-6)
+
+
+def test_a_batch_over_the_host_memory_threshold_is_checked_at_every_step(n_devices, monkeypatch):
+    import replicator.api as api
+    import replicator.runtime.execution as execution
+
+    checks: list[int] = []
+    monkeypatch.setattr(api, "MEMORY_CHECK_BYTES", 16)
+    monkeypatch.setattr(execution, "MEMORY_CHECK_BYTES", 16)
+    monkeypatch.setattr(execution, "_check_host_memory", lambda leaves, mesh: checks.append(len(leaves)))
+    loop = _replicator_loop(rp.Replicator(1, n_devices), n_devices)
+    for _ in range(4):
+        loop()
+    assert checks == [1, 1, 1, 1]

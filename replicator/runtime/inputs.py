@@ -388,13 +388,17 @@ class WorkerInputs:
             try:
                 batches.append(next(it))
             except StopIteration:
-                raise InputExhausted(
-                    f"input_fn of worker {ctx.worker_id} is exhausted after {self.steps} batches. "
-                    f"Stop the loop there (catch replicator.InputExhausted), make input_fn yield more "
-                    f"(e.g. loop over epochs), or pass a fresh input_fn to start over."
-                ) from None
+                raise self.exhausted(ctx) from None
         self.steps += 1
         return batches
+
+    def exhausted(self, ctx: InputContext) -> InputExhausted:
+        """The error for worker ``ctx``'s iterator having ended."""
+        return InputExhausted(
+            f"input_fn of worker {ctx.worker_id} is exhausted after {self.steps} batches. "
+            f"Stop the loop there (catch replicator.InputExhausted), make input_fn yield more "
+            f"(e.g. loop over epochs), or pass a fresh input_fn to start over."
+        )
 
 
 def _code_of(fn: Any) -> Any:

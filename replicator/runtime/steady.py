@@ -1,0 +1,98 @@
+"""The steady state of a training loop: a ``Replicator.run`` call like the last one, run with the fewest
+Python calls.
+
+``state, out = repl.run(step, input_fn, state)`` in a loop calls the same step with the same ``input_fn``,
+the state the last call returned and a batch of the same shapes, step after step. Each such call needs
+neither the compile cache, nor the batch checks (they depend only on the structure, shapes and dtypes,
+checked already), nor placement (the state is on the mesh already; NumPy leaves go to the compiled step as
+they are). :class:`SteadyStep` records, after a call of the general path, what makes the next call the
+same, and runs it when it is: every condition it does not check by identity or equality is one it
+records only when it holds (one local worker, one process, no prefetch, no per-replica state, no static
+state leaves, a NumPy batch under the host-memory check's size). Anything else (a new shape, another
+state, an exhausted or prefetched input) goes back to the general path, which checks everything and
+records the step again.
+
+The cost this saves is host time per step, against a hand-written ``jit(shard_map)`` call
+(``benchmarks/host_overhead.py``); ``tests/test_host_path.py`` counts its Python calls.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from replicator.runtime.inputs import Batch, WorkerInputs
+
+__all__ = ["SteadyStep"]
+
+_SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
+_deref = weakref.ref.__call__
+_NUMPY = frozenset({np.ndarray})
+_flatten = jax.tree_util.tree_flatten
+
+
+class SteadyStep:
+    """What makes a call the same as the last one, and what it runs.
+
+    Attributes:
+      step_fn: the step (held as the compile cache holds it).
+      input_fn: a weak reference to the ``input_fn``.
+      inputs: a weak reference to its iterators (dropped with the function).
+      pipeline: the pass pipeline the step was compiled with.
+      compiled: the compiled step (``executable``, ``traced``, ``runs``).
+      returned: the record of the state the last call returned (its arrays held weakly).
+      batch_key: ``(treedef, ((shape, dtype) of each leaf))`` of the batch.
+    """
+
+    __slots__ = ("batch_key", "compiled", "input_fn", "inputs", "pipeline", "returned", "step_fn")
+
+    def __init__(
+        self,
+        step_fn: Callable,
+        input_fn: Callable,
+        inputs: WorkerInputs,
+        pipeline: Any,
+        compiled: Any,
+        returned: Any,
+        batch_leaves: list,
+        batch_treedef: Any,
+    ) -> None:
+        self.step_fn, self.pipeline, self.compiled, self.returned = step_fn, pipeline, compiled, returned
+        self.input_fn = weakref.ref(input_fn)
+        self.inputs = weakref.ref(inputs)
+        self.batch_key = (batch_treedef, tuple(map(_SHAPE_DTYPE, batch_leaves)))
+
+    def take(self, state: Any) -> tuple[WorkerInputs, list, list] | None:
+        """``(inputs, state leaves, batch leaves)`` if this call is the steady one, else None (a batch
+        drawn is then left first in line for the general path, as a prefetched one)."""
+        leaves, treedef = _flatten(state)
+        returned = self.returned
+        if (
+            treedef != returned.treedef
+            or len(leaves) != len(returned.arrays)
+            or not all(map(operator.is_, map(_deref, returned.arrays), leaves))
+        ):
+            return None
+        inputs = self.inputs()  # none pending: a steady step is recorded only after a call without prefetch
+        if inputs is None:
+            return None
+        try:  # inputs.next_batches(), inline: one local worker
+            batches = [next(inputs.iterators[0])]
+        except StopIteration:
+            raise inputs.exhausted(inputs.contexts[0]) from None
+        inputs.steps += 1
+        batch_leaves, batch_def = _flatten(batches[0])
+        if (
+            set(map(type, batch_leaves)) <= _NUMPY
+            and batch_def == self.batch_key[0]
+            and tuple(map(_SHAPE_DTYPE, batch_leaves)) == self.batch_key[1]
+        ):
+            inputs.taken += 1
+            return inputs, leaves, batch_leaves
+        inputs.pending.appendleft(Batch(batches))  # drawn: the general path takes it, checks it
+        return None
