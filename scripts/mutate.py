@@ -92,7 +92,12 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "passes/": ("replicator/passes/",),
     "analysis/": ("replicator/analysis/",),
     "pipeline/verify.py": ("replicator/pipeline/verify.py",),
-    "runtime/": ("replicator/runtime/execution.py", "replicator/runtime/state.py", "replicator/runtime/inputs.py"),
+    "runtime/": (
+        "replicator/runtime/execution.py",
+        "replicator/runtime/state.py",
+        "replicator/runtime/inputs.py",
+        "replicator/runtime/steady.py",
+    ),
     "training/checkpoint/": ("replicator/training/checkpoint/",),
     "launch/": ("replicator/launch/",),
 }
@@ -176,6 +181,13 @@ TESTS: dict[str, tuple[str, ...]] = {
         "tests/test_inputs*.py",
         "tests/test_porting_inputs.py",
         "tests/test_loop.py",
+        "tests/test_host_path.py",
+    ),
+    "replicator/runtime/steady.py": (
+        "tests/test_host_path.py",
+        "tests/test_run.py",
+        "tests/test_prefetch.py",
+        "tests/test_inputs*.py",
     ),
     "replicator/training/checkpoint/": ("tests/test_checkpoint.py", "tests/test_checkpoint_*.py"),
     "replicator/launch/": (
