@@ -298,27 +298,29 @@ def tick_loop(
             return [jnp.zeros(a.shape, a.dtype) for a in out_avals]
         return zeros(layout.sizes), [jnp.zeros(out_avals[p].shape, out_avals[p].dtype) for p in layout.shared]
 
-    def gathered(stage: int, outputs: list) -> Any:
-        return outputs if layout is None else layout.split(stage, outputs)
+    def accumulated(stage: int, total: Any, outputs: list) -> Any:
+        # Inside the branch that computes them: an output a branch does not compute is a zero constant there,
+        # which XLA folds away, so a tick adds only what its branch computed.
+        return jax.tree.map(jnp.add, total, outputs if layout is None else layout.split(stage, outputs))
 
-    def nothing(params: Any, batch: list, got: dict, got_ct: dict, kept: dict) -> tuple:
+    def nothing(params: Any, batch: list, got: dict, got_ct: dict, kept: dict, total: Any) -> tuple:
         del params, batch, got, got_ct, kept
-        return zeros(messages), zeros(messages_ct), residuals.zeros(), no_outputs()
+        return zeros(messages), zeros(messages_ct), residuals.zeros(), total
 
     def forward(p: StagePrograms) -> Callable:
-        def branch(params: Any, batch: list, got: dict, got_ct: dict, kept: dict) -> tuple:
+        def branch(params: Any, batch: list, got: dict, got_ct: dict, kept: dict, total: Any) -> tuple:
             del got_ct, kept
             inputs = [*params_of(p.stage, params), *batch]
             got_values = received.unpack(p.stage, got)
             out, new, outputs = p.forward(inputs, got_values)
             sent = _pad(sent_pack.pack(p.stage, out), messages)
             stashed = residuals.pack(p.stage, got_values if recompute else new)
-            return sent, zeros(messages_ct), stashed, gathered(p.stage, outputs)
+            return sent, zeros(messages_ct), stashed, accumulated(p.stage, total, outputs)
 
         return branch
 
     def backward(p: StagePrograms) -> Callable:
-        def branch(params: Any, batch: list, got: dict, got_ct: dict, kept: dict) -> tuple:
+        def branch(params: Any, batch: list, got: dict, got_ct: dict, kept: dict, total: Any) -> tuple:
             del got
             inputs = [*params_of(p.stage, params), *batch]
             kept_values = residuals.unpack(p.stage, kept)
@@ -326,7 +328,7 @@ def tick_loop(
                 _, kept_values, _ = p.forward(inputs, kept_values)
             out, outputs = p.backward(inputs, kept_values, received_ct.unpack(p.stage, got_ct))
             sent = _pad(sent_ct_pack.pack(p.stage, out), messages_ct)
-            return zeros(messages), sent, residuals.zeros(), gathered(p.stage, outputs)
+            return zeros(messages), sent, residuals.zeros(), accumulated(p.stage, total, outputs)
 
         return branch
 
@@ -340,6 +342,19 @@ def tick_loop(
     previous_micro = np.concatenate([0 * idle_column, micro[:, :-1]], axis=1)
     next_micro = np.concatenate([micro[:, 1:], 0 * idle_column], axis=1)
 
+    # On a tick where no stage sends in a direction (GPipe's forward half sends no cotangent), that ppermute
+    # is skipped: the same on every stage (a function of the tick), so every stage skips it alike.
+    forward_sends = (kind[:, :-1] == FORWARD).any(axis=1)
+    backward_sends = (kind[:, 1:] == BACKWARD).any(axis=1)
+
+    def shifted(flags: np.ndarray, t: jax.Array, values: dict, pairs: list) -> dict:
+        def send(values: dict) -> dict:
+            return {key: lax.ppermute(x, STAGE_AXIS, pairs) for key, x in values.items()}
+
+        if flags.all():
+            return send(values)
+        return lax.cond(jnp.asarray(flags)[t], send, lambda values: values, values)
+
     def loop(params: Any, batch: list) -> list:
         s = lax.axis_index(STAGE_AXIS)
 
@@ -350,11 +365,12 @@ def tick_loop(
             got = {key: b[k % slots["inbox"]] for key, b in inbox.items()}
             got_ct = {key: b[k % slots["inbox_ct"]] for key, b in inbox_ct.items()}
             kept = {key: b[k % slots["stash"]] for key, b in stash.items()}
-            out, out_ct, new, outputs = lax.switch(index, branches, params, [x[k] for x in batch], got, got_ct, kept)
+            out, out_ct, new, total = lax.switch(
+                index, branches, params, [x[k] for x in batch], got, got_ct, kept, total
+            )
             stash = {key: _put(b, new[key], k % slots["stash"], what == FORWARD) for key, b in stash.items()}
-            total = jax.tree.map(jnp.add, total, outputs)
-            arrived = {key: lax.ppermute(x, STAGE_AXIS, forward_to) for key, x in out.items()}
-            arrived_ct = {key: lax.ppermute(x, STAGE_AXIS, backward_to) for key, x in out_ct.items()}
+            arrived = shifted(forward_sends, t, out, forward_to)
+            arrived_ct = shifted(backward_sends, t, out_ct, backward_to)
             from_previous = jnp.asarray(previous_kind)[t, s] == FORWARD
             slot = jnp.asarray(previous_micro)[t, s] % slots["inbox"]
             inbox = {key: _put(b, arrived[key][: b.shape[1]], slot, from_previous) for key, b in inbox.items()}
