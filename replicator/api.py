@@ -249,6 +249,28 @@ def _state_spec(signature: Any) -> Any:
     return signature[0] if isinstance(signature, _Static) else signature_spec(signature)
 
 
+def _pipelined_zero_stage(passes: Pipeline | None) -> int:
+    """The ZeRO stage a pipelined Replicator takes from ``passes=``: ``k`` of ``rp.Pipeline.default(zero_stage=k)``
+    (ZeRO on each pipeline stage's data-parallel replicas, :func:`~replicator.stages.train.pipeline_train_step`).
+    Any other pass pipeline is refused: a pipelined step runs the schedule's loop, not the passes. The threshold
+    ``shard_optimizer_min_bytes`` is taken and has nothing to do: a stage's leaves are packed into one row, cut
+    in ``D`` chunks whole."""
+    if not isinstance(passes, Pipeline):
+        return 0  # None; anything else is refused by the constructor's TypeError
+    zero = [p for p in passes.passes if p.name == "shard-optimizer-update"]
+    stage = zero[0].stage if zero else 0
+    threshold = {"shard_optimizer_min_bytes": zero[0].min_tensor_bytes} if zero else {}
+    if passes.key() != Pipeline.default(zero_stage=stage, **threshold).key():
+        raise ValueError(
+            "passes= on a pipelined Replicator takes rp.Pipeline.default(zero_stage=k) only (k = 0..3: ZeRO on each "
+            "pipeline stage's data-parallel replicas): its stages run their own program (the schedule's loop), not "
+            "the pass pipeline, so other options (fusion, compression, hierarchical all-reduce, disabled passes) "
+            f"would be ignored; got {passes!r}. Leave them out, or drop pipeline_stages to run the step data "
+            "parallel with them."
+        )
+    return stage
+
+
 class Replicator:
     """Runs ``step_fn`` on ``num_workers x cores_per_worker`` replicas.
 
@@ -256,7 +278,10 @@ class Replicator:
       num_workers: workers (one per process when running multi-process).
       cores_per_worker: devices per worker; ``None`` means all local devices.
       devices: explicit devices to build the mesh from (default: all).
-      passes: the rewrite pipeline (default: ``Pipeline.default()``).
+      passes: the rewrite pipeline (default: ``Pipeline.default()``). On a
+        pipelined Replicator (``pipeline_stages``) only
+        ``Pipeline.default(zero_stage=k)``: ZeRO on each stage's data-parallel
+        replicas (``run_pipelined``).
       donate_state: let XLA reuse the state's buffers for the new state. The
         state passed to ``run`` is then invalid after the call.
       axis_name: the axis names of code written for ``jax.pmap``/``shard_map``
@@ -358,15 +383,13 @@ class Replicator:
         if pipeline_stages != 1 or microbatches is not None:
             if replicas_per_device != 1:
                 raise ValueError("pipeline_stages does not combine with replicas_per_device yet; leave one at 1.")
-            if passes is not None:
-                raise ValueError(
-                    "passes= does not apply to a pipelined Replicator yet: its stages run their own program (the "
-                    "schedule's loop), not the pass pipeline, so ZeRO, fusion or compression options would be "
-                    "ignored. Leave passes out (ZeRO on each stage's data-parallel axis comes later), or drop "
-                    "pipeline_stages to run the step data parallel with these passes."
-                )
             self.pipelined = PipelinedReplicas(
-                self.mesh.devices, pipeline_stages, microbatches, schedule or "1f1b", pipeline_recompute
+                self.mesh.devices,
+                pipeline_stages,
+                microbatches,
+                schedule or "1f1b",
+                pipeline_recompute,
+                zero_stage=_pipelined_zero_stage(passes),
             )
         self.pipeline = passes if passes is not None else Pipeline.default()
         if not isinstance(self.pipeline, Pipeline):

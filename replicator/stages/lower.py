@@ -52,9 +52,10 @@ STAGE_AXIS = "stages"
 
 
 class _Packing:
-    """Lists of arrays of different avals, one per stage, as one flat buffer per dtype (padded to the largest)."""
+    """Lists of arrays of different avals, one per stage, as one flat buffer per dtype (padded to the largest,
+    and up to a multiple of ``multiple``: a row split in that many equal chunks, as ZeRO splits it)."""
 
-    def __init__(self, layouts: Sequence[Sequence[Any]]):
+    def __init__(self, layouts: Sequence[Sequence[Any]], multiple: int = 1):
         self.layouts = [list(layout) for layout in layouts]
         sizes: dict[Any, int] = {}
         for layout in self.layouts:
@@ -63,6 +64,7 @@ class _Packing:
                 per[aval.dtype] = per.get(aval.dtype, 0) + int(np.prod(aval.shape, dtype=np.int64))
             for dtype, n in per.items():
                 sizes[dtype] = max(sizes.get(dtype, 0), n)
+        sizes = {dtype: -(-n // multiple) * multiple for dtype, n in sizes.items()}
         self.sizes = dict(sorted(sizes.items(), key=lambda kv: str(kv[0])))
 
     def zeros(self, lead: tuple[int, ...] = ()) -> dict:

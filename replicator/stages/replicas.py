@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 from replicator.stages.lower import STAGE_AXIS, ring_slots
 from replicator.stages.schedule import schedule_stats
 from replicator.stages.split import BACKWARD, FORWARD
-from replicator.stages.train import DATA_AXES, PipelineTrainStep, _Built, _micro_batches
+from replicator.stages.train import DATA_AXES, PipelineTrainStep, _Built, _micro_batches, check_zero_stage
 from replicator.stages.user_step import PipelinedStep
 
 __all__ = [
@@ -115,12 +115,14 @@ class PipelineReport:
     Attributes:
       schedule: the tick table (``str()`` draws it); stages: ``S``; microbatches: ``M``; replicas: ``D``.
       ticks: the table's ticks; bubble: its idle slots over all slots (``(S-1)/(M+S-1)`` for both tables).
-      row_bytes: per device, the packed parameters (the largest stage's row); optimizer_bytes: per device,
-        the optimizer state (its parameter-shaped parts packed the same way, scalars whole), or ``None`` where
-        the row holds the whole state (the user's own step: parameters and optimizer state alike).
+      row_bytes: per device, the packed parameters (the largest stage's row; its ``1/D`` under ZeRO-3);
+        optimizer_bytes: per device, the optimizer state (its parameter-shaped parts packed the same way, their
+        ``1/D`` under ZeRO, scalars whole), or ``None`` where the row holds the whole state (the user's own
+        step: parameters and optimizer state alike).
       stash_slots: the residual ring's slots (``M`` for GPipe, ``S`` for 1F1B).
       per_stage: one :class:`StageReport` per stage.
       device_memory: XLA's memory analysis of the compiled step (:class:`DeviceMemory`), where asked for.
+      zero_stage: ZeRO on each stage's data-parallel replicas (0: off).
     """
 
     schedule: Any
@@ -134,14 +136,17 @@ class PipelineReport:
     stash_slots: int
     per_stage: tuple[StageReport, ...]
     device_memory: DeviceMemory | None = None
+    zero_stage: int = 0
 
     def __str__(self) -> str:
         s, m, d = self.stages, self.microbatches, self.replicas
         lines = [
             f"pipeline: {s} stages x {d} data-parallel replicas on {s * d} devices, {m} micro-batches, "
-            f"schedule {self.schedule.name}",
+            f"schedule {self.schedule.name}"
+            + (f", ZeRO-{self.zero_stage} over each stage's {d} replicas" if self.zero_stage else ""),
             f"  {self.ticks} ticks, bubble {self.bubble:.3f} (= (S-1)/(M+S-1) = {s - 1}/{m + s - 1})",
-            f"  per device: parameters {_bytes(self.row_bytes)} (packed row), optimizer state "
+            f"  per device: parameters {_bytes(self.row_bytes)} "
+            f"({f'1/{d} of the packed row' if self.zero_stage >= 3 else 'packed row'}), optimizer state "
             f"{_bytes(self.optimizer_bytes)}, residual ring of {self.stash_slots} slots"
             if self.optimizer_bytes is not None
             else f"  per device: state {_bytes(self.row_bytes)} (packed row: parameters and optimizer state), "
@@ -269,14 +274,16 @@ def describe(
     table = b.table
     stats = schedule_stats(table)
     paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    split = step.data_replicas if b.zero_stage else 1  # ZeRO: a device holds 1/D of its stage's row
     row = sum(n * jnp.dtype(d).itemsize for d, n in b.packing.sizes.items())
+    row //= split if b.zero_stage >= 3 else 1
     packed = jax.eval_shape(lambda: b.packing.zeros((b.stages,)))
     state = jax.eval_shape(step.optimizer.init, packed)
     packed_def = jax.tree.structure(packed)
 
     def per_device(sub: Any) -> int:
         if jax.tree.structure(sub) == packed_def:
-            return sum(_nbytes(x) for x in jax.tree.leaves(sub)) // b.stages
+            return sum(_nbytes(x) for x in jax.tree.leaves(sub)) // (b.stages * split)
         return sum(_nbytes(x) for x in jax.tree.leaves(sub))
 
     optimizer_bytes = sum(
@@ -287,7 +294,7 @@ def describe(
         micro = jax.eval_shape(lambda *xs: _micro_batches(xs, table.num_microbatches, step.data_replicas), *batch)
         device_memory = compiled_memory(
             b.step,
-            _placed(packed, b.mesh, jax.tree.map(lambda _: P(STAGE_AXIS), packed)),
+            _placed(packed, b.mesh, b.params_spec),
             _placed(state, b.mesh, b.state_specs),
             _placed(micro, b.mesh, [P(DATA_AXES)] * len(micro)),
         )
@@ -303,6 +310,7 @@ def describe(
         stash_slots=ring_slots(table)["stash"],
         per_stage=_stage_reports(b.split, b.programs, b.layout, b.avals, paths, stats.peak_live, stage_cost),
         device_memory=device_memory,
+        zero_stage=b.zero_stage,
     )
 
 
@@ -345,10 +353,18 @@ def describe_user_step(
 class PipelinedReplicas:
     """The ``Replicator`` option ``pipeline_stages=S, microbatches=M, schedule=...``: what
     ``Replicator.run_pipelined`` and ``Replicator.describe_pipeline`` run (one compiled step per loss and
-    optimizer, cached)."""
+    optimizer, cached). ``zero_stage``: ZeRO on each stage's ``D`` data-parallel replicas
+    (:func:`~replicator.stages.train.pipeline_train_step`), for ``run_pipelined``; the user's own step
+    (:meth:`run_step`) refuses it."""
 
     def __init__(
-        self, grid: np.ndarray, stages: int, microbatches: int | None, schedule: str, recompute: bool = False
+        self,
+        grid: np.ndarray,
+        stages: int,
+        microbatches: int | None,
+        schedule: str,
+        recompute: bool = False,
+        zero_stage: int = 0,
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}.")
@@ -361,6 +377,7 @@ class PipelinedReplicas:
         if not isinstance(recompute, bool):
             raise TypeError(f"pipeline_recompute must be a bool, got {recompute!r}.")
         self.recompute = recompute
+        self.zero_stage = check_zero_stage(zero_stage)
         self.replicas = int(np.prod([self.mesh.shape[a] for a in DATA_AXES]))
         self._steps: dict[tuple[int, int], tuple[Callable, Any, PipelineTrainStep]] = {}
         self._user_steps: dict[Any, tuple[Callable, PipelinedStep]] = {}
@@ -368,7 +385,8 @@ class PipelinedReplicas:
     def __repr__(self) -> str:
         return (
             f"PipelinedReplicas(stages={self.stages}, replicas={self.replicas}, microbatches={self.microbatches}, "
-            f"schedule={self.schedule!r}{', recompute=True' if self.recompute else ''})"
+            f"schedule={self.schedule!r}{', recompute=True' if self.recompute else ''}"
+            f"{f', zero_stage={self.zero_stage}' if self.zero_stage else ''})"
         )
 
     def step_for(self, loss_fn: Callable, optimizer: optax.GradientTransformation) -> PipelineTrainStep:
@@ -383,6 +401,7 @@ class PipelinedReplicas:
                 devices=None,
                 mesh=self.mesh,
                 recompute=self.recompute,
+                zero_stage=self.zero_stage,
             )
             self._steps[key] = (loss_fn, optimizer, step)
         return self._steps[key][2]
@@ -421,7 +440,16 @@ class PipelinedReplicas:
             tuple((np.shape(x), jnp.result_type(x)) for x in leaves),
         )
         if key not in self._user_steps:  # step_fn kept alive with its step, so its id stays its own
-            built = PipelinedStep(step_fn, state, batch, self.mesh, self.microbatches, self.schedule, self.recompute)
+            built = PipelinedStep(
+                step_fn,
+                state,
+                batch,
+                self.mesh,
+                self.microbatches,
+                self.schedule,
+                self.recompute,
+                self.zero_stage,
+            )
             self._user_steps[key] = (step_fn, built)
         return self._user_steps[key][1]
 

@@ -25,10 +25,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp  # noqa: F401 - the docstring's example
-import numpy as np  # noqa: F401
-from jax.sharding import Mesh, NamedSharding  # noqa: F401
-from jax.sharding import PartitionSpec as P  # noqa: F401
+import jax.numpy as jnp
+import numpy as np  # noqa: F401 - the docstring's example
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from replicator.stages.lower import _Packing
 
@@ -42,11 +42,14 @@ class RowPacker:
 
     Args:
       packing, layout: as for :class:`RowUnpacker`; mesh: the ``('stages', ...)`` mesh the rows live on.
+      spec: how the rows ``(S, n)`` lie on the mesh: ``P('stages')`` (default: each device of a stage holds its
+        whole row), or ``P('stages', data_axes)`` (ZeRO: each device of a stage holds its ``1/D`` of the row,
+        the row's length a multiple of ``D``).
     """
 
-    def __init__(self, packing: _Packing, layout: Sequence[Sequence[int]], mesh: Mesh):
+    def __init__(self, packing: _Packing, layout: Sequence[Sequence[int]], mesh: Mesh, spec: P | None = None):
         self.packing, self.layout, self.mesh = packing, [list(x) for x in layout], mesh
-        self.sharding = NamedSharding(mesh, P(mesh.axis_names[0]))
+        self.sharding = NamedSharding(mesh, P(mesh.axis_names[0]) if spec is None else spec)
         self.devices = [list(mesh.devices[s].flat) for s in range(len(self.layout))]
         self._pack = [jax.jit(self._one_stage(s)) for s in range(len(self.layout))]
 
@@ -60,19 +63,22 @@ class RowPacker:
         if not self.sharding.is_fully_addressable:  # stages across processes: every process packs it all
             rows = [self.packing.pack(s, [leaves[i] for i in lay]) for s, lay in enumerate(self.layout)]
             return jax.device_put({k: jnp.stack([row[k] for row in rows]) for k in rows[0]}, self.sharding)
+        shapes = {str(d): (len(self.layout), n) for d, n in self.packing.sizes.items()}
+        where = {key: self.sharding.devices_indices_map(shape) for key, shape in shapes.items()}
         pieces: dict[str, list[jax.Array]] = {}
         for stage, (lay, devices) in enumerate(zip(self.layout, self.devices, strict=True)):
             row = self._pack[stage]([jax.device_put(leaves[i], devices[0]) for i in lay])
-            for key, value in row.items():
-                pieces.setdefault(key, []).extend(jax.device_put(value, d) for d in devices)
+            for key, value in row.items():  # each device its part of the row: all of it, or its chunk
+                pieces.setdefault(key, []).extend(jax.device_put(value[:, where[key][d][1]], d) for d in devices)
         return {
-            key: jax.make_array_from_single_device_arrays((len(self.layout), *parts[0].shape[1:]), self.sharding, parts)
+            key: jax.make_array_from_single_device_arrays(shapes[key], self.sharding, parts)
             for key, parts in pieces.items()
         }
 
 
 class RowUnpacker:
-    """``unpacker(rows) -> leaves``: every leaf from its owner stage's row, one compiled call per stage.
+    """``unpacker(rows) -> leaves``: every leaf from its owner stage's row, one compiled call per stage. A row
+    split over the stage's devices (ZeRO) is first brought together on one of them.
 
     Args:
       packing: the rows' layout; layout: per stage, the leaves (indices) its row holds, in packing order;
@@ -85,7 +91,7 @@ class RowUnpacker:
 
     def _one_stage(self, stage: int) -> Any:
         def unpack(rows: dict) -> list:
-            return self.packing.unpack(stage, {k: v[0] for k, v in rows.items()})
+            return self.packing.unpack(stage, {k: jnp.concatenate(v, axis=1)[0] for k, v in rows.items()})
 
         return unpack
 
@@ -99,13 +105,18 @@ class RowUnpacker:
         return leaves
 
 
-def _stage_shard(rows: jax.Array, stage: int) -> jax.Array:
-    """Stage ``stage``'s row ``(1, n)`` as an array on one of its devices (this process's), or, where this
-    process holds none of that stage's devices, the row sliced from the whole array."""
+def _stage_shard(rows: jax.Array, stage: int) -> list[jax.Array]:
+    """Stage ``stage``'s row ``(1, n)`` as the pieces that make it, in order, on one of its devices (this
+    process's): the row itself, or its chunks where the row is split over the stage's devices; where this
+    process does not hold all of them, the row sliced from the whole array."""
+    chunks: dict[int, jax.Array] = {}
     for shard in rows.addressable_shards:
         if shard.index[0].start == stage:
-            return shard.data
-    return rows[stage : stage + 1]
+            chunks.setdefault(shard.index[1].start or 0, shard.data)
+    parts = [chunks[k] for k in sorted(chunks)]
+    if not parts or sum(p.shape[1] for p in parts) != rows.shape[1]:
+        return [rows[stage : stage + 1]]
+    return [jax.device_put(p, parts[0].devices().pop()) for p in parts]
 
 
 class LastRows:

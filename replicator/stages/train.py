@@ -8,6 +8,18 @@ into one flat buffer per dtype padded to the largest stage's: global shape ``(S,
 its scalars (Adam's step count) are replicated. After the tick loop (:func:`~replicator.stages.lower.tick_loop`)
 every stage packs its own leaves' gradients (a tied leaf's is the sum over its stages) and updates its row.
 
+ZeRO on each stage's ``D`` data-parallel replicas (``zero_stage``; DeepSpeed's stages, as ``zero_stage`` of
+:meth:`~replicator.pipeline.Pipeline.default` is for a data-parallel step): each row, padded to a multiple of
+``D``, is cut in ``D`` chunks and device ``r`` of a stage (its index over ``('workers', 'cores')``) owns chunk
+``r``. Stage 1 stores only that chunk of the optimizer state (rows sharded ``P('stages', ('workers',
+'cores'))``), updates that chunk of the parameters from that chunk of the averaged gradient, and all-gathers the
+new parameter rows; stage 2 reduce-scatters the gradient row (``psum_scatter``, then ``/ D``) instead of
+all-reducing it, so no device holds the whole averaged gradient row; stage 3 also stores the parameter rows
+``1/D`` per device between steps and all-gathers them at the start of the step. Stage 3 is a first increment:
+the stored state between steps is ``1/D``, but the step's peak holds the stage's whole parameter row (gathered
+once per step, not per use). The optimizer's scalars (Adam's count) stay whole on every device. The
+optimizer is elementwise (checked), so its update on a chunk is the chunk of its update.
+
 :meth:`PipelineTrainStep.__call__` takes and returns the parameters and optimizer state with their global
 (the user's) shapes; :meth:`~PipelineTrainStep.pack`, :meth:`~PipelineTrainStep.step` and
 :meth:`~PipelineTrainStep.unpack` keep them packed across steps.
@@ -50,7 +62,7 @@ from replicator.stages.rows import LastRows, RowPacker, RowUnpacker
 from replicator.stages.schedule import Schedule, make_schedule
 from replicator.stages.split import StageSplitError, split_stages
 
-__all__ = ["DATA_AXES", "PipelineTrainStep", "pipeline_train_step"]
+__all__ = ["DATA_AXES", "PipelineTrainStep", "check_zero_stage", "pipeline_train_step"]
 
 
 class _Built:
@@ -105,7 +117,9 @@ class _Built:
         self.held = [split.input_stages[i] | split.output_stages[1 + i] or everyone for i in range(n)]
         self.layout = [[i for i in range(n) if s in self.held[i]] for s in range(stages)]
         self.avals = [v.aval for v in closed.jaxpr.invars[:n]]
-        self.packing = _Packing([[self.avals[i] for i in layout] for layout in self.layout])
+        zero = self.zero_stage = owner.zero_stage
+        # ZeRO splits each row in D equal chunks: its length a multiple of D (the padding is zeros, kept zero).
+        self.packing = _Packing([[self.avals[i] for i in layout] for layout in self.layout], replicas if zero else 1)
         table = make_schedule(owner.schedule, stages, m)
         self.table, self.programs = table, stage_programs(split, closed)
         # Each stage reads the loss and the gradients of the leaves it keeps: those accumulate where they are read.
@@ -120,27 +134,58 @@ class _Built:
         self.packed_def = packed_def
         state_shape = jax.eval_shape(optimizer.init, self.packing.zeros((stages,)))
         _check_elementwise(optimizer, self.packing.zeros((stages,)), state_shape)
-        self.state_specs = _specs(state_shape, packed_def)
-        self._packer = RowPacker(self.packing, self.layout, self.mesh)
+        # A row whole on each device of its stage, or (ZeRO) split over them: device r of a stage holds chunk r.
+        whole, split_rows = P(STAGE_AXIS), P(STAGE_AXIS, DATA_AXES)
+        self.state_specs = _specs(state_shape, packed_def, split_rows if zero >= 1 else whole)
+        self.params_spec = jax.tree.map(lambda _: split_rows if zero >= 3 else whole, self.packing.zeros((stages,)))
+        self._packer = RowPacker(self.packing, self.layout, self.mesh, split_rows if zero >= 3 else whole)
+        self._state_packer = RowPacker(self.packing, self.layout, self.mesh, split_rows if zero >= 1 else whole)
         self._unpacker = RowUnpacker(self.packing, self.layout, [min(h) for h in self.held])
         self.last = LastRows()
 
+        def chunk(rows: dict) -> dict:
+            """This device's chunk of each ``(1, n)`` row: the ``r``-th ``1/D``, ``r`` its index on the data axes."""
+            r = lax.axis_index(DATA_AXES)
+            return {
+                k: lax.dynamic_slice_in_dim(v, r * (v.shape[1] // replicas), v.shape[1] // replicas, 1)
+                for k, v in rows.items()
+            }
+
+        def gather(rows: dict) -> dict:
+            """Every device's chunk, in order: the whole ``(1, n)`` rows."""
+            return {k: lax.all_gather(v, DATA_AXES, axis=1, tiled=True) for k, v in rows.items()}
+
         def per_device(params: dict, state: Any, batch: list) -> tuple:
+            # ZeRO-3 stores each row split over the stage's devices: the step runs on the whole row, gathered.
+            whole_params = gather(params) if zero >= 3 else params
             # Each data-parallel replica runs the pipeline on its share (a (1, M, rows, ...) block); the
             # value and gradients are then averaged over the replicas, as rp.all_mean(grads) does today.
-            own, shared = lax.pmean(loop(params, [x[0] for x in batch]), DATA_AXES)
+            outputs = loop(whole_params, [x[0] for x in batch])
+            own, shared = outputs if zero >= 2 else lax.pmean(outputs, DATA_AXES)
             packers = [self._pack_grads(s) for s in range(stages)]
             grads, value = lax.switch(lax.axis_index(STAGE_AXIS), packers, own, shared)
-            updates, state = optimizer.update(grads, state, params)
-            return optax.apply_updates(params, updates), state, value
+            if zero == 0:
+                updates, state = optimizer.update(grads, state, params)
+                return optax.apply_updates(params, updates), state, value
+            if zero >= 2:  # ZeRO-2: each device receives only its chunk of the averaged gradient row
+                grads = {
+                    k: (lax.psum_scatter(v, DATA_AXES, scatter_dimension=1, tiled=True) / replicas).astype(v.dtype)
+                    for k, v in grads.items()
+                }
+                value = lax.pmean(value, DATA_AXES)
+            else:
+                grads = chunk(grads)
+            mine = params if zero >= 3 else chunk(params)
+            updates, state = optimizer.update(grads, state, mine)
+            new = optax.apply_updates(mine, updates)
+            return (new if zero >= 3 else gather(new)), state, value
 
-        params_spec = jax.tree.map(lambda _: P(STAGE_AXIS), self.packing.zeros((stages,)))
         self.step = jax.jit(
             jax.shard_map(
                 per_device,
                 mesh=self.mesh,
-                in_specs=(params_spec, self.state_specs, P(DATA_AXES)),
-                out_specs=(params_spec, self.state_specs, P()),
+                in_specs=(self.params_spec, self.state_specs, P(DATA_AXES)),
+                out_specs=(self.params_spec, self.state_specs, P()),
                 check_vma=False,
             )
         )
@@ -172,7 +217,7 @@ class _Built:
     def pack_state(self, state: Any) -> Any:
         def one(sub: Any) -> Any:
             if jax.tree.structure(sub) == self.param_def:
-                return self.pack(sub)
+                return self._state_packer(self.param_def.flatten_up_to(sub))
             return jax.device_put(sub, NamedSharding(self.mesh, P()))
 
         return jax.tree.map(one, state, is_leaf=lambda x: jax.tree.structure(x) == self.param_def)
@@ -212,12 +257,12 @@ def _check_elementwise(optimizer: optax.GradientTransformation, params: dict, st
             )
 
 
-def _specs(state: Any, packed_def: Any) -> Any:
-    """``P('stages')`` for the leaves of the parameter-shaped parts of an optimizer state, ``P()`` elsewhere."""
+def _specs(state: Any, packed_def: Any, rows: P) -> Any:
+    """``rows`` for the leaves of the parameter-shaped parts of an optimizer state, ``P()`` elsewhere."""
 
     def one(sub: Any) -> Any:
         if jax.tree.structure(sub) == packed_def:
-            return jax.tree.map(lambda _: P(STAGE_AXIS), sub)
+            return jax.tree.map(lambda _: rows, sub)
         return P()
 
     return jax.tree.map(one, state, is_leaf=lambda x: jax.tree.structure(x) == packed_def)
@@ -253,8 +298,11 @@ class PipelineTrainStep:
         devices: Sequence[Any] | None,
         mesh: Mesh | None = None,
         recompute: bool = False,
+        zero_stage: int = 0,
     ) -> None:
         self.loss, self.optimizer, self.recompute = loss, optimizer, recompute
+        #: ZeRO on each stage's data-parallel replicas (:func:`pipeline_train_step`): 0 off, 1, 2 or 3.
+        self.zero_stage = check_zero_stage(zero_stage)
         self.num_microbatches, self.schedule, self.devices = num_microbatches, schedule, devices
         if mesh is not None and tuple(mesh.axis_names) != (STAGE_AXIS, *DATA_AXES):
             raise ValueError(f"a pipeline's mesh has the axes {(STAGE_AXIS, *DATA_AXES)}, got {mesh.axis_names}.")
@@ -324,6 +372,7 @@ def pipeline_train_step(
     devices: Sequence[Any] | None = None,
     mesh: Mesh | None = None,
     recompute: bool = False,
+    zero_stage: int = 0,
 ) -> PipelineTrainStep:
     """A training step of ``loss`` (marked with ``rp.stage_boundary``) with ``optimizer`` over its stages.
 
@@ -335,6 +384,11 @@ def pipeline_train_step(
         (:func:`~replicator.stages.replicas.pipeline_mesh`): ``D = workers x cores`` data-parallel replicas of
         the pipeline, each on its contiguous ``1/D`` of the batch's rows, their gradients averaged.
       recompute: recomputation from the stage boundaries (:func:`~replicator.stages.lower.tick_loop`).
+      zero_stage: ZeRO on the ``D`` data-parallel replicas of each stage (each row split in ``D`` chunks, its
+        length padded to a multiple of ``D``): 0 off; 1 each device stores and updates its ``1/D`` of the
+        stage's optimizer state and parameters, the new parameters all-gathered; 2 also the gradient row
+        reduce-scattered instead of all-reduced; 3 also the parameters stored ``1/D`` between steps (gathered
+        whole at the start of the step: a first increment, the step's peak holds the stage's whole row).
 
     Returns:
       ``step(params, state, *batch) -> (params, state, value)``, equal to one device's
@@ -348,4 +402,16 @@ def pipeline_train_step(
         devices=devices,
         mesh=mesh,
         recompute=recompute,
+        zero_stage=zero_stage,
     )
+
+
+def check_zero_stage(zero_stage: Any) -> int:
+    """``zero_stage`` if it is 0, 1, 2 or 3, else a ``ValueError`` that says what each means."""
+    if isinstance(zero_stage, bool) or not isinstance(zero_stage, (int, np.integer)) or not 0 <= zero_stage <= 3:
+        raise ValueError(
+            f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}: ZeRO on each pipeline stage's data-parallel "
+            "replicas stores 1/D per device of 1 the optimizer state, 2 also the averaged gradients, 3 also the "
+            "parameters (0: off)."
+        )
+    return int(zero_stage)

@@ -100,7 +100,16 @@ class PipelinedStep:
         microbatches: int,
         schedule: str,
         recompute: bool = False,
+        zero_stage: int = 0,
     ) -> None:
+        if zero_stage:
+            raise ValueError(
+                f"zero_stage={zero_stage} does not apply to Replicator.run(step_fn, ...) on a pipeline yet: the update "
+                "cut from step_fn runs your own equations on whole state leaves, and run on 1/D of each stage's row "
+                "every reduction in it (the global norm of optax.clip_by_global_norm) would need a sum over the "
+                "data-parallel replicas too, which this cut does not add. Call repl.run_pipelined(loss_fn, optimizer, "
+                "batch, (params, opt_state)) for ZeRO on each stage's replicas, or leave zero_stage at 0."
+            )
         replicas = int(np.prod([mesh.shape[a] for a in DATA_AXES]))
         state_leaves, self.state_def = jax.tree.flatten(state)
         batch_leaves, batch_def = jax.tree.flatten(batch)

@@ -3,8 +3,8 @@
 Each program is a random pipelined training step (``tests/fuzz/pipelines.py``) run by
 ``Replicator.run`` on a pipelined ``Replicator`` of 8 devices and compared, the whole
 state and every step's loss, with ``jax.jit`` of the same step on one device. The quick
-sample covers both stage counts, both schedules, recomputation, both micro-batch counts
-and both layouts (stages within a worker, across workers); the rest of the variants are
+sample covers both stage counts, both schedules, recomputation, both micro-batch counts,
+ZeRO 1-3 and both layouts (stages within a worker, across workers); the rest of the variants are
 marked slow. The long run is ``python scripts/fuzz.py --pipelines --programs 500``.
 """
 
@@ -36,7 +36,9 @@ QUICK = [
     (3, "pipe-S2-M4-gpipe-recompute", (1, 8)),
     (4, "pipe-S4-M4-1f1b", (4, 2)),  # stages across workers
     (5, "pipe-S4-M8-gpipe-recompute", (2, 4)),
-    (6, "pipe-S4-M8-1f1b-zero", (1, 8)),
+    (6, "pipe-S4-M8-1f1b-zero1", (1, 8)),  # ZeRO on each stage's replicas, through run_pipelined
+    (7, "pipe-S2-M4-gpipe-zero2", (2, 4)),
+    (8, "pipe-S2-M2-gpipe-recompute-zero3", (1, 8)),
 ]
 SLOW = [
     (100 + i, name, pipelines.mesh_for(100 + i, v.stages))
@@ -111,8 +113,13 @@ def test_run_program_counts_one_run_per_variant():
     assert stats["runs"] == 1
 
 
-def test_zero_on_a_pipelined_replicator_is_refused():
-    """ZeRO (passes=) asked of a pipelined Replicator was silently ignored; it is refused, saying why."""
-    passes = rp.Pipeline.default(zero_stage=1, shard_optimizer_min_bytes=0)
-    with pytest.raises(ValueError, match="passes= does not apply to a pipelined Replicator"):
-        rp.Replicator(1, 8, devices=jax.devices()[:8], passes=passes, pipeline_stages=2, microbatches=2)
+def test_other_passes_on_a_pipelined_replicator_are_refused():
+    """A pipelined step runs the schedule's loop, not the pass pipeline: options other than ZeRO's would be
+    silently ignored, so they are refused, saying why."""
+    for passes in (rp.Pipeline.default(compress=True), rp.Pipeline.default(zero_stage=1, hierarchical=True)):
+        with pytest.raises(ValueError, match="takes rp.Pipeline.default\\(zero_stage=k\\) only"):
+            rp.Replicator(1, 8, devices=jax.devices()[:8], passes=passes, pipeline_stages=2, microbatches=2)
+    repl = rp.Replicator(
+        1, 8, passes=rp.Pipeline.default(zero_stage=2, shard_optimizer_min_bytes=0), pipeline_stages=2, microbatches=2
+    )
+    assert repl.pipelined.zero_stage == 2

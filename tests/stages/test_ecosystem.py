@@ -266,12 +266,12 @@ def test_the_refusal_names_the_users_nn_scan_call_as_the_loop():
     assert f"is inside a loop body of the 'scan' at {__file__}:{loop} " in message, message
 
 
-# 6. ZeRO on a pipeline's data axis is not supported yet: asking for it must not be silently ignored.
+# 6. ZeRO on each stage's data-parallel replicas: passes=rp.Pipeline.default(zero_stage=k), through run_pipelined.
 
 
 @pytest.mark.parametrize("zero_stage", [1, 3])
-def test_zero_passes_on_a_pipelined_replicator_are_refused(zero_stage):
+def test_zero_passes_on_a_pipelined_replicator_shard_each_stages_rows(zero_stage):
     passes = rp.Pipeline.default(zero_stage=zero_stage)
-    with pytest.raises(ValueError, match=r"passes= does not apply to a pipelined Replicator yet.*ZeRO"):
-        rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=2, microbatches=2, passes=passes)
-    rp.Replicator(1, 8, devices=jax.devices()[:8], passes=passes)  # data parallel: accepted
+    repl = rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=2, microbatches=2, passes=passes)
+    assert repl.pipelined.zero_stage == zero_stage
+    assert f"zero_stage={zero_stage}" in repr(repl.pipelined)

@@ -242,8 +242,10 @@ def test_lower_of_a_pipelined_step_points_to_explain():
         repl.lower(make_step(two_stages, opt), batch, (p, opt.init(p)))
 
 
-def test_passes_on_a_pipelined_replicator_are_refused():
-    """ZeRO asked of a pipelined Replicator would be silently ignored (its stages do not run the pass pipeline)."""
-    with pytest.raises(ValueError, match=r"passes= does not apply to a pipelined Replicator yet.*ZeRO"):
-        rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2, passes=rp.Pipeline.default(zero_stage=1))
-    rp.Replicator(1, 4, devices=jax.devices()[:4], passes=rp.Pipeline.default(zero_stage=1))  # data parallel: fine
+def test_zero_with_the_users_own_step_is_refused_at_trace_time():
+    """ZeRO on a pipeline runs through run_pipelined; the user's own step would be run whole, so it is refused."""
+    p, batch = _params_for(two_stages), global_batch()
+    opt = optax.sgd(0.1)
+    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2, passes=rp.Pipeline.default(zero_stage=1))
+    with pytest.raises(ValueError, match="run_pipelined"):
+        repl.run(make_step(two_stages, opt), batch, (p, opt.init(p)))
