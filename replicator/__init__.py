@@ -49,6 +49,7 @@ from replicator.runtime.inputs import InputContext as InputContext
 from replicator.runtime.mesh import build_mesh as build_mesh
 from replicator.runtime.mesh import force_cpu_devices as force_cpu_devices
 from replicator.runtime.state import broadcast_state as broadcast_state
+from replicator.stages.scan_split import split_scan as split_scan
 from replicator.training.checkpoint import CheckpointError as CheckpointError
 from replicator.training.checkpoint import CheckpointManager as CheckpointManager
 from replicator.training.checkpoint import export_orbax as export_orbax
@@ -118,6 +119,7 @@ __all__ = [
     "restore_orbax",
     "save_checkpoint",
     "select_tree",
+    "split_scan",
     "stage_boundary",
     "tools",
     "wrap_optimizer",

@@ -7,6 +7,8 @@ the cost model and the runtime. Modules, each testable on its own:
 
 * :mod:`replicator.stages.split`: which stage runs each equation of a traced
   step, what crosses each boundary, tied parameters, the clear errors;
+* :mod:`replicator.stages.scan_split`: a stack of layers under one ``lax.scan`` cut into
+  stages without markers (``split_scan``);
 * :mod:`replicator.stages.programs`: each stage's forward and backward of one
   micro-batch, cut out of the split;
 * :mod:`replicator.stages.schedule`: schedules as data (GPipe, 1F1B tick
@@ -36,6 +38,7 @@ from replicator.stages.replicas import PipelineReport as PipelineReport
 from replicator.stages.replicas import StageReport as StageReport
 from replicator.stages.replicas import describe as describe
 from replicator.stages.replicas import pipeline_mesh as pipeline_mesh
+from replicator.stages.scan_split import split_scan as split_scan
 from replicator.stages.schedule import Schedule as Schedule
 from replicator.stages.schedule import ScheduleStats as ScheduleStats
 from replicator.stages.schedule import make_schedule as make_schedule
@@ -70,6 +73,7 @@ __all__ = [
     "pipeline_train_step",
     "pipeline_value_and_grad",
     "schedule_stats",
+    "split_scan",
     "split_stages",
     "stage_programs",
 ]
