@@ -371,3 +371,10 @@ def test_a_batch_over_the_host_memory_threshold_is_checked_at_every_step(n_devic
     for _ in range(4):
         loop()
     assert checks == [1, 1, 1, 1]
+
+
+def test_a_shape_dtype_struct_batch_leaf_given_to_run_is_a_clear_error(n_devices):
+    repl = rp.Replicator(1, n_devices)
+    batch = {"x0": jax.ShapeDtypeStruct((8 * n_devices,), np.float32)}
+    with pytest.raises(TypeError, match="ShapeDtypeStruct.*run needs the data.*lower or explain"):
+        repl.run(_step, batch, repl.broadcast_state([np.zeros((), np.float32)]))

@@ -295,6 +295,14 @@ class BatchChecker:
         structures = {jax.tree.structure(b) for b in batches}
         if len(structures) > 1:
             raise ValueError(f"workers yielded batches of different structures: {structures}.")
+        for (leaves, _), ctx in zip(flat, contexts, strict=True):
+            for i, leaf in enumerate(leaves):
+                if isinstance(leaf, jax.ShapeDtypeStruct):
+                    raise TypeError(
+                        f"batch leaf {i} of worker {ctx.worker_id} is a jax.ShapeDtypeStruct {leaf.shape} "
+                        f"{leaf.dtype}: run needs the data. A ShapeDtypeStruct describes a batch for "
+                        "Replicator.lower or explain, which trace without running."
+                    )
         worker_leaves = [
             check_worker_batch(b, self.cores_per_worker, ctx.worker_id)
             for b, ctx in zip(batches, contexts, strict=True)
