@@ -827,13 +827,12 @@ class Replicator:
             if (
                 steady is not None
                 and steady.step_fn is step_fn
-                and steady.input_fn() is input_fn
                 and depth == 0
                 and per_replica_state is None
                 and steady.pipeline is self.pipeline
-                and (taken := steady.take(state)) is not None
+                and (taken := steady.take(state, input_fn)) is not None
             ):
-                return self._run_steady(steady, taken[1], taken[2], step)
+                return self._run_steady(steady, taken[0], taken[1], step)
             return self._run(step_fn, input_fn, state, depth, per_replica_state, step)
         finally:
             progress.end_step()
@@ -958,8 +957,7 @@ class Replicator:
                 compiled,
             )
         if (
-            inputs is not None
-            and not depth
+            not depth
             and not statics
             and new_state
             and compiled.state_reusable
@@ -971,7 +969,7 @@ class Replicator:
         ):
             self._steady = SteadyStep(
                 step_fn,
-                data,
+                data if inputs is not None else None,
                 inputs,
                 self.pipeline,
                 compiled,

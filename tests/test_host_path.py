@@ -378,3 +378,32 @@ def test_a_shape_dtype_struct_batch_leaf_given_to_run_is_a_clear_error(n_devices
     batch = {"x0": jax.ShapeDtypeStruct((8 * n_devices,), np.float32)}
     with pytest.raises(TypeError, match="ShapeDtypeStruct.*run needs the data.*lower or explain"):
         repl.run(_step, batch, repl.broadcast_state([np.zeros((), np.float32)]))
+
+
+def test_given_batches_input_functions_and_iterators_in_turn_each_run_their_own_data(n_devices):
+    """Steady steps of batches given to run, then an input_fn, an iterator, batches again: each call runs the
+    data it was given, the state carried through."""
+    repl = rp.Replicator(1, n_devices)
+    x = _rows(n_devices)
+    input_fn = _batches_of(8, 8, 8, n=n_devices)
+    iterator = iter([{"x0": x + 1000.0}, {"x0": x + 2000.0}])
+    calls = [
+        ({"x0": x}, x.mean()),
+        ({"x0": x + 1}, x.mean() + 1),
+        ({"x0": x + 2}, x.mean() + 2),
+        (input_fn, x.mean()),
+        (input_fn, x.mean() + 100),
+        ({"x0": x + 3}, x.mean() + 3),
+        (iterator, x.mean() + 1000),
+        ({"x0": x + 4}, x.mean() + 4),
+        (iterator, x.mean() + 2000),
+        (input_fn, x.mean() + 200),
+    ]
+    state = repl.broadcast_state([np.zeros((), np.float32)])
+    total = 0.0
+    for data, want in calls:
+        state, out = repl.run(_step, data, state)
+        total += want
+        np.testing.assert_allclose(np.asarray(out["m"]), np.full(n_devices, want), rtol=1e-6)
+    np.testing.assert_allclose(float(state[0]), total, rtol=1e-6)
+    assert repl.trace_count == 1

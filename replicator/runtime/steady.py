@@ -41,8 +41,8 @@ class SteadyStep:
 
     Attributes:
       step_fn: the step (held as the compile cache holds it).
-      input_fn: a weak reference to the ``input_fn``.
-      inputs: a weak reference to its iterators (dropped with the function).
+      input_fn: a weak reference to the ``input_fn``, or None for a batch given to ``run`` itself.
+      inputs: a weak reference to its iterators (dropped with the function), or None.
       pipeline: the pass pipeline the step was compiled with.
       compiled: the compiled step (``executable``, ``traced``, ``runs``).
       returned: the record of the state the last call returned (its arrays held weakly).
@@ -54,8 +54,8 @@ class SteadyStep:
     def __init__(
         self,
         step_fn: Callable,
-        input_fn: Callable,
-        inputs: WorkerInputs,
+        input_fn: Callable | None,
+        inputs: WorkerInputs | None,
         pipeline: Any,
         compiled: Any,
         returned: Any,
@@ -63,13 +63,17 @@ class SteadyStep:
         batch_treedef: Any,
     ) -> None:
         self.step_fn, self.pipeline, self.compiled, self.returned = step_fn, pipeline, compiled, returned
-        self.input_fn = weakref.ref(input_fn)
-        self.inputs = weakref.ref(inputs)
+        # None: the batch was given to run itself (and is then expected so again).
+        self.input_fn = weakref.ref(input_fn) if input_fn is not None else None
+        self.inputs = weakref.ref(inputs) if inputs is not None else None
         self.batch_key = (batch_treedef, tuple(map(_SHAPE_DTYPE, batch_leaves)))
 
-    def take(self, state: Any) -> tuple[WorkerInputs, list, list] | None:
-        """``(inputs, state leaves, batch leaves)`` if this call is the steady one, else None (a batch
-        drawn is then left first in line for the general path, as a prefetched one)."""
+    def take(self, state: Any, data: Any) -> tuple[list, list] | None:
+        """``(state leaves, batch leaves)`` if this call, given ``state`` and ``data`` (``run``'s
+        ``input_fn`` argument), is the steady one, else None (a batch drawn from an ``input_fn`` is then left
+        first in line for the general path, as a prefetched one)."""
+        if self.input_fn is not None and self.input_fn() is not data:
+            return None  # (a batch expected: an input_fn or iterator flattens to a leaf that is no NumPy array)
         leaves, treedef = _flatten(state)
         returned = self.returned
         if (
@@ -77,6 +81,16 @@ class SteadyStep:
             or len(leaves) != len(returned.arrays)
             or not all(map(operator.is_, map(_deref, returned.arrays), leaves))
         ):
+            return None
+        if self.inputs is None:
+            batch_leaves, batch_def = _flatten(data)
+            key = self.batch_key  # the checks below, inline (no call per step): see the input_fn's
+            if (
+                set(map(type, batch_leaves)) <= _NUMPY
+                and batch_def == key[0]
+                and tuple(map(_SHAPE_DTYPE, batch_leaves)) == key[1]
+            ):
+                return leaves, batch_leaves
             return None
         inputs = self.inputs()  # none pending: a steady step is recorded only after a call without prefetch
         if inputs is None:
@@ -87,12 +101,13 @@ class SteadyStep:
             raise inputs.exhausted(inputs.contexts[0]) from None
         inputs.steps += 1
         batch_leaves, batch_def = _flatten(batches[0])
+        key = self.batch_key  # NumPy arrays of the recorded structure, shapes and dtypes
         if (
             set(map(type, batch_leaves)) <= _NUMPY
-            and batch_def == self.batch_key[0]
-            and tuple(map(_SHAPE_DTYPE, batch_leaves)) == self.batch_key[1]
+            and batch_def == key[0]
+            and tuple(map(_SHAPE_DTYPE, batch_leaves)) == key[1]
         ):
             inputs.taken += 1
-            return inputs, leaves, batch_leaves
+            return leaves, batch_leaves
         inputs.pending.appendleft(Batch(batches))  # drawn: the general path takes it, checks it
         return None
