@@ -231,14 +231,21 @@ def test_a_bad_batch_after_steady_steps_gets_the_batch_checks_error(n_devices):
         repl.run(_step, input_fn, state)
 
 
-def test_a_state_that_is_not_the_returned_one_is_placed_and_used(n_devices):
-    """A step after steady steps given a state other than the one returned runs on that state."""
+def _after_steady_steps(n_devices: int) -> tuple[rp.Replicator, Callable, float, list]:
+    """A Replicator after three steady steps of ``_step`` on ``_forever``: it, the input_fn, the batch's mean
+    and the state returned."""
     repl = rp.Replicator(1, n_devices)
     input_fn = _forever(n_devices)
     mean = float(np.mean(_rows(n_devices)))
     state = repl.broadcast_state([np.zeros((), np.float32)])
     for _ in range(3):
         state, _ = repl.run(_step, input_fn, state)
+    return repl, input_fn, mean, state
+
+
+def test_a_state_that_is_not_the_returned_one_is_placed_and_used(n_devices):
+    """A step after steady steps given a state other than the one returned runs on that state."""
+    repl, input_fn, mean, state = _after_steady_steps(n_devices)
     state, _ = repl.run(_step, input_fn, [np.full((), 10.0, np.float32)])
     np.testing.assert_allclose(float(state[0]), 10.0 + mean, rtol=1e-6)
     state, _ = repl.run(_step, input_fn, state)
@@ -348,12 +355,7 @@ def test_steady_steps_check_the_replicas_agree_every_k_steps(n_devices, monkeypa
 
 
 def test_a_state_of_another_shape_after_steady_steps_is_traced_for_its_shape(n_devices):
-    repl = rp.Replicator(1, n_devices)
-    input_fn = _forever(n_devices)
-    mean = float(np.mean(_rows(n_devices)))
-    state = repl.broadcast_state([np.zeros((), np.float32)])
-    for _ in range(3):
-        state, _ = repl.run(_step, input_fn, state)
+    repl, input_fn, mean, state = _after_steady_steps(n_devices)
     state, _ = repl.run(_step, input_fn, [np.zeros((2,), np.float32)])
     assert state[0].shape == (2,) and repl.trace_count == 2
     np.testing.assert_allclose(np.asarray(state[0]), [mean, mean], rtol=1e-6)
