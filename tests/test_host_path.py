@@ -7,6 +7,7 @@ import collections
 import os
 import statistics
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -404,7 +405,9 @@ def test_given_batches_input_functions_and_iterators_in_turn_each_run_their_own_
     state = repl.broadcast_state([np.zeros((), np.float32)])
     total = 0.0
     for data, want in calls:
-        state, out = repl.run(_step, data, state)
+        with warnings.catch_warnings():  # an iterator is never flattened as a batch (JAX warns, and will refuse)
+            warnings.simplefilter("error", DeprecationWarning)
+            state, out = repl.run(_step, data, state)
         total += want
         np.testing.assert_allclose(np.asarray(out["m"]), np.full(n_devices, want), rtol=1e-6)
     np.testing.assert_allclose(float(state[0]), total, rtol=1e-6)

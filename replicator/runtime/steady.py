@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -72,8 +72,11 @@ class SteadyStep:
         """``(state leaves, batch leaves)`` if this call, given ``state`` and ``data`` (``run``'s
         ``input_fn`` argument), is the steady one, else None (a batch drawn from an ``input_fn`` is then left
         first in line for the general path, as a prefetched one)."""
-        if self.input_fn is not None and self.input_fn() is not data:
-            return None  # (a batch expected: an input_fn or iterator flattens to a leaf that is no NumPy array)
+        if self.input_fn is None:  # a batch given to run expected (JAX would warn on flattening an iterator)
+            if callable(data) or isinstance(data, Iterator):
+                return None
+        elif self.input_fn() is not data:
+            return None
         leaves, treedef = _flatten(state)
         returned = self.returned
         if (
