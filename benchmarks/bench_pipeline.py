@@ -50,9 +50,10 @@ data-parallel replica (``Replicator(1, S, pipeline_stages=S)``).
    ``Replicator`` caches: ``repl.pipelined.step_for(loss, opt).built(params, x, y).step``.
 
 3. Parameters and optimizer state bytes per device against ``S = 1, 2, 4`` (those
-   dividing ``--devices``; ``D = devices / S`` replicas): the addressable shards on
-   device 0 of the packed state, against the replicated figure (every leaf
-   whole), and against ``describe_pipeline``'s ``row_bytes`` and ``optimizer_bytes``.
+   dividing ``--devices``; ``D = devices / S`` replicas), without ZeRO and with ZeRO 1
+   and 3 over each stage's replicas: the addressable shards on device 0 of the packed
+   state, against the replicated figure (every leaf whole), and against
+   ``describe_pipeline``'s ``row_bytes`` and ``optimizer_bytes``.
 
 Usage::
 
@@ -487,27 +488,29 @@ def state_table(params: Params, x: np.ndarray, y: np.ndarray) -> None:
     whole_o = sum(np.asarray(a).nbytes for a in jax.tree.leaves(TX.init(params)))
     say(f"\n### 3. Parameters and Adam state per device (bytes on device 0), {n} devices\n")
     say(
-        "| S | replicas D | parameters | optimizer state | / replicated | describe_pipeline: row_bytes, "
+        "| S | replicas D | ZeRO | parameters | optimizer state | / replicated | describe_pipeline: row_bytes, "
         "optimizer_bytes |"
     )
-    say("|---:|---:|---:|---:|---:|---|")
-    say(f"| replicated | - | {whole_p} | {whole_o} | 1.00 | |")
+    say("|---:|---:|---:|---:|---:|---:|---|")
+    say(f"| replicated | - | - | {whole_p} | {whole_o} | 1.00 | |")
     for stages in (1, 2, 4):
         if n % stages or len(params) % stages:
             continue
-        repl = rp.Replicator(1, n, pipeline_stages=stages, microbatches=stages)
-        loss, opt_state = make_loss(stages), TX.init(params)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            train = repl.pipelined.step_for(loss, TX)
-            train.built(params, x, y)
-            report = repl.describe_pipeline(loss, TX, (x, y), (params, opt_state))
-        packed_p, packed_o = train.pack(params, opt_state)
-        got_p, got_o = device0_bytes(packed_p), device0_bytes(packed_o)
-        say(
-            f"| {stages} | {n // stages} | {got_p} | {got_o} | {(got_p + got_o) / (whole_p + whole_o):.2f} | "
-            f"{report.row_bytes}, {report.optimizer_bytes} |"
-        )
+        for zero in (0, 1, 3) if n > stages else (0,):  # ZeRO over each stage's D = n / S replicas
+            passes = rp.Pipeline.default(zero_stage=zero) if zero else None
+            repl = rp.Replicator(1, n, pipeline_stages=stages, microbatches=stages, passes=passes)
+            loss, opt_state = make_loss(stages), TX.init(params)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                train = repl.pipelined.step_for(loss, TX)
+                train.built(params, x, y)
+                report = repl.describe_pipeline(loss, TX, (x, y), (params, opt_state))
+            packed_p, packed_o = train.pack(params, opt_state)
+            got_p, got_o = device0_bytes(packed_p), device0_bytes(packed_o)
+            say(
+                f"| {stages} | {n // stages} | {zero} | {got_p} | {got_o} | "
+                f"{(got_p + got_o) / (whole_p + whole_o):.2f} | {report.row_bytes}, {report.optimizer_bytes} |"
+            )
 
 
 def main() -> None:
