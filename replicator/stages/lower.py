@@ -213,6 +213,9 @@ class OutputLayout:
     leaf's gradient, one that another stage's update reads). An output no stage reads is not accumulated.
     Without a layout the loop keeps and sums every output, as if every stage read all of them.
 
+    An output a stage's programs return as its slice (``StagePrograms.sliced``: a partitioned parameter's
+    gradient) is own to each stage that reads it, with that stage's slice aval: never summed across stages.
+
     Args:
       programs: every stage's programs (their ``contributes``); out_avals: the step's outputs.
       needed: per stage, the positions of the outputs its caller reads after the loop.
@@ -225,13 +228,25 @@ class OutputLayout:
             for p in positions:
                 readers.setdefault(p, set()).add(s)
         adders = {p: {s for s in range(stages) if p in programs[s].contributes} for p in range(len(out_avals))}
+        sliced = {p for program in programs for p in program.sliced}
+        for p in sliced:
+            if not readers.get(p, set()) <= {s for s in range(stages) if p in programs[s].sliced}:
+                raise ValueError(f"output {p} is read by a stage that holds no slice of it.")
         self.own = [
-            [p for p in sorted(readers) if adders[p] <= {s} and readers[p] == {s} and adders[p]] for s in range(stages)
+            [
+                p
+                for p in sorted(readers)
+                if (p in programs[s].sliced and s in readers[p])
+                or (p not in sliced and adders[p] <= {s} and readers[p] == {s} and adders[p])
+            ]
+            for s in range(stages)
         ]
         owned = {p for positions in self.own for p in positions}
         self.shared = [p for p in sorted(readers) if p not in owned]
         self.out_avals = list(out_avals)
-        self.packing = _Packing([[out_avals[p] for p in positions] for positions in self.own])
+        self.packing = _Packing(
+            [[programs[s].sliced.get(p, out_avals[p]) for p in positions] for s, positions in enumerate(self.own)]
+        )
 
     def split(self, stage: int, outputs: Sequence[Any]) -> tuple[dict, list]:
         """One stage's outputs (every position, as its programs return them) as its own row and the shared."""

@@ -19,6 +19,14 @@ its own operands, so the sum over stages of every stage's ``outputs`` is the
 step's outputs. A schedule (:mod:`replicator.stages.gpipe`) runs these on
 micro-batches and sums.
 
+A *partitioned* parameter (``partitioned=``: a stack of layers that each stage
+reads through its own slice of the leading axis, its gradient the sum of the
+padded slice gradients; :class:`~replicator.stages.split.Partition`) is given
+to a stage as its slice alone: the stage's ``slice`` becomes a rename of the
+input, and its output is the slice's gradient (the operand of its ``pad``; the
+pads and their ``add_any`` sum are dropped), listed in ``sliced``: it is that
+stage's own, never summed with another stage's.
+
 The programs are plain Python functions that bind the equations one by one
 (an interpreter), so they run under ``jit``, ``shard_map`` and ``lax.switch``.
 A collective the user wrote (``rp.all_mean``, ``rp.all_sum``, ``rp.replica_id``:
@@ -32,7 +40,7 @@ micro-batch at hand.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -65,6 +73,8 @@ class StagePrograms:
       received_ct, sent_ct: the same for the cotangents of the backward.
       contributes: the positions of the step's outputs to which this stage's programs may add a part (the
         outputs it owns, and the cross-stage sums every stage adds to); its other outputs are always zeros.
+      sliced: the outputs this stage returns only its slice of (a partitioned parameter's gradient), by
+        position, with the slice's aval: the stage's own part, joined (not summed) with the other stages'.
     """
 
     stage: int
@@ -76,6 +86,7 @@ class StagePrograms:
     received_ct: tuple[Any, ...]
     sent_ct: tuple[Any, ...]
     contributes: tuple[int, ...] = ()
+    sliced: dict[int, Any] = dataclasses.field(default_factory=dict)
 
 
 def _read(env: dict[Var, Any], atom: Any) -> Any:
@@ -138,8 +149,16 @@ def check_collectives(jaxpr: Jaxpr) -> None:
                     )
 
 
-def stage_programs(split: StageSplit, closed: ClosedJaxpr) -> list[StagePrograms]:
+def stage_programs(
+    split: StageSplit, closed: ClosedJaxpr, partitioned: Mapping[int, int] | None = None
+) -> list[StagePrograms]:
     """The programs of every stage of ``split``, a split of ``closed`` (a traced value-and-gradient).
+
+    Args:
+      split, closed: the split and the traced step.
+      partitioned: input index (of ``split.jaxpr.invars``) -> output position, for each parameter a stage
+        takes as its slice alone, and its gradient (both in ``split.input_partitions`` and
+        ``split.output_partitions`` with the same pieces: :meth:`StageSplit.partitioned`).
 
     Raises:
       StageSplitError: the step has an update phase (this increment splits a value-and-gradient only).
@@ -154,7 +173,12 @@ def stage_programs(split: StageSplit, closed: ClosedJaxpr) -> list[StagePrograms
     owner = _output_owners(split, facts)
     sums = {s.eqn: s for s in split.stage_sums}
     marker = {b.eqn for b in split.boundaries}
-    return [_programs_of(split, closed, s, owner, sums, marker, facts) for s in range(split.num_stages)]
+    partitioned = dict(partitioned or {})
+    for i, p in partitioned.items():
+        given, grad = split.input_partitions.get(i), split.output_partitions.get(p)
+        if given is None or grad is None or given.pieces != grad.pieces:
+            raise ValueError(f"input {i} and output {p} are not partitioned alike (see StageSplit.partitioned).")
+    return [_programs_of(split, closed, s, owner, sums, marker, facts, partitioned) for s in range(split.num_stages)]
 
 
 def _output_owners(split: StageSplit, facts: DefUse) -> list[int | None]:
@@ -185,11 +209,25 @@ def _programs_of(
     sums: dict,
     marker: set[int],
     facts: DefUse,
+    partitioned: dict[int, int],
 ) -> StagePrograms:
     jaxpr = split.jaxpr
     mine = split.eqns_of(stage)
-    fwd = [jaxpr.eqns[i] for i in mine if split.phases[i] == FORWARD and i not in marker and i not in sums]
-    bwd_idx = [i for i in mine if split.phases[i] == BACKWARD and i not in marker]
+    # A partitioned input: this stage's slice of it is the input itself. Its gradient: this stage's slice's
+    # (the operand of its pad); the pads and their sum are not run.
+    renames: dict[Var, Var] = {}
+    sliced: dict[int, Any] = {}  # output position -> the variable of this stage's slice of it
+    skip: set[int] = set()
+    for i, position in partitioned.items():
+        given, grad = split.input_partitions[i], split.output_partitions[position]
+        skip.update((*given.eqns, *grad.eqns, *grad.adds))
+        if (index := given.eqn_of(stage)) is not None:
+            renames[jaxpr.eqns[index].outvars[0]] = jaxpr.invars[i]
+            sliced[position] = jaxpr.eqns[grad.eqn_of(stage)].invars[0]
+    dropped = marker | skip
+    fwd = [jaxpr.eqns[i] for i in mine if split.phases[i] == FORWARD and i not in dropped and i not in sums]
+    bwd_idx = [i for i in mine if split.phases[i] == BACKWARD and i not in dropped]
+    unread = {p for p in partitioned.values() if p not in sliced}  # a partitioned output this stage holds none of
     forward_b = [b for b in split.boundaries if not b.transposed and split.phases[b.eqn] == FORWARD]
     backward_b = [b for b in split.boundaries if b.transposed]
     received = [v for b in forward_b if b.receiver == stage for v in jaxpr.eqns[b.eqn].outvars]
@@ -210,7 +248,15 @@ def _programs_of(
         out = []
         for position, atom in enumerate(jaxpr.outvars):
             zeros = jnp.zeros(atom.aval.shape, atom.aval.dtype)
-            if isinstance(atom, Literal):
+            if position in sliced:
+                part = sliced[position]
+                zeros = jnp.zeros(part.aval.shape, part.aval.dtype)
+                out.append(
+                    _read(env, part) if phase == BACKWARD and (isinstance(part, Literal) or part in env) else zeros
+                )
+            elif position in unread:
+                out.append(zeros)
+            elif isinstance(atom, Literal):
                 here = owner[position] == stage and phase == BACKWARD  # a constant: once, with the gradients
                 out.append(jnp.broadcast_to(jnp.asarray(atom.val, atom.aval.dtype), atom.aval.shape) if here else zeros)
             elif phase_of.get(atom) == phase and (owner[position] is None or owner[position] == stage):
@@ -236,12 +282,14 @@ def _programs_of(
 
     def forward(step_inputs: Sequence[Any], got: Sequence[Any]) -> tuple[list, list, list]:
         env = dict(zip(inputs, [*consts, *step_inputs], strict=True))
+        env.update((out, env[given]) for out, given in renames.items())
         env.update(zip(received, got, strict=True))
         _run(fwd, env)
         return [_read(env, v) for v in sent], [env[v] for v in residuals], outputs(env, FORWARD)
 
     def backward(step_inputs: Sequence[Any], kept: Sequence[Any], got: Sequence[Any]) -> tuple[list, list]:
         env = dict(zip(inputs, [*consts, *step_inputs], strict=True))
+        env.update((out, env[given]) for out, given in renames.items())
         env.update(zip(residuals, kept, strict=True))
         env.update(zip(received_ct, got, strict=True))
         env.update((var, env[first]) for var, first in again.items())
@@ -257,7 +305,8 @@ def _programs_of(
         residuals=tuple(v.aval for v in residuals),
         received_ct=tuple(v.aval for v in received_ct),
         sent_ct=tuple(v.aval for v in sent_ct),
-        contributes=tuple(i for i, o in enumerate(owner) if o is None or o == stage),
+        contributes=tuple(i for i, o in enumerate(owner) if (o is None or o == stage) and i not in unread),
+        sliced={position: part.aval for position, part in sliced.items()},
     )
 
 

@@ -231,12 +231,14 @@ def _stage_reports(
     split: Any,
     programs: Sequence[Any],
     layout: Sequence[Sequence[int]],
-    avals: Sequence[Any],
+    avals: Sequence[Any] | Callable[[int, int], Any],
     paths: Sequence[str],
     peak_live: Sequence[int],
     stage_cost: Callable[[Sequence[JaxprEqn]], float] | None,
 ) -> tuple[StageReport, ...]:
-    """Per stage: the leaves it keeps, the cost model's forward and backward of one micro-batch, its residuals."""
+    """Per stage: the leaves it keeps, the cost model's forward and backward of one micro-batch, its residuals.
+    ``avals``: each leaf's aval, or ``(leaf, stage) -> aval`` where a stage keeps a slice of a leaf."""
+    aval_of = avals if callable(avals) else (lambda i, s: avals[i])
     reports = []
     for s in range(len(layout)):
         phase = {
@@ -246,7 +248,7 @@ def _stage_reports(
             StageReport(
                 stage=s,
                 parameters=tuple(paths[i] for i in layout[s]),
-                parameter_bytes=sum(_nbytes(avals[i]) for i in layout[s]),
+                parameter_bytes=sum(_nbytes(aval_of(i, s)) for i in layout[s]),
                 forward_s=None if stage_cost is None else float(stage_cost(phase[FORWARD])),
                 backward_s=None if stage_cost is None else float(stage_cost(phase[BACKWARD])),
                 residual_bytes=sum(_nbytes(a) for a in programs[s].residuals),
@@ -309,7 +311,7 @@ def describe(
         row_bytes=int(row),
         optimizer_bytes=int(optimizer_bytes),
         stash_slots=ring_slots(table)["stash"],
-        per_stage=_stage_reports(b.split, b.programs, b.layout, b.avals, paths, stats.peak_live, stage_cost),
+        per_stage=_stage_reports(b.split, b.programs, b.layout, b.kept_aval, paths, stats.peak_live, stage_cost),
         device_memory=device_memory,
         zero_stage=b.zero_stage,
     )

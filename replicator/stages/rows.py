@@ -7,6 +7,8 @@ arrays, many small dispatches (for an 8-layer MLP in 4 stages, about 10x the ste
 
 * :class:`RowUnpacker` reads each leaf from the first stage that keeps it with one compiled call per stage,
   on a device of that stage (its shard of the rows), instead of one eager slice per leaf;
+* a partitioned leaf (a stack of layers ``(L, ...)``, each stage keeping its slice of the leading axis) is
+  packed as ``leaf[start:stop]`` into each stage's row and joined back in order;
 * :class:`LastRows` remembers the rows a step returned with the leaves unpacked from them (weakly), so a call
   given exactly those leaves (``state = repl.run(step, batch, state)`` in a loop) reuses the rows as they are.
 
@@ -21,7 +23,7 @@ arrays, many small dispatches (for an 8-layer MLP in 4 stages, about 10x the ste
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -41,14 +43,22 @@ class RowPacker:
     per dtype. The leaves may live anywhere (host, one device, other stages' devices).
 
     Args:
-      packing, layout: as for :class:`RowUnpacker`; mesh: the ``('stages', ...)`` mesh the rows live on.
+      packing, layout, pieces: as for :class:`RowUnpacker`; mesh: the ``('stages', ...)`` mesh the rows live on.
       spec: how the rows ``(S, n)`` lie on the mesh: ``P('stages')`` (default: each device of a stage holds its
         whole row), or ``P('stages', data_axes)`` (ZeRO: each device of a stage holds its ``1/D`` of the row,
         the row's length a multiple of ``D``).
     """
 
-    def __init__(self, packing: _Packing, layout: Sequence[Sequence[int]], mesh: Mesh, spec: P | None = None):
+    def __init__(
+        self,
+        packing: _Packing,
+        layout: Sequence[Sequence[int]],
+        mesh: Mesh,
+        spec: P | None = None,
+        pieces: Mapping[int, Sequence[tuple[int, int, int]]] | None = None,
+    ):
         self.packing, self.layout, self.mesh = packing, [list(x) for x in layout], mesh
+        self.pieces = {i: {s: (a, b) for s, a, b in parts} for i, parts in (pieces or {}).items()}
         self.sharding = NamedSharding(mesh, P(mesh.axis_names[0]) if spec is None else spec)
         self.devices = [list(mesh.devices[s].flat) for s in range(len(self.layout))]
         self._pack = [jax.jit(self._one_stage(s)) for s in range(len(self.layout))]
@@ -59,15 +69,22 @@ class RowPacker:
 
         return pack
 
+    def _leaf(self, leaves: Sequence[Any], i: int, stage: int) -> Any:
+        """Leaf ``i`` as ``stage`` keeps it: whole, or its slice of a partitioned leaf."""
+        if i not in self.pieces:
+            return leaves[i]
+        start, stop = self.pieces[i][stage]
+        return leaves[i][start:stop]
+
     def __call__(self, leaves: Sequence[Any]) -> dict:
         if not self.sharding.is_fully_addressable:  # stages across processes: every process packs it all
-            rows = [self.packing.pack(s, [leaves[i] for i in lay]) for s, lay in enumerate(self.layout)]
+            rows = [self.packing.pack(s, [self._leaf(leaves, i, s) for i in lay]) for s, lay in enumerate(self.layout)]
             return jax.device_put({k: jnp.stack([row[k] for row in rows]) for k in rows[0]}, self.sharding)
         shapes = {str(d): (len(self.layout), n) for d, n in self.packing.sizes.items()}
         where = {key: self.sharding.devices_indices_map(shape) for key, shape in shapes.items()}
         pieces: dict[str, list[jax.Array]] = {}
         for stage, (lay, devices) in enumerate(zip(self.layout, self.devices, strict=True)):
-            row = self._pack[stage]([jax.device_put(leaves[i], devices[0]) for i in lay])
+            row = self._pack[stage]([jax.device_put(self._leaf(leaves, i, stage), devices[0]) for i in lay])
             for key, value in row.items():  # each device its part of the row: all of it, or its chunk
                 pieces.setdefault(key, []).extend(jax.device_put(value[:, where[key][d][1]], d) for d in devices)
         return {
@@ -83,11 +100,22 @@ class RowUnpacker:
     Args:
       packing: the rows' layout; layout: per stage, the leaves (indices) its row holds, in packing order;
       owners: per leaf, the stage it is read from (a tied leaf is equal on every stage that keeps it).
+      pieces: the partitioned leaves: leaf -> ``(stage, start, stop)`` per slice of its leading axis, each stage
+        keeping its slice ``leaf[start:stop]`` alone; the leaf is the slices joined in order.
     """
 
-    def __init__(self, packing: _Packing, layout: Sequence[Sequence[int]], owners: Sequence[int]):
+    def __init__(
+        self,
+        packing: _Packing,
+        layout: Sequence[Sequence[int]],
+        owners: Sequence[int],
+        pieces: Mapping[int, Sequence[tuple[int, int, int]]] | None = None,
+    ):
         self.packing, self.layout, self.owners = packing, [list(x) for x in layout], list(owners)
-        self._unpack = {s: jax.jit(self._one_stage(s)) for s in sorted(set(self.owners))}
+        self.pieces = {i: sorted(parts, key=lambda p: p[1]) for i, parts in (pieces or {}).items()}
+        stages = {o for i, o in enumerate(self.owners) if i not in self.pieces}
+        stages |= {s for parts in self.pieces.values() for s, _, _ in parts}
+        self._unpack = {s: jax.jit(self._one_stage(s)) for s in sorted(stages)}
 
     def _one_stage(self, stage: int) -> Any:
         def unpack(rows: dict) -> list:
@@ -97,11 +125,18 @@ class RowUnpacker:
 
     def __call__(self, rows: dict) -> list:
         leaves: list[Any] = [None] * len(self.owners)
+        slices: dict[int, dict[int, Any]] = {}
         for stage, unpack in self._unpack.items():
             values = unpack({k: _stage_shard(v, stage) for k, v in rows.items()})
             for i, value in zip(self.layout[stage], values, strict=True):
-                if self.owners[i] == stage:
+                if i in self.pieces:
+                    slices.setdefault(i, {})[stage] = value
+                elif self.owners[i] == stage:
                     leaves[i] = value
+        for i, parts in self.pieces.items():  # a partitioned leaf: its slices joined, on its first slice's device
+            ordered = [slices[i][s] for s, _, _ in parts]
+            device = next(iter(ordered[0].devices()))
+            leaves[i] = jnp.concatenate([jax.device_put(x, device) for x in ordered])
         return leaves
 
 

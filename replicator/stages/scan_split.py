@@ -35,9 +35,13 @@ are concatenated back in index order. ``length=``, ``unroll`` and other keyword 
 piece (``length=L / S``). The ``ys`` of earlier pieces pass through the later boundaries with the carry,
 so that their concatenation (a value of the last stage) reads nothing across stages.
 
-The stacked parameters are read by every stage through a slice: the split sees a leaf read by several
-stages (a tied parameter), kept whole on each of them, its gradient (the sum of each stage's padded slice
-gradient) summed across them. Numerically right; each stage stores the whole stack.
+The stacked parameters are read by every stage through a slice of their leading axis, and their gradient is
+the sum of each stage's padded slice gradient: the split records them as *partitioned*
+(:class:`~replicator.stages.split.Partition`). A pipelined training step
+(:func:`~replicator.stages.train.pipeline_train_step`, ``Replicator.run_pipelined``) then keeps on each stage
+only its ``L / S`` slice of the stack, of the optimizer's moments and of the gradient, never summed across
+stages. The user's own step (``Replicator.run(step_fn, ...)`` on a pipeline, whose update phase runs on whole
+leaves) still treats the stack as a tied parameter: each stage keeps all of it, its gradient summed across them.
 
 >>> def loss(w, x):
 ...     h, _ = jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)

@@ -16,6 +16,12 @@ the schedule adds them up. What it feeds (the rest of the tied parameter's
 gradient, linear in those parts, then its update) runs on both stages, which
 keep the parameter.
 
+A parameter that the stages read through consecutive slices of its leading axis, one each (the stacked
+layers :func:`~replicator.stages.scan_split.split_scan` cuts), is such a tied value too, but each stage needs
+only its slice and computes only its slice's gradient (padded, then summed): the split records the inputs
+and outputs of that form as partitions (:class:`Partition`), for a caller that keeps each stage's slice alone
+(:meth:`StageSplit.partitioned`, :mod:`replicator.stages.train`).
+
 Example: two stages, the head in the second:
 
 >>> def loss(params, x):
@@ -44,7 +50,7 @@ from replicator.core.jaxprs import CALL_PRIMITIVES, DefUse, iter_eqns, sub_jaxpr
 from replicator.core.primitives import all_reduce_p, stage_boundary_p
 from replicator.errors import ReplicationError
 
-__all__ = ["Boundary", "StageSplit", "StageSplitError", "StageSum", "split_stages"]
+__all__ = ["Boundary", "Partition", "StageSplit", "StageSplitError", "StageSum", "split_stages"]
 
 Placement = frozenset[int] | None  # None: free, computed from the step's inputs alone
 FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
@@ -98,6 +104,36 @@ class StageSum:
 
 
 @dataclasses.dataclass(frozen=True)
+class Partition:
+    """A value cut along its leading axis into consecutive slices, one per stage (a stack of layers).
+
+    An input is partitioned when its only readers are ``slice`` equations of its leading axis, each run by one
+    stage, their ranges consecutive from 0 to its length, a stage at most one of them: each stage needs only
+    its slice (the stacked parameters ``(L, ...)`` of :func:`~replicator.stages.scan_split.split_scan`). An
+    output is partitioned when it is the ``add_any`` sum of ``pad`` equations (the transposes of such slices),
+    each run by one stage and putting its operand at consecutive ranges of the leading axis, zeros elsewhere:
+    each stage contributes only its slice (the operand of its pad), and the sum is the slices joined in order.
+
+    Attributes:
+      pieces: ``(stage, start, stop)`` per slice, in ``start`` order.
+      eqns: per piece, the ``slice`` (an input) or ``pad`` (an output) equation it comes from.
+      adds: the ``add_any`` equations that sum the pads (an output; ``()`` for an input).
+    """
+
+    pieces: tuple[tuple[int, int, int], ...]
+    eqns: tuple[int, ...]
+    adds: tuple[int, ...] = ()
+
+    def piece(self, stage: int) -> tuple[int, int] | None:
+        """``(start, stop)`` of ``stage``'s slice, ``None`` if it holds none."""
+        return next(((a, b) for s, a, b in self.pieces if s == stage), None)
+
+    def eqn_of(self, stage: int) -> int | None:
+        """The equation of ``stage``'s piece."""
+        return next((e for (s, _, _), e in zip(self.pieces, self.eqns, strict=True) if s == stage), None)
+
+
+@dataclasses.dataclass(frozen=True)
 class StageSplit:
     """Where each equation of a step runs when the step is cut at its ``rp.stage_boundary`` markers.
 
@@ -115,6 +151,11 @@ class StageSplit:
       input_stages: per input of ``jaxpr`` (``invars``), the stages that read it.
       output_stages: per output of ``jaxpr``, the stages that hold it.
       free: per equation, whether it is computed from the step's inputs alone.
+      input_partitions: the inputs (by index) read only through one slice of the leading axis per stage
+        (:class:`Partition`).
+      output_partitions: the outputs (by position) that are the sum of one padded slice per stage. The split
+        itself still treats both as a tied value (read, and its gradient summed, across stages: ``stage_sums``,
+        :meth:`tied`); a caller that keeps each stage's slice alone pairs them (:meth:`partitioned`).
     """
 
     jaxpr: Jaxpr
@@ -126,6 +167,19 @@ class StageSplit:
     input_stages: tuple[frozenset[int], ...]
     output_stages: tuple[frozenset[int], ...]
     free: tuple[bool, ...]
+    input_partitions: dict[int, Partition] = dataclasses.field(default_factory=dict)
+    output_partitions: dict[int, Partition] = dataclasses.field(default_factory=dict)
+
+    def partitioned(self, num_params: int, first_output: int = 1) -> dict[int, Partition]:
+        """The parameters (inputs ``0 .. num_params - 1``) that each stage may keep only its slice of: input
+        ``i`` partitioned and output ``first_output + i`` (its gradient in a traced ``jax.value_and_grad``)
+        partitioned in the same pieces. Keyed by ``i``, the input's partition."""
+        out = {}
+        for i in range(num_params):
+            given, grad = self.input_partitions.get(i), self.output_partitions.get(first_output + i)
+            if given is not None and grad is not None and given.pieces == grad.pieces:
+                out[i] = given
+        return out
 
     def eqns_of(self, stage: int) -> tuple[int, ...]:
         """The equations ``stage`` runs, in program order."""
@@ -240,8 +294,8 @@ def _raise_nested(eqn: JaxprEqn) -> None:
     where = "a loop body" if loop else "a branch" if eqn.primitive.name == "cond" else "a sub-program"
     hint = (
         "Stages are cut in the step's top level, once per step. For a stack of identical layers under "
-        "lax.scan (Flax nn.scan), mark the boundaries between layers outside the scan (split the scan into "
-        "one scan per stage); asking for a scanned stack to be split without markers is a later option."
+        "lax.scan (Flax nn.scan), leave the stack unmarked: a pipelined Replicator cuts it into its stages "
+        "(rp.split_scan); or mark the boundaries between layers outside the scan (one scan per stage)."
         if loop
         else "Stages are cut in the step's top level: a boundary that only some branches (or some replicas) "
         "reach cannot be scheduled. Move rp.stage_boundary out of the cond/switch, after it."
@@ -370,17 +424,108 @@ def split_stages(
         batch=set(flat.invars[first_batch if first_batch is not None else num_state or 0 :]),
     )
 
+    phases = _phases(flat, [t for _, t in inlined])
+    params_end = first_batch if first_batch is not None else num_state or 0
     return StageSplit(
         jaxpr=flat,
         num_stages=num_stages,
         eqn_stages=tuple(eqn_stages),
-        phases=_phases(flat, [t for _, t in inlined]),
+        phases=phases,
         boundaries=tuple(boundaries[i] for i in sorted(boundaries)),
         stage_sums=tuple(sums),
         input_stages=tuple(need.get(v, frozenset()) for v in flat.invars),
         output_stages=tuple(output_stages),
         free=tuple(p is None and i not in boundaries for i, p in enumerate(placements)),
+        input_partitions=_input_partitions(flat, facts, eqn_stages, phases, params_end),
+        output_partitions=_output_partitions(flat, facts, eqn_stages),
     )
+
+
+def _consecutive(pieces: list[tuple[int, int, int]], length: int) -> bool:
+    """Whether the ``(stage, start, stop)`` pieces, sorted, cover ``0 .. length`` in consecutive ranges, on
+    distinct stages."""
+    stages = [p[0] for p in pieces]
+    bounds = [0, *(b for _, _, b in pieces)]
+    starts = [a for _, a, _ in pieces]
+    return (
+        len(pieces) > 1
+        and len(set(stages)) == len(stages)
+        and starts == bounds[:-1]
+        and bounds[-1] == length
+        and all(a < b for _, a, b in pieces)
+    )
+
+
+def _one_stage(eqn_stages: Sequence[frozenset[int]], index: int) -> int | None:
+    stages = eqn_stages[index]
+    return min(stages) if len(stages) == 1 else None
+
+
+def _input_partitions(
+    jaxpr: Jaxpr, facts: DefUse, eqn_stages: Sequence[frozenset[int]], phases: Sequence[str], params_end: int
+) -> dict[int, Partition]:
+    """The parameter inputs read only through consecutive slices of their leading axis, one stage each."""
+    found = {}
+    for index, var in enumerate(jaxpr.invars[:params_end]):
+        shape = tuple(var.aval.shape)
+        readers = facts.readers(var)
+        if not shape or len(readers) < 2 or facts.output_positions(var):
+            continue
+        pieces = []
+        for r in readers:
+            eqn = jaxpr.eqns[r]
+            stage = _one_stage(eqn_stages, r)
+            if eqn.primitive.name != "slice" or phases[r] != FORWARD or stage is None:
+                break
+            start, limit, strides = eqn.params["start_indices"], eqn.params["limit_indices"], eqn.params["strides"]
+            whole_rest = all(a == 0 for a in start[1:]) and tuple(limit[1:]) == shape[1:]
+            if not whole_rest or (strides is not None and any(k != 1 for k in strides)):
+                break
+            pieces.append((int(start[0]), stage, int(limit[0]), r))
+        else:
+            pieces.sort()
+            if _consecutive([(s, a, b) for a, s, b, _ in pieces], shape[0]):
+                found[index] = Partition(tuple((s, a, b) for a, s, b, _ in pieces), tuple(r for *_, r in pieces))
+    return found
+
+
+def _output_partitions(jaxpr: Jaxpr, facts: DefUse, eqn_stages: Sequence[frozenset[int]]) -> dict[int, Partition]:
+    """The outputs that are an ``add_any`` tree of padded slices of their leading axis, one stage each."""
+    found = {}
+    for position, root in enumerate(jaxpr.outvars):
+        if not isinstance(root, Var) or len(facts.output_positions(root)) != 1 or facts.readers(root):
+            continue
+        shape = tuple(root.aval.shape)
+        pads: list[tuple[int, int, int, int]] = []
+        adds: list[int] = []
+        todo, ok = [root], bool(shape)
+        while todo and ok:
+            var = todo.pop()
+            index = facts.producer(var)
+            inner = var is not root and (len(facts.readers(var)) != 1 or facts.output_positions(var))
+            if not isinstance(var, Var) or index is None or inner:
+                ok = False
+                break
+            eqn = jaxpr.eqns[index]
+            if eqn.primitive.name == _ADD_ANY:
+                adds.append(index)
+                todo.extend(eqn.invars)
+            elif eqn.primitive.name == "pad":
+                config, fill = eqn.params["padding_config"], eqn.invars[1]
+                stage = _one_stage(eqn_stages, index)
+                zero_fill = isinstance(fill, Literal) and not fill.val
+                rest = all(tuple(c) == (0, 0, 0) for c in config[1:])
+                lo, hi, interior = config[0]
+                ok = stage is not None and zero_fill and rest and interior == 0 and lo >= 0 and hi >= 0
+                pads.append((int(lo), stage, shape[0] - int(hi), index))
+            else:
+                ok = False
+        if ok and pads:
+            pads.sort()
+            pieces = [(s, a, b) for a, s, b, _ in pads]
+            if _consecutive(pieces, shape[0]):
+                found[position] = Partition(tuple(pieces), tuple(i for *_, i in pads), tuple(sorted(adds)))
+    return found
 
 
 def _boundary_placement(index: int, eqn: JaxprEqn, lived: list[frozenset[int]]) -> tuple[Placement, Boundary | None]:

@@ -1,7 +1,10 @@
 """A full training step over S stages: the schedule's value and gradient, then each stage's optimizer update
 on its own parameters, with parameters and optimizer state kept per stage.
 
-Each stage keeps the parameter leaves its programs read (a tied leaf, read by two stages, on both), packed
+Each stage keeps the parameter leaves its programs read (a tied leaf, read by two stages, on both; of a
+*partitioned* leaf, a stack of layers ``(L, ...)`` that each stage reads through its own slice of the leading
+axis, as :func:`~replicator.stages.scan_split.split_scan` cuts it, only its slice, and only that slice's
+gradient, never summed across stages: :class:`~replicator.stages.split.Partition`), packed
 into one flat buffer per dtype padded to the largest stage's: global shape ``(S, n)``, sharded over
 ``'stages'``, so device ``s`` holds row ``s`` only. An optimizer whose state mirrors the parameters
 (optax's Adam, SGD, ... elementwise ones) is run on those buffers, so its moments are packed the same way;
@@ -117,11 +120,17 @@ class _Built:
         self.held = [split.input_stages[i] | split.output_stages[1 + i] or everyone for i in range(n)]
         self.layout = [[i for i in range(n) if s in self.held[i]] for s in range(stages)]
         self.avals = [v.aval for v in closed.jaxpr.invars[:n]]
+        # A stack of layers read by each stage through its own slice (split_scan): each keeps only its slice.
+        self.partitions = split.partitioned(n)
+        self.pieces = {i: part.pieces for i, part in self.partitions.items()}
         zero = self.zero_stage = owner.zero_stage
         # ZeRO splits each row in D equal chunks: its length a multiple of D (the padding is zeros, kept zero).
-        self.packing = _Packing([[self.avals[i] for i in layout] for layout in self.layout], replicas if zero else 1)
+        self.packing = _Packing(
+            [[self.kept_aval(i, s) for i in layout] for s, layout in enumerate(self.layout)], replicas if zero else 1
+        )
         table = make_schedule(owner.schedule, stages, m)
-        self.table, self.programs = table, stage_programs(split, closed)
+        partitioned = {i: 1 + i for i in self.partitions}  # input i, its gradient output 1 + i
+        self.table, self.programs = table, stage_programs(split, closed, partitioned)
         # Each stage reads the loss and the gradients of the leaves it keeps: those accumulate where they are read.
         self.outputs = OutputLayout(
             self.programs, closed.out_avals, [[0, *(1 + i for i in lay)] for lay in self.layout]
@@ -138,9 +147,13 @@ class _Built:
         whole, split_rows = P(STAGE_AXIS), P(STAGE_AXIS, DATA_AXES)
         self.state_specs = _specs(state_shape, packed_def, split_rows if zero >= 1 else whole)
         self.params_spec = jax.tree.map(lambda _: split_rows if zero >= 3 else whole, self.packing.zeros((stages,)))
-        self._packer = RowPacker(self.packing, self.layout, self.mesh, split_rows if zero >= 3 else whole)
-        self._state_packer = RowPacker(self.packing, self.layout, self.mesh, split_rows if zero >= 1 else whole)
-        self._unpacker = RowUnpacker(self.packing, self.layout, [min(h) for h in self.held])
+        self._packer = RowPacker(
+            self.packing, self.layout, self.mesh, split_rows if zero >= 3 else whole, pieces=self.pieces
+        )
+        self._state_packer = RowPacker(
+            self.packing, self.layout, self.mesh, split_rows if zero >= 1 else whole, pieces=self.pieces
+        )
+        self._unpacker = RowUnpacker(self.packing, self.layout, [min(h) for h in self.held], pieces=self.pieces)
         self.last = LastRows()
 
         def chunk(rows: dict) -> dict:
@@ -190,6 +203,14 @@ class _Built:
             )
         )
 
+    def kept_aval(self, leaf: int, stage: int) -> Any:
+        """Leaf ``leaf`` as ``stage`` keeps it: whole, or its slice of a partitioned leaf."""
+        aval = self.avals[leaf]
+        if leaf not in self.partitions:
+            return aval
+        start, stop = self.partitions[leaf].piece(stage)
+        return jax.ShapeDtypeStruct((stop - start, *aval.shape[1:]), aval.dtype)
+
     def _pack_grads(self, stage: int) -> Callable[[dict, list], tuple[dict, jax.Array]]:
         def pack(own: dict, shared: list) -> tuple[dict, jax.Array]:
             """This stage's gradients packed as its row, and the loss."""
@@ -201,7 +222,7 @@ class _Built:
 
     def params_of(self, stage: int, params: dict) -> list:
         """The parameter leaves as ``stage``'s programs read them, from its row ``params`` (``(1, n)`` each):
-        its own leaves, zeros for the others (which it does not read)."""
+        its own leaves (its slice of a partitioned one), zeros for the others (which it does not read)."""
         mine = self.packing.unpack(stage, {k: v[0] for k, v in params.items()})
         leaves = [jnp.zeros(a.shape, a.dtype) for a in self.avals]
         for i, value in zip(self.layout[stage], mine, strict=True):
