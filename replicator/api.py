@@ -83,7 +83,7 @@ from replicator.runtime.state import (
     per_replica_step,
     with_per_replica,
 )
-from replicator.runtime.steady import SteadyStep
+from replicator.runtime.steady import SteadyStep, _deref
 from replicator.stages.replicas import PipelinedReplicas
 
 __all__ = ["CompiledStep", "Replicator"]
@@ -220,10 +220,6 @@ class _ReturnedState:
         if len(leaves) != len(self.arrays) or not all(map(operator.is_, map(_deref, self.arrays), leaves)):
             return None
         return leaves
-
-
-#: ``ref()`` of a weak reference, in C (``map`` over it makes no Python call per leaf).
-_deref = weakref.ref.__call__
 
 
 def _in_worker_order(batches: Sequence[PyTree]) -> PyTree:
@@ -840,7 +836,7 @@ class Replicator:
     def _run_steady(self, steady: SteadyStep, state_leaves: list, batch_leaves: list, step: int) -> Any:
         """The general path's step (:meth:`_run`) for a call like the last one, its checks done by ``steady``."""
         progress.set_phase("step", step)
-        in_flight = self._in_flight
+        in_flight = self._in_flight  # _wait_for_room, inline: no Python call per step
         while self.max_in_flight and len(in_flight) >= self.max_in_flight:
             token = in_flight.popleft()
             if not token.is_deleted():

@@ -24,15 +24,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-import numpy as np
 
-from replicator.runtime.inputs import Batch, WorkerInputs
+from replicator.runtime.execution import _NUMPY_ONLY
+from replicator.runtime.inputs import _SHAPE_DTYPE, Batch, WorkerInputs
 
 __all__ = ["SteadyStep"]
 
-_SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
+#: ``ref()`` of a weak reference, in C (``map`` over it makes no Python call per leaf).
 _deref = weakref.ref.__call__
-_NUMPY = frozenset({np.ndarray})
 _flatten = jax.tree_util.tree_flatten
 
 
@@ -85,32 +84,28 @@ class SteadyStep:
             or not all(map(operator.is_, map(_deref, returned.arrays), leaves))
         ):
             return None
-        if self.inputs is None:
+        if self.inputs is None:  # the batch itself
+            inputs, batches = None, None
             batch_leaves, batch_def = _flatten(data)
-            key = self.batch_key  # the checks below, inline (no call per step): see the input_fn's
-            if (
-                set(map(type, batch_leaves)) <= _NUMPY
-                and batch_def == key[0]
-                and tuple(map(_SHAPE_DTYPE, batch_leaves)) == key[1]
-            ):
-                return leaves, batch_leaves
-            return None
-        inputs = self.inputs()  # none pending: a steady step is recorded only after a call without prefetch
-        if inputs is None:
-            return None
-        try:  # inputs.next_batches(), inline: one local worker
-            batches = [next(inputs.iterators[0])]
-        except StopIteration:
-            raise inputs.exhausted(inputs.contexts[0]) from None
-        inputs.steps += 1
-        batch_leaves, batch_def = _flatten(batches[0])
+        else:
+            inputs = self.inputs()  # none pending: a steady step is recorded only after a call without prefetch
+            if inputs is None:
+                return None
+            try:  # inputs.next_batches(), inline: one local worker
+                batches = [next(inputs.iterators[0])]
+            except StopIteration:
+                raise inputs.exhausted(inputs.contexts[0]) from None
+            inputs.steps += 1
+            batch_leaves, batch_def = _flatten(batches[0])
         key = self.batch_key  # NumPy arrays of the recorded structure, shapes and dtypes
         if (
-            set(map(type, batch_leaves)) <= _NUMPY
+            set(map(type, batch_leaves)) <= _NUMPY_ONLY
             and batch_def == key[0]
             and tuple(map(_SHAPE_DTYPE, batch_leaves)) == key[1]
         ):
-            inputs.taken += 1
+            if inputs is not None:
+                inputs.taken += 1
             return leaves, batch_leaves
-        inputs.pending.appendleft(Batch(batches))  # drawn: the general path takes it, checks it
+        if inputs is not None:  # drawn: the general path takes it, checks it
+            inputs.pending.appendleft(Batch(batches))
         return None
