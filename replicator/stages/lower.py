@@ -316,8 +316,9 @@ def tick_loop(
         return zeros(layout.sizes), [jnp.zeros(out_avals[p].shape, out_avals[p].dtype) for p in layout.shared]
 
     def accumulated(stage: int, total: Any, outputs: list) -> Any:
-        # Inside the branch that computes them: an output a branch does not compute is a zero constant there,
-        # which XLA folds away, so a tick adds only what its branch computed.
+        # Inside the branch that computes them: an idle tick adds nothing. A forward branch's gradient
+        # positions are zero constants, but XLA does not fold their packed row (a concatenation of zeros)
+        # away: it still adds a zero row (BENCHMARKS.md, "Pipeline parallelism").
         return jax.tree.map(jnp.add, total, outputs if layout is None else layout.split(stage, outputs))
 
     def nothing(params: Any, batch: list, got: dict, got_ct: dict, kept: dict, total: Any) -> tuple:

@@ -231,14 +231,13 @@ def _stage_reports(
     split: Any,
     programs: Sequence[Any],
     layout: Sequence[Sequence[int]],
-    avals: Sequence[Any] | Callable[[int, int], Any],
+    aval_of: Callable[[int, int], Any],
     paths: Sequence[str],
     peak_live: Sequence[int],
     stage_cost: Callable[[Sequence[JaxprEqn]], float] | None,
 ) -> tuple[StageReport, ...]:
     """Per stage: the leaves it keeps, the cost model's forward and backward of one micro-batch, its residuals.
-    ``avals``: each leaf's aval, or ``(leaf, stage) -> aval`` where a stage keeps a slice of a leaf."""
-    aval_of = avals if callable(avals) else (lambda i, s: avals[i])
+    ``aval_of(leaf, stage)``: the leaf as that stage keeps it (whole, or its slice of a partitioned leaf)."""
     reports = []
     for s in range(len(layout)):
         phase = {
@@ -347,7 +346,7 @@ def describe_user_step(
         optimizer_bytes=None,
         stash_slots=ring_slots(step.table)["stash"],
         per_stage=_stage_reports(
-            step.split, step.programs, step.layout, step.avals, step.paths, stats.peak_live, stage_cost
+            step.split, step.programs, step.layout, lambda i, _: step.avals[i], step.paths, stats.peak_live, stage_cost
         ),
         device_memory=device_memory,
     )
