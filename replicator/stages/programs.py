@@ -175,8 +175,7 @@ def stage_programs(
     marker = {b.eqn for b in split.boundaries}
     partitioned = dict(partitioned or {})
     for i, p in partitioned.items():
-        given, grad = split.input_partitions.get(i), split.output_partitions.get(p)
-        if given is None or grad is None or given.pieces != grad.pieces:
+        if split.partition_pair(i, p) is None:
             raise ValueError(f"input {i} and output {p} are not partitioned alike (see StageSplit.partitioned).")
     return [_programs_of(split, closed, s, owner, sums, marker, facts, partitioned) for s in range(split.num_stages)]
 

@@ -174,12 +174,14 @@ class StageSplit:
         """The parameters (inputs ``0 .. num_params - 1``) that each stage may keep only its slice of: input
         ``i`` partitioned and output ``first_output + i`` (its gradient in a traced ``jax.value_and_grad``)
         partitioned in the same pieces. Keyed by ``i``, the input's partition."""
-        out = {}
-        for i in range(num_params):
-            given, grad = self.input_partitions.get(i), self.output_partitions.get(first_output + i)
-            if given is not None and grad is not None and given.pieces == grad.pieces:
-                out[i] = given
-        return out
+        pairs = {i: self.partition_pair(i, first_output + i) for i in range(num_params)}
+        return {i: given for i, given in pairs.items() if given is not None}
+
+    def partition_pair(self, given: int, grad: int) -> Partition | None:
+        """Input ``given``'s partition, if output ``grad`` is partitioned in the same pieces (a parameter a
+        stage may keep only its slice of, and its gradient), else None."""
+        a, b = self.input_partitions.get(given), self.output_partitions.get(grad)
+        return a if a is not None and b is not None and a.pieces == b.pieces else None
 
     def eqns_of(self, stage: int) -> tuple[int, ...]:
         """The equations ``stage`` runs, in program order."""
