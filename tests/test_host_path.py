@@ -120,6 +120,22 @@ def test_a_repeated_step_makes_few_python_calls_beyond_the_hand_written_call(n_d
     assert extra <= MAX_EXTRA_CALLS, f"run makes {extra} Python calls per step more than the hand call: {ours}"
 
 
+def test_a_batch_given_to_run_again_makes_few_python_calls_beyond_the_hand_written_call(n_devices):
+    """A batch given to ``run`` itself (not an ``input_fn``) takes the steady path too."""
+    repl = rp.Replicator(1, n_devices)
+    batches = _forever(n_devices)(None)
+    holder = {"state": repl.broadcast_state([np.zeros((), np.float32)])}
+
+    def call() -> Any:
+        holder["state"], _ = repl.run(_step, next(batches), holder["state"])
+        return holder["state"]
+
+    replicator_calls, by_function = _calls_per_step(call)
+    hand_calls, _ = _calls_per_step(_hand_written(n_devices, repl.mesh))
+    extra = replicator_calls - hand_calls
+    assert extra <= MAX_EXTRA_CALLS, f"run makes {extra} Python calls per step more than the hand call: {by_function}"
+
+
 def test_a_repeated_step_takes_the_jitted_functions_cpp_fast_path(n_devices):
     """No Python frame of jax's jit machinery (``pjit.py``: its cache-miss fallback) runs in a steady-state step."""
     repl = rp.Replicator(1, n_devices)
@@ -353,6 +369,25 @@ def test_steady_steps_check_the_replicas_agree_every_k_steps(n_devices, monkeypa
     for _ in range(6):
         loop()
     assert checked == [1, 1, 1]
+
+
+def test_the_returned_arrays_in_another_structure_are_traced_for_it(n_devices):
+    """The state's arrays as the last call returned them, but in a tuple where it returned a list: the step is
+    traced for the tuple and returns one."""
+
+    def step(state, batch):
+        m = rp.all_mean(jnp.mean(batch["x0"]))
+        return jax.tree.map(lambda s: s + m, state), {"m": m}
+
+    repl = rp.Replicator(1, n_devices)
+    input_fn = _forever(n_devices)
+    mean = float(np.mean(_rows(n_devices)))
+    state = repl.broadcast_state([np.zeros((), np.float32)])
+    for _ in range(3):
+        state, _ = repl.run(step, input_fn, state)
+    new, _ = repl.run(step, input_fn, tuple(state))
+    assert isinstance(new, tuple) and repl.trace_count == 2
+    np.testing.assert_allclose(float(new[0]), 4 * mean, rtol=1e-6)
 
 
 def test_a_state_of_another_shape_after_steady_steps_is_traced_for_its_shape(n_devices):

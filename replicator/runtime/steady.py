@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -72,31 +72,28 @@ class SteadyStep:
         ``input_fn`` argument), is the steady one, else None (a batch drawn from an ``input_fn`` is then left
         first in line for the general path, as a prefetched one)."""
         if self.input_fn is None:  # a batch given to run expected (JAX would warn on flattening an iterator)
-            if callable(data) or isinstance(data, Iterator):
+            if callable(data) or hasattr(data, "__next__"):  # an input_fn, an iterator
                 return None
         elif self.input_fn() is not data:
             return None
         leaves, treedef = _flatten(state)
         returned = self.returned
-        if (
-            treedef != returned.treedef
-            or len(leaves) != len(returned.arrays)
-            or not all(map(operator.is_, map(_deref, returned.arrays), leaves))
-        ):
+        # The same structure (so as many leaves: a steady step has no static ones) and the same arrays.
+        if treedef != returned.treedef or not all(map(operator.is_, map(_deref, returned.arrays), leaves)):
             return None
         if self.inputs is None:  # the batch itself
-            inputs, batches = None, None
+            inputs = None
             batch_leaves, batch_def = _flatten(data)
         else:
             inputs = self.inputs()  # none pending: a steady step is recorded only after a call without prefetch
             if inputs is None:
                 return None
             try:  # inputs.next_batches(), inline: one local worker
-                batches = [next(inputs.iterators[0])]
+                drawn = next(inputs.iterators[0])
             except StopIteration:
                 raise inputs.exhausted(inputs.contexts[0]) from None
             inputs.steps += 1
-            batch_leaves, batch_def = _flatten(batches[0])
+            batch_leaves, batch_def = _flatten(drawn)
         key = self.batch_key  # NumPy arrays of the recorded structure, shapes and dtypes
         if (
             set(map(type, batch_leaves)) <= _NUMPY_ONLY
@@ -107,5 +104,5 @@ class SteadyStep:
                 inputs.taken += 1
             return leaves, batch_leaves
         if inputs is not None:  # drawn: the general path takes it, checks it
-            inputs.pending.appendleft(Batch(batches))
+            inputs.pending.appendleft(Batch([drawn]))
         return None
