@@ -17,7 +17,7 @@ import replicator as rp
 from replicator.stages import StageSplitError
 from replicator.stages.replicas import pipeline_mesh
 from tests.stages.test_gpipe import VOCAB, four_stages_tied, params, three_stages, two_stages
-from tests.stages.test_train import STEPS, _assert_close, _reference
+from tests.stages.test_train import STEPS, _assert_close, _assert_like_one_device
 
 ROWS = 32
 
@@ -58,10 +58,7 @@ def test_replicated_pipeline_matches_one_device(workers, cores, stages, m, loss,
         for _ in range(STEPS):
             state, value = repl.run_pipelined(loss, opt, (ids, y), state)
             values.append(value)
-    want_p, want_state, want_values = _reference(loss, opt, p, ids, y)
-    _assert_close(state[0], want_p)
-    _assert_close(state[1], want_state)
-    np.testing.assert_allclose(values, want_values, rtol=1e-5)
+    _assert_like_one_device(*state, loss, opt, p, ids, y, values=values)
 
 
 def test_each_replica_runs_its_own_rows():

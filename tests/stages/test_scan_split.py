@@ -17,7 +17,7 @@ import pytest
 import replicator as rp
 from replicator.stages import StageSplitError, split_scan, split_stages
 from replicator.stages.train import pipeline_train_step
-from tests.stages.test_train import STEPS, _assert_close, _reference
+from tests.stages.test_train import STEPS, _assert_close, _assert_like_one_device, _train
 from tests.stages.test_user_step import _one_device, make_step
 
 LAYERS, DIM, ROWS = 8, 6, 32
@@ -156,14 +156,8 @@ def test_three_adam_steps_match_one_device(model, stages, schedule):
     train = pipeline_train_step(
         split_scan(loss, stages), opt, num_microbatches=4, schedule=schedule, devices=jax.devices()[:stages]
     )
-    got_p, state, values = p, opt.init(p), []
-    for _ in range(STEPS):
-        got_p, state, value = train(got_p, state, x, y)
-        values.append(value)
-    want_p, want_state, want_values = _reference(loss, opt, p, x, y)
-    _assert_close(got_p, want_p)
-    _assert_close(state, want_state)
-    np.testing.assert_allclose(values, want_values, rtol=1e-5)
+    got_p, state, values = _train(train, opt, p, x, y)
+    _assert_like_one_device(got_p, state, loss, opt, p, x, y, values=values)
 
 
 @pytest.mark.parametrize("model, stages, m", [("lax.scan", 2, 2), ("nn.scan", 4, 4)], ids=["lax.scan-S2", "nn.scan-S4"])

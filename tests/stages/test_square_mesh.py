@@ -66,22 +66,31 @@ def _groups(stage: int) -> tuple[str, str]:
     return ("cores", "workers") if stage % 2 == 0 else ("workers", "cores")
 
 
-def group_norm_loss(stages: int) -> Callable:
-    """A layer per stage, each normalised with a mean over one group and a variance over the other."""
+def _stacked_loss(stages: int, after: Callable[[jax.Array, int], jax.Array]) -> Callable:
+    """A ``tanh`` layer per stage, ``after(h, stage)`` applied to its output, a boundary between stages, and a
+    squared error of a linear head."""
 
     def loss(p, x, y):
         h = x
         for s in range(stages):
             if s:
                 h = rp.stage_boundary(h)
-            h = jnp.tanh(h @ p[f"w{s}"])
-            first, second = _groups(s)
-            mu = rp.all_mean(jnp.mean(h, 0), group=first)
-            var = rp.all_mean(jnp.mean((h - mu) ** 2, 0), group=second)
-            h = (h - mu) / jnp.sqrt(var + 0.5)
+            h = after(jnp.tanh(h @ p[f"w{s}"]), s)
         return jnp.mean((h @ p["head"] - y) ** 2)
 
     return loss
+
+
+def _group_norm(h: jax.Array, stage: int) -> jax.Array:
+    first, second = _groups(stage)
+    mu = rp.all_mean(jnp.mean(h, 0), group=first)
+    var = rp.all_mean(jnp.mean((h - mu) ** 2, 0), group=second)
+    return (h - mu) / jnp.sqrt(var + 0.5)
+
+
+def group_norm_loss(stages: int) -> Callable:
+    """A layer per stage, each normalised with a mean over one group and a variance over the other."""
+    return _stacked_loss(stages, _group_norm)
 
 
 def _group_mean(stat: jax.Array, group: str) -> jax.Array:
@@ -263,16 +272,7 @@ def test_all_gather_over_a_group_in_a_pipelined_loss_is_refused():
 
 def plain_loss(stages: int) -> Callable:
     """Per-row layers, a mean over rows: one device's loss on the global batch is the replicas' mean."""
-
-    def loss(p, x, y):
-        h = x
-        for s in range(stages):
-            if s:
-                h = rp.stage_boundary(h)
-            h = jnp.tanh(h @ p[f"w{s}"])
-        return jnp.mean((h @ p["head"] - y) ** 2)
-
-    return loss
+    return _stacked_loss(stages, lambda h, stage: h)
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])

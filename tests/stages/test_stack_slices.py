@@ -19,7 +19,7 @@ from replicator.stages.lower import _Packing
 from replicator.stages.rows import RowPacker, RowUnpacker
 from replicator.stages.train import pipeline_train_step
 from tests.stages.test_scan_split import DIM, LAYERS, MODELS, batch, plain_loss, plain_params
-from tests.stages.test_train import STEPS, _assert_close, _reference
+from tests.stages.test_train import STEPS, _assert_close, _assert_like_one_device, _reference, _train
 
 FLOAT = 4  # bytes
 
@@ -102,14 +102,10 @@ def test_overlapping_or_non_leading_axis_slices_stay_tied(loss):
     assert 2 in split.tied(3)  # outputs: the loss, head's gradient, stack's: a sum across the stages
     opt = optax.adam(1e-2)
     train = pipeline_train_step(loss, opt, num_microbatches=2, devices=jax.devices()[:2])
-    got_p, state = p, opt.init(p)
-    for _ in range(STEPS):
-        got_p, state, _ = train(got_p, state, x, y)
+    got_p, state, _ = _train(train, opt, p, x, y)
     assert train.held(p)["stack"] == (0, 1)
     assert train.built(p, x, y).partitions == {}  # each stage keeps the whole leaf
-    want_p, want_state, _ = _reference(loss, opt, p, x, y)
-    _assert_close(got_p, want_p)
-    _assert_close(state, want_state)
+    _assert_like_one_device(got_p, state, loss, opt, p, x, y)
 
 
 def test_a_users_own_consecutive_slices_are_a_partition():
@@ -118,12 +114,8 @@ def test_a_users_own_consecutive_slices_are_a_partition():
     assert {i: part.pieces for i, part in split.partitioned(2).items()} == {1: ((0, 0, 3), (1, 3, LAYERS))}
     opt = optax.adam(1e-2)
     train = pipeline_train_step(_disjoint_slices, opt, num_microbatches=2, devices=jax.devices()[:2])
-    got_p, state = p, opt.init(p)
-    for _ in range(STEPS):
-        got_p, state, _ = train(got_p, state, x, y)
-    want_p, want_state, _ = _reference(_disjoint_slices, opt, p, x, y)
-    _assert_close(got_p, want_p)
-    _assert_close(state, want_state)
+    got_p, state, _ = _train(train, opt, p, x, y)
+    _assert_like_one_device(got_p, state, _disjoint_slices, opt, p, x, y)
 
 
 # ----------------------------------------------------------------------------
@@ -149,16 +141,10 @@ def test_pipeline_train_step_of_a_partitioned_stack_matches_one_device(model, st
         devices=jax.devices()[:stages],
         recompute=recompute,
     )
-    got_p, state, values = p, opt.init(p), []
-    for _ in range(STEPS):  # global shapes in and out, every step
-        got_p, state, value = train(got_p, state, x, y)
-        values.append(value)
+    got_p, state, values = _train(train, opt, p, x, y)
     assert len(train.built(p, x, y).partitions) == (1 if model == "lax.scan" else 2)
-    want_p, want_state, want_values = _reference(loss, opt, p, x, y)
-    assert jax.tree.map(np.shape, got_p) == jax.tree.map(np.shape, want_p)  # the whole stack, joined back
-    _assert_close(got_p, want_p)
-    _assert_close(state, want_state)
-    np.testing.assert_allclose(values, want_values, rtol=1e-5)
+    assert jax.tree.map(np.shape, got_p) == jax.tree.map(np.shape, p)  # the whole stack, joined back
+    _assert_like_one_device(got_p, state, loss, opt, p, x, y, values=values)
 
 
 @pytest.mark.parametrize(
@@ -177,10 +163,7 @@ def test_run_pipelined_of_an_unmarked_stack_matches_one_device(model, stages, sc
         values.append(value)
     built = repl.pipelined.step_for(loss, opt).built(p, x, y)
     assert len(built.partitions) == (1 if model == "lax.scan" else 2)
-    want_p, want_state, want_values = _reference(loss, opt, p, x, y)
-    _assert_close(state[0], want_p)
-    _assert_close(state[1], want_state)
-    np.testing.assert_allclose(values, want_values, rtol=1e-5)
+    _assert_like_one_device(*state, loss, opt, p, x, y, values=values)
 
 
 # ----------------------------------------------------------------------------

@@ -29,6 +29,24 @@ def _reference(loss, optimizer, p, ids, y):
     return p, state, values
 
 
+def _train(train, optimizer, p, *batch):
+    """``STEPS`` steps of ``train`` from ``p`` (global shapes in and out, every step): params, state, losses."""
+    got_p, state, values = p, optimizer.init(p), []
+    for _ in range(STEPS):
+        got_p, state, value = train(got_p, state, *batch)
+        values.append(value)
+    return got_p, state, values
+
+
+def _assert_like_one_device(got_p, got_state, loss, optimizer, p, *batch, values=None):
+    """Parameters and optimizer state (and the losses, if given) equal one device's ``STEPS`` steps."""
+    want_p, want_state, want_values = _reference(loss, optimizer, p, *batch)
+    _assert_close(got_p, want_p)
+    _assert_close(got_state, want_state)
+    if values is not None:
+        np.testing.assert_allclose(values, want_values, rtol=1e-5)
+
+
 def _assert_close(got, want, tol=5e-5):
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
@@ -48,14 +66,8 @@ def test_three_adam_steps_match_one_device(loss, stages, m, schedule):
     ids, y = batch()
     opt = optax.adam(1e-2)
     train = pipeline_train_step(loss, opt, num_microbatches=m, schedule=schedule, devices=jax.devices()[:stages])
-    got_p, state, values = p, opt.init(p), []
-    for _ in range(STEPS):  # global shapes in and out, every step
-        got_p, state, value = train(got_p, state, ids, y)
-        values.append(value)
-    want_p, want_state, want_values = _reference(loss, opt, p, ids, y)
-    _assert_close(got_p, want_p)
-    _assert_close(state, want_state)
-    np.testing.assert_allclose(values, want_values, rtol=1e-5)
+    got_p, state, values = _train(train, opt, p, ids, y)
+    _assert_like_one_device(got_p, state, loss, opt, p, ids, y, values=values)
 
 
 def test_state_lives_on_its_stage():
