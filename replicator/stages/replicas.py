@@ -34,7 +34,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from replicator.stages.lower import STAGE_AXIS, ring_slots
-from replicator.stages.scan_split import split_scan
 from replicator.stages.schedule import schedule_stats
 from replicator.stages.split import BACKWARD, FORWARD
 from replicator.stages.train import DATA_AXES, PipelineTrainStep, _Built, _micro_batches, check_zero_stage
@@ -396,7 +395,7 @@ class PipelinedReplicas:
         key = (id(loss_fn), id(optimizer))
         if key not in self._steps:  # the functions are kept alive with their step, so ids stay theirs
             step = PipelineTrainStep(
-                split_scan(loss_fn, self.stages, unmarked_only=True),  # no markers: the scanned stack, cut in S
+                loss_fn,
                 optimizer,
                 num_microbatches=self.microbatches,
                 schedule=self.schedule,
@@ -443,7 +442,7 @@ class PipelinedReplicas:
         )
         if key not in self._user_steps:  # step_fn kept alive with its step, so its id stays its own
             built = PipelinedStep(
-                split_scan(step_fn, self.stages, unmarked_only=True),  # no markers: the scanned stack, cut in S
+                step_fn,
                 state,
                 batch,
                 self.mesh,

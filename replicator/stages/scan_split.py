@@ -77,7 +77,7 @@ from replicator.core.jaxprs import iter_eqns, sub_jaxprs
 from replicator.core.primitives import stage_boundary, stage_boundary_p
 from replicator.stages.split import StageSplitError
 
-__all__ = ["split_scan"]
+__all__ = ["split_scan", "traced_in_stages"]
 
 #: The named scope that tags top-level call ``k`` in the deciding trace.
 _SCOPE = "replicator_split_scan_"
@@ -290,6 +290,18 @@ def _decide(
         f"{num_stages} stages ({listed(candidates)}); pass index=k (the k-th, as numbered here) to say which "
         "one is the stack of layers, or mark the stage boundaries with rp.stage_boundary."
     )
+
+
+def traced_in_stages(trace: Callable[[Callable], Any], fn: Callable, num_stages: int) -> Any:
+    """``trace(fn)`` (a ``ClosedJaxpr``, or a tuple that starts with one), or, where that holds no
+    ``rp.stage_boundary`` and ``num_stages > 1``, ``trace(split_scan(fn, num_stages))``: an unmarked step's
+    scanned stack cut into the stages asked for. A marked step is traced once; an unmarked one three times
+    (``split_scan`` decides on a trace of its own)."""
+    traced = trace(fn)
+    closed = traced[0] if isinstance(traced, tuple) else traced
+    if num_stages > 1 and not any(e.primitive is stage_boundary_p for e in iter_eqns(closed.jaxpr)):
+        traced = trace(split_scan(fn, num_stages))
+    return traced
 
 
 def split_scan(fn: Callable, num_stages: int, *, index: int | None = None, unmarked_only: bool = False) -> Callable:

@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.extend.core import ClosedJaxpr
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -62,6 +63,7 @@ from replicator.core.jaxprs import iter_eqns
 from replicator.stages.lower import STAGE_AXIS, OutputLayout, _Packing, _shapes, tick_loop
 from replicator.stages.programs import DATA_AXES, check_collectives, stage_programs
 from replicator.stages.rows import LastRows, RowPacker, RowUnpacker
+from replicator.stages.scan_split import traced_in_stages
 from replicator.stages.schedule import Schedule, make_schedule
 from replicator.stages.split import StageSplitError, split_stages
 
@@ -79,16 +81,21 @@ class _Built:
             raise TypeError("pipeline_train_step: pass the parameters as a pytree (a dict, a list), not one array.")
         micro = _micro_batches(batch, m, replicas)
         batch_def = jax.tree.structure(batch)
-        loss, param_def = owner.loss, self.param_def
-
-        def one(param_leaves: list, batch_leaves: list) -> Any:
-            return jax.value_and_grad(loss)(param_def.unflatten(param_leaves), *batch_def.unflatten(batch_leaves))
-
-        # Traced on shapes alone: an argument placed on a mesh must not carry its sharding into the programs.
-        # Inside the data-parallel replicas' context: the user's collectives (batch norm) are theirs.
+        param_def = self.param_def
         data = (1, 1) if owner.mesh is None else tuple(owner.mesh.shape[a] for a in DATA_AXES)
-        with replica_context(ReplicaContext(*data)):
-            closed = jax.make_jaxpr(one)(_shapes(param_leaves), _shapes([x[0, 0] for x in micro]))
+
+        def trace(loss: Callable) -> ClosedJaxpr:
+            def one(param_leaves: list, batch_leaves: list) -> Any:
+                params, batch_args = param_def.unflatten(param_leaves), batch_def.unflatten(batch_leaves)
+                return jax.value_and_grad(loss)(params, *batch_args)
+
+            # Traced on shapes alone: an argument placed on a mesh must not carry its sharding into the programs.
+            # Inside the data-parallel replicas' context: the user's collectives (batch norm) are theirs.
+            with replica_context(ReplicaContext(*data)):
+                return jax.make_jaxpr(one)(_shapes(param_leaves), _shapes([x[0, 0] for x in micro]))
+
+        # On a mesh of S stages, an unmarked loss's scanned stack is cut into them (split_scan).
+        closed = traced_in_stages(trace, owner.loss, 1 if owner.mesh is None else owner.mesh.shape[STAGE_AXIS])
         split = split_stages(closed, first_batch=len(param_leaves))
         check_collectives(split.jaxpr)
         stages = split.num_stages

@@ -42,7 +42,7 @@ update that reads another stage's state is refused at trace time, naming the lea
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -59,6 +59,7 @@ from replicator.core.primitives import PLACEHOLDERS
 from replicator.stages.lower import STAGE_AXIS, OutputLayout, _Packing, _shapes, tick_loop
 from replicator.stages.programs import DATA_AXES, _run, check_collectives, stage_programs
 from replicator.stages.rows import LastRows, RowPacker, RowUnpacker
+from replicator.stages.scan_split import traced_in_stages
 from replicator.stages.schedule import make_schedule
 from replicator.stages.split import UPDATE, StageSplitError, split_stages
 from replicator.stages.train import _micro_batches, _user_stacklevel
@@ -122,13 +123,18 @@ class PipelinedStep:
         micro = self.micro_leaves(batch)
         state_def = self.state_def
 
-        def one(state_leaves: list, batch_leaves: list) -> Any:
-            return step_fn(state_def.unflatten(state_leaves), batch_def.unflatten(batch_leaves))
-
         data = tuple(mesh.shape[a] for a in DATA_AXES)
-        with replica_context(ReplicaContext(*data)):
-            closed = jax.make_jaxpr(one, return_shape=True)(_shapes(state_leaves), _shapes([x[0, 0] for x in micro]))
-        closed, out_shape = closed
+
+        def trace(step_fn: Callable) -> tuple[ClosedJaxpr, Any]:
+            def one(state_leaves: list, batch_leaves: list) -> Any:
+                return step_fn(state_def.unflatten(state_leaves), batch_def.unflatten(batch_leaves))
+
+            with replica_context(ReplicaContext(*data)):
+                shapes = (_shapes(state_leaves), _shapes([x[0, 0] for x in micro]))
+                return jax.make_jaxpr(one, return_shape=True)(*shapes)
+
+        # An unmarked step's scanned stack is cut into the mesh's stages (split_scan).
+        closed, out_shape = traced_in_stages(trace, step_fn, mesh.shape[STAGE_AXIS])
         if not (isinstance(out_shape, tuple) and len(out_shape) == 2):
             raise TypeError(f"step_fn must return (new_state, outputs); {SUPPORTED}.")
         if jax.tree.structure(out_shape[0]) != state_def:
