@@ -32,6 +32,7 @@ device here (placing them per stage is the update phase, a later increment).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,6 +43,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from replicator.stages.packing import Packing, Slots
 from replicator.stages.programs import StagePrograms, stage_programs
 from replicator.stages.schedule import BACKWARD, FORWARD, IDLE, Schedule, make_schedule
 from replicator.stages.split import StageSplitError, split_stages
@@ -49,46 +51,6 @@ from replicator.stages.split import StageSplitError, split_stages
 __all__ = ["STAGE_AXIS", "OutputLayout", "pipeline_value_and_grad", "ring_slots", "tick_loop"]
 
 STAGE_AXIS = "stages"
-
-
-class _Packing:
-    """Lists of arrays of different avals, one per stage, as one flat buffer per dtype (padded to the largest,
-    and up to a multiple of ``multiple``: a row split in that many equal chunks, as ZeRO splits it)."""
-
-    def __init__(self, layouts: Sequence[Sequence[Any]], multiple: int = 1):
-        self.layouts = [list(layout) for layout in layouts]
-        sizes: dict[Any, int] = {}
-        for layout in self.layouts:
-            per: dict[Any, int] = {}
-            for aval in layout:
-                per[aval.dtype] = per.get(aval.dtype, 0) + int(np.prod(aval.shape, dtype=np.int64))
-            for dtype, n in per.items():
-                sizes[dtype] = max(sizes.get(dtype, 0), n)
-        sizes = {dtype: -(-n // multiple) * multiple for dtype, n in sizes.items()}
-        self.sizes = dict(sorted(sizes.items(), key=lambda kv: str(kv[0])))
-
-    def zeros(self, lead: tuple[int, ...] = ()) -> dict:
-        return {str(d): jnp.zeros((*lead, n), d) for d, n in self.sizes.items()}
-
-    def pack(self, stage: int, values: Sequence[Any]) -> dict:
-        parts: dict[Any, list] = {d: [] for d in self.sizes}
-        for aval, value in zip(self.layouts[stage], values, strict=True):
-            parts[aval.dtype].append(jnp.ravel(value).astype(aval.dtype))
-        out = {}
-        for dtype, n in self.sizes.items():
-            flat = jnp.concatenate(parts[dtype]) if parts[dtype] else jnp.zeros((0,), dtype)
-            out[str(dtype)] = jnp.pad(flat, (0, n - flat.shape[0]))
-        return out
-
-    def unpack(self, stage: int, buffers: dict) -> list:
-        offsets = dict.fromkeys(self.sizes, 0)
-        values = []
-        for aval in self.layouts[stage]:
-            n = int(np.prod(aval.shape, dtype=np.int64))
-            start = offsets[aval.dtype]
-            values.append(buffers[str(aval.dtype)][start : start + n].reshape(aval.shape))
-            offsets[aval.dtype] = start + n
-        return values
 
 
 def pipeline_value_and_grad(
@@ -244,25 +206,41 @@ class OutputLayout:
         owned = {p for positions in self.own for p in positions}
         self.shared = [p for p in sorted(readers) if p not in owned]
         self.out_avals = list(out_avals)
-        self.packing = _Packing(
-            [[programs[s].sliced.get(p, out_avals[p]) for p in positions] for s, positions in enumerate(self.own)]
-        )
+        avals = [[programs[s].sliced.get(p, out_avals[p]) for p in positions] for s, positions in enumerate(self.own)]
+        # Own outputs that line up across the stages (a balanced stack's gradients) accumulate in slots, as
+        # they are; the rest in a packed row.
+        self.slots = Slots(avals)
+        self.rest = [[k for k in range(len(mine)) if k not in self.slots.of[s]] for s, mine in enumerate(avals)]
+        self.packing = Packing([[avals[s][k] for k in rest] for s, rest in enumerate(self.rest)])
 
-    def split(self, stage: int, outputs: Sequence[Any]) -> tuple[dict, list]:
-        """One stage's outputs (every position, as its programs return them) as its own row and the shared."""
-        own = _pad(self.packing.pack(stage, [outputs[p] for p in self.own[stage]]), self.sizes)
-        return own, [outputs[p] for p in self.shared]
+    def split(self, stage: int, outputs: Sequence[Any]) -> tuple[tuple[dict, list], list]:
+        """One stage's outputs (every position, as its programs return them) as its own (a row and the slots)
+        and the shared."""
+        own = [outputs[p] for p in self.own[stage]]
+        row = _pad(self.packing.pack(stage, [own[k] for k in self.rest[stage]]), self.sizes)
+        return (row, self.slots.take(stage, own)), [outputs[p] for p in self.shared]
 
     @property
     def sizes(self) -> dict[str, int]:
         return {str(d): n for d, n in self.packing.sizes.items()}
 
-    def values(self, stage: int, own: dict, shared: Sequence[Any]) -> list:
+    def zeros(self) -> tuple[tuple[dict, list], list]:
+        """Nothing accumulated yet, as :meth:`split` lays it out."""
+        row = {key: jnp.zeros((n,), jnp.dtype(key)) for key, n in self.sizes.items()}
+        return (row, self.slots.zeros()), [
+            jnp.zeros(self.out_avals[p].shape, self.out_avals[p].dtype) for p in self.shared
+        ]
+
+    def values(self, stage: int, own: tuple[dict, list], shared: Sequence[Any]) -> list:
         """Every output position as ``stage`` sees it after the loop: its own and the shared values, zeros for
         the outputs it does not read."""
         out = [jnp.zeros(a.shape, a.dtype) for a in self.out_avals]
-        for p, value in zip(self.own[stage], self.packing.unpack(stage, own), strict=True):
-            out[p] = value
+        row, slots = own
+        mine = self.own[stage]
+        for k, value in zip(self.rest[stage], self.packing.unpack(stage, row), strict=True):
+            out[mine[k]] = value
+        for k, slot in self.slots.of[stage].items():
+            out[mine[k]] = slots[slot]
         for p, value in zip(self.shared, shared, strict=True):
             out[p] = value
         return out
@@ -276,6 +254,7 @@ def tick_loop(
     *,
     recompute: bool = False,
     layout: OutputLayout | None = None,
+    prepare: Callable[[Any, jax.Array], Any] | None = None,
 ) -> Callable[[Any, list], Any]:
     """The loop of ``table``'s ticks, to call inside ``shard_map`` over :data:`STAGE_AXIS`.
 
@@ -283,6 +262,9 @@ def tick_loop(
       programs: every stage's programs; table: the schedule; out_avals: the step's outputs.
       params_of: ``(stage, params) -> parameter leaves`` as that stage's programs read them (its inputs before
         the micro-batch), called inside that stage's branches; default: ``params`` is that list already.
+      prepare: ``(params, stage) -> params``, run once before the loop, outside the stages' switch (what every
+        tick's branch would otherwise slice out again: :class:`~replicator.stages.packing.RowReader`); ``stage``
+        is the device's, traced. ``params_of`` reads its result.
       recompute: the stash keeps each stage's received boundary values instead of its residuals, and the
         backward branch runs the stage's forward again on them first (recomputation from the boundaries).
       layout: accumulate each output where it is read (:class:`OutputLayout`); then the loop returns
@@ -295,14 +277,14 @@ def tick_loop(
     """
     stages, m = table.num_stages, table.num_microbatches
     params_of = params_of or (lambda stage, params: params)
-    received = _Packing([p.received for p in programs])
-    messages = _union_sizes(_Packing([p.sent for p in programs]), received)
-    received_ct = _Packing([p.received_ct for p in programs])
-    messages_ct = _union_sizes(_Packing([p.sent_ct for p in programs]), received_ct)
+    received = Packing([p.received for p in programs])
+    messages = _union_sizes(Packing([p.sent for p in programs]), received)
+    received_ct = Packing([p.received_ct for p in programs])
+    messages_ct = _union_sizes(Packing([p.sent_ct for p in programs]), received_ct)
     # The stash: each micro-batch's residuals, or with recomputation only what the stage received.
-    residuals = _Packing([p.received if recompute else p.residuals for p in programs])
-    sent_pack = _Packing([p.sent for p in programs])
-    sent_ct_pack = _Packing([p.sent_ct for p in programs])
+    residuals = Packing([p.received if recompute else p.residuals for p in programs])
+    sent_pack = Packing([p.sent for p in programs])
+    sent_ct_pack = Packing([p.sent_ct for p in programs])
     slots = ring_slots(table)
     forward_to = [(s, s + 1) for s in range(stages - 1)]
     backward_to = [(s + 1, s) for s in range(stages - 1)]
@@ -310,47 +292,46 @@ def tick_loop(
     def zeros(sizes: dict[str, int]) -> dict:
         return {key: jnp.zeros((n,), jnp.dtype(key)) for key, n in sizes.items()}
 
+    # What a forward adds to (the loss): accumulated apart, small; a backward adds to the rest (the gradients).
+    forward_positions = sorted({q for p in programs for q in p.forward_outputs})
+
     def no_outputs() -> Any:
-        if layout is None:
-            return [jnp.zeros(a.shape, a.dtype) for a in out_avals]
-        return zeros(layout.sizes), [jnp.zeros(out_avals[p].shape, out_avals[p].dtype) for p in layout.shared]
-
-    def accumulated(stage: int, total: Any, outputs: list) -> Any:
-        # Inside the branch that computes them: an idle tick adds nothing. A forward branch's gradient
-        # positions are zero constants, but XLA does not fold their packed row (a concatenation of zeros)
-        # away: it still adds a zero row (BENCHMARKS.md, "Pipeline parallelism").
-        return jax.tree.map(jnp.add, total, outputs if layout is None else layout.split(stage, outputs))
-
-    def nothing(params: Any, batch: list, got: dict, got_ct: dict, kept: dict, total: Any) -> tuple:
-        del params, batch, got, got_ct, kept
-        return zeros(messages), zeros(messages_ct), residuals.zeros(), total
+        return [jnp.zeros(a.shape, a.dtype) for a in out_avals] if layout is None else layout.zeros()
 
     def forward(p: StagePrograms) -> Callable:
-        def branch(params: Any, batch: list, got: dict, got_ct: dict, kept: dict, total: Any) -> tuple:
-            del got_ct, kept
+        def branch(params: Any, batch: list, got: dict) -> tuple:
             inputs = [*params_of(p.stage, params), *batch]
             got_values = received.unpack(p.stage, got)
             out, new, outputs = p.forward(inputs, got_values)
             sent = _pad(sent_pack.pack(p.stage, out), messages)
             stashed = residuals.pack(p.stage, got_values if recompute else new)
-            return sent, zeros(messages_ct), stashed, accumulated(p.stage, total, outputs)
+            return sent, stashed, [outputs[q] for q in forward_positions]
 
         return branch
 
     def backward(p: StagePrograms) -> Callable:
-        def branch(params: Any, batch: list, got: dict, got_ct: dict, kept: dict, total: Any) -> tuple:
-            del got
+        def branch(params: Any, batch: list, got_ct: dict, kept: dict) -> tuple:
             inputs = [*params_of(p.stage, params), *batch]
             kept_values = residuals.unpack(p.stage, kept)
             if recompute:  # the forward again, from the stashed boundary inputs; its outputs were counted then
                 _, kept_values, _ = p.forward(inputs, kept_values)
             out, outputs = p.backward(inputs, kept_values, received_ct.unpack(p.stage, got_ct))
             sent = _pad(sent_ct_pack.pack(p.stage, out), messages_ct)
-            return zeros(messages), sent, residuals.zeros(), accumulated(p.stage, total, outputs)
+            return sent, outputs if layout is None else layout.split(p.stage, outputs)
 
         return branch
 
-    branches = [nothing, *(forward(p) for p in programs), *(backward(p) for p in programs)]
+    forward_branches = [forward(p) for p in programs]
+    backward_branches = [backward(p) for p in programs]
+
+    def add_forward(stage: int, total: Any, added: list) -> Any:
+        """``total`` (laid out) plus the forward's outputs ``added`` (at ``forward_positions``) of ``stage``."""
+        avals = [programs[stage].sliced.get(q, a) for q, a in enumerate(out_avals)]  # a slice: its own aval
+        outputs = [jnp.zeros(a.shape, a.dtype) for a in avals]
+        for q, value in zip(forward_positions, added, strict=True):
+            outputs[q] = value
+        return jax.tree.map(jnp.add, total, outputs if layout is None else layout.split(stage, outputs))
+
     # Each stage's row, and its neighbours' (what arrives after the tick), as constants of the program.
     kind = np.asarray(table.kind, np.int32)
     micro = np.asarray(table.micro, np.int32)
@@ -375,18 +356,42 @@ def tick_loop(
 
     def loop(params: Any, batch: list) -> list:
         s = lax.axis_index(STAGE_AXIS)
+        params = params if prepare is None else prepare(params, s)
 
         def tick(t: jax.Array, carry: tuple) -> tuple:
-            inbox, inbox_ct, stash, total = carry
+            inbox, inbox_ct, stash, total, forward_total = carry
             what, k = jnp.asarray(kind)[t, s], jnp.asarray(micro)[t, s]
-            index = jnp.where(what == FORWARD, 1 + s, jnp.where(what == BACKWARD, 1 + stages + s, 0))
-            got = {key: b[k % slots["inbox"]] for key, b in inbox.items()}
-            got_ct = {key: b[k % slots["inbox_ct"]] for key, b in inbox_ct.items()}
-            kept = {key: b[k % slots["stash"]] for key, b in stash.items()}
-            out, out_ct, new, total = lax.switch(
-                index, branches, params, [x[k] for x in batch], got, got_ct, kept, total
+            micro_batch = [x[k] for x in batch]
+
+            # A stage's forward, then its backward, each in a loop of 0 or 1 trips rather than a conditional: a
+            # loop updates what it carries in place (the stash, the gradients), where a conditional's outputs
+            # are new buffers copied into the carry on every tick, and an idle or forward tick would write
+            # zeros. Each loop reads the rings it carries: a ring sliced before the loop would be sunk into it
+            # and copied on every tick.
+            def forward_once(c: tuple) -> tuple:
+                _, inbox, stash, forward_total, _ = c
+                got = {key: b[k % slots["inbox"]] for key, b in inbox.items()}
+                sent, stashed, added = lax.switch(s, forward_branches, params, micro_batch, got)
+                stash = {key: b.at[k % slots["stash"]].set(stashed[key]) for key, b in stash.items()}
+                return jnp.zeros((), bool), inbox, stash, jax.tree.map(jnp.add, forward_total, added), sent
+
+            _, inbox, stash, forward_total, out = lax.while_loop(
+                lambda c: c[0], forward_once, (what == FORWARD, inbox, stash, forward_total, zeros(messages))
             )
-            stash = {key: _put(b, new[key], k % slots["stash"], what == FORWARD) for key, b in stash.items()}
+
+            # The forward's message goes through this loop too (a backward tick sends none: zeros), so its send
+            # waits for it: sent before, it would meet the neighbour's send before that stage's work (the
+            # neighbour runs a backward when this stage runs a forward) and serialize the two.
+            def backward_once(c: tuple) -> tuple:
+                _, total, _, inbox_ct, stash, _ = c
+                got_ct = {key: b[k % slots["inbox_ct"]] for key, b in inbox_ct.items()}
+                kept = {key: b[k % slots["stash"]] for key, b in stash.items()}
+                sent, added = lax.switch(s, backward_branches, params, micro_batch, got_ct, kept)
+                return jnp.zeros((), bool), jax.tree.map(jnp.add, total, added), sent, inbox_ct, stash, zeros(messages)
+
+            _, total, out_ct, inbox_ct, stash, out = lax.while_loop(
+                lambda c: c[0], backward_once, (what == BACKWARD, total, zeros(messages_ct), inbox_ct, stash, out)
+            )
             arrived = shifted(forward_sends, t, out, forward_to)
             arrived_ct = shifted(backward_sends, t, out_ct, backward_to)
             from_previous = jnp.asarray(previous_kind)[t, s] == FORWARD
@@ -395,19 +400,22 @@ def tick_loop(
             from_next = jnp.asarray(next_kind)[t, s] == BACKWARD
             slot_ct = jnp.asarray(next_micro)[t, s] % slots["inbox_ct"]
             inbox_ct = {key: _put(b, arrived_ct[key][: b.shape[1]], slot_ct, from_next) for key, b in inbox_ct.items()}
-            return inbox, inbox_ct, stash, total
+            return inbox, inbox_ct, stash, total, forward_total
 
         carry = (
             {key: jnp.zeros((slots["inbox"], n), jnp.dtype(key)) for key, n in messages.items()},
             {key: jnp.zeros((slots["inbox_ct"], n), jnp.dtype(key)) for key, n in messages_ct.items()},
             residuals.zeros((slots["stash"],)),
             no_outputs(),
+            [jnp.zeros(out_avals[q].shape, out_avals[q].dtype) for q in forward_positions],
         )
-        *_, total = lax.fori_loop(0, table.num_ticks, tick, carry)
+        *_, total, forward_total = lax.fori_loop(0, table.num_ticks, tick, carry)
+        adders = [functools.partial(add_forward, stage) for stage in range(stages)]
+        total = lax.switch(s, adders, total, forward_total)
         if layout is None:
             return [lax.psum(t, STAGE_AXIS) / m for t in total]
         own, shared = total
-        return {key: v / m for key, v in own.items()}, [lax.psum(t, STAGE_AXIS) / m for t in shared]
+        return jax.tree.map(lambda v: v / m, own), [lax.psum(t, STAGE_AXIS) / m for t in shared]
 
     return loop
 
@@ -431,7 +439,7 @@ def _pad(packed: dict, sizes: dict[str, int]) -> dict:
     return out
 
 
-def _union_sizes(a: _Packing, b: _Packing) -> dict[str, int]:
+def _union_sizes(a: Packing, b: Packing) -> dict[str, int]:
     sizes: dict[str, int] = {}
     for packing in (a, b):
         for dtype, n in packing.sizes.items():

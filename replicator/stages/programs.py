@@ -75,6 +75,8 @@ class StagePrograms:
         outputs it owns, and the cross-stage sums every stage adds to); its other outputs are always zeros.
       sliced: the outputs this stage returns only its slice of (a partitioned parameter's gradient), by
         position, with the slice's aval: the stage's own part, joined (not summed) with the other stages'.
+      forward_outputs: the positions of ``contributes`` that ``forward`` may add to (the loss; values the
+        forward computes); ``backward`` adds to the others, and returns zeros at these.
     """
 
     stage: int
@@ -87,6 +89,7 @@ class StagePrograms:
     sent_ct: tuple[Any, ...]
     contributes: tuple[int, ...] = ()
     sliced: dict[int, Any] = dataclasses.field(default_factory=dict)
+    forward_outputs: tuple[int, ...] = ()
 
 
 def _read(env: dict[Var, Any], atom: Any) -> Any:
@@ -295,6 +298,7 @@ def _programs_of(
         run_backward(env)
         return [_read(env, v) for v in sent_ct], outputs(env, BACKWARD)
 
+    contributes = tuple(i for i, o in enumerate(owner) if (o is None or o == stage) and i not in unread)
     return StagePrograms(
         stage=stage,
         forward=forward,
@@ -304,8 +308,13 @@ def _programs_of(
         residuals=tuple(v.aval for v in residuals),
         received_ct=tuple(v.aval for v in received_ct),
         sent_ct=tuple(v.aval for v in sent_ct),
-        contributes=tuple(i for i, o in enumerate(owner) if (o is None or o == stage) and i not in unread),
+        contributes=contributes,
         sliced={position: part.aval for position, part in sliced.items()},
+        forward_outputs=tuple(
+            i
+            for i in contributes
+            if i not in sliced and isinstance(jaxpr.outvars[i], Var) and phase_of.get(jaxpr.outvars[i]) == FORWARD
+        ),
     )
 
 

@@ -1,6 +1,6 @@
 """The state of a pipelined step as one packed row per stage, and back, without repacking what a step returned.
 
-A pipelined step keeps each stage's leaves in one flat buffer per dtype (its *row*, ``_Packing``), the rows
+A pipelined step keeps each stage's leaves in one flat buffer per dtype (its *row*, ``Packing``), the rows
 stacked on a ``'stages'``-sharded array. ``run`` takes and returns the state with its global shapes, so every
 call would unpack the new rows into leaves and pack them again on the next call: eager slicing of sharded
 arrays, many small dispatches (for an 8-layer MLP in 4 stages, about 10x the step itself). Here:
@@ -12,7 +12,7 @@ arrays, many small dispatches (for an 8-layer MLP in 4 stages, about 10x the ste
 * :class:`LastRows` remembers the rows a step returned with the leaves unpacked from them (weakly), so a call
   given exactly those leaves (``state = repl.run(step, batch, state)`` in a loop) reuses the rows as they are.
 
->>> packing = _Packing([[jax.ShapeDtypeStruct((2,), jnp.float32)], [jax.ShapeDtypeStruct((3,), jnp.float32)]])
+>>> packing = Packing([[jax.ShapeDtypeStruct((2,), jnp.float32)], [jax.ShapeDtypeStruct((3,), jnp.float32)]])
 >>> mesh = Mesh(np.array(jax.devices()[:2]).reshape(2, 1, 1), ("stages", "workers", "cores"))
 >>> rows = jax.device_put({"float32": jnp.array([[1.0, 2, 0], [3, 4, 5]])}, NamedSharding(mesh, P("stages")))
 >>> a, b = RowUnpacker(packing, layout=[[0], [1]], owners=[0, 1])(rows)
@@ -32,7 +32,7 @@ import numpy as np  # noqa: F401 - the docstring's example
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from replicator.stages.lower import _Packing
+from replicator.stages.packing import Packing
 
 __all__ = ["LastRows", "RowPacker", "RowUnpacker"]
 
@@ -51,7 +51,7 @@ class RowPacker:
 
     def __init__(
         self,
-        packing: _Packing,
+        packing: Packing,
         layout: Sequence[Sequence[int]],
         mesh: Mesh,
         spec: P | None = None,
@@ -106,7 +106,7 @@ class RowUnpacker:
 
     def __init__(
         self,
-        packing: _Packing,
+        packing: Packing,
         layout: Sequence[Sequence[int]],
         owners: Sequence[int],
         pieces: Mapping[int, Sequence[tuple[int, int, int]]] | None = None,

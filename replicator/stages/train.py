@@ -60,7 +60,8 @@ from jax.sharding import PartitionSpec as P
 from replicator._jax_compat import user_source_line
 from replicator.core.context import ReplicaContext, replica_context
 from replicator.core.jaxprs import iter_eqns
-from replicator.stages.lower import STAGE_AXIS, OutputLayout, _Packing, _shapes, tick_loop
+from replicator.stages.lower import STAGE_AXIS, OutputLayout, _shapes, tick_loop
+from replicator.stages.packing import Packing, RowReader
 from replicator.stages.programs import DATA_AXES, check_collectives, stage_programs
 from replicator.stages.rows import LastRows, RowPacker, RowUnpacker
 from replicator.stages.scan_split import traced_in_stages
@@ -132,7 +133,7 @@ class _Built:
         self.pieces = {i: part.pieces for i, part in self.partitions.items()}
         zero = self.zero_stage = owner.zero_stage
         # ZeRO splits each row in D equal chunks: its length a multiple of D (the padding is zeros, kept zero).
-        self.packing = _Packing(
+        self.packing = Packing(
             [[self.kept_aval(i, s) for i in layout] for s, layout in enumerate(self.layout)], replicas if zero else 1
         )
         table = make_schedule(owner.schedule, stages, m)
@@ -142,8 +143,15 @@ class _Built:
         self.outputs = OutputLayout(
             self.programs, closed.out_avals, [[0, *(1 + i for i in lay)] for lay in self.layout]
         )
+        reader = RowReader(self.packing, self.layout, self.avals)
         loop = tick_loop(
-            self.programs, table, closed.out_avals, self.params_of, recompute=owner.recompute, layout=self.outputs
+            self.programs,
+            table,
+            closed.out_avals,
+            reader.leaves,
+            recompute=owner.recompute,
+            layout=self.outputs,
+            prepare=reader.prepare,
         )
         optimizer = owner.optimizer
         packed_def = jax.tree.structure(self.packing.zeros((stages,)))
@@ -226,15 +234,6 @@ class _Built:
             return {k: v[None] for k, v in row.items()}, value
 
         return pack
-
-    def params_of(self, stage: int, params: dict) -> list:
-        """The parameter leaves as ``stage``'s programs read them, from its row ``params`` (``(1, n)`` each):
-        its own leaves (its slice of a partitioned one), zeros for the others (which it does not read)."""
-        mine = self.packing.unpack(stage, {k: v[0] for k, v in params.items()})
-        leaves = [jnp.zeros(a.shape, a.dtype) for a in self.avals]
-        for i, value in zip(self.layout[stage], mine, strict=True):
-            leaves[i] = value
-        return leaves
 
     def pack(self, tree: Any) -> dict:
         return self._packer(self.param_def.flatten_up_to(tree))

@@ -56,7 +56,8 @@ from jax.sharding import PartitionSpec as P
 from replicator._jax_compat import user_source_line
 from replicator.core.context import ReplicaContext, replica_context
 from replicator.core.primitives import PLACEHOLDERS
-from replicator.stages.lower import STAGE_AXIS, OutputLayout, _Packing, _shapes, tick_loop
+from replicator.stages.lower import STAGE_AXIS, OutputLayout, _shapes, tick_loop
+from replicator.stages.packing import Packing, RowReader
 from replicator.stages.programs import DATA_AXES, _run, check_collectives, stage_programs
 from replicator.stages.rows import LastRows, RowPacker, RowUnpacker
 from replicator.stages.scan_split import traced_in_stages
@@ -200,7 +201,7 @@ class PipelinedStep:
         self.held = [(state_stages[i] | fb_split.input_stages[i]) or everyone for i in range(n)]
         self.layout = [[i for i in range(n) if s in self.held[i]] for s in range(stages)]
         self.avals = [v.aval for v in flat.invars[:n]]
-        self.packing = _Packing([[self.avals[i] for i in layout] for layout in self.layout])
+        self.packing = Packing([[self.avals[i] for i in layout] for layout in self.layout])
         self.stages, self.mesh, self.recompute = stages, mesh, recompute
         paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
 
@@ -237,7 +238,16 @@ class PipelinedStep:
             read = {v for e in eqns for v in e.invars if isinstance(v, Var)} | set(wanted) | set(outputs)
             needed.append(sorted(position[v] for v in read if isinstance(v, Var) and v in position))
         self.outputs_layout = OutputLayout(programs, fb.out_avals, needed)
-        loop = tick_loop(programs, table, fb.out_avals, self.params_of, recompute=recompute, layout=self.outputs_layout)
+        reader = RowReader(self.packing, self.layout, self.avals)
+        loop = tick_loop(
+            programs,
+            table,
+            fb.out_avals,
+            reader.leaves,
+            recompute=recompute,
+            layout=self.outputs_layout,
+            prepare=reader.prepare,
+        )
         consts = dict(zip(flat.constvars, closed.consts, strict=True))
 
         def update(stage: int) -> Any:

@@ -15,7 +15,7 @@ import pytest
 
 import replicator as rp
 from replicator.stages import split_scan, split_stages
-from replicator.stages.lower import _Packing
+from replicator.stages.packing import Packing
 from replicator.stages.rows import RowPacker, RowUnpacker
 from replicator.stages.train import pipeline_train_step
 from tests.stages.test_scan_split import DIM, LAYERS, MODELS, batch, plain_loss, plain_params
@@ -208,7 +208,9 @@ def test_a_partitioned_gradient_is_each_stages_own_never_summed_across_stages(st
     assert built.outputs.shared == [0]  # only the loss is summed over the stages
     assert built.outputs.own == [[1]] * stages  # the stack's gradient: each stage's slice, on that stage
     assert [prog.sliced[1].shape for prog in built.programs] == [chunk] * stages
-    assert [lay[0].shape for lay in built.outputs.packing.layouts] == [chunk] * stages
+    # It accumulates with the slice's aval: in one slot (every stage has one such gradient), not the whole stack.
+    assert [a.shape for a in built.outputs.slots.avals] == [chunk]
+    assert built.outputs.slots.of == [{0: 0}] * stages
 
 
 @pytest.mark.parametrize("stages, zero_stage", [(2, 0), (4, 0), (2, 1), (4, 3)])
@@ -235,9 +237,7 @@ def test_rows_pack_each_stages_slice_and_unpack_the_joined_leaf():
     stack = np.arange(4 * 3, dtype=np.float32).reshape(4, 3)
     other = np.array([7.0, 8.0], np.float32)
     pieces = {0: ((0, 0, 1), (1, 1, 4))}  # stage 0: row 0; stage 1: rows 1-3
-    packing = _Packing(
-        [[jax.ShapeDtypeStruct((1, 3), jnp.float32)], [jax.ShapeDtypeStruct((3, 3), jnp.float32), other]]
-    )
+    packing = Packing([[jax.ShapeDtypeStruct((1, 3), jnp.float32)], [jax.ShapeDtypeStruct((3, 3), jnp.float32), other]])
     layout = [[0], [0, 1]]
     mesh = Mesh(np.array(jax.devices()[:2]).reshape(2, 1, 1), ("stages", "workers", "cores"))
     rows = RowPacker(packing, layout, mesh, pieces=pieces)([stack, other])
