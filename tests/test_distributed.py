@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TRAIN = Path(__file__).resolve().parent / "multiproc" / "train.py"
 CALIBRATE = Path(__file__).resolve().parent / "multiproc" / "calibrate_worker.py"
 ZERO3 = Path(__file__).resolve().parent / "multiproc" / "zero3_worker.py"
+PIPELINE = Path(__file__).resolve().parent / "multiproc" / "pipeline_worker.py"
 STEPS = 20
 JOB_TIMEOUT_S = 120  # no multi-process test may take longer, whatever goes wrong
 
@@ -412,6 +413,36 @@ class TestTwoProcesses:
             for i, x in enumerate(want):
                 np.testing.assert_allclose(got[f"final_{i}"], x, atol=5e-5, rtol=0, err_msg=f"worker {w}: leaf {i}")
             np.testing.assert_allclose(got["losses"], want_losses, atol=5e-5, rtol=0)
+
+    @pytest.mark.parametrize(
+        "cores, host_state",
+        [(1, True), (2, False)],
+        ids=["a-stage-per-process-state-through-host", "a-pipeline-per-process"],
+    )
+    def test_a_pipeline_across_two_processes_equals_one_device(self, tmp_path, n_devices, cores, host_state):
+        # 2 stages: one core per worker puts one stage in each process (the activations and cotangents cross
+        # the process boundary); two cores per worker put a whole pipeline in each, a data-parallel replica of
+        # the other. With the state through the host, every step unpacks the returned leaves and packs them
+        # again (a stage on the other process read by slicing the global rows gave wrong values, silently).
+        if n_devices < 2 * cores:
+            pytest.skip(f"{n_devices} devices do not make 2 workers of {cores} cores")
+        flags = ("--host-state",) if host_state else ()
+        proc, _ = run_job(
+            "--num-workers", "2", "--cores-per-worker", str(cores),
+            train_args=("--out", str(tmp_path), "--stages", "2", *flags), script=PIPELINE,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-5000:]
+        spec = importlib.util.spec_from_file_location("multiproc_pipeline", PIPELINE)
+        worker = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(worker)
+        want, want_losses = worker.reference()
+        moved = zip(want, jax.tree.leaves(worker.init_params()), strict=True)
+        assert max(float(np.max(np.abs(a - b))) for a, b in moved) > 1e-3  # the check below can fail
+        for w in (0, 1):
+            got = load(tmp_path, w)
+            for i, x in enumerate(want):
+                np.testing.assert_allclose(got[f"final_{i}"], x, atol=2e-5, rtol=0, err_msg=f"worker {w}: leaf {i}")
+            np.testing.assert_allclose(got["losses"], want_losses, atol=2e-5, rtol=0)
 
     def test_checkpoints_move_between_one_and_two_processes(self, tmp_path, n_devices):
         # One chain covers both directions with a single job: one process trains and saves

@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np  # noqa: F401 - the docstring's example
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -124,6 +125,11 @@ class RowUnpacker:
         return unpack
 
     def __call__(self, rows: dict) -> list:
+        if not all(v.is_fully_addressable for v in rows.values()):
+            # Stages across processes: another process's stage is not readable here (slicing its part of the
+            # global array gave wrong values, silently). Every process reads the whole rows (a collective:
+            # every process unpacks, in the same order) and returns every leaf whole, on its own devices.
+            rows = {k: jnp.asarray(multihost_utils.process_allgather(v, tiled=True)) for k, v in rows.items()}
         leaves: list[Any] = [None] * len(self.owners)
         slices: dict[int, dict[int, Any]] = {}
         for stage, unpack in self._unpack.items():
