@@ -100,6 +100,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     ),
     "training/checkpoint/": ("replicator/training/checkpoint/",),
     "launch/": ("replicator/launch/",),
+    "stages/": ("replicator/stages/packing.py", "replicator/stages/lower.py", "replicator/stages/rows.py"),
 }
 
 # Least score per group (killed and timed out, of the sampled mutants that are not equivalent).
@@ -199,6 +200,26 @@ TESTS: dict[str, tuple[str, ...]] = {
         "tests/test_rendezvous.py",
     ),
 }
+TESTS.update(
+    {
+        "replicator/stages/packing.py": (
+            "tests/stages/test_packing.py",
+            "tests/stages/test_tick_costs.py",
+            "tests/stages/test_train.py",
+        ),
+        "replicator/stages/lower.py": (
+            "tests/stages/test_lower.py",
+            "tests/stages/test_tick_costs.py",
+            "tests/stages/test_train.py",
+            "tests/stages/test_replicas.py",
+        ),
+        "replicator/stages/rows.py": (
+            "tests/stages/test_stack_slices.py",
+            "tests/stages/test_train.py",
+            "tests/stages/test_checkpoints.py",
+        ),
+    }
+)
 PYTEST_ARGS = ("-x", "-q", "-m", "not slow", "-p", "no:cacheprovider", "-p", "_mutation_probe")
 
 # Operators that take arguments (which variable to replace) and pick values at random.

@@ -251,8 +251,9 @@ def load(directory: Path, worker: int) -> dict[str, np.ndarray]:
     return {p.stem[len(prefix) :]: np.load(p) for p in directory.glob(f"{prefix}*.npy")}
 
 
-def train_module():
-    spec = importlib.util.spec_from_file_location("multiproc_train", TRAIN)
+def worker_module(path: Path = TRAIN, name: str = "multiproc_train"):
+    """A worker script, imported (for its reference run and its settings)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -329,7 +330,7 @@ class TestTwoProcesses:
         print(f"\n2 processes x {cores} devices, {STEPS} steps: job took {end - start:.1f} s")
         results = [load(tmp_path, w) for w in (0, 1)]
 
-        train = train_module()
+        train = worker_module()
         one_process = train.run(rp.Replicator(1, n_devices), STEPS)  # the reference: one process, all devices
         want_probe = expected_probe(2, cores, train.global_batch(train.PROBE_STEP))
         for w, got in enumerate(results):
@@ -378,7 +379,7 @@ class TestTwoProcesses:
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-5000:]
         assert f"mesh {{'workers': 2, 'cores': {n_devices // 4}}}" in proc.stdout, proc.stdout[-2000:]
-        train = train_module()
+        train = worker_module()
         one_process = train.run(rp.Replicator(1, n_devices), STEPS)  # one replica per device
         want_probe = expected_probe(2, cores, train.global_batch(train.PROBE_STEP))
         for w in (0, 1):
@@ -399,9 +400,7 @@ class TestTwoProcesses:
             train_args=("--out", str(tmp_path)), script=ZERO3,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-5000:]
-        spec = importlib.util.spec_from_file_location("multiproc_zero3", ZERO3)
-        worker = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(worker)
+        worker = worker_module(ZERO3, "multiproc_zero3")
         want, want_losses = worker.reference()
         params, _ = worker.init_state()
         for w in (0, 1):
@@ -432,9 +431,7 @@ class TestTwoProcesses:
             train_args=("--out", str(tmp_path), "--stages", "2", *flags), script=PIPELINE,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-5000:]
-        spec = importlib.util.spec_from_file_location("multiproc_pipeline", PIPELINE)
-        worker = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(worker)
+        worker = worker_module(PIPELINE, "multiproc_pipeline")
         want, want_losses = worker.reference()
         moved = zip(want, jax.tree.leaves(worker.init_params()), strict=True)
         assert max(float(np.max(np.abs(a - b))) for a, b in moved) > 1e-3  # the check below can fail
@@ -454,7 +451,7 @@ class TestTwoProcesses:
             pytest.skip(f"{n_devices} devices do not split into 2 workers")
         cores, k1, k2 = n_devices // 2, 8, 14
         one, two = tmp_path / "ckpt_one_process", tmp_path / "ckpt_two_processes"
-        train = train_module()
+        train = worker_module()
         reference = train.run(rp.Replicator(1, n_devices), STEPS, save_at=k1, ckpt=one)  # uninterrupted
         assert rp.latest_step(one) == k1
 
@@ -500,7 +497,7 @@ class TestTwoProcesses:
         # commit, must not go on as if it were saved, nor hang. One launcher per worker, so
         # that neither is stopped by the other's failure before it says why it failed.
         ckpt = tmp_path / "ckpt"
-        train = train_module()
+        train = worker_module()
         params = train.init_params()
         rp.save_checkpoint(ckpt, 30, (params, train.tx.init(params)))
         procs, outs = run_per_worker_launchers(
@@ -592,7 +589,7 @@ class TestTwoProcesses:
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
         results = [load(tmp_path, w) for w in (0, 1)]
-        reference = train_module().run(rp.Replicator(1, n_devices), 3)  # worker 0's initial state
+        reference = worker_module().run(rp.Replicator(1, n_devices), 3)  # worker 0's initial state
         for w, got in enumerate(results):
             for k in (k for k in reference if k.startswith("param_")):
                 np.testing.assert_allclose(got[k], reference[k], atol=1e-6, rtol=0, err_msg=f"worker {w}: {k}")
