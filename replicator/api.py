@@ -28,11 +28,13 @@ import os
 import sys
 import warnings
 import weakref
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from replicator.core.context import ReplicaContext, normalize_axis_names
 from replicator.core.layout import FoldLayout, fold_layout
@@ -226,6 +228,28 @@ def _in_worker_order(batches: Sequence[PyTree]) -> PyTree:
     """One batch of every local worker as the global batch of a pipelined step: each leaf concatenated in
     worker order."""
     return jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *batches)
+
+
+def _gathered_in_worker_order(local: PyTree, workers: list[int]) -> PyTree:
+    """The global batch of a pipelined step in a job of several processes: this process's workers' batch
+    (``local``, theirs in order) joined with every other process's, in worker order, on every process. A
+    collective: every process calls it once per step."""
+    me, count = jax.process_index(), len(workers)
+    if workers != list(range(me * count, (me + 1) * count)):
+        raise ValueError(
+            f"process {me} runs workers {workers}; a pipelined Replicator joins the processes' batches in "
+            "process order, which needs each process to run the same number of consecutive workers (one "
+            "each: python -m replicator.launch)."
+        )
+    leaves, treedef = jax.tree.flatten(local)
+    shapes = [(*np.shape(x), str(np.asarray(x).dtype)) for x in leaves]
+    every = multihost_utils.process_allgather(np.array([zlib.crc32(repr(shapes).encode())], np.int64))
+    if len(set(np.ravel(every).tolist())) > 1:
+        raise ValueError(
+            f"the workers' batches differ in shape or dtype between the processes (process {me}: {shapes}); "
+            "every worker's input_fn must yield batches of the same shapes at each step."
+        )
+    return treedef.unflatten([np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in leaves])
 
 
 def _merge_static(arrays: list, statics: tuple, n: int) -> list:
@@ -616,18 +640,15 @@ class Replicator:
 
     def _pipelined_batch(self, data: Any) -> PyTree:
         """The global batch of a pipelined step: ``data`` itself, the next of an iterator, or an ``input_fn``'s
-        next batch of every local worker, concatenated in worker order (one process only, for now)."""
+        next batch of every worker, concatenated in worker order (across processes: every process gets it)."""
         if isinstance(data, Iterator):
             return next(data)
         if not callable(data):
             return data
-        if jax.process_count() > 1:
-            raise ValueError(
-                "a pipelined Replicator takes an input_fn in a one-process job only, for now; pass each step's "
-                "global batch instead."
-            )
         batches = self._worker_inputs(data).take().batches
         assert batches is not None
+        if jax.process_count() > 1:
+            return _gathered_in_worker_order(_in_worker_order(batches), self.local_workers)
         return _in_worker_order(batches)
 
     def describe_pipeline(

@@ -414,18 +414,18 @@ class TestTwoProcesses:
             np.testing.assert_allclose(got["losses"], want_losses, atol=5e-5, rtol=0)
 
     @pytest.mark.parametrize(
-        "cores, host_state",
-        [(1, True), (2, False)],
-        ids=["a-stage-per-process-state-through-host", "a-pipeline-per-process"],
+        "cores, flags",
+        [(1, ("--host-state",)), (2, ()), (1, ("--input-fn",))],
+        ids=["a-stage-per-process-state-through-host", "a-pipeline-per-process", "an-input-fn-per-worker"],
     )
-    def test_a_pipeline_across_two_processes_equals_one_device(self, tmp_path, n_devices, cores, host_state):
+    def test_a_pipeline_across_two_processes_equals_one_device(self, tmp_path, n_devices, cores, flags):
         # 2 stages: one core per worker puts one stage in each process (the activations and cotangents cross
         # the process boundary); two cores per worker put a whole pipeline in each, a data-parallel replica of
         # the other. With the state through the host, every step unpacks the returned leaves and packs them
         # again (a stage on the other process read by slicing the global rows gave wrong values, silently).
+        # With an input_fn, each worker yields its rows and every process joins them into the global batch.
         if n_devices < 2 * cores:
             pytest.skip(f"{n_devices} devices do not make 2 workers of {cores} cores")
-        flags = ("--host-state",) if host_state else ()
         proc, _ = run_job(
             "--num-workers", "2", "--cores-per-worker", str(cores),
             train_args=("--out", str(tmp_path), "--stages", "2", *flags), script=PIPELINE,

@@ -5,7 +5,7 @@ tests/multiproc/pipeline_worker.py --stages S --out DIR``): an MLP of four ``tan
 cut into ``S`` stages by ``rp.stage_boundary``, trained with Adam by ``Replicator.run_pipelined`` on the
 same global batch in every process. With one core per worker and 2 stages, each process holds one stage;
 with 2 cores per worker and 2 stages, each process holds a whole pipeline, a data-parallel replica of the
-other. With ``--host-state`` each step gets a numpy copy of the state the last one returned (what a
+other. With ``--input-fn`` each worker's ``input_fn`` yields its rows of the global batch. With ``--host-state`` each step gets a numpy copy of the state the last one returned (what a
 checkpoint restores), so every step unpacks and packs the state across the processes. :func:`reference` trains the same model with one-device ``jax.jit`` on the global batch.
 
 Each worker ``w`` writes ``DIR/w{w}_{name}.npy`` (numpy files, never pickles): the losses and the final
@@ -81,6 +81,11 @@ def main(argv=None) -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--stages", type=int, required=True)
     p.add_argument(
+        "--input-fn",
+        action="store_true",
+        help="give run_pipelined an input_fn (each worker yields its rows of the global batch) instead of the batch",
+    )
+    p.add_argument(
         "--host-state",
         action="store_true",
         help="give each step a host copy of the state the last returned (numpy), not the arrays themselves: "
@@ -95,8 +100,14 @@ def main(argv=None) -> None:
     loss = loss_in(args.stages)
     params = init_params()
     state, losses = (params, tx.init(params)), []
+
+    def input_fn(ctx: rp.InputContext):
+        rows = GLOBAL_BATCH // ctx.num_workers
+        for k in range(STEPS):
+            yield tuple(a[ctx.worker_id * rows : (ctx.worker_id + 1) * rows] for a in global_batch(k))
+
     for k in range(STEPS):
-        state, value = repl.run_pipelined(loss, tx, global_batch(k), state)
+        state, value = repl.run_pipelined(loss, tx, input_fn if args.input_fn else global_batch(k), state)
         if args.host_state:
             state = jax.tree.map(np.asarray, state)
         losses.append(float(value))  # the loss: the same on every device
