@@ -15,7 +15,7 @@ from tests.stages.test_gpipe import batch, four_stages_tied, params, three_stage
 STEPS = 3
 
 
-def _reference(loss, optimizer, p, ids, y):
+def _reference(loss, optimizer, p, ids, y, steps=STEPS):
     @jax.jit
     def step(p, state):
         value, grads = jax.value_and_grad(loss)(p, ids, y)
@@ -23,7 +23,7 @@ def _reference(loss, optimizer, p, ids, y):
         return optax.apply_updates(p, updates), state, value
 
     state, values = optimizer.init(p), []
-    for _ in range(STEPS):
+    for _ in range(steps):
         p, state, value = step(p, state)
         values.append(value)
     return p, state, values
@@ -111,3 +111,19 @@ def test_an_optimizer_that_reads_across_parameters_is_refused():
     train = pipeline_train_step(two_stages, opt, num_microbatches=2, devices=jax.devices()[:2])
     with pytest.raises(TypeError, match=r"reads across parameters \(reduce_sum at .*optax.*\).*optax.adam"):
         train(p, opt.init(p), ids, y)
+
+
+def test_only_the_state_a_step_returned_reuses_its_rows():
+    """The rows a step returned are reused only for exactly the leaves it returned: a step given the first
+    state again (a restart from it) starts from that state, not from where the last step left off."""
+    p, (ids, y) = params(), batch()
+    opt = optax.adam(1e-2)
+    train = pipeline_train_step(two_stages, opt, num_microbatches=4, devices=jax.devices()[:2])
+    first = train(p, opt.init(p), ids, y)
+    second = train(*first[:2], ids, y)  # the returned leaves: their rows as they are
+    again = train(p, opt.init(p), ids, y)  # the first state again
+    want_p, want_state, _ = _reference(two_stages, opt, p, ids, y, steps=2)
+    _assert_close(second[0], want_p)
+    _assert_close(second[1], want_state)
+    _assert_close(again[0], first[0])
+    _assert_close(again[1], first[1])
