@@ -148,14 +148,15 @@ class RowUnpacker:
 
 def _stage_shard(rows: jax.Array, stage: int) -> list[jax.Array]:
     """Stage ``stage``'s row ``(1, n)`` as the pieces that make it, in order, on one of its devices (this
-    process's): the row itself, or its chunks where the row is split over the stage's devices; where this
-    process does not hold all of them, the row sliced from the whole array."""
+    process's): the row itself, or its chunks where the row is split over the stage's devices; the row sliced
+    from the whole array where that is not laid out by stage (the rows gathered from every process).
+    ``rows`` is fully addressable (:class:`RowUnpacker` gathers them first), so a stage's chunks are all here."""
     chunks: dict[int, jax.Array] = {}
     for shard in rows.addressable_shards:
         if shard.index[0].start == stage:
             chunks.setdefault(shard.index[1].start or 0, shard.data)
     parts = [chunks[k] for k in sorted(chunks)]
-    if not parts or sum(p.shape[1] for p in parts) != rows.shape[1]:
+    if not parts:
         return [rows[stage : stage + 1]]
     return [jax.device_put(p, parts[0].devices().pop()) for p in parts]
 
