@@ -252,7 +252,7 @@ def tick_loop(
     out_avals: Sequence[Any],
     params_of: Callable[[int, Any], list] | None = None,
     *,
-    recompute: bool = False,
+    recompute: bool,
     layout: OutputLayout | None = None,
     prepare: Callable[[Any, jax.Array], Any] | None = None,
 ) -> Callable[[Any, list], Any]:

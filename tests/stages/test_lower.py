@@ -151,3 +151,14 @@ def test_recomputation_stashes_only_the_boundary_inputs():
         assert again[m] < 0.5 * plain[m], (m, again[m], plain[m])
     assert again[8] - again[4] <= 4 * boundary  # the stash grows by one boundary value per micro-batch
     assert plain[8] - plain[4] >= 4 * 3 * boundary  # against at least three activations without recomputation
+
+
+@pytest.mark.parametrize(
+    "ids, message",
+    [(np.zeros((6,), np.int32), r"shape \(6,\) does not split into num_microbatches=4"), (np.int32(3), r"shape \(\)")],
+    ids=["rows-not-a-multiple-of-m", "a-scalar"],
+)
+def test_a_batch_that_does_not_split_into_m_says_so(ids, message):
+    f = pipeline_value_and_grad(two_stages, num_microbatches=4, devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match=message + r".*make the batch a multiple of 4"):
+        f(params(), ids, np.zeros((8, 2), np.float32))
