@@ -127,3 +127,32 @@ def test_only_the_state_a_step_returned_reuses_its_rows():
     _assert_close(second[1], want_state)
     _assert_close(again[0], first[0])
     _assert_close(again[1], first[1])
+
+
+def test_stages_on_devices_in_any_order():
+    """Stage 0 on the second device and stage 1 on the first: each stage's row is read from its own devices
+    (a device's place in the list, not its id), so the state returned equals one device's."""
+    p, (ids, y) = params(), batch()
+    opt = optax.adam(1e-2)
+    train = pipeline_train_step(two_stages, opt, num_microbatches=4, devices=jax.devices()[:2][::-1])
+    got_p, got_state, values = _train(train, opt, p, ids, y)
+    assert train.held(p)["head"] == (1,) and next(iter(got_p["head"].devices())) == jax.devices()[0]
+    _assert_like_one_device(got_p, got_state, two_stages, opt, p, ids, y, values=values)
+
+
+def test_a_step_given_the_leaves_it_returned_does_not_pack_them_again():
+    """With many leaves (300 biases beside the model's, more than Python keeps one int object for), the
+    returned leaves' rows are reused as they are; another state is packed."""
+    p, (ids, y) = params(), batch()
+    p = {**p, **{f"unused{i:03d}": np.zeros((1,), np.float32) for i in range(300)}}
+    opt = optax.sgd(0.1)
+    train = pipeline_train_step(two_stages, opt, num_microbatches=4, devices=jax.devices()[:2])
+    built = train.built(p, ids, y)
+    packed = []
+    pack = built.pack
+    built.pack = lambda tree: packed.append(1) or pack(tree)
+    state = train(p, opt.init(p), ids, y)
+    train(*state[:2], ids, y)
+    assert len(packed) == 1  # the first state only
+    train(p, opt.init(p), ids, y)
+    assert len(packed) == 2
