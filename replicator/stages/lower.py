@@ -2,9 +2,10 @@
 
 One program under ``jit(shard_map)`` over a ``('stages',)`` mesh. Each tick of
 the table (:mod:`replicator.stages.schedule`), every device reads what its
-stage runs (``kind[t, s]``, ``micro[t, s]``) and runs it with one
-``lax.switch`` over ``[idle, F_0, ..., F_{S-1}, B_0, ..., B_{S-1}]``
-(:mod:`replicator.stages.programs`); then what it sends moves with two
+stage runs (``kind[t, s]``, ``micro[t, s]``) and runs its forward ``F_s`` or
+its backward ``B_s`` (:mod:`replicator.stages.programs`), each a ``lax.switch``
+over the stages inside a loop of 0 or 1 trips (which updates the stash and the
+gradients in place); then what it sends moves with two
 ``ppermute`` over ``'stages'``: activations to ``s + 1``, cotangents to
 ``s - 1``. A receiver reads from the table which micro-batch its neighbour
 ran, and keeps the value in an inbox slot until its own tick for that
