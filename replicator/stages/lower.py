@@ -227,8 +227,7 @@ class OutputLayout:
 
     def zeros(self) -> tuple[tuple[dict, list], list]:
         """Nothing accumulated yet, as :meth:`split` lays it out."""
-        row = {key: jnp.zeros((n,), jnp.dtype(key)) for key, n in self.sizes.items()}
-        return (row, self.slots.zeros()), [
+        return (self.packing.zeros(), self.slots.zeros()), [
             jnp.zeros(self.out_avals[p].shape, self.out_avals[p].dtype) for p in self.shared
         ]
 

@@ -96,10 +96,11 @@ class Slots:
         common: dict[Any, int] = {}
         for key in dict.fromkeys(keyed[0] if keyed else []):
             common[key] = min(keys.count(key) for keys in keyed)
-        self.avals = [jax.ShapeDtypeStruct(key[0], key[1]) for key, n in common.items() for _ in range(n)]
-        first, count = {}, 0  # the first slot of each aval
+        self.avals: list[Any] = []
+        first = {}  # the first slot of each aval
         for key, n in common.items():
-            first[key], count = count, count + n
+            first[key] = len(self.avals)
+            self.avals += [jax.ShapeDtypeStruct(*key)] * n
         self.of: list[dict[int, int]] = []
         for keys in keyed:
             seen: dict[Any, int] = {}
@@ -160,6 +161,15 @@ class RowReader:
         mine = self.packing.unpack(stage, flat)  # the slices of slotted leaves are dead code, dropped
         for position, slot in self.slots.of[stage].items():
             mine[position] = slots[slot]
+        return self._every_leaf(stage, mine)
+
+    def from_row(self, stage: int, rows: dict) -> list:
+        """Every leaf read straight out of ``stage``'s row (``(1, n)`` per dtype), without slots: for code
+        that reads them once per step (an update), not on every tick."""
+        return self._every_leaf(stage, self.packing.unpack(stage, {k: v[0] for k, v in rows.items()}))
+
+    def _every_leaf(self, stage: int, mine: list) -> list:
+        """``stage``'s leaves at their indices, zeros for the leaves it does not keep."""
         leaves = [jnp.zeros(a.shape, a.dtype) for a in self.avals]
         for i, value in zip(self.layout[stage], mine, strict=True):
             leaves[i] = value

@@ -238,7 +238,7 @@ class PipelinedStep:
             read = {v for e in eqns for v in e.invars if isinstance(v, Var)} | set(wanted) | set(outputs)
             needed.append(sorted(position[v] for v in read if isinstance(v, Var) and v in position))
         self.outputs_layout = OutputLayout(programs, fb.out_avals, needed)
-        reader = RowReader(self.packing, self.layout, self.avals)
+        self.reader = reader = RowReader(self.packing, self.layout, self.avals)
         loop = tick_loop(
             programs,
             table,
@@ -256,7 +256,7 @@ class PipelinedStep:
             def branch(row: dict, own: dict, shared: list) -> tuple:
                 cut_values = self.outputs_layout.values(stage, own, shared)
                 env: dict[Any, Any] = dict(consts)
-                env.update(zip(flat.invars[:n], self.params_of(stage, row), strict=True))
+                env.update(zip(flat.invars[:n], self.reader.from_row(stage, row), strict=True))
                 env.update(zip(self.cut, cut_values, strict=True))
                 _run(eqns, env)
                 read = [v.val if isinstance(v, Literal) else env[v] for v in wanted]
@@ -285,14 +285,6 @@ class PipelinedStep:
                 check_vma=False,
             )
         )
-
-    def params_of(self, stage: int, row: dict) -> list:
-        """The state leaves as ``stage`` reads them from its row (``(1, n)`` each): zeros for the others."""
-        mine = self.packing.unpack(stage, {k: v[0] for k, v in row.items()})
-        leaves = [jnp.zeros(a.shape, a.dtype) for a in self.avals]
-        for i, value in zip(self.layout[stage], mine, strict=True):
-            leaves[i] = value
-        return leaves
 
     def pack(self, state: Any) -> dict:
         """The state, global shapes, as one row per stage placed on its devices."""
