@@ -2,14 +2,15 @@
 
 A pipeline runs one SPMD program: every device holds arrays of the same types, whatever its stage, and a
 ``lax.switch`` over the stages passes them in and out of each stage's branch. Two ways to make one stage's
-list fit:
+list fit, both in :class:`Packing`:
 
-* :class:`Packing`: one flat buffer per dtype, padded to the largest stage's (a stage's *row*). Any lists
-  fit, but a branch that reads a leaf slices it out of the row (a copy of it), and one that writes a leaf
-  concatenates it into the row (another).
-* :class:`Slots`: leaves that line up across the stages (the ``k``-th leaf of one aval in every stage's list)
-  share a slot, an array of that aval. A slot crosses the switch as it is: a stack of identical layers cut
-  into balanced stages is all slots, read and accumulated with no copy per tick.
+* a *row*: one flat buffer per dtype, padded to the largest stage's. Any lists fit, but a branch that reads
+  a leaf slices it out of the row (a copy of it), and one that writes a leaf concatenates it into the row
+  (another).
+* :class:`Slots` (``Packing(..., slots=True)``): leaves that line up across the stages (the ``k``-th leaf of
+  one aval in every stage's list) share a slot, a buffer of its own (``"slot<j>"``, flat, the leaf's size).
+  Reading a slotted leaf is a reshape of its buffer, writing it a reshape back: no copy. A stack of identical
+  layers cut into balanced stages is all slots.
 
 >>> f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
 >>> slots = Slots([[f32(4, 4), f32(3)], [f32(2), f32(4, 4)]])
@@ -17,6 +18,8 @@ list fit:
 ([(4, 4)], [{0: 0}, {1: 0}])
 >>> Packing([[f32(4, 4), f32(3)], [f32(2), f32(4, 4)]]).offsets(1)
 [0, 2]
+>>> {k: n for k, (_, n) in Packing([[f32(4, 4), f32(3)], [f32(2), f32(4, 4)]], slots=True).buffers().items()}
+{'float32': 3, 'slot0': 16}
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 __all__ = ["Packing", "RowReader", "Slots"]
 
@@ -38,47 +40,83 @@ def _size(aval: Any) -> int:
 
 class Packing:
     """Lists of arrays of different avals, one per stage, as one flat buffer per dtype (padded to the largest,
-    and up to a multiple of ``multiple``: a row split in that many equal chunks, as ZeRO splits it)."""
+    and up to a multiple of ``multiple``: a row split in that many equal chunks, as ZeRO splits it); with
+    ``slots``, the leaves that line up across the stages (:class:`Slots`) each in a buffer of its own instead
+    (``"slot<j>"``, its length padded up to a multiple of ``multiple`` too).
 
-    def __init__(self, layouts: Sequence[Sequence[Any]], multiple: int = 1):
+    Attributes:
+      sizes: the row's length per dtype (the leaves in no slot); slots: the slots (none without ``slots``).
+    """
+
+    def __init__(self, layouts: Sequence[Sequence[Any]], multiple: int = 1, slots: bool = False):
         self.layouts = [list(layout) for layout in layouts]
+        self.multiple = multiple
+        self.slots = Slots(self.layouts if slots else [[] for _ in self.layouts])
         sizes: dict[Any, int] = {}
-        for layout in self.layouts:
+        for stage, layout in enumerate(self.layouts):
             per: dict[Any, int] = {}
-            for aval in layout:
-                per[aval.dtype] = per.get(aval.dtype, 0) + _size(aval)
+            for position, aval in enumerate(layout):
+                if position not in self.slots.of[stage]:
+                    per[aval.dtype] = per.get(aval.dtype, 0) + _size(aval)
             for dtype, n in per.items():
                 sizes[dtype] = max(sizes.get(dtype, 0), n)
-        sizes = {dtype: -(-n // multiple) * multiple for dtype, n in sizes.items()}
-        self.sizes = dict(sorted(sizes.items(), key=lambda kv: str(kv[0])))
+        self.sizes = dict(sorted(((d, self._padded(n)) for d, n in sizes.items()), key=lambda kv: str(kv[0])))
+
+    def _padded(self, n: int) -> int:
+        return -(-n // self.multiple) * self.multiple
+
+    def buffers(self) -> dict[str, tuple[Any, int]]:
+        """Every buffer a stage's list packs into: its name, dtype and length."""
+        out = {str(d): (jnp.dtype(d), n) for d, n in self.sizes.items()}
+        for j, aval in enumerate(self.slots.avals):
+            out[f"slot{j}"] = (jnp.dtype(aval.dtype), self._padded(_size(aval)))
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of one stage's buffers."""
+        return sum(n * d.itemsize for d, n in self.buffers().values())
 
     def zeros(self, lead: tuple[int, ...] = ()) -> dict:
-        return {str(d): jnp.zeros((*lead, n), d) for d, n in self.sizes.items()}
+        return {k: jnp.zeros((*lead, n), d) for k, (d, n) in self.buffers().items()}
 
-    def offsets(self, stage: int) -> list[int]:
-        """Where each of ``stage``'s leaves starts in the buffer of its dtype."""
+    def offsets(self, stage: int) -> list[int | None]:
+        """Where each of ``stage``'s leaves starts in the row of its dtype (``None``: a slotted leaf)."""
         ends = dict.fromkeys(self.sizes, 0)
-        out = []
-        for aval in self.layouts[stage]:
+        out: list[int | None] = []
+        for position, aval in enumerate(self.layouts[stage]):
+            if position in self.slots.of[stage]:
+                out.append(None)
+                continue
             out.append(ends[aval.dtype])
             ends[aval.dtype] += _size(aval)
         return out
 
     def pack(self, stage: int, values: Sequence[Any]) -> dict:
         parts: dict[Any, list] = {d: [] for d in self.sizes}
-        for aval, value in zip(self.layouts[stage], values, strict=True):
-            parts[aval.dtype].append(jnp.ravel(value).astype(aval.dtype))
         out = {}
+        for position, (aval, value) in enumerate(zip(self.layouts[stage], values, strict=True)):
+            flat = jnp.ravel(value).astype(aval.dtype)
+            if position in self.slots.of[stage]:
+                out[f"slot{self.slots.of[stage][position]}"] = jnp.pad(
+                    flat, (0, self._padded(flat.shape[0]) - flat.shape[0])
+                )
+            else:
+                parts[aval.dtype].append(flat)
         for dtype, n in self.sizes.items():
             flat = jnp.concatenate(parts[dtype]) if parts[dtype] else jnp.zeros((0,), dtype)
             out[str(dtype)] = jnp.pad(flat, (0, n - flat.shape[0]))
-        return out
+        return dict(sorted(out.items()))
 
     def unpack(self, stage: int, buffers: dict) -> list:
-        return [
-            buffers[str(aval.dtype)][start : start + _size(aval)].reshape(aval.shape)
-            for aval, start in zip(self.layouts[stage], self.offsets(stage), strict=True)
-        ]
+        out = []
+        for position, (aval, start) in enumerate(zip(self.layouts[stage], self.offsets(stage), strict=True)):
+            if start is None:
+                flat, start = buffers[f"slot{self.slots.of[stage][position]}"], 0
+            else:
+                flat = buffers[str(aval.dtype)]
+            out.append(flat[start : start + _size(aval)].reshape(aval.shape))
+        return out
 
 
 class Slots:
@@ -119,42 +157,31 @@ class Slots:
         where = {slot: position for position, slot in self.of[stage].items()}
         return [values[where[j]] for j in range(len(self.avals))]
 
-    def read(self, packing: Packing, buffers: dict, stage: jax.Array) -> list:
-        """Every slot read out of a row of ``packing`` (whose layouts these slots were made from), for the
-        stage ``stage`` (traced: each device its own): one dynamic slice per slot, no switch."""
-        table = np.zeros((len(packing.layouts), len(self.avals)), np.int32)
-        for s, mine in enumerate(self.of):
-            starts = packing.offsets(s)
-            for position, slot in mine.items():
-                table[s, slot] = starts[position]
-        out = []
-        for j, aval in enumerate(self.avals):
-            flat = buffers[str(jnp.dtype(aval.dtype))]
-            out.append(lax.dynamic_slice_in_dim(flat, jnp.asarray(table)[stage, j], _size(aval)).reshape(aval.shape))
-        return out
-
 
 class RowReader:
     """Every leaf as one stage's programs read it from its row, its slots read once per step.
 
     ``prepare(rows, stage)`` runs before the tick loop, outside the stages' switch: it reads each slot out of
-    the device's row with one dynamic slice. ``leaves(stage, view)`` runs inside stage ``stage``'s branches: the
-    slots as they are, the rest sliced out of the row, zeros for the leaves the stage does not keep (it does
-    not read them).
+    its buffer (a reshape; a slice where ZeRO padded the buffer). ``leaves(stage, view)`` runs inside stage
+    ``stage``'s branches: the slots as they are, the rest sliced out of the row, zeros for the leaves the stage
+    does not keep (it does not read them).
 
     Args:
-      packing: the rows' layout (per stage, the avals of the leaves it keeps, in order);
+      packing: the rows' layout (per stage, the avals of the leaves it keeps, in order; made with ``slots=True``
+        for the leaves that line up to cross the switch with no copy);
       layout: per stage, the indices of those leaves; avals: every leaf's aval.
     """
 
     def __init__(self, packing: Packing, layout: Sequence[Sequence[int]], avals: Sequence[Any]):
         self.packing, self.layout, self.avals = packing, [list(x) for x in layout], list(avals)
-        self.slots = Slots(packing.layouts)
+        self.slots = packing.slots
 
-    def prepare(self, rows: dict, stage: jax.Array) -> tuple[dict, list]:
-        """``rows``: the device's row, ``(1, n)`` per dtype; ``stage``: its stage, traced."""
+    def prepare(self, rows: dict, stage: jax.Array | None = None) -> tuple[dict, list]:
+        """``rows``: the device's buffers, ``(1, n)`` each; ``stage`` (traced) is not needed: a slot is the same
+        buffer on every stage."""
         flat = {k: v[0] for k, v in rows.items()}
-        return flat, self.slots.read(self.packing, flat, stage)
+        slots = [flat[f"slot{j}"][: _size(a)].reshape(a.shape) for j, a in enumerate(self.slots.avals)]
+        return flat, slots
 
     def leaves(self, stage: int, view: tuple[dict, list]) -> list:
         flat, slots = view

@@ -276,7 +276,7 @@ def describe(
     stats = schedule_stats(table)
     paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     split = step.data_replicas if b.zero_stage else 1  # ZeRO: a device holds 1/D of its stage's row
-    row = sum(n * jnp.dtype(d).itemsize for d, n in b.packing.sizes.items())
+    row = b.packing.nbytes
     row //= split if b.zero_stage >= 3 else 1
     packed = jax.eval_shape(lambda: b.packing.zeros((b.stages,)))
     state = jax.eval_shape(step.optimizer.init, packed)
@@ -341,7 +341,7 @@ def describe_user_step(
         replicas=int(np.prod([step.mesh.shape[a] for a in DATA_AXES])),
         ticks=stats.ticks,
         bubble=float(stats.bubble),
-        row_bytes=int(sum(n * jnp.dtype(d).itemsize for d, n in step.packing.sizes.items())),
+        row_bytes=step.packing.nbytes,
         optimizer_bytes=None,
         stash_slots=ring_slots(step.table)["stash"],
         per_stage=_stage_reports(

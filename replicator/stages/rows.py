@@ -81,7 +81,7 @@ class RowPacker:
         if not self.sharding.is_fully_addressable:  # stages across processes: every process packs it all
             rows = [self.packing.pack(s, [self._leaf(leaves, i, s) for i in lay]) for s, lay in enumerate(self.layout)]
             return jax.device_put({k: jnp.stack([row[k] for row in rows]) for k in rows[0]}, self.sharding)
-        shapes = {str(d): (len(self.layout), n) for d, n in self.packing.sizes.items()}
+        shapes = {k: (len(self.layout), n) for k, (_, n) in self.packing.buffers().items()}
         where = {key: self.sharding.devices_indices_map(shape) for key, shape in shapes.items()}
         pieces: dict[str, list[jax.Array]] = {}
         for stage, (lay, devices) in enumerate(zip(self.layout, self.devices, strict=True)):

@@ -134,7 +134,9 @@ class _Built:
         zero = self.zero_stage = owner.zero_stage
         # ZeRO splits each row in D equal chunks: its length a multiple of D (the padding is zeros, kept zero).
         self.packing = Packing(
-            [[self.kept_aval(i, s) for i in layout] for s, layout in enumerate(self.layout)], replicas if zero else 1
+            [[self.kept_aval(i, s) for i in layout] for s, layout in enumerate(self.layout)],
+            replicas if zero else 1,
+            slots=True,
         )
         table = make_schedule(owner.schedule, stages, m)
         partitioned = {i: 1 + i for i in self.partitions}  # input i, its gradient output 1 + i

@@ -201,7 +201,7 @@ class PipelinedStep:
         self.held = [(state_stages[i] | fb_split.input_stages[i]) or everyone for i in range(n)]
         self.layout = [[i for i in range(n) if s in self.held[i]] for s in range(stages)]
         self.avals = [v.aval for v in flat.invars[:n]]
-        self.packing = Packing([[self.avals[i] for i in layout] for layout in self.layout])
+        self.packing = Packing([[self.avals[i] for i in layout] for layout in self.layout], slots=True)
         self.stages, self.mesh, self.recompute = stages, mesh, recompute
         paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
 

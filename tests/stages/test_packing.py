@@ -58,16 +58,35 @@ def test_offsets_are_where_pack_puts_each_leaf():
             np.testing.assert_array_equal(got, value.ravel())
 
 
-def test_slots_read_each_stages_own_leaves_out_of_its_row():
-    packing, slots = Packing(LAYOUTS), Slots(LAYOUTS)
-    vals = values(LAYOUTS)
-    for stage in range(3):
-        row = packing.pack(stage, vals[stage])
-        got = jax.jit(lambda r, s: slots.read(packing, r, s))(row, jnp.int32(stage))  # the stage traced
-        where = {slot: position for position, slot in slots.of[stage].items()}
-        for j, value in enumerate(got):
-            np.testing.assert_array_equal(value, vals[stage][where[j]])
-        assert [np.asarray(v).tolist() for v in slots.take(stage, vals[stage])] == [np.asarray(v).tolist() for v in got]
+def test_a_slotted_packing_keeps_each_slot_in_a_buffer_of_its_own():
+    packing = Packing(LAYOUTS, slots=True)
+    sizes = {k: n for k, (_, n) in packing.buffers().items()}
+    # The rows keep what has no slot: the embedding (14 ints), the head (12 floats, stage 2's largest rest).
+    assert sizes == {"float32": 12, "int32": 14, "slot0": 16, "slot1": 16, "slot2": 4}
+    assert packing.nbytes == 4 * (12 + 14 + 16 + 16 + 4)
+    assert packing.offsets(2) == [None, None, 0, None]
+    for stage, vals in enumerate(values(LAYOUTS)):
+        buffers = packing.pack(stage, vals)
+        for position, slot in packing.slots.of[stage].items():  # the leaf itself, flat
+            np.testing.assert_array_equal(buffers[f"slot{slot}"], vals[position].ravel())
+        for got, want in zip(packing.unpack(stage, buffers), vals, strict=True):
+            np.testing.assert_array_equal(got, want)
+
+
+def test_a_slotted_packing_pads_each_buffer_to_the_multiple():
+    packing = Packing(LAYOUTS, multiple=3, slots=True)
+    assert {k: n for k, (_, n) in packing.buffers().items()} == {
+        "float32": 12,
+        "int32": 15,
+        "slot0": 18,
+        "slot1": 18,
+        "slot2": 6,
+    }
+    vals = values(LAYOUTS, seed=2)
+    buffers = packing.pack(1, vals[1])
+    assert not np.asarray(buffers["slot2"])[4:].any()  # the padding is zeros
+    for got, want in zip(packing.unpack(1, buffers), vals[1], strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_a_row_reader_gives_every_leaf_on_each_stages_devices():
@@ -80,7 +99,7 @@ def test_a_row_reader_gives_every_leaf_on_each_stages_devices():
         for i, aval in zip(lay, LAYOUTS[stage], strict=True):
             avals[i] = aval
     avals[1] = f32(4, 4)
-    packing = Packing([[avals[i] for i in lay] for lay in layout])
+    packing = Packing([[avals[i] for i in lay] for lay in layout], slots=True)
     reader = RowReader(packing, layout, avals)
     vals = values([[avals[i] for i in lay] for lay in layout], seed=1)
     rows = [packing.pack(s, vals[s]) for s in range(3)]

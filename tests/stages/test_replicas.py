@@ -81,16 +81,17 @@ def test_stage_state_lives_on_its_replicas_only():
     train = repl.pipelined.step_for(four_stages_tied, opt)
     train.built(p, ids, y)
     packed, packed_state = train.pack(p, opt.init(p))
-    (buffer,) = packed.values()
+    assert list(packed) == ["float32", "slot0"]  # the row, and `extra` (kept by every stage) in a slot
     mesh = repl.pipelined.mesh
     assert dict(mesh.shape) == {"stages": 4, "workers": 1, "cores": 2}
-    shards = {s.device: np.asarray(s.data) for s in buffer.addressable_shards}
-    for stage in range(4):
-        devices = list(mesh.devices[stage].flat)
-        assert all(shards[d].shape == (1, buffer.shape[1]) for d in devices)
-        # The D replicas of a stage hold the same row: stage `stage`'s, and only it.
-        np.testing.assert_array_equal(shards[devices[0]], shards[devices[1]])
-        np.testing.assert_array_equal(shards[devices[0]][0], np.asarray(buffer[stage]))
+    for buffer in packed.values():
+        shards = {s.device: np.asarray(s.data) for s in buffer.addressable_shards}
+        for stage in range(4):
+            devices = list(mesh.devices[stage].flat)
+            assert all(shards[d].shape == (1, buffer.shape[1]) for d in devices)
+            # The D replicas of a stage hold the same row: stage `stage`'s, and only it.
+            np.testing.assert_array_equal(shards[devices[0]], shards[devices[1]])
+            np.testing.assert_array_equal(shards[devices[0]][0], np.asarray(buffer[stage]))
     mu = packed_state[0].mu["float32"]
     assert mu.sharding.spec == jax.sharding.PartitionSpec("stages") and mu.addressable_shards[0].data.shape[0] == 1
 

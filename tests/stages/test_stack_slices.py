@@ -172,7 +172,10 @@ def test_run_pipelined_of_an_unmarked_stack_matches_one_device(model, stages, sc
 
 
 def _shard_shapes(rows: dict) -> set:
-    return {s.data.shape for v in rows.values() for s in v.addressable_shards}
+    """Each buffer's shard shape (the same on every device)."""
+    shapes = {k: {s.data.shape for s in v.addressable_shards} for k, v in rows.items()}
+    assert all(len(s) == 1 for s in shapes.values()), shapes
+    return {k: s.pop() for k, s in shapes.items()}
 
 
 @pytest.mark.parametrize("stages", [2, 4])
@@ -184,12 +187,16 @@ def test_each_stage_row_holds_its_slice_of_the_stack(stages):
     layer = DIM * DIM
     per_stage = [(LAYERS // stages) * layer + (layer if s == stages - 1 else 0) for s in range(stages)]  # + the head
     assert [sum(int(np.prod(a.shape)) for a in lay) for lay in built.packing.layouts] == per_stage
-    assert dict(built.packing.sizes) == {jnp.dtype("float32"): max(per_stage)}
+    # Each stage's slice of the stack lines up with the others' (a slot, a buffer of its own); the head is in
+    # the last stage's row, the others' rows padding: per device, the largest stage's bytes.
+    buffers = {"float32": layer, "slot0": (LAYERS // stages) * layer}
+    assert {k: n for k, (_, n) in built.packing.buffers().items()} == buffers
+    assert sum(buffers.values()) == max(per_stage)
     packed, packed_state = train.pack(p, opt.init(p))
     for _ in range(STEPS):  # what the step returns is stored the same way
         packed, packed_state, _ = train.step(p, packed, packed_state, x, y)
     for rows in (packed, packed_state[0].mu, packed_state[0].nu):
-        assert _shard_shapes(rows) == {(1, max(per_stage))}
+        assert _shard_shapes(rows) == {k: (1, n) for k, n in buffers.items()}
     got_p, got_state = train.unpack(p, packed, packed_state)
     assert got_p["stack"].shape == (LAYERS, DIM, DIM)
     want_p, want_state, _ = _reference(plain_loss, opt, p, x, y)

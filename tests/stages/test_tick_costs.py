@@ -5,6 +5,7 @@ removed (BENCHMARKS.md, "Pipeline parallelism"), each checked on both schedules 
 
 * copy a parameter-sized buffer: slice a layer's weights out of the packed row (they cross the stages'
   switch as they are, in slots), copy the gradient accumulator out of a conditional, or copy the stash ring;
+  nor, once per step, slice the weights out of a row (between steps each layer lies in a slot of its own);
 * send before the backward loop: a send meets the neighbour's; sent before the tick's backward it meets a
   neighbour still running its forward, and serializes the two stages' work.
 
@@ -120,6 +121,16 @@ def test_a_tick_copies_no_parameter_sized_buffer(stages, schedule):
     assert not big, "copies of a parameter-sized buffer on every tick:\n" + "\n".join(big)
     big = [line.strip() for name in inside for line in comps[name] if _sliced(comps, line) >= WIDTH * WIDTH]
     assert not big, "parameter-sized slices (a layer's weights out of the row) on every tick:\n" + "\n".join(big)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages", [2, 4])
+def test_a_step_reads_the_weights_where_they_are_stored(stages, schedule):
+    """The layers line up across the stages, so each lies in a buffer of its own between steps (a slot): the
+    step reads it with a reshape, and no parameter-sized slice of the weights is taken, per tick or per step."""
+    comps = computations(compiled_text(stages, schedule))
+    big = [line.strip() for lines in comps.values() for line in lines if _sliced(comps, line) >= WIDTH * WIDTH]
+    assert not big, "parameter-sized slices (a layer's weights out of a packed row):\n" + "\n".join(big)
 
 
 def _sliced(comps: dict[str, list[str]], line: str) -> int:

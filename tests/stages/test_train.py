@@ -83,20 +83,22 @@ def test_state_lives_on_its_stage():
     packed, packed_state = train.pack(p, opt.init(p))
     for _ in range(STEPS):  # kept packed across steps
         packed, packed_state, _ = train.step(p, packed, packed_state, ids, y)
-    (buffer,) = packed.values()
-    per_device = 10 * 8 + 3  # the largest stage: the embedding and the unused leaf
-    assert buffer.shape == (4, per_device)
+    # `extra`, kept by every stage, has a buffer of its own (a slot); the rest is one row per stage.
+    assert {k: v.shape for k, v in packed.items()} == {"float32": (4, 10 * 8), "slot0": (4, 3)}
+    buffer = packed["float32"]
+    per_device = 10 * 8  # the largest stage: the embedding
     assert buffer.sharding.spec == jax.sharding.PartitionSpec("stages")
     shards = {s.device: s.data for s in buffer.addressable_shards}
     assert all(shards[d].shape == (1, per_device) for d in devices)
     mu = packed_state[0].mu["float32"]
     assert mu.sharding.spec == jax.sharding.PartitionSpec("stages") and mu.addressable_shards[0].data.shape[0] == 1
-    # Device 1 holds `extra` and w1 only (in the leaves' order), then padding.
+    # Device 1's row holds w1 only, then padding; its slot holds `extra`.
     want_p, want_state, _ = _reference(four_stages_tied, opt, p, ids, y)
     row = np.asarray(shards[devices[1]])[0]
-    np.testing.assert_allclose(row[:3], want_p["extra"], rtol=5e-5, atol=5e-5)
-    np.testing.assert_allclose(row[3:67].reshape(8, 8), want_p["w1"], rtol=5e-5, atol=5e-5)
-    assert not row[67:].any()
+    np.testing.assert_allclose(row[:64].reshape(8, 8), want_p["w1"], rtol=5e-5, atol=5e-5)
+    assert not row[64:].any()
+    for shard in packed["slot0"].addressable_shards:
+        np.testing.assert_allclose(np.asarray(shard.data)[0], want_p["extra"], rtol=5e-5, atol=5e-5)
     # The tied embedding: the same on its two stages (both updated with the summed gradient).
     np.testing.assert_array_equal(np.asarray(shards[devices[0]]), np.asarray(shards[devices[3]]))
     got_p, got_state = train.unpack(p, packed, packed_state)

@@ -83,18 +83,25 @@ def test_each_device_stores_its_chunk_of_the_row(zero_stage, replicas):
     pipelined = _replicas(replicas, zero_stage)
     train = pipelined.step_for(two_stages, opt)
     built = train.built(p, *batch)
-    (n,) = built.packing.sizes.values()
-    mesh, chunk = pipelined.mesh, n // replicas
-    split = [(s, (r * chunk, (r + 1) * chunk), (1, chunk)) for s in range(2) for r in range(replicas)]
-    whole = [(s, (0, None), (1, n)) for s in range(2) for _ in range(replicas)]
+    # The row (emb, w1 and head) and a slot (`extra`, kept by both stages), each a multiple of D long.
+    sizes = {k: n for k, (_, n) in built.packing.buffers().items()}
+    assert sizes == {"float32": 144, "slot0": 4}
+    mesh = pipelined.mesh
+
+    def split(n):
+        chunk = n // replicas
+        return [(s, (r * chunk, (r + 1) * chunk), (1, chunk)) for s in range(2) for r in range(replicas)]
+
+    def whole(n):
+        return [(s, (0, None), (1, n)) for s in range(2) for _ in range(replicas)]
 
     def check(packed, packed_state):
-        for moment in (packed_state[0].mu, packed_state[0].nu):
-            assert moment["float32"].shape == (2, n)
-            assert list(_chunks(moment["float32"], mesh).values()) == split  # device r of a stage: chunk r
-        (row,) = packed.values()
-        assert row.shape == (2, n)
-        assert list(_chunks(row, mesh).values()) == (split if zero_stage == 3 else whole)
+        for key, n in sizes.items():
+            for moment in (packed_state[0].mu, packed_state[0].nu):
+                assert moment[key].shape == (2, n)
+                assert list(_chunks(moment[key], mesh).values()) == split(n)  # device r of a stage: chunk r
+            assert packed[key].shape == (2, n)
+            assert list(_chunks(packed[key], mesh).values()) == (split(n) if zero_stage == 3 else whole(n))
         count = packed_state[0].count  # Adam's step count: a scalar, whole on every device
         assert all(s.data.shape == () for s in count.addressable_shards) and len(count.addressable_shards) == mesh.size
 
@@ -124,10 +131,13 @@ def test_describe_counts_a_devices_chunk():
 @pytest.mark.parametrize("replicas", [2, 4], ids=["D2", "D4"])
 def test_a_row_not_divisible_by_the_replicas_is_padded(replicas):
     p, batch, opt = _params_for(two_stages), _batch(), optax.adam(1e-2)
-    p["extra"] = np.linspace(-1, 1, 5).astype(np.float32)  # stage 0's row: 80 + 64 + 5 = 149 floats
+    p["extra"] = np.linspace(-1, 1, 5).astype(np.float32)  # kept by both stages: a slot of 5 floats
     pipelined = _replicas(replicas, 3)
     built = pipelined.step_for(two_stages, opt).built(p, *batch)
-    assert list(built.packing.sizes.values()) == [150 if replicas == 2 else 152]
+    assert {k: n for k, (_, n) in built.packing.buffers().items()} == {
+        "float32": 144,
+        "slot0": 6 if replicas == 2 else 8,
+    }
     (got_p, got_state), _ = _run(pipelined, two_stages, opt, p, batch)
     assert got_p["extra"].shape == (5,)
     want_p, want_state, _ = _reference(two_stages, opt, p, *batch)
@@ -154,7 +164,7 @@ def _data_collectives(zero_stage):
 def test_stage_two_reduce_scatters_the_gradient_row(zero_stage):
     # No device holds the whole averaged gradients: the row is reduce-scattered, only the loss all-reduced.
     collectives = _data_collectives(zero_stage)
-    assert ("reduce_scatter", (1, 148)) in collectives
+    assert ("reduce_scatter", (1, 144)) in collectives and ("reduce_scatter", (1, 4)) in collectives  # row, slot
     assert all(shape == () for name, shape in collectives if name == "psum")
     assert any(name == "psum" and shape != () for name, shape in _data_collectives(1))  # stage 1 all-reduces
 
