@@ -350,6 +350,8 @@ class Replicator:
         / pipeline_stages`` data-parallel replicas of that pipeline
         (:mod:`replicator.stages.replicas`); such a Replicator runs
         :meth:`run` (the update cut from ``step_fn``) and :meth:`run_pipelined`. Guide: docs/guide/pipeline.md.
+        With ``replicas_per_device=k`` the stages cut the device grid and each
+        device of a stage runs ``k`` consecutive replicas of the pipeline.
       microbatches: ``M``, the micro-batches each replica's share of the batch
         is cut into (default: ``pipeline_stages``).
       schedule: ``'1f1b'`` (the default: at most ``S`` micro-batches'
@@ -401,8 +403,7 @@ class Replicator:
                 "pipeline_stages=S (the stages cut at rp.stage_boundary markers) or leave these options out."
             )
         if pipeline_stages != 1 or microbatches is not None:
-            if replicas_per_device != 1:
-                raise ValueError("pipeline_stages does not combine with replicas_per_device yet; leave one at 1.")
+            # With replicas_per_device=k the stages cut the device grid; each device hosts k replicas.
             self.pipelined = PipelinedReplicas(
                 self.mesh.devices,
                 pipeline_stages,
@@ -410,6 +411,7 @@ class Replicator:
                 schedule or "1f1b",
                 pipeline_recompute,
                 zero_stage=_pipelined_zero_stage(passes),
+                fold_axes=self.fold.folded_axes,
             )
         self.pipeline = passes if passes is not None else Pipeline.default()
         if not isinstance(self.pipeline, Pipeline):

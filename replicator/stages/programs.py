@@ -34,13 +34,17 @@ batch norm across replicas) is bound as the mesh collective over the data-parall
 axes :data:`DATA_AXES` of the stage that runs it (its group: ``None`` both axes,
 ``'workers'`` or ``'cores'`` one), never over ``'stages'``: it means what it
 means in a data-parallel step, across the replicas of the pipeline, on the
-micro-batch at hand.
+micro-batch at hand. With several replicas per device (``replicas_per_device``) the device's logical
+replicas run under ``jax.vmap`` over the fold axes (:func:`folded`, :data:`~replicator.core.layout.FOLDED_AXES`):
+a collective then spans those too, and ``replica_id`` counts the logical replicas.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -49,10 +53,11 @@ from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 
 from replicator._jax_compat import user_source_line
 from replicator.core.jaxprs import DefUse, iter_eqns, sub_jaxprs
+from replicator.core.layout import FOLDED_AXES
 from replicator.core.primitives import PLACEHOLDERS, all_reduce_p, replica_id_p
 from replicator.stages.split import BACKWARD, FORWARD, StageSplit, StageSplitError
 
-__all__ = ["DATA_AXES", "StagePrograms", "check_collectives", "stage_programs"]
+__all__ = ["DATA_AXES", "StagePrograms", "check_collectives", "folded", "stage_programs"]
 
 #: The data-parallel axes of a pipeline's mesh, beside ``'stages'``: the same names as a data-parallel run's,
 #: so a collective the user wrote (``group=None``) keeps its meaning. A tensor axis would come innermost.
@@ -112,18 +117,53 @@ def _run(eqns: Sequence[JaxprEqn], env: dict[Var, Any]) -> None:
                 env[var] = value
 
 
+#: The fold axes (``FoldLayout.folded_axes``: ``(name, size)``, outermost first) the programs run vmapped over.
+_FOLD: contextvars.ContextVar[tuple[tuple[str, int], ...]] = contextvars.ContextVar("fold", default=())
+
+
+@contextlib.contextmanager
+def folded(fold_axes: Sequence[tuple[str, int]]) -> Iterator[None]:
+    """While tracing under ``jax.vmap`` over ``fold_axes`` (a device's logical replicas), a user's collective
+    also spans them: ``rp.all_mean`` is over every logical replica, ``rp.replica_id`` the logical index."""
+    token = _FOLD.set(tuple(fold_axes))
+    try:
+        yield
+    finally:
+        _FOLD.reset(token)
+
+
 def _axes(group: str | None) -> tuple[str, ...]:
-    return DATA_AXES if group is None else (group,)
+    """The mesh axes of ``group``, each followed by its fold axis where the programs run folded."""
+    fold = dict(_FOLD.get())
+    out: list[str] = []
+    for axis in DATA_AXES if group is None else (group,):
+        out.append(axis)
+        if FOLDED_AXES[axis] in fold:
+            out.append(FOLDED_AXES[axis])
+    return tuple(out)
+
+
+def _replica_id(group: str | None) -> Any:
+    """The logical replica's index in ``group``: the device's index on the group's mesh axes times the
+    replicas it hosts, plus the fold index (a device hosts consecutive replicas, so this is replica order)."""
+    fold = dict(_FOLD.get())
+    mesh_axes = DATA_AXES if group is None else (group,)
+    index = lax.axis_index(mesh_axes)
+    for axis in mesh_axes:  # fold_layout folds along one axis only where the other has one device
+        if FOLDED_AXES[axis] in fold:
+            index = index * fold[FOLDED_AXES[axis]] + lax.axis_index(FOLDED_AXES[axis])
+    return index
 
 
 def _collective(eqn: JaxprEqn, env: dict[Var, Any]) -> None:
-    """A user's collective placeholder, bound as the mesh collective over the data axes of its group."""
+    """A user's collective placeholder, bound as the mesh collective over the data axes of its group (and
+    the fold axes, where :func:`folded`)."""
     args = [_read(env, v) for v in eqn.invars]
     axes = _axes(eqn.params["group"])
     if eqn.primitive is all_reduce_p:
         outs = [_REDUCE[eqn.params["op"]](x, axes) for x in args]
     elif eqn.primitive is replica_id_p:
-        outs = [lax.axis_index(axes).astype(jnp.int32)]
+        outs = [_replica_id(eqn.params["group"]).astype(jnp.int32)]
     else:  # check_collectives refused it before the programs were built
         raise AssertionError(eqn.primitive.name)
     for var, value in zip(eqn.outvars, outs, strict=True):

@@ -9,6 +9,12 @@ which is what ``rp.all_mean(grads)`` in a data-parallel step does (``group=None`
 devices are the ``D`` replicas of that stage; the compiler's own collectives (``ppermute`` of boundary values,
 ``psum`` of a tied leaf's gradient) are over ``'stages'`` only.
 
+With ``replicas_per_device=k`` (:class:`~replicator.core.layout.FoldLayout`) the grid is the *device* grid:
+each device of a stage hosts ``k`` consecutive data-parallel replicas, run vmapped over the fold axes
+(``D = k x`` the stage's devices; replica ``r`` still takes the ``r``-th ``1/D`` of the rows, so a device
+takes a contiguous ``k/D``); their loss and gradients are averaged over the fold before the data axes, and a
+user's collective spans every logical replica (:func:`~replicator.stages.programs.folded`).
+
 Where stages sit (:func:`pipeline_mesh`): from a ``Replicator``'s ``(workers, cores)`` device grid, *within a
 worker* when ``S`` divides ``cores_per_worker`` (activations cross stages inside a host; ``C' = C / S``), else
 *across workers* when ``S`` divides ``num_workers`` (``W' = W / S``).
@@ -36,7 +42,14 @@ from jax.sharding import PartitionSpec as P
 from replicator.stages.lower import STAGE_AXIS, ring_slots
 from replicator.stages.schedule import schedule_stats
 from replicator.stages.split import BACKWARD, FORWARD
-from replicator.stages.train import DATA_AXES, PipelineTrainStep, _Built, _micro_batches, check_zero_stage
+from replicator.stages.train import (
+    DATA_AXES,
+    PipelineTrainStep,
+    _Built,
+    _micro_batches,
+    check_fold_axes,
+    check_zero_stage,
+)
 from replicator.stages.user_step import PipelinedStep
 
 __all__ = [
@@ -52,9 +65,10 @@ __all__ = [
 SCHEDULES = ("gpipe", "1f1b")
 
 
-def pipeline_mesh(grid: np.ndarray, stages: int) -> Mesh:
+def pipeline_mesh(grid: np.ndarray, stages: int, replicas_per_device: int = 1) -> Mesh:
     """The ``('stages', 'workers', 'cores')`` mesh of ``stages`` stages over ``grid``, a ``(workers, cores)``
-    array of devices (a ``Replicator``'s ``mesh.devices``); see the module docstring for the layout."""
+    array of devices (a ``Replicator``'s ``mesh.devices``); see the module docstring for the layout.
+    ``replicas_per_device``: the replicas each device hosts (only for the error's words)."""
     grid = np.asarray(grid)
     if grid.ndim != 2:
         raise ValueError(f"pipeline_mesh: grid must be a (workers, cores) array of devices, got shape {grid.shape}.")
@@ -65,6 +79,13 @@ def pipeline_mesh(grid: np.ndarray, stages: int) -> Mesh:
         devices = grid.reshape(w, stages, c // stages).transpose(1, 0, 2)
     elif w % stages == 0:  # across workers: consecutive workers form a stage
         devices = grid.reshape(stages, w // stages, c)
+    elif replicas_per_device > 1:
+        raise ValueError(
+            f"pipeline_stages={stages} does not cut the {w} x {c} device grid (replicas_per_device="
+            f"{replicas_per_device} folds the replicas onto {w * c} devices; stages cut devices, not replicas): "
+            f"it divides neither its {c} devices per worker nor its {w} worker rows; pick a pipeline_stages that "
+            "divides one of them, or a smaller replicas_per_device."
+        )
     else:
         raise ValueError(
             f"pipeline_stages={stages} divides neither cores_per_worker={c} (stages within a worker) nor "
@@ -122,7 +143,9 @@ class PipelineReport:
       stash_slots: the residual ring's slots (``M`` for GPipe, ``S`` for 1F1B).
       per_stage: one :class:`StageReport` per stage.
       device_memory: XLA's memory analysis of the compiled step (:class:`DeviceMemory`), where asked for.
-      zero_stage: ZeRO on each stage's data-parallel replicas (0: off).
+      zero_stage: ZeRO on each stage's data-parallel replicas (0: off), over its devices.
+      replicas_per_device: ``k``, the data-parallel replicas each device hosts (``replicas_per_device``):
+        ``D / k`` devices per stage.
     """
 
     schedule: Any
@@ -137,16 +160,23 @@ class PipelineReport:
     per_stage: tuple[StageReport, ...]
     device_memory: DeviceMemory | None = None
     zero_stage: int = 0
+    replicas_per_device: int = 1
 
     def __str__(self) -> str:
-        s, m, d = self.stages, self.microbatches, self.replicas
+        s, m, d, k = self.stages, self.microbatches, self.replicas, self.replicas_per_device
+        devices = d // k  # per stage
         lines = [
-            f"pipeline: {s} stages x {d} data-parallel replicas on {s * d} devices, {m} micro-batches, "
-            f"schedule {self.schedule.name}"
-            + (f", ZeRO-{self.zero_stage} over each stage's {d} replicas" if self.zero_stage else ""),
+            f"pipeline: {s} stages x {d} data-parallel replicas"
+            + (f" ({k} per device)" if k > 1 else "")
+            + f" on {s * devices} devices, {m} micro-batches, schedule {self.schedule.name}"
+            + (
+                f", ZeRO-{self.zero_stage} over each stage's {devices} " + ("devices" if k > 1 else "replicas")
+                if self.zero_stage
+                else ""
+            ),
             f"  {self.ticks} ticks, bubble {self.bubble:.3f} (= (S-1)/(M+S-1) = {s - 1}/{m + s - 1})",
             f"  per device: parameters {_bytes(self.row_bytes)} "
-            f"({f'1/{d} of the packed row' if self.zero_stage >= 3 else 'packed row'}), optimizer state "
+            f"({f'1/{devices} of the packed row' if self.zero_stage >= 3 else 'packed row'}), optimizer state "
             f"{_bytes(self.optimizer_bytes)}, residual ring of {self.stash_slots} slots"
             if self.optimizer_bytes is not None
             else f"  per device: state {_bytes(self.row_bytes)} (packed row: parameters and optimizer state), "
@@ -275,7 +305,7 @@ def describe(
     table = b.table
     stats = schedule_stats(table)
     paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    split = step.data_replicas if b.zero_stage else 1  # ZeRO: a device holds 1/D of its stage's row
+    split = step.data_devices if b.zero_stage else 1  # ZeRO: a device holds 1/D of its stage's row (D devices)
     row = b.packing.nbytes
     row //= split if b.zero_stage >= 3 else 1
     packed = jax.eval_shape(lambda: b.packing.zeros((b.stages,)))
@@ -312,6 +342,7 @@ def describe(
         per_stage=_stage_reports(b.split, b.programs, b.layout, b.kept_aval, paths, stats.peak_live, stage_cost),
         device_memory=device_memory,
         zero_stage=b.zero_stage,
+        replicas_per_device=step.data_replicas // step.data_devices,
     )
 
 
@@ -338,7 +369,7 @@ def describe_user_step(
         schedule=step.table,
         stages=step.stages,
         microbatches=step.table.num_microbatches,
-        replicas=int(np.prod([step.mesh.shape[a] for a in DATA_AXES])),
+        replicas=step.replicas,
         ticks=stats.ticks,
         bubble=float(stats.bubble),
         row_bytes=step.packing.nbytes,
@@ -348,6 +379,7 @@ def describe_user_step(
             step.split, step.programs, step.layout, lambda i, _: step.avals[i], step.paths, stats.peak_live, stage_cost
         ),
         device_memory=device_memory,
+        replicas_per_device=step.replicas_per_device,
     )
 
 
@@ -356,7 +388,8 @@ class PipelinedReplicas:
     ``Replicator.run_pipelined`` and ``Replicator.describe_pipeline`` run (one compiled step per loss and
     optimizer, cached). ``zero_stage``: ZeRO on each stage's ``D`` data-parallel replicas
     (:func:`~replicator.stages.train.pipeline_train_step`), for ``run_pipelined``; the user's own step
-    (:meth:`run_step`) refuses it."""
+    (:meth:`run_step`) refuses it. ``fold_axes``: with ``replicas_per_device=k``, ``FoldLayout.folded_axes``
+    (``grid`` is then the device grid, each device hosting ``k`` consecutive data-parallel replicas)."""
 
     def __init__(
         self,
@@ -366,6 +399,7 @@ class PipelinedReplicas:
         schedule: str,
         recompute: bool = False,
         zero_stage: int = 0,
+        fold_axes: Sequence[tuple[str, int]] = (),
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}.")
@@ -373,19 +407,25 @@ class PipelinedReplicas:
             microbatches = stages
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be a positive int, got {microbatches!r}.")
-        self.mesh = pipeline_mesh(grid, stages)
+        fold = int(np.prod([k for _, k in fold_axes], dtype=int))
+        self.mesh = pipeline_mesh(grid, stages, replicas_per_device=fold)
         self.stages, self.microbatches, self.schedule = stages, microbatches, schedule
         if not isinstance(recompute, bool):
             raise TypeError(f"pipeline_recompute must be a bool, got {recompute!r}.")
         self.recompute = recompute
         self.zero_stage = check_zero_stage(zero_stage)
-        self.replicas = int(np.prod([self.mesh.shape[a] for a in DATA_AXES]))
+        self.fold_axes = check_fold_axes(fold_axes, self.mesh)
+        self.replicas_per_device = int(np.prod([k for _, k in self.fold_axes], dtype=int))
+        #: ``D``: the logical data-parallel replicas (``replicas_per_device`` per device of a stage).
+        self.replicas = int(np.prod([self.mesh.shape[a] for a in DATA_AXES])) * self.replicas_per_device
         self._steps: dict[tuple[int, int], tuple[Callable, Any, PipelineTrainStep]] = {}
         self._user_steps: dict[Any, tuple[Callable, PipelinedStep]] = {}
 
     def __repr__(self) -> str:
         return (
-            f"PipelinedReplicas(stages={self.stages}, replicas={self.replicas}, microbatches={self.microbatches}, "
+            f"PipelinedReplicas(stages={self.stages}, replicas={self.replicas}, "
+            + (f"replicas_per_device={self.replicas_per_device}, " if self.replicas_per_device > 1 else "")
+            + f"microbatches={self.microbatches}, "
             f"schedule={self.schedule!r}{', recompute=True' if self.recompute else ''}"
             f"{f', zero_stage={self.zero_stage}' if self.zero_stage else ''})"
         )
@@ -403,6 +443,7 @@ class PipelinedReplicas:
                 mesh=self.mesh,
                 recompute=self.recompute,
                 zero_stage=self.zero_stage,
+                fold_axes=self.fold_axes,
             )
             self._steps[key] = (loss_fn, optimizer, step)
         return self._steps[key][2]
@@ -450,6 +491,7 @@ class PipelinedReplicas:
                 self.schedule,
                 self.recompute,
                 self.zero_stage,
+                self.fold_axes,
             )
             self._user_steps[key] = (step_fn, built)
         return self._user_steps[key][1]

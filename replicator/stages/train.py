@@ -23,6 +23,11 @@ the stored state between steps is ``1/D``, but the step's peak holds the stage's
 once per step, not per use). The optimizer's scalars (Adam's count) stay whole on every device. The
 optimizer is elementwise (checked), so its update on a chunk is the chunk of its update.
 
+Several data-parallel replicas per device (``fold_axes``, from ``Replicator(replicas_per_device=k)``): each
+device of a stage takes ``k`` consecutive replicas' blocks of the batch, ``(k, M, rows, ...)``, and runs the tick
+loop on them under ``jax.vmap`` over the fold axes (:func:`fold_map`; the rows not batched), then averages the
+loop's outputs over the fold (:func:`fold_mean`) before the data axes; ZeRO splits the rows over the devices.
+
 :meth:`PipelineTrainStep.__call__` takes and returns the parameters and optimizer state with their global
 (the user's) shapes; :meth:`~PipelineTrainStep.pack`, :meth:`~PipelineTrainStep.step` and
 :meth:`~PipelineTrainStep.unpack` keep them packed across steps.
@@ -60,9 +65,10 @@ from jax.sharding import PartitionSpec as P
 from replicator._jax_compat import user_source_line
 from replicator.core.context import ReplicaContext, replica_context
 from replicator.core.jaxprs import iter_eqns
+from replicator.core.layout import FOLDED_AXES
 from replicator.stages.lower import STAGE_AXIS, OutputLayout, _shapes, tick_loop
 from replicator.stages.packing import Packing, RowReader
-from replicator.stages.programs import DATA_AXES, check_collectives, stage_programs
+from replicator.stages.programs import DATA_AXES, check_collectives, folded, stage_programs
 from replicator.stages.rows import LastRows, RowPacker, RowUnpacker
 from replicator.stages.scan_split import traced_in_stages
 from replicator.stages.schedule import Schedule, make_schedule
@@ -76,14 +82,14 @@ class _Built:
 
     def __init__(self, owner: PipelineTrainStep, params: Any, batch: tuple) -> None:
         m = owner.num_microbatches
-        replicas = owner.data_replicas
+        replicas = owner.data_devices  # the devices of a stage: ZeRO's chunks (data_replicas / k with folding)
         param_leaves, self.param_def = jax.tree.flatten(params)
         if not self.param_def.num_nodes > 1:
             raise TypeError("pipeline_train_step: pass the parameters as a pytree (a dict, a list), not one array.")
-        micro = _micro_batches(batch, m, replicas)
+        micro = _micro_batches(batch, m, owner.data_replicas)
         batch_def = jax.tree.structure(batch)
         param_def = self.param_def
-        data = (1, 1) if owner.mesh is None else tuple(owner.mesh.shape[a] for a in DATA_AXES)
+        data = logical_data_shape(owner.mesh, owner.fold_axes)
 
         def trace(loss: Callable) -> ClosedJaxpr:
             def one(param_leaves: list, batch_leaves: list) -> Any:
@@ -188,9 +194,10 @@ class _Built:
         def per_device(params: dict, state: Any, batch: list) -> tuple:
             # ZeRO-3 stores each row split over the stage's devices: the step runs on the whole row, gathered.
             whole_params = gather(params) if zero >= 3 else params
-            # Each data-parallel replica runs the pipeline on its share (a (1, M, rows, ...) block); the
+            # Each data-parallel replica runs the pipeline on its share (a (1, M, rows, ...) block; with k
+            # replicas per device, (k, M, rows, ...), vmapped over the fold axes and averaged over them); the
             # value and gradients are then averaged over the replicas, as rp.all_mean(grads) does today.
-            outputs = loop(whole_params, [x[0] for x in batch])
+            outputs = fold_mean(fold_map(lambda b: loop(whole_params, b), owner.fold_axes)(batch), owner.fold_axes)
             own, shared = outputs if zero >= 2 else lax.pmean(outputs, DATA_AXES)
             packers = [self._pack_grads(s) for s in range(stages)]
             grads, value = lax.switch(lax.axis_index(STAGE_AXIS), packers, own, shared)
@@ -297,6 +304,44 @@ def _specs(state: Any, packed_def: Any, rows: P) -> Any:
     return jax.tree.map(one, state, is_leaf=lambda x: jax.tree.structure(x) == packed_def)
 
 
+def logical_data_shape(mesh: Mesh | None, fold_axes: Sequence[tuple[str, int]] = ()) -> tuple[int, int]:
+    """The ``(workers, cores)`` grid of a pipeline's logical data-parallel replicas: the mesh's data axes, each
+    times its fold (``FoldLayout.folded_axes``: a device hosts that many consecutive replicas along it)."""
+    if mesh is None:
+        return 1, 1
+    fold = dict(fold_axes)
+    return tuple(  # type: ignore[return-value]
+        mesh.shape[a] * fold.get(FOLDED_AXES[a], 1) for a in DATA_AXES
+    )
+
+
+def fold_map(fn: Callable[[list], Any], fold_axes: Sequence[tuple[str, int]]) -> Callable[[list], Any]:
+    """``fn`` of one replica's ``(M, rows, ...)`` batch leaves, run on a device's ``(k, M, rows, ...)`` block: on
+    block 0 without folding (``k = 1``), else under ``jax.vmap`` over each fold axis (outermost first, ``k``
+    their product) with the user's collectives spanning them (:func:`~replicator.stages.programs.folded`); the
+    outputs then have the fold axes leading. What ``fn`` closes over (the parameter rows) is not batched."""
+    if not fold_axes:
+        return lambda batch: fn([x[0] for x in batch])
+    sizes = tuple(n for _, n in fold_axes)
+    mapped = fn
+    for name, _ in reversed(fold_axes):
+        mapped = jax.vmap(mapped, axis_name=name)
+
+    def run(batch: list) -> Any:
+        with folded(fold_axes):
+            return mapped([jnp.reshape(x, (*sizes, *x.shape[1:])) for x in batch])
+
+    return run
+
+
+def fold_mean(tree: Any, fold_axes: Sequence[tuple[str, int]]) -> Any:
+    """The mean over the leading fold axes of :func:`fold_map`'s outputs (each leaf keeps its dtype)."""
+    if not fold_axes:
+        return tree
+    axes = tuple(range(len(fold_axes)))
+    return jax.tree.map(lambda v: jnp.mean(v, axis=axes).astype(v.dtype), tree)
+
+
 def _micro_batches(batch: tuple, m: int, replicas: int = 1) -> list:
     """Each batch leaf ``(B, ...)`` as ``(replicas, m, B / (replicas m), ...)``: replica ``r`` takes the ``r``-th
     contiguous block of rows (as :meth:`Replicator.run` gives replica ``r`` its share), cut into ``m``."""
@@ -328,6 +373,7 @@ class PipelineTrainStep:
         mesh: Mesh | None = None,
         recompute: bool = False,
         zero_stage: int = 0,
+        fold_axes: Sequence[tuple[str, int]] = (),
     ) -> None:
         self.loss, self.optimizer, self.recompute = loss, optimizer, recompute
         #: ZeRO on each stage's data-parallel replicas (:func:`pipeline_train_step`): 0 off, 1, 2 or 3.
@@ -338,8 +384,13 @@ class PipelineTrainStep:
         if mesh is not None and devices is not None:
             raise ValueError("pass devices= (one per stage) or mesh= (stages x data-parallel replicas), not both.")
         self.mesh = mesh
-        #: ``D``: the data-parallel replicas of the pipeline (the mesh's data axes), each on its share of the batch.
-        self.data_replicas = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in DATA_AXES]))
+        #: The fold axes, ``(name, size)`` outermost first (``FoldLayout.folded_axes``): each device of a stage
+        #: hosts ``k`` (their product) consecutive data-parallel replicas, vmapped.
+        self.fold_axes = check_fold_axes(fold_axes, mesh)
+        #: The devices of a stage (the mesh's data axes); ZeRO splits each row over them.
+        self.data_devices = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in DATA_AXES]))
+        #: ``D``: the data-parallel replicas of the pipeline (``k`` per device), each on its share of the batch.
+        self.data_replicas = self.data_devices * int(np.prod([n for _, n in self.fold_axes], dtype=int))
         self._built: dict[Any, _Built] = {}
 
     def built(self, params: Any, *batch: Any) -> _Built:
@@ -402,6 +453,7 @@ def pipeline_train_step(
     mesh: Mesh | None = None,
     recompute: bool = False,
     zero_stage: int = 0,
+    fold_axes: Sequence[tuple[str, int]] = (),
 ) -> PipelineTrainStep:
     """A training step of ``loss`` (marked with ``rp.stage_boundary``) with ``optimizer`` over its stages.
 
@@ -418,6 +470,9 @@ def pipeline_train_step(
         stage's optimizer state and parameters, the new parameters all-gathered; 2 also the gradient row
         reduce-scattered instead of all-reduced; 3 also the parameters stored ``1/D`` between steps (gathered
         whole at the start of the step: a first increment, the step's peak holds the stage's whole row).
+      fold_axes: several data-parallel replicas per device (``Replicator(replicas_per_device=k)``): the fold
+        axes, ``FoldLayout.folded_axes``; each device of a stage then runs ``k`` consecutive replicas vmapped,
+        ``D = k x workers x cores``, and ZeRO splits the rows over the stage's devices.
 
     Returns:
       ``step(params, state, *batch) -> (params, state, value)``, equal to one device's
@@ -432,7 +487,27 @@ def pipeline_train_step(
         mesh=mesh,
         recompute=recompute,
         zero_stage=zero_stage,
+        fold_axes=fold_axes,
     )
+
+
+def check_fold_axes(fold_axes: Sequence[tuple[str, int]], mesh: Mesh | None) -> tuple[tuple[str, int], ...]:
+    """``fold_axes`` as a tuple, checked: ``(name, size)`` pairs of :data:`~replicator.core.layout.FOLDED_AXES`
+    names in replica order, sizes above 1, and a mesh to fold onto."""
+    axes = tuple((str(name), int(size)) for name, size in fold_axes)
+    order = [FOLDED_AXES[a] for a in DATA_AXES]
+    names = [name for name, _ in axes]
+    if (
+        any(name not in order for name in names)
+        or names != sorted(names, key=order.index)
+        or len(set(names)) < len(names)
+    ):
+        raise ValueError(f"fold_axes must name {order} (in that order, each at most once), got {names}.")
+    if any(size < 2 for _, size in axes):
+        raise ValueError(f"fold_axes sizes must be above 1 (leave a size-1 fold out), got {axes}.")
+    if axes and mesh is None:
+        raise ValueError("fold_axes (several replicas per device) needs mesh= (stages x data-parallel devices).")
+    return axes
 
 
 def check_zero_stage(zero_stage: Any) -> int:

@@ -21,6 +21,11 @@ a maximum) would differ, so only means go through: the common shape above. The u
 read any cut value (all gradients: a global-norm clip works) but only the state leaves ``s`` keeps; an
 update that reads another stage's state is refused at trace time, naming the leaves.
 
+With ``replicas_per_device=k`` each device of a stage runs its ``k`` replicas' loop *and* update under
+``jax.vmap`` (:func:`~replicator.stages.train.fold_map`): the update's ``rp.all_mean`` then spans every
+logical replica, so the ``k`` new rows are equal (the first is kept), and each replica's outputs stay its own
+(a row per logical replica); the cost is ``k`` updates per device.
+
 >>> def loss(p, x):
 ...     h = rp.stage_boundary(jnp.tanh(x @ p["a"]))
 ...     return jnp.mean((h @ p["b"]) ** 2)
@@ -63,7 +68,7 @@ from replicator.stages.rows import LastRows, RowPacker, RowUnpacker
 from replicator.stages.scan_split import traced_in_stages
 from replicator.stages.schedule import make_schedule
 from replicator.stages.split import UPDATE, StageSplitError, split_stages
-from replicator.stages.train import _micro_batches, _user_stacklevel
+from replicator.stages.train import _micro_batches, _user_stacklevel, check_fold_axes, fold_map, logical_data_shape
 
 __all__ = ["PipelinedStep"]
 
@@ -103,6 +108,7 @@ class PipelinedStep:
         schedule: str,
         recompute: bool = False,
         zero_stage: int = 0,
+        fold_axes: Sequence[tuple[str, int]] = (),
     ) -> None:
         if zero_stage:
             raise ValueError(
@@ -112,7 +118,11 @@ class PipelinedStep:
                 "data-parallel replicas too, which this cut does not add. Call repl.run_pipelined(loss_fn, optimizer, "
                 "batch, (params, opt_state)) for ZeRO on each stage's replicas, or leave zero_stage at 0."
             )
-        replicas = int(np.prod([mesh.shape[a] for a in DATA_AXES]))
+        #: The fold axes (``FoldLayout.folded_axes``): each device runs ``k`` consecutive replicas, vmapped.
+        self.fold_axes = fold_axes = check_fold_axes(fold_axes, mesh)
+        self.replicas_per_device = int(np.prod([k for _, k in fold_axes], dtype=int))
+        #: ``D``: the logical data-parallel replicas (``k`` per device of a stage).
+        self.replicas = replicas = int(np.prod([mesh.shape[a] for a in DATA_AXES])) * self.replicas_per_device
         state_leaves, self.state_def = jax.tree.flatten(state)
         batch_leaves, batch_def = jax.tree.flatten(batch)
         n = len(state_leaves)
@@ -124,7 +134,7 @@ class PipelinedStep:
         micro = self.micro_leaves(batch)
         state_def = self.state_def
 
-        data = tuple(mesh.shape[a] for a in DATA_AXES)
+        data = logical_data_shape(mesh, fold_axes)
 
         def trace(step_fn: Callable) -> tuple[ClosedJaxpr, Any]:
             def one(state_leaves: list, batch_leaves: list) -> Any:
@@ -268,9 +278,19 @@ class PipelinedStep:
 
         branches = [update(s) for s in range(stages)]
 
-        def per_device(row: dict, batch: list) -> tuple:
-            own, shared = loop(row, [x[0] for x in batch])
+        def one(row: dict, batch: list) -> tuple:
+            own, shared = loop(row, batch)
             return lax.switch(lax.axis_index(STAGE_AXIS), branches, row, own, shared)
+
+        def per_device(row: dict, batch: list) -> tuple:
+            if not fold_axes:
+                return one(row, [x[0] for x in batch])
+            # k replicas per device: each runs the loop and the update (its collectives over every logical
+            # replica), vmapped; their new rows are equal (the update reads the batch through rp.all_mean only).
+            new_rows, outs = fold_map(lambda b: one(row, b), fold_axes)(batch)
+            lead = len(fold_axes)
+            first = {k: v[(0,) * lead] for k, v in new_rows.items()}
+            return first, [jnp.reshape(o, (-1, *o.shape[lead + 1 :])) for o in outs]
 
         row_spec = jax.tree.map(lambda _: P(STAGE_AXIS), self.packing.zeros((stages,)))
         self._packer = RowPacker(self.packing, self.layout, mesh)
