@@ -41,6 +41,7 @@ import optax
 from jax import lax
 
 import replicator as rp
+from replicator.core.layout import fold_layout
 from tests.fuzz.differential import Outcome
 
 LAYERS = ("dense-tanh", "dense-relu", "dense-gelu", "elementwise", "residual", "layernorm")
@@ -276,25 +277,37 @@ class Variant:
     schedule: str
     recompute: bool = False
     zero: int = 0  # passes=rp.Pipeline.default(zero_stage=zero), through run_pipelined
+    fold: int = 1  # replicas_per_device: the mesh's logical replicas, this many per device
 
     @property
     def name(self) -> str:
         tail = ("-recompute" if self.recompute else "") + (f"-zero{self.zero}" if self.zero else "")
-        return f"pipe-S{self.stages}-M{self.microbatches}-{self.schedule}{tail}"
+        return f"pipe-S{self.stages}-M{self.microbatches}-{self.schedule}{tail}" + (
+            f"-fold{self.fold}" if self.fold > 1 else ""
+        )
 
 
 #: name -> variant: S in {2, 4}, M in {S, 2S}, 1F1B, GPipe, GPipe with recomputation; each also with ZeRO (stage
-#: 1 for 1F1B, 2 for GPipe, 3 for GPipe with recomputation).
+#: 1 for 1F1B, 2 for GPipe, 3 for GPipe with recomputation); and three with 2 replicas per device
+#: (replicas_per_device=2: the mesh's 8 logical replicas on 4 devices), the user's step and ZeRO.
 PIPE_VARIANTS: dict[str, Variant] = {
     v.name: v
-    for s in (2, 4)
-    for m in (s, 2 * s)
-    for zero in (False, True)
-    for v in (
-        Variant(s, m, "1f1b", zero=1 * zero),
-        Variant(s, m, "gpipe", zero=2 * zero),
-        Variant(s, m, "gpipe", True, 3 * zero),
-    )
+    for v in [
+        *(
+            v
+            for s in (2, 4)
+            for m in (s, 2 * s)
+            for zero in (False, True)
+            for v in (
+                Variant(s, m, "1f1b", zero=1 * zero),
+                Variant(s, m, "gpipe", zero=2 * zero),
+                Variant(s, m, "gpipe", True, 3 * zero),
+            )
+        ),
+        Variant(2, 4, "1f1b", fold=2),
+        Variant(4, 8, "gpipe", True, fold=2),
+        Variant(2, 4, "1f1b", zero=1, fold=2),
+    ]
 }
 #: (num_workers, cores_per_worker) of 8 devices per stage count: stages within a worker (S divides the cores),
 #: then across workers (S divides num_workers only).
@@ -307,6 +320,16 @@ def mesh_for(seed: int, stages: int) -> tuple[int, int]:
     return meshes[seed % len(meshes)]
 
 
+def mesh_of(variant: Variant, mesh: tuple[int, int]) -> tuple[int, int]:
+    """The mesh ``variant`` runs on: ``mesh``, unless its replicas folded ``variant.fold`` per device leave a
+    device grid that ``variant.stages`` divides neither way (2 x 4 folded in 2 is 2 x 2: not 4 stages); then
+    1 x 8."""
+    if variant.fold == 1:
+        return mesh
+    devices = fold_layout(*mesh, replicas_per_device=variant.fold).device_mesh
+    return mesh if any(n % variant.stages == 0 for n in devices) else (1, 8)
+
+
 def replicated(spec: PipeSpec, variant: Variant, mesh: tuple[int, int]) -> tuple[Any, list[float]]:
     """Final state and each step's loss (replica 0's; every replica's must agree) from ``repl.run``."""
     workers, cores = mesh
@@ -314,7 +337,8 @@ def replicated(spec: PipeSpec, variant: Variant, mesh: tuple[int, int]) -> tuple
     repl = rp.Replicator(
         workers,
         cores,
-        devices=jax.devices()[: workers * cores],
+        devices=jax.devices()[: workers * cores // variant.fold],
+        replicas_per_device=variant.fold,
         passes=passes,
         pipeline_stages=variant.stages,
         microbatches=variant.microbatches,
@@ -404,7 +428,7 @@ def run_program(seed: int, variants: list[str], stats: collections.Counter | Non
             continue
         for v in variants:
             if PIPE_VARIANTS[v].stages == stages:
-                outcomes.append(check(spec, PIPE_VARIANTS[v], mesh, ref))
+                outcomes.append(check(spec, PIPE_VARIANTS[v], mesh_of(PIPE_VARIANTS[v], mesh), ref))
                 stats["runs"] += 1
                 stats["graphs"] += 1  # every run compiles its own pipelined step
     return outcomes

@@ -39,9 +39,10 @@ QUICK = [
     (6, "pipe-S4-M8-1f1b-zero1", (1, 8)),  # ZeRO on each stage's replicas, through run_pipelined
     (7, "pipe-S2-M4-gpipe-zero2", (2, 4)),
     (8, "pipe-S2-M2-gpipe-recompute-zero3", (1, 8)),
+    (9, "pipe-S2-M4-1f1b-fold2", (8, 1)),  # 2 replicas per device, folded across workers
 ]
 SLOW = [
-    (100 + i, name, pipelines.mesh_for(100 + i, v.stages))
+    (100 + i, name, pipelines.mesh_of(v, pipelines.mesh_for(100 + i, v.stages)))
     for i, (name, v) in enumerate(PIPE_VARIANTS.items())
     if name not in {q[1] for q in QUICK}
 ]
