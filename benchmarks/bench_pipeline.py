@@ -22,7 +22,11 @@ data-parallel replica (``Replicator(1, S, pipeline_stages=S)``).
    * ``stage micro-batch``  ``jax.jit`` on one device of one stage's forward and
      backward (the last stage: its layers and the loss, gradients for its
      parameters and its input) on one micro-batch of ``batch / M`` rows: the
-     *tick* ``t_M`` of the estimates below.
+     *tick* ``t_M`` of the estimates below;
+   * ``stage micro-batch, beside``  the same on all ``S`` devices at once (each its own
+     copy, one ``shard_map``): the tick ``t'_M`` as a stage runs it while the others
+     run theirs, on the cores they share (on emulated CPU devices, ``t_M`` alone has
+     every core to itself).
 
    Every variant gets the same batch, already on its devices (no host transfer).
    Before timing, the hand-written pipeline's gradients and its parameters after two
@@ -39,7 +43,9 @@ data-parallel replica (``Replicator(1, S, pipeline_stages=S)``).
    the stages' programs), the padding of the rings. On emulated CPU devices the
    ``S`` devices share the host's cores, so a stage's micro-batch timed alone (on all
    cores) is faster than it is beside the other stages: read the measured bubble
-   as an upper bound.
+   as an upper bound. The ``t'_M`` columns give the same estimates from the tick timed
+   beside the other stages: ``ideal' = (M + S - 1) t'_M``, the schedule's ideal on
+   these shared cores.
 
 2. Per-device memory from XLA's compiled memory analysis of each program
    (``.lower(...).compile().memory_analysis()``; peak = arguments + outputs -
@@ -283,6 +289,19 @@ def stage_runner(params: Params, stages: int, m: int, x: np.ndarray, y: np.ndarr
     return lambda: f(mine, h, t)
 
 
+def stage_beside_runner(params: Params, stages: int, m: int, x: np.ndarray, y: np.ndarray) -> Runner:
+    """:func:`stage_runner`'s tick on all ``stages`` devices at once, each its own copy: one ``shard_map``."""
+    per = len(params) // stages
+    mesh = Mesh(np.array(jax.devices()[:stages]), ("s",))
+    everywhere = NamedSharding(mesh, P())
+    mine = jax.device_put(params[-per:], everywhere)
+    rows = x.shape[0] // m
+    h, t = (jax.device_put(a, everywhere) for a in (np.tanh(x[:rows]), y[:rows]))
+    tick = jax.value_and_grad(lambda p, h, t: jnp.mean((layers_fwd(p, h) - t) ** 2), argnums=(0, 1))
+    f = jax.jit(jax.shard_map(tick, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+    return lambda: f(mine, h, t)
+
+
 def hand_runner(
     params: Params, stages: int, m: int, x: np.ndarray, y: np.ndarray, want: tuple[Params, Params]
 ) -> tuple[Runner, HandPipeline]:
@@ -396,6 +415,7 @@ def time_stages(stages: int, ms: list[int], params: Params, x: np.ndarray, y: np
     t0 = time.perf_counter()
     for m in ms:
         variants[f"stage micro-batch M={m}"] = stage_runner(params, stages, m, x, y)
+        variants[f"stage micro-batch beside M={m}"] = stage_beside_runner(params, stages, m, x, y)
         variants[f"hand GPipe M={m}"] = hand_runner(params, stages, m, x, y, want)[0]
         for schedule in ("gpipe", "1f1b"):
             variants[f"rp {schedule} M={m}"] = rp_runner(params, stages, m, schedule, x, y, want[1])
@@ -416,17 +436,20 @@ def time_stages(stages: int, ms: list[int], params: Params, x: np.ndarray, y: np
     say(
         "tick t_M: one stage's forward and backward of one micro-batch (batch / M rows) on one device, timed in "
         "the same rounds; ideal = (M + S - 1) t_M; bubble measured = 1 - M t_M / step (everything but the "
-        "stage's own compute counts as bubble; at tiny sizes t_M is mostly one call's dispatch).\n"
+        "stage's own compute counts as bubble; at tiny sizes t_M is mostly one call's dispatch). t'_M: the same "
+        "tick run on all S devices at once (each stage's cores shared as in the pipeline); ideal' = (M + S - 1) "
+        "t'_M.\n"
     )
     say(
         "| M | variant | median step (ms) | / one device | / hand GPipe | tick t_M (ms) | ideal (M+S-1) t_M (ms) "
-        "| measured / ideal | bubble ideal | bubble measured |"
+        "| measured / ideal | t'_M beside (ms) | measured / ideal' | bubble ideal | bubble measured |"
     )
-    say("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    say("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     one = med["one device"]
-    say(f"| - | one device | {fmt_ms(one)} | 1.00x | | | | | | |")
+    say(f"| - | one device | {fmt_ms(one)} | 1.00x | | | | | | | | |")
     for m in ms:
         tick = med[f"stage micro-batch M={m}"]
+        beside = med[f"stage micro-batch beside M={m}"]
         hand = med[f"hand GPipe M={m}"]
         ideal = (m + stages - 1) * tick
         bubble = (stages - 1) / (m + stages - 1)
@@ -437,7 +460,8 @@ def time_stages(stages: int, ms: list[int], params: Params, x: np.ndarray, y: np
             t = med[name]
             say(
                 f"| {m} | {name.rsplit(' M=', 1)[0]} | {fmt_ms(t)} | {t / one:.2f}x | {t / hand:.2f}x | "
-                f"{fmt_ms(tick)} | {fmt_ms(ideal)} | {t / ideal:.2f} | {bubble:.3f} | {1 - m * tick / t:.3f} |"
+                f"{fmt_ms(tick)} | {fmt_ms(ideal)} | {t / ideal:.2f} | {fmt_ms(beside)} | "
+                f"{t / ((m + stages - 1) * beside):.2f} | {bubble:.3f} | {1 - m * tick / t:.3f} |"
             )
 
 
