@@ -835,9 +835,9 @@ class Replicator:
                     "needs a state, without per_replica_state; or call run_pipelined(loss_fn, optimizer, batch, "
                     "(params, opt_state)) (docs/guide/pipeline.md)."
                 )
-            built = len(self.pipelined._user_steps)
+            built = self.pipelined.user_steps_built
             out = self.pipelined.run_step(step_fn, self._pipelined_batch(input_fn), state)
-            self.trace_count += len(self.pipelined._user_steps) - built  # a new shape traced and compiled
+            self.trace_count += self.pipelined.user_steps_built - built  # a new shape traced and compiled
             return out
         depth = self.prefetch if prefetch is None else _check_prefetch(prefetch)
         step = progress.begin_step()

@@ -430,6 +430,11 @@ class PipelinedReplicas:
             f"{f', zero_stage={self.zero_stage}' if self.zero_stage else ''})"
         )
 
+    @property
+    def user_steps_built(self) -> int:
+        """How many of the user's steps (a ``step_fn`` and its shapes) have been traced and compiled here."""
+        return len(self._user_steps)
+
     def step_for(self, loss_fn: Callable, optimizer: optax.GradientTransformation) -> PipelineTrainStep:
         """The pipelined training step of ``loss_fn`` with ``optimizer`` on this mesh (built once)."""
         key = (id(loss_fn), id(optimizer))

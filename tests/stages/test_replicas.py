@@ -323,3 +323,20 @@ def test_only_shared_outputs_cross_stages():
     crossing = [e for e in iter_eqns(jaxpr.jaxpr) if e.primitive.name == "psum" and "stages" in e.params["axes"]]
     sizes = sorted(int(np.prod(v.aval.shape)) for e in crossing for v in e.invars)
     assert sizes == [1, 3], sizes  # the loss and `extra`; was every gradient (emb, w1, head, extra)
+
+
+def test_run_counts_each_pipelined_compilation_in_trace_count():
+    p, (ids, y), opt = _params_for(two_stages), global_batch(), optax.sgd(0.1)
+    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2, microbatches=2)
+
+    def step(state, batch):
+        value, grads = jax.value_and_grad(two_stages)(state[0], *batch)
+        updates, opt_state = opt.update(rp.all_mean(grads), state[1], state[0])
+        return (optax.apply_updates(state[0], updates), opt_state), rp.all_mean(value)
+
+    state = (p, opt.init(p))
+    for _ in range(2):  # the same shapes: compiled once
+        state, _ = repl.run(step, (ids, y), state)
+    assert repl.trace_count == 1 and repl.pipelined.user_steps_built == 1
+    repl.run(step, (ids[:8], y[:8]), state)  # another batch shape: once more
+    assert repl.trace_count == 2 and repl.pipelined.user_steps_built == 2
