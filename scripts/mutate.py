@@ -100,7 +100,12 @@ GROUPS: dict[str, tuple[str, ...]] = {
     ),
     "training/checkpoint/": ("replicator/training/checkpoint/",),
     "launch/": ("replicator/launch/",),
-    "stages/": ("replicator/stages/packing.py", "replicator/stages/lower.py", "replicator/stages/rows.py"),
+    "stages/": (
+        "replicator/stages/packing.py",
+        "replicator/stages/lower.py",
+        "replicator/stages/rows.py",
+        "replicator/stages/programs.py",
+    ),
 }
 
 # Least score per group (killed and timed out, of the sampled mutants that are not equivalent).
@@ -206,6 +211,13 @@ TESTS.update(
             "tests/stages/test_packing.py",
             "tests/stages/test_tick_costs.py",
             "tests/stages/test_train.py",
+            "tests/stages/test_zero.py",  # the slots padded to a multiple of D
+        ),
+        "replicator/stages/programs.py": (
+            "tests/stages/test_lower.py",
+            "tests/stages/test_fold_stages.py",  # the user's collectives over the fold axes
+            "tests/stages/test_replicas.py",
+            "tests/stages/test_user_step.py",
         ),
         "replicator/stages/lower.py": (
             "tests/stages/test_lower.py",
