@@ -16,7 +16,7 @@ import pytest
 
 import replicator as rp
 from tests.stages.test_gpipe import four_stages_tied, two_stages
-from tests.stages.test_replicas import _bn_setup, _params_for, _rp_mean, _vmap_mean, bn_loss, global_batch
+from tests.stages.test_replicas import _bn_setup, _params_for, _rp_mean, bn_loss, global_batch, simulated_bn_steps
 from tests.stages.test_train import STEPS, _assert_close, _reference
 from tests.stages.test_user_step import _one_device, make_step
 
@@ -68,13 +68,18 @@ def test_run_pipelined_with_folded_replicas_matches_one_device(workers, cores, k
     p, (ids, y) = _params_for(loss), _skewed_batch()
     opt = optax.adam(1e-2)
     repl = _replicator(workers, cores, k, stages, m, schedule=schedule)
-    state, values = (p, opt.init(p)), []
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # M >= S: no bubble warning
-        for _ in range(STEPS):
-            state, value = repl.run_pipelined(loss, opt, (ids, y), state)
-            values.append(value)
-    want_p, want_state, want_values = _reference(loss, opt, p, ids, y)
+        _assert_run_pipelined_like_one_device(repl, loss, opt, p, (ids, y))
+
+
+def _assert_run_pipelined_like_one_device(repl, loss, opt, p, batch):
+    """``STEPS`` steps of ``run_pipelined``: parameters, Adam's state and losses equal one device's."""
+    state, values = (p, opt.init(p)), []
+    for _ in range(STEPS):
+        state, value = repl.run_pipelined(loss, opt, batch, state)
+        values.append(value)
+    want_p, want_state, want_values = _reference(loss, opt, p, *batch)
     _assert_close(state[0], want_p, tol=TOL)
     _assert_close(state[1], want_state, tol=TOL)
     np.testing.assert_allclose(values, want_values, rtol=TOL)
@@ -134,25 +139,7 @@ def test_user_collectives_span_every_logical_replica(workers, cores, k, logical)
         state, value = repl.run_pipelined(bn_loss(_rp_mean), opt, (x, y), state)
         values.append(value)
 
-    lw, lc = logical
-    per_replica = jax.value_and_grad(bn_loss(_vmap_mean))
-    simulate = jax.vmap(jax.vmap(per_replica, (None, 0, 0), axis_name="cores"), (None, 0, 0), axis_name="workers")
-
-    @jax.jit
-    def reference_step(p):
-        xs = x.reshape(lw, lc, m, -1, 3)  # (workers, cores, micro-batch, rows, features): replica r's rows
-        ys = y.reshape(lw, lc, m, -1, 2)
-        value, grads = 0.0, jax.tree.map(jnp.zeros_like, p)
-        for j in range(m):
-            v, g = simulate(p, xs[:, :, j], ys[:, :, j])
-            value += v.mean() / m
-            grads = jax.tree.map(lambda a, b: a + b.mean((0, 1)) / m, grads, g)
-        return optax.apply_updates(p, opt.update(grads, opt.init(p), p)[0]), value
-
-    want, want_values = p, []
-    for _ in range(2):
-        want, value = reference_step(want)
-        want_values.append(value)
+    want, want_values = simulated_bn_steps(p, x, y, logical, m, opt, steps=2)
     _assert_close(state[0], want, tol=TOL)
     np.testing.assert_allclose(values, want_values, rtol=TOL)
 
@@ -188,14 +175,7 @@ def test_zero_splits_rows_over_a_stages_devices(zero_stage):
     p, (ids, y) = _params_for(two_stages), _skewed_batch()
     opt = optax.adam(1e-2)
     repl = _replicator(1, 8, 2, 2, 4, passes=rp.Pipeline.default(zero_stage=zero_stage))
-    state, values = (p, opt.init(p)), []
-    for _ in range(STEPS):
-        state, value = repl.run_pipelined(two_stages, opt, (ids, y), state)
-        values.append(value)
-    want_p, want_state, want_values = _reference(two_stages, opt, p, ids, y)
-    _assert_close(state[0], want_p, tol=TOL)
-    _assert_close(state[1], want_state, tol=TOL)
-    np.testing.assert_allclose(values, want_values, rtol=TOL)
+    _assert_run_pipelined_like_one_device(repl, two_stages, opt, p, (ids, y))
     report = repl.describe_pipeline(two_stages, opt, (ids, y), (p, opt.init(p)))
     assert f"ZeRO-{zero_stage} over each stage's 2 devices" in str(report)
 

@@ -213,6 +213,33 @@ def _bn_setup(rows):
     return p, rng.normal(size=(rows, 3)).astype(np.float32), rng.normal(size=(rows, 2)).astype(np.float32)
 
 
+def simulated_bn_steps(p, x, y, grid, m, opt, steps):
+    """``steps`` steps of :func:`bn_loss` with ``opt``, the replicas of the ``(workers, cores)`` ``grid`` simulated
+    at once on one device (nested ``vmap``, ``lax.pmean`` over the named axes), replica ``r`` on the ``r``-th
+    block of rows, each cut into ``m`` micro-batches whose values and gradients are averaged. Returns the
+    parameters and each step's loss."""
+    lw, lc = grid
+    per_replica = jax.value_and_grad(bn_loss(_vmap_mean))
+    simulate = jax.vmap(jax.vmap(per_replica, (None, 0, 0), axis_name="cores"), (None, 0, 0), axis_name="workers")
+
+    @jax.jit
+    def reference_step(p):
+        xs = x.reshape(lw, lc, m, -1, x.shape[-1])  # (workers, cores, micro-batch, rows, features)
+        ys = y.reshape(lw, lc, m, -1, y.shape[-1])
+        value, grads = 0.0, jax.tree.map(jnp.zeros_like, p)
+        for k in range(m):
+            v, g = simulate(p, xs[:, :, k], ys[:, :, k])
+            value += v.mean() / m
+            grads = jax.tree.map(lambda a, b: a + b.mean((0, 1)) / m, grads, g)
+        return optax.apply_updates(p, opt.update(grads, opt.init(p), p)[0]), value
+
+    want, values = p, []
+    for _ in range(steps):
+        want, value = reference_step(want)
+        values.append(value)
+    return want, values
+
+
 def test_collectives_in_the_loss_run_across_the_data_parallel_replicas():
     # 2 stages x (2 workers x 2 cores) replicas, M = 2: every replica's micro-batch m normalised with the
     # statistics of micro-batch m over all replicas (group=None) and over its worker's (group='cores').
@@ -227,25 +254,7 @@ def test_collectives_in_the_loss_run_across_the_data_parallel_replicas():
         state, value = repl.run_pipelined(bn_loss(_rp_mean), opt, (x, y), state)
         values.append(value)
 
-    ref_loss = bn_loss(_vmap_mean)
-    per_replica = jax.value_and_grad(ref_loss)
-    simulate = jax.vmap(jax.vmap(per_replica, (None, 0, 0), axis_name="cores"), (None, 0, 0), axis_name="workers")
-
-    @jax.jit
-    def reference_step(p):
-        xs = x.reshape(2, 2, m, -1, 3)  # (workers, cores, micro-batch, rows, features): replica r's rows in order
-        ys = y.reshape(2, 2, m, -1, 2)
-        value, grads = 0.0, jax.tree.map(jnp.zeros_like, p)
-        for k in range(m):
-            v, g = simulate(p, xs[:, :, k], ys[:, :, k])
-            value += v.mean() / m
-            grads = jax.tree.map(lambda a, b: a + b.mean((0, 1)) / m, grads, g)
-        return optax.apply_updates(p, opt.update(grads, opt.init(p), p)[0]), value
-
-    want, want_values = p, []
-    for _ in range(2):
-        want, value = reference_step(want)
-        want_values.append(value)
+    want, want_values = simulated_bn_steps(p, x, y, (2, 2), m, opt, steps=2)
     _assert_close(state[0], want, tol=1e-5)
     np.testing.assert_allclose(values, want_values, rtol=1e-5)
 
