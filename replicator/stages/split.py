@@ -354,7 +354,8 @@ def split_stages(
     _inline(jaxpr, env, False, inlined, rename=False)
     eqns = [eqn for eqn, _ in inlined]
     outvars = [env.get(v, v) if isinstance(v, Var) else v for v in jaxpr.outvars]
-    flat = Jaxpr(jaxpr.constvars, jaxpr.invars, outvars, eqns, jaxpr.effects, jaxpr.debug_info)
+    # replace, not Jaxpr(...): on JAX 0.12 a Jaxpr built with constvars and no consts takes them as inputs.
+    flat = jaxpr.replace(outvars=outvars, eqns=eqns)
     facts = DefUse(flat)
 
     # Forward: where each equation's operands live decides where it runs.

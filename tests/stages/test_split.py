@@ -296,3 +296,18 @@ def test_all_mean_of_several_stages_gradients_splits_per_operand():
         closed = jax.make_jaxpr(step)(params(), *BATCH)
     split = split_stages(closed, num_state=3)
     assert [sorted(s) for s in split.state_stages(3)] == [[0], [2], [1]]  # emb, head, w1
+
+
+def test_a_steps_constants_stay_constants_not_inputs():
+    # A constant the step returns (an array of counts) is a constvar of the traced jaxpr; the split keeps it one
+    # (on JAX 0.12, a Jaxpr built with constvars and no values takes them as leading inputs: the state's and
+    # the batch's indices then shifted by one, and a pipelined step read a parameter as batch).
+    def step(w, x):
+        h = rp.stage_boundary(jnp.tanh(x @ w))
+        return w, (jnp.mean(h), jnp.array([4.0, 1.0, 4.0], jnp.float32))
+
+    closed = jax.make_jaxpr(step)(jnp.ones((3, 3)), jnp.ones((2, 3)))
+    assert len(closed.jaxpr.constvars) == 1
+    split = split_stages(closed, num_state=1)
+    assert split.jaxpr.constvars == closed.jaxpr.constvars
+    assert split.jaxpr.invars == closed.jaxpr.invars
