@@ -358,11 +358,11 @@ def describe_user_step(
     stats = schedule_stats(step.table)
     device_memory = None
     if memory:
-        packed = jax.eval_shape(lambda: step.packing.zeros((step.stages,)))
+        packed = jax.eval_shape(step.zeros)
         micro = jax.eval_shape(step.micro_leaves, batch)
         device_memory = compiled_memory(
             step.step,
-            _placed(packed, step.mesh, jax.tree.map(lambda _: P(STAGE_AXIS), packed)),
+            _placed(packed, step.mesh, {k: step.row_spec[k] for k in packed}),
             _placed(micro, step.mesh, [P(DATA_AXES)] * len(micro)),
         )
     return PipelineReport(
@@ -372,13 +372,14 @@ def describe_user_step(
         replicas=step.replicas,
         ticks=stats.ticks,
         bubble=float(stats.bubble),
-        row_bytes=step.packing.nbytes,
+        row_bytes=step.nbytes,  # a device's: its stage's whole row, its 1/D of the chunked leaves (ZeRO)
         optimizer_bytes=None,
         stash_slots=ring_slots(step.table)["stash"],
         per_stage=_stage_reports(
             step.split, step.programs, step.layout, lambda i, _: step.avals[i], step.paths, stats.peak_live, stage_cost
         ),
         device_memory=device_memory,
+        zero_stage=step.zero_stage,
         replicas_per_device=step.replicas_per_device,
     )
 
@@ -387,8 +388,8 @@ class PipelinedReplicas:
     """The ``Replicator`` option ``pipeline_stages=S, microbatches=M, schedule=...``: what
     ``Replicator.run_pipelined`` and ``Replicator.describe_pipeline`` run (one compiled step per loss and
     optimizer, cached). ``zero_stage``: ZeRO on each stage's ``D`` data-parallel replicas
-    (:func:`~replicator.stages.train.pipeline_train_step`), for ``run_pipelined``; the user's own step
-    (:meth:`run_step`) refuses it. ``fold_axes``: with ``replicas_per_device=k``, ``FoldLayout.folded_axes``
+    (:func:`~replicator.stages.train.pipeline_train_step`), for ``run_pipelined``, and for the user's own step
+    (:meth:`run_step`, :mod:`~replicator.stages.chunks`) with one replica per device. ``fold_axes``: with ``replicas_per_device=k``, ``FoldLayout.folded_axes``
     (``grid`` is then the device grid, each device hosting ``k`` consecutive data-parallel replicas)."""
 
     def __init__(

@@ -21,6 +21,19 @@ a maximum) would differ, so only means go through: the common shape above. The u
 read any cut value (all gradients: a global-norm clip works) but only the state leaves ``s`` keeps; an
 update that reads another stage's state is refused at trace time, naming the leaves.
 
+ZeRO on each stage's ``D`` data-parallel replicas (``zero_stage``, from ``rp.Pipeline.default(zero_stage=k)``;
+:mod:`replicator.stages.chunks`): each *chunked* leaf is flattened, padded to a multiple of ``D`` and cut in
+``D`` contiguous chunks, device ``r`` of a stage (its index over ``('workers', 'cores')``) storing chunk ``r``
+(buffers sharded ``P('stages', ('workers', 'cores'))``), and the update runs on the chunks (element-wise
+equations on chunks, a sum over a whole leaf on each chunk then over the stage's devices, anything else on the
+leaf gathered whole). Stage 1 chunks the *update-only* leaves (read by no stage's forward or backward: the
+optimizer's moments), floating point with an axis, unless the update reads them whole (integers and scalars,
+Adam's count, stay whole); the new parameters are computed on chunks and all-gathered. Stage 2 also
+reduce-scatters the averaged gradients (``rp.all_mean`` of a value of the forward and backward becomes
+``psum_scatter / D``). Stage 3 also stores the parameters in chunks, all-gathered once at the start of the step
+for the tick loop (the step's peak holds the stage's whole parameters, as :mod:`~replicator.stages.train`'s
+stage 3). With several replicas per device ZeRO is refused (the update runs vmapped over them).
+
 With ``replicas_per_device=k`` each device of a stage runs its ``k`` replicas' loop *and* update under
 ``jax.vmap`` (:func:`~replicator.stages.train.fold_map`): the update's ``rp.all_mean`` then spans every
 logical replica, so the ``k`` new rows are equal (the first is kept), and each replica's outputs stay its own
@@ -61,14 +74,22 @@ from jax.sharding import PartitionSpec as P
 from replicator._jax_compat import user_source_line
 from replicator.core.context import ReplicaContext, replica_context
 from replicator.core.primitives import PLACEHOLDERS
+from replicator.stages.chunks import ChunkPacking, Chunks, chunkable, plan, run_chunked
 from replicator.stages.lower import STAGE_AXIS, OutputLayout, _shapes, tick_loop
 from replicator.stages.packing import Packing, RowReader
-from replicator.stages.programs import DATA_AXES, _run, check_collectives, stage_programs
+from replicator.stages.programs import DATA_AXES, check_collectives, stage_programs
 from replicator.stages.rows import LastRows, RowPacker, RowUnpacker
 from replicator.stages.scan_split import traced_in_stages
 from replicator.stages.schedule import make_schedule
 from replicator.stages.split import UPDATE, StageSplitError, split_stages
-from replicator.stages.train import _micro_batches, _user_stacklevel, check_fold_axes, fold_map, logical_data_shape
+from replicator.stages.train import (
+    _micro_batches,
+    _user_stacklevel,
+    check_fold_axes,
+    check_zero_stage,
+    fold_map,
+    logical_data_shape,
+)
 
 __all__ = ["PipelinedStep"]
 
@@ -110,13 +131,14 @@ class PipelinedStep:
         zero_stage: int = 0,
         fold_axes: Sequence[tuple[str, int]] = (),
     ) -> None:
-        if zero_stage:
+        #: ZeRO on each stage's data-parallel replicas (:mod:`replicator.stages.chunks`): 0 off, 1, 2 or 3.
+        self.zero_stage = zero = check_zero_stage(zero_stage)
+        if zero and fold_axes:
             raise ValueError(
-                f"zero_stage={zero_stage} does not apply to Replicator.run(step_fn, ...) on a pipeline yet: the update "
-                "cut from step_fn runs your own equations on whole state leaves, and run on 1/D of each stage's row "
-                "every reduction in it (the global norm of optax.clip_by_global_norm) would need a sum over the "
-                "data-parallel replicas too, which this cut does not add. Call repl.run_pipelined(loss_fn, optimizer, "
-                "batch, (params, opt_state)) for ZeRO on each stage's replicas, or leave zero_stage at 0."
+                f"zero_stage={zero} with replicas_per_device > 1 does not apply to Replicator.run(step_fn, ...) on "
+                "a pipeline yet: the update cut from step_fn runs vmapped over a device's replicas, and its chunks "
+                "are per device. Use one replica per device, or repl.run_pipelined(loss_fn, optimizer, batch, "
+                "(params, opt_state)), which splits the rows over the stage's devices."
             )
         #: The fold axes (``FoldLayout.folded_axes``): each device runs ``k`` consecutive replicas, vmapped.
         self.fold_axes = fold_axes = check_fold_axes(fold_axes, mesh)
@@ -211,7 +233,6 @@ class PipelinedStep:
         self.held = [(state_stages[i] | fb_split.input_stages[i]) or everyone for i in range(n)]
         self.layout = [[i for i in range(n) if s in self.held[i]] for s in range(stages)]
         self.avals = [v.aval for v in flat.invars[:n]]
-        self.packing = Packing([[self.avals[i] for i in layout] for layout in self.layout], slots=True)
         self.stages, self.mesh, self.recompute = stages, mesh, recompute
         paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
 
@@ -237,6 +258,21 @@ class PipelinedStep:
                 )
             self.updates.append((eqns, wanted))
 
+        # ZeRO: which leaves each stage stores 1/D per device (see _chunked), each kind in buffers of its own.
+        devices = replicas  # no fold with ZeRO: a stage's devices are its replicas
+        self.scatter = (
+            frozenset(v for v in self.cut if chunkable(v.aval)) if zero >= 2 else frozenset()
+        )  # ZeRO-2: the averaged gradients reduce-scattered
+        self.update_only = [not fb_split.input_stages[i] for i in range(n)]
+        chunked = self._chunked(flat.invars[:n]) if zero else frozenset()
+        self.chunked = chunked
+        moments = [[i for i in lay if i in chunked and self.update_only[i]] for lay in self.layout]
+        params = [[i for i in lay if i in chunked and not self.update_only[i]] for lay in self.layout]
+        self.whole_layout = [[i for i in lay if i not in chunked] for lay in self.layout]
+        self.moments = ChunkPacking([[self.avals[i] for i in lay] for lay in moments], devices, "chunks_")
+        self.param_chunks = ChunkPacking([[self.avals[i] for i in lay] for lay in params], devices, "param_chunks_")
+        self.packing = Packing([[self.avals[i] for i in lay] for lay in self.whole_layout], slots=True)
+        on = Chunks(devices)
         programs = stage_programs(fb_split, fb)
         table = make_schedule(schedule, stages, microbatches)
         self.table, self.split, self.programs, self.paths = table, fb_split, programs, paths
@@ -248,17 +284,33 @@ class PipelinedStep:
             read = {v for e in eqns for v in e.invars if isinstance(v, Var)} | set(wanted) | set(outputs)
             needed.append(sorted(position[v] for v in read if isinstance(v, Var) and v in position))
         self.outputs_layout = OutputLayout(programs, fb.out_avals, needed)
-        self.reader = reader = RowReader(self.packing, self.layout, self.avals)
+        self.reader = reader = RowReader(self.packing, self.whole_layout, self.avals)
+        main_keys = list(self.packing.buffers())
+        param_keys = list(self.param_chunks.buffers())
+
+        def prepare(rows: dict, stage: Any = None) -> tuple:
+            """The rows as the loop reads them: ZeRO-3's parameter chunks gathered whole, once per step."""
+            view = reader.prepare({k: rows[k] for k in main_keys}, stage)
+            return view, {k: lax.all_gather(rows[k][0], DATA_AXES, tiled=True) for k in param_keys}
+
+        def leaves(stage: int, view: tuple) -> list:
+            out = reader.leaves(stage, view[0])
+            for i, value in zip(params[stage], self.param_chunks.unpack(stage, view[1]), strict=True):
+                out[i] = value
+            return out
+
         loop = tick_loop(
             programs,
             table,
             fb.out_avals,
-            reader.leaves,
+            leaves,
             recompute=recompute,
             layout=self.outputs_layout,
-            prepare=reader.prepare,
+            prepare=prepare,
         )
         consts = dict(zip(flat.constvars, closed.consts, strict=True))
+        chunk_in = {flat.invars[i] for i in chunked}
+        chunk_keys = {*self.moments.buffers(), *param_keys}
 
         def update(stage: int) -> Any:
             eqns, wanted = self.updates[stage]
@@ -266,13 +318,35 @@ class PipelinedStep:
             def branch(row: dict, own: dict, shared: list) -> tuple:
                 cut_values = self.outputs_layout.values(stage, own, shared)
                 env: dict[Any, Any] = dict(consts)
-                env.update(zip(flat.invars[:n], self.reader.from_row(stage, row), strict=True))
+                env.update(
+                    (v, x)
+                    for v, x in zip(flat.invars[:n], self.reader.from_row(stage, row), strict=True)
+                    if v not in chunk_in
+                )
                 env.update(zip(self.cut, cut_values, strict=True))
-                _run(eqns, env)
-                read = [v.val if isinstance(v, Literal) else env[v] for v in wanted]
-                packed = {k: v[None] for k, v in self.packing.pack(stage, read).items()}
-                outs = [v.val if isinstance(v, Literal) else env[v] for v in outputs]
-                return packed, [jnp.asarray(o)[None] for o in outs]
+                chunks: dict[Any, Any] = {}
+                for lay, packing in ((moments, self.moments), (params, self.param_chunks)):
+                    chunks.update(
+                        zip([flat.invars[i] for i in lay[stage]], packing.local_unpack(stage, row), strict=True)
+                    )
+                run_chunked(eqns, env, chunks, on, self.scatter)
+
+                def whole(v: Any) -> Any:
+                    if isinstance(v, Literal):
+                        return v.val
+                    return env[v] if v in env else on.gather(chunks[v], v.aval)
+
+                def chunk(i: int) -> Any:
+                    v, aval = flat.outvars[i], self.avals[i]
+                    mine = chunks[v] if isinstance(v, Var) and v in chunks else on.mine(whole(v), aval)
+                    return jnp.where(on.valid(aval), mine, jnp.zeros((), aval.dtype))  # the padding kept zero
+
+                packed = self.packing.pack(stage, [whole(flat.outvars[i]) for i in self.whole_layout[stage]])
+                packed.update(self.moments.local_pack(stage, [chunk(i) for i in moments[stage]]))
+                packed.update(self.param_chunks.local_pack(stage, [chunk(i) for i in params[stage]]))
+                packed = {k: v if k in chunk_keys else v[None] for k, v in packed.items()}
+                outs = [whole(v) for v in outputs]
+                return dict(sorted(packed.items())), [jnp.asarray(o)[None] for o in outs]
 
             return branch
 
@@ -292,9 +366,22 @@ class PipelinedStep:
             first = {k: v[(0,) * lead] for k, v in new_rows.items()}
             return first, [jnp.reshape(o, (-1, *o.shape[lead + 1 :])) for o in outs]
 
-        row_spec = jax.tree.map(lambda _: P(STAGE_AXIS), self.packing.zeros((stages,)))
-        self._packer = RowPacker(self.packing, self.layout, mesh)
-        self._unpacker = RowUnpacker(self.packing, self.layout, [min(h) for h in self.held])
+        # Each kind of leaf in buffers of its own: whole on each device of its stage, or (ZeRO) split over them.
+        owners = [min(h) for h in self.held]
+        split_rows = P(STAGE_AXIS, DATA_AXES)
+        self._stores = [
+            (packing, layout, spec)
+            for packing, layout, spec in (
+                (self.packing, self.whole_layout, P(STAGE_AXIS)),
+                (self.moments, moments, split_rows),
+                (self.param_chunks, params, split_rows),
+            )
+            if packing.buffers()
+        ]
+        #: How each buffer ``(S, n)`` lies on the mesh.
+        self.row_spec = row_spec = {k: spec for packing, _, spec in self._stores for k in packing.buffers()}
+        self._packers = [RowPacker(p, lay, mesh, spec) for p, lay, spec in self._stores]
+        self._unpackers = [(list(p.buffers()), RowUnpacker(p, lay, owners)) for p, lay, _ in self._stores]
         self._last = LastRows()
         self.step = jax.jit(
             jax.shard_map(
@@ -306,13 +393,51 @@ class PipelinedStep:
             )
         )
 
+    def _chunked(self, invars: Sequence[Var]) -> frozenset[int]:
+        """The leaves stored ``1/D`` per device: ZeRO-1 and 2 the update-only leaves (optimizer state), ZeRO-3
+        the parameters too, each floating point with an axis (:func:`~replicator.stages.chunks.chunkable`);
+        an update-only leaf that some stage's update reads whole (:func:`~replicator.stages.chunks.plan`: not
+        element-wise) stays whole, as chunks it would save nothing."""
+        wanted = {i for i, aval in enumerate(self.avals) if chunkable(aval)}
+        if self.zero_stage < 3:
+            wanted = {i for i in wanted if self.update_only[i]}
+        while True:
+            gathered: set[Var] = set()
+            for s, (eqns, _) in enumerate(self.updates):
+                gathered |= plan(eqns, {invars[i] for i in wanted if s in self.held[i]}, self.scatter)[1]
+            whole = {i for i in wanted if self.update_only[i] and invars[i] in gathered}
+            if not whole:
+                return frozenset(wanted)
+            wanted -= whole
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the state one device stores between steps: its stage's whole row, its chunks."""
+        return self.packing.nbytes + self.moments.nbytes + self.param_chunks.nbytes
+
+    def zeros(self) -> dict:
+        """The packed state's buffers, zeros, global shapes ``(S, n)``."""
+        out = {}
+        for packing, _, _ in self._stores:
+            out.update(packing.zeros((self.stages,)))
+        return dict(sorted(out.items()))
+
     def pack(self, state: Any) -> dict:
-        """The state, global shapes, as one row per stage placed on its devices."""
-        return self._packer(self.state_def.flatten_up_to(state))
+        """The state, global shapes, as one row per stage placed on its devices (ZeRO: its chunks split)."""
+        leaves = self.state_def.flatten_up_to(state)
+        out = {}
+        for packer in self._packers:
+            out.update(packer(leaves))
+        return dict(sorted(out.items()))
 
     def unpack(self, packed: dict) -> Any:
         """Back to global shapes: each leaf from the first stage that keeps it."""
-        return self.state_def.unflatten(self._unpacker(packed))
+        leaves: list[Any] = [None] * len(self.avals)
+        for keys, unpacker in self._unpackers:
+            for i, value in enumerate(unpacker({k: packed[k] for k in keys})):
+                if value is not None:
+                    leaves[i] = value
+        return self.state_def.unflatten(leaves)
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
         packed = self._last.rows_for(self.state_def.flatten_up_to(state))  # the leaves the last call returned

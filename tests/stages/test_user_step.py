@@ -240,12 +240,3 @@ def test_lower_of_a_pipelined_step_points_to_explain():
     repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2)
     with pytest.raises(ValueError, match=r"explain\(step_fn, batch, state\) describes it"):
         repl.lower(make_step(two_stages, opt), batch, (p, opt.init(p)))
-
-
-def test_zero_with_the_users_own_step_is_refused_at_trace_time():
-    """ZeRO on a pipeline runs through run_pipelined; the user's own step would be run whole, so it is refused."""
-    p, batch = _params_for(two_stages), global_batch()
-    opt = optax.sgd(0.1)
-    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2, passes=rp.Pipeline.default(zero_stage=1))
-    with pytest.raises(ValueError, match="run_pipelined"):
-        repl.run(make_step(two_stages, opt), batch, (p, opt.init(p)))

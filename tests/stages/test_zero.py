@@ -179,7 +179,10 @@ def test_zero_stage_out_of_range_is_refused(zero_stage):
 
 
 def test_the_users_own_step_refuses_zero():
+    # ZeRO on the user's own step splits its leaves over a stage's devices, one replica each; with several
+    # replicas per device (a vmapped update) it is refused, pointing to run_pipelined.
     p, batch, opt = _params_for(two_stages), _batch(), optax.adam(1e-2)
-    pipelined = _replicas(2, 1)
-    with pytest.raises(ValueError, match=r"zero_stage=1 does not apply to Replicator.run\(step_fn.*run_pipelined"):
+    grid = np.array(jax.devices()[:4]).reshape(1, 4)
+    pipelined = PipelinedReplicas(grid, 2, 2, "1f1b", zero_stage=1, fold_axes=(("cores_fold", 2),))
+    with pytest.raises(ValueError, match=r"zero_stage=1 with replicas_per_device > 1 does not apply.*run_pipelined"):
         pipelined.run_step(make_step(two_stages, opt), batch, (p, opt.init(p)))
