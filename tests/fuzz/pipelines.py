@@ -278,18 +278,22 @@ class Variant:
     recompute: bool = False
     zero: int = 0  # passes=rp.Pipeline.default(zero_stage=zero), through run_pipelined
     fold: int = 1  # replicas_per_device: the mesh's logical replicas, this many per device
+    run: bool = False  # with zero: the user's own step through repl.run (its update on chunks), not run_pipelined
 
     @property
     def name(self) -> str:
         tail = ("-recompute" if self.recompute else "") + (f"-zero{self.zero}" if self.zero else "")
-        return f"pipe-S{self.stages}-M{self.microbatches}-{self.schedule}{tail}" + (
-            f"-fold{self.fold}" if self.fold > 1 else ""
+        return (
+            f"pipe-S{self.stages}-M{self.microbatches}-{self.schedule}{tail}"
+            + (f"-fold{self.fold}" if self.fold > 1 else "")
+            + ("-run" if self.run else "")
         )
 
 
 #: name -> variant: S in {2, 4}, M in {S, 2S}, 1F1B, GPipe, GPipe with recomputation; each also with ZeRO (stage
 #: 1 for 1F1B, 2 for GPipe, 3 for GPipe with recomputation); and three with 2 replicas per device
-#: (replicas_per_device=2: the mesh's 8 logical replicas on 4 devices), the user's step and ZeRO.
+#: (replicas_per_device=2: the mesh's 8 logical replicas on 4 devices), the user's step and ZeRO; two with ZeRO
+#: on the user's own step (``-run``: repl.run, the update cut from it run on chunks).
 PIPE_VARIANTS: dict[str, Variant] = {
     v.name: v
     for v in [
@@ -307,6 +311,8 @@ PIPE_VARIANTS: dict[str, Variant] = {
         Variant(2, 4, "1f1b", fold=2),
         Variant(4, 8, "gpipe", True, fold=2),
         Variant(2, 4, "1f1b", zero=1, fold=2),
+        Variant(2, 4, "1f1b", zero=2, run=True),
+        Variant(4, 8, "gpipe", True, zero=3, run=True),
     ]
 }
 #: (num_workers, cores_per_worker) of 8 devices per stage count: stages within a worker (S divides the cores),
@@ -348,7 +354,7 @@ def replicated(spec: PipeSpec, variant: Variant, mesh: tuple[int, int]) -> tuple
     step, state, losses = make_step(spec), initial_state(spec), []
     loss_fn, optimizer = make_loss(spec), make_optimizer(spec)
     for batch in global_batches(spec):
-        if variant.zero:  # ZeRO on each stage's replicas: run_pipelined (the user's own step refuses it)
+        if variant.zero and not variant.run:  # ZeRO on each stage's replicas through run_pipelined
             state, value = repl.run_pipelined(loss_fn, optimizer, batch, state)
             losses.append(float(value))
             continue

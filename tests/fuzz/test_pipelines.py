@@ -40,6 +40,7 @@ QUICK = [
     (7, "pipe-S2-M4-gpipe-zero2", (2, 4)),
     (8, "pipe-S2-M2-gpipe-recompute-zero3", (1, 8)),
     (9, "pipe-S2-M4-1f1b-fold2", (8, 1)),  # 2 replicas per device, folded across workers
+    (10, "pipe-S2-M4-1f1b-zero2-run", (2, 4)),  # ZeRO on the user's own step
 ]
 SLOW = [
     (100 + i, name, pipelines.mesh_of(v, pipelines.mesh_for(100 + i, v.stages)))
