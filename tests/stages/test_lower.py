@@ -55,6 +55,18 @@ def test_three_stages_recomputed_and_m_below_s(schedule):
     _compare(jax.checkpoint(three_stages), 3, 2, schedule)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_constant_gradient_is_added_once(schedule):
+    # A scalar parameter that enters the loss linearly has a constant gradient (a literal in the traced
+    # program, not a computed value): the stage that owns it adds it once per micro-batch, with the backward.
+    def loss(p, ids, y):
+        return two_stages(p, ids, y) + p["scale"]
+
+    p = params()
+    p["scale"] = jnp.float32(2.0)
+    _compare(loss, 2, 4, schedule, p)
+
+
 def test_a_schedule_object():
     _compare(two_stages, 2, 4, one_f_one_b(2, 4))
     with pytest.raises(ValueError, match=r"make_schedule\(name, 2, 2\)"):
