@@ -179,7 +179,8 @@ class PipelineReport:
             f"({f'1/{devices} of the packed row' if self.zero_stage >= 3 else 'packed row'}), optimizer state "
             f"{_bytes(self.optimizer_bytes)}, residual ring of {self.stash_slots} slots"
             if self.optimizer_bytes is not None
-            else f"  per device: state {_bytes(self.row_bytes)} (packed row: parameters and optimizer state), "
+            else f"  per device: state {_bytes(self.row_bytes)} (packed row: parameters and optimizer state"
+            f"{f'; with ZeRO-{self.zero_stage}, 1/{devices} of each chunked leaf' if self.zero_stage else ''}), "
             f"residual ring of {self.stash_slots} slots",
             "  stage  compute/micro-batch  parameters  residuals/micro-batch  peak live  activations  leaves",
         ]

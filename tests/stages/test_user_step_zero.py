@@ -213,5 +213,6 @@ def test_describe_counts_a_devices_share_of_the_state():
     assert reports[1].row_bytes == (SIZES["emb"] + SIZES["w1"] + moments) * 4 + 4
     assert reports[3].row_bytes == (chunk["emb"] + chunk["w1"] + moments) * 4 + 4
     assert reports[1].zero_stage == 1 and "ZeRO-1 over each stage's 4 replicas" in str(reports[1])
+    assert "with ZeRO-1, 1/4 of each chunked leaf" in str(reports[1]) and "chunked" not in str(reports[0])
     arguments = {z: r.device_memory.arguments for z, r in reports.items()}  # the compiled step's, per device
     assert arguments[3] < arguments[1] < arguments[0]
