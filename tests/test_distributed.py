@@ -415,8 +415,18 @@ class TestTwoProcesses:
 
     @pytest.mark.parametrize(
         "cores, flags",
-        [(1, ("--host-state",)), (2, ()), (1, ("--input-fn",))],
-        ids=["a-stage-per-process-state-through-host", "a-pipeline-per-process", "an-input-fn-per-worker"],
+        [
+            (1, ("--host-state",)),
+            (2, ()),
+            (1, ("--input-fn",)),
+            (2, ("--own-step", "--zero", "2", "--host-state")),
+        ],
+        ids=[
+            "a-stage-per-process-state-through-host",
+            "a-pipeline-per-process",
+            "an-input-fn-per-worker",
+            "the-users-step-zero2-chunks-across-processes",
+        ],
     )
     def test_a_pipeline_across_two_processes_equals_one_device(self, tmp_path, n_devices, cores, flags):
         # 2 stages: one core per worker puts one stage in each process (the activations and cotangents cross
@@ -424,6 +434,8 @@ class TestTwoProcesses:
         # the other. With the state through the host, every step unpacks the returned leaves and packs them
         # again (a stage on the other process read by slicing the global rows gave wrong values, silently).
         # With an input_fn, each worker yields its rows and every process joins them into the global batch.
+        # The user's own step under ZeRO-2 with a pipeline per process: each leaf's chunks split over the two
+        # processes (D = 2), the state through the host so that every step gathers and splits them again.
         if n_devices < 2 * cores:
             pytest.skip(f"{n_devices} devices do not make 2 workers of {cores} cores")
         proc, _ = run_job(

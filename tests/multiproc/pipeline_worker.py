@@ -6,7 +6,10 @@ cut into ``S`` stages by ``rp.stage_boundary``, trained with Adam by ``Replicato
 same global batch in every process. With one core per worker and 2 stages, each process holds one stage;
 with 2 cores per worker and 2 stages, each process holds a whole pipeline, a data-parallel replica of the
 other. With ``--input-fn`` each worker's ``input_fn`` yields its rows of the global batch. With ``--host-state`` each step gets a numpy copy of the state the last one returned (what a
-checkpoint restores), so every step unpacks and packs the state across the processes. :func:`reference` trains the same model with one-device ``jax.jit`` on the global batch.
+checkpoint restores), so every step unpacks and packs the state across the processes. With ``--own-step`` the
+job runs the data-parallel step itself (``repl.run(step_fn, batch, state)``: ``value_and_grad``,
+``rp.all_mean``, the Adam update, cut from it), and with ``--zero K`` under ZeRO-K
+(``passes=rp.Pipeline.default(zero_stage=K)``). :func:`reference` trains the same model with one-device ``jax.jit`` on the global batch.
 
 Each worker ``w`` writes ``DIR/w{w}_{name}.npy`` (numpy files, never pickles): the losses and the final
 parameters, read whole with ``rp.gather_outputs`` (``final_<i>``).
@@ -91,13 +94,26 @@ def main(argv=None) -> None:
         help="give each step a host copy of the state the last returned (numpy), not the arrays themselves: "
         "every step reads the returned leaves and packs them again",
     )
+    p.add_argument("--own-step", action="store_true", help="repl.run of the data-parallel step, not run_pipelined")
+    p.add_argument("--zero", type=int, default=0, help="ZeRO stage on each stage's data-parallel replicas")
     args = p.parse_args(argv)
 
     info = distributed.initialize()
     repl = rp.Replicator(
-        info.num_workers, info.cores_per_worker, pipeline_stages=args.stages, microbatches=MICROBATCHES
+        info.num_workers,
+        info.cores_per_worker,
+        pipeline_stages=args.stages,
+        microbatches=MICROBATCHES,
+        passes=rp.Pipeline.default(zero_stage=args.zero) if args.zero else None,
     )
     loss = loss_in(args.stages)
+
+    def step_fn(state, batch):
+        params, opt_state = state
+        value, grads = jax.value_and_grad(loss)(params, *batch)
+        updates, opt_state = tx.update(rp.all_mean(grads), opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), {"loss": rp.all_mean(value)}
+
     params = init_params()
     state, losses = (params, tx.init(params)), []
 
@@ -107,7 +123,12 @@ def main(argv=None) -> None:
             yield tuple(a[ctx.worker_id * rows : (ctx.worker_id + 1) * rows] for a in global_batch(k))
 
     for k in range(STEPS):
-        state, value = repl.run_pipelined(loss, tx, input_fn if args.input_fn else global_batch(k), state)
+        batch = input_fn if args.input_fn else global_batch(k)
+        if args.own_step:
+            state, out = repl.run(step_fn, batch, state)
+            value = distributed.replica_invariant(out)["loss"]
+        else:
+            state, value = repl.run_pipelined(loss, tx, batch, state)
         if args.host_state:
             state = jax.tree.map(np.asarray, state)
         losses.append(float(value))  # the loss: the same on every device
