@@ -32,12 +32,15 @@ Adam's count, stay whole); the new parameters are computed on chunks and all-gat
 reduce-scatters the averaged gradients (``rp.all_mean`` of a value of the forward and backward becomes
 ``psum_scatter / D``). Stage 3 also stores the parameters in chunks, all-gathered once at the start of the step
 for the tick loop (the step's peak holds the stage's whole parameters, as :mod:`~replicator.stages.train`'s
-stage 3). With several replicas per device ZeRO is refused (the update runs vmapped over them).
+stage 3).
 
-With ``replicas_per_device=k`` each device of a stage runs its ``k`` replicas' loop *and* update under
-``jax.vmap`` (:func:`~replicator.stages.train.fold_map`): the update's ``rp.all_mean`` then spans every
-logical replica, so the ``k`` new rows are equal (the first is kept), and each replica's outputs stay its own
-(a row per logical replica); the cost is ``k`` updates per device.
+With ``replicas_per_device=k`` each device of a stage runs its ``k`` replicas' loop under ``jax.vmap``
+(:func:`~replicator.stages.train.fold_map`). The state's update runs once per device, on the loop's outputs
+averaged over the ``k``: it reads them through ``rp.all_mean`` only, the mean over every logical replica,
+which is the mean over the device's ``k`` and then over the devices. Its own collectives must then be equal
+over the ``k`` (means, maxima, minima); an update with an ``rp.all_sum`` or an ``rp.replica_id`` runs vmapped
+over the ``k`` instead (the first of their equal rows kept; ZeRO refused there). The step's outputs, each
+replica's own (a row per logical replica), are computed vmapped over the ``k``.
 
 >>> def loss(p, x):
 ...     h = rp.stage_boundary(jnp.tanh(x @ p["a"]))
@@ -73,11 +76,12 @@ from jax.sharding import PartitionSpec as P
 
 from replicator._jax_compat import user_source_line
 from replicator.core.context import ReplicaContext, replica_context
-from replicator.core.primitives import PLACEHOLDERS
+from replicator.core.jaxprs import iter_eqns, sub_jaxprs
+from replicator.core.primitives import PLACEHOLDERS, all_reduce_p
 from replicator.stages.chunks import ChunkPacking, Chunks, chunkable, plan, run_chunked
 from replicator.stages.lower import STAGE_AXIS, OutputLayout, _shapes, tick_loop
 from replicator.stages.packing import Packing, RowReader
-from replicator.stages.programs import DATA_AXES, check_collectives, stage_programs
+from replicator.stages.programs import DATA_AXES, check_collectives, folded, stage_programs
 from replicator.stages.rows import LastRows, RowPacker, RowUnpacker
 from replicator.stages.scan_split import traced_in_stages
 from replicator.stages.schedule import make_schedule
@@ -88,6 +92,7 @@ from replicator.stages.train import (
     check_fold_axes,
     check_zero_stage,
     fold_map,
+    fold_mean,
     logical_data_shape,
 )
 
@@ -101,6 +106,17 @@ SUPPORTED = (
 ALTERNATIVE = (
     "or give the loss and the optimizer apart: repl.run_pipelined(loss_fn, optimizer, batch, (params, opt_state))"
 )
+
+
+def _once_per_device(eqns: Sequence[JaxprEqn]) -> bool:
+    """Whether ``eqns`` (a state's update) hold only collectives equal over a device's replicas given equal
+    inputs: means, maxima, minima (at any depth)."""
+    every = (inner for eqn in eqns for inner in (eqn, *(e for sub in sub_jaxprs(eqn.params) for e in iter_eqns(sub))))
+    return all(
+        eqn.primitive not in PLACEHOLDERS
+        or (eqn.primitive is all_reduce_p and eqn.params.get("op") in ("mean", "max", "min"))
+        for eqn in every
+    )
 
 
 def _prune(eqns: Sequence[JaxprEqn], wanted: Sequence[Any]) -> tuple[list[JaxprEqn], set[Var]]:
@@ -133,13 +149,6 @@ class PipelinedStep:
     ) -> None:
         #: ZeRO on each stage's data-parallel replicas (:mod:`replicator.stages.chunks`): 0 off, 1, 2 or 3.
         self.zero_stage = zero = check_zero_stage(zero_stage)
-        if zero and fold_axes:
-            raise ValueError(
-                f"zero_stage={zero} with replicas_per_device > 1 does not apply to Replicator.run(step_fn, ...) on "
-                "a pipeline yet: the update cut from step_fn runs vmapped over a device's replicas, and its chunks "
-                "are per device. Use one replica per device, or repl.run_pipelined(loss_fn, optimizer, batch, "
-                "(params, opt_state)), which splits the rows over the stage's devices."
-            )
         #: The fold axes (``FoldLayout.folded_axes``): each device runs ``k`` consecutive replicas, vmapped.
         self.fold_axes = fold_axes = check_fold_axes(fold_axes, mesh)
         self.replicas_per_device = int(np.prod([k for _, k in fold_axes], dtype=int))
@@ -258,8 +267,23 @@ class PipelinedStep:
                 )
             self.updates.append((eqns, wanted))
 
+        # With k replicas per device the state's update runs once per device, on the loop's outputs averaged
+        # over the k (the update reads them through rp.all_mean only, a mean over every logical replica: the
+        # mean over the device's k, then over the devices), where its collectives are means, maxima or minima
+        # (equal over the k: a sum or a replica_id would differ); else vmapped over the k, the first row kept.
+        self.update_once = bool(fold_axes) and all(
+            _once_per_device(_prune(eqns, wanted)[0]) for eqns, wanted in self.updates
+        )
+        if zero and fold_axes and not self.update_once:
+            raise ValueError(
+                f"zero_stage={zero} with replicas_per_device > 1: the update cut from step_fn holds a collective "
+                "other than a mean, maximum or minimum (an rp.all_sum, an rp.replica_id), so it runs vmapped over "
+                "a device's replicas, and ZeRO's chunks are per device. Use one replica per device, or "
+                "repl.run_pipelined(loss_fn, optimizer, batch, (params, opt_state))."
+            )
+
         # ZeRO: which leaves each stage stores 1/D per device (see _chunked), each kind in buffers of its own.
-        devices = replicas  # no fold with ZeRO: a stage's devices are its replicas
+        devices = int(np.prod([mesh.shape[a] for a in DATA_AXES]))  # a stage's devices: ZeRO's chunks
         self.scatter = (
             frozenset(v for v in self.cut if chunkable(v.aval)) if zero >= 2 else frozenset()
         )  # ZeRO-2: the averaged gradients reduce-scattered
@@ -312,8 +336,12 @@ class PipelinedStep:
         chunk_in = {flat.invars[i] for i in chunked}
         chunk_keys = {*self.moments.buffers(), *param_keys}
 
-        def update(stage: int) -> Any:
+        def update(stage: int, part: str = "all") -> Any:
+            """Stage ``stage``'s update branch: its new row and the outputs (``part="all"``), the row alone
+            (``"state"``, the outputs ``[]``) or the outputs alone (``"outputs"``, the row ``{}``)."""
             eqns, wanted = self.updates[stage]
+            if part != "all":
+                eqns = _prune(eqns, wanted if part == "state" else outputs)[0]
 
             def branch(row: dict, own: dict, shared: list) -> tuple:
                 cut_values = self.outputs_layout.values(stage, own, shared)
@@ -341,12 +369,14 @@ class PipelinedStep:
                     mine = chunks[v] if isinstance(v, Var) and v in chunks else on.mine(whole(v), aval)
                     return jnp.where(on.valid(aval), mine, jnp.zeros((), aval.dtype))  # the padding kept zero
 
+                outs = [] if part == "state" else [jnp.asarray(whole(v))[None] for v in outputs]
+                if part == "outputs":
+                    return {}, outs
                 packed = self.packing.pack(stage, [whole(flat.outvars[i]) for i in self.whole_layout[stage]])
                 packed.update(self.moments.local_pack(stage, [chunk(i) for i in moments[stage]]))
                 packed.update(self.param_chunks.local_pack(stage, [chunk(i) for i in params[stage]]))
                 packed = {k: v if k in chunk_keys else v[None] for k, v in packed.items()}
-                outs = [whole(v) for v in outputs]
-                return dict(sorted(packed.items())), [jnp.asarray(o)[None] for o in outs]
+                return dict(sorted(packed.items())), outs
 
             return branch
 
@@ -356,15 +386,34 @@ class PipelinedStep:
             own, shared = loop(row, batch)
             return lax.switch(lax.axis_index(STAGE_AXIS), branches, row, own, shared)
 
+        state_branches = [update(s, "state") for s in range(stages)]
+        output_branches = [update(s, "outputs") for s in range(stages)]
+
+        def over_fold(fn: Callable, *trees: Any) -> Any:
+            """``fn`` of one replica's values, vmapped over the fold axes leading ``trees``' leaves (the user's
+            collectives spanning them)."""
+            for name, _ in reversed(fold_axes):
+                fn = jax.vmap(fn, axis_name=name)
+            with folded(fold_axes):
+                return fn(*trees)
+
         def per_device(row: dict, batch: list) -> tuple:
             if not fold_axes:
                 return one(row, [x[0] for x in batch])
-            # k replicas per device: each runs the loop and the update (its collectives over every logical
-            # replica), vmapped; their new rows are equal (the update reads the batch through rp.all_mean only).
-            new_rows, outs = fold_map(lambda b: one(row, b), fold_axes)(batch)
             lead = len(fold_axes)
-            first = {k: v[(0,) * lead] for k, v in new_rows.items()}
-            return first, [jnp.reshape(o, (-1, *o.shape[lead + 1 :])) for o in outs]
+            if not self.update_once:
+                # k replicas per device: each runs the loop and the update (its collectives over every logical
+                # replica), vmapped; their new rows are equal (the update reads the batch through rp.all_mean).
+                new_rows, outs = fold_map(lambda b: one(row, b), fold_axes)(batch)
+                first = {k: v[(0,) * lead] for k, v in new_rows.items()}
+                return first, [jnp.reshape(o, (-1, *o.shape[lead + 1 :])) for o in outs]
+            # The loop vmapped over the k; the state's update once, on the loop's outputs averaged over them;
+            # the outputs (each replica's own) vmapped.
+            own, shared = fold_map(lambda b: loop(row, b), fold_axes)(batch)
+            stage = lax.axis_index(STAGE_AXIS)
+            new_row, _ = lax.switch(stage, state_branches, row, *fold_mean((own, shared), fold_axes))
+            _, outs = over_fold(lambda o, sh: lax.switch(stage, output_branches, row, o, sh), own, shared)
+            return new_row, [jnp.reshape(o, (-1, *o.shape[lead + 1 :])) for o in outs]
 
         # Each kind of leaf in buffers of its own: whole on each device of its stage, or (ZeRO) split over them.
         owners = [min(h) for h in self.held]

@@ -116,6 +116,46 @@ def test_run_of_the_users_step_with_folded_replicas_matches_one_device(workers, 
     want_state, want_values = _one_device(make_step(loss, opt, mean=False), (p, opt.init(p)), batch)
     _assert_close(state, want_state, tol=TOL)
     np.testing.assert_allclose(values, want_values, rtol=TOL)
+    # The state's update once per device, on the loop's outputs averaged over its k replicas.
+    assert repl.pipelined.user_step(step, batch, state).update_once
+
+
+def test_an_update_with_a_sum_over_replicas_runs_per_replica():
+    # rp.all_sum(1) / rp.num_replicas() is 1 on every logical replica; run once per device it would count
+    # devices, not replicas: such an update runs vmapped over a device's replicas instead.
+    p, batch = _params_for(two_stages), _skewed_batch()
+    opt = optax.adam(1e-2)
+    data_parallel = make_step(two_stages, opt)
+
+    def step(state, batch):
+        new_state, out = data_parallel(state, batch)
+        count = rp.all_sum(jnp.ones((), jnp.float32)) / rp.num_replicas()
+        return jax.tree.map(lambda x: x * count.astype(x.dtype), new_state), out
+
+    repl = _replicator(1, 8, 2, 2, 2)
+    state = (p, opt.init(p))
+    for _ in range(STEPS):
+        state, _ = repl.run(step, batch, state)
+    assert not repl.pipelined.user_step(step, batch, state).update_once
+    want_state, _ = _one_device(make_step(two_stages, opt, mean=False), (p, opt.init(p)), batch)
+    _assert_close(state, want_state, tol=TOL)
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_zero_of_the_users_step_with_folded_replicas_matches_one_device(zero_stage):
+    # 2 stages x 4 logical replicas, 2 per device: each leaf's chunks split over a stage's 2 devices, the
+    # update once per device on the loop's outputs averaged over its 2 replicas.
+    p, batch = _params_for(two_stages), _skewed_batch()
+    opt = optax.adam(1e-2)
+    repl = _replicator(1, 8, 2, 2, 4, passes=rp.Pipeline.default(zero_stage=zero_stage))
+    step, state, values = make_step(two_stages, opt), (p, opt.init(p)), []
+    for _ in range(STEPS):
+        state, out = repl.run(step, batch, state)
+        assert out["loss"].shape == (4,)
+        values.append(out["loss"][0])
+    want_state, want_values = _one_device(make_step(two_stages, opt, mean=False), (p, opt.init(p)), batch)
+    _assert_close(state, want_state, tol=TOL)
+    np.testing.assert_allclose(values, want_values, rtol=TOL)
 
 
 @pytest.mark.parametrize(

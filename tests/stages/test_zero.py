@@ -5,10 +5,12 @@ of the stage's optimizer state (and, at stage 3, of its parameters), the rows pa
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
+import replicator as rp
 from replicator.core.jaxprs import iter_eqns
 from replicator.stages.programs import DATA_AXES
 from replicator.stages.replicas import PipelinedReplicas, describe
@@ -178,11 +180,19 @@ def test_zero_stage_out_of_range_is_refused(zero_stage):
         pipeline_train_step(two_stages, optax.adam(1e-2), num_microbatches=2, zero_stage=zero_stage)
 
 
-def test_the_users_own_step_refuses_zero():
-    # ZeRO on the user's own step splits its leaves over a stage's devices, one replica each; with several
-    # replicas per device (a vmapped update) it is refused, pointing to run_pipelined.
+def test_the_users_own_step_refuses_zero_where_its_update_runs_per_replica():
+    # ZeRO on the user's own step splits its leaves over a stage's devices. With several replicas per device
+    # the state's update runs once per device, unless it holds a collective that differs between a device's
+    # replicas (an rp.all_sum): then it runs vmapped over them, and ZeRO is refused, pointing to run_pipelined.
     p, batch, opt = _params_for(two_stages), _batch(), optax.adam(1e-2)
+    data_parallel = make_step(two_stages, opt)
+
+    def step(state, batch):
+        new_state, out = data_parallel(state, batch)
+        count = rp.all_sum(jnp.ones((), jnp.float32)) / rp.num_replicas()  # 1 on every replica
+        return jax.tree.map(lambda x: x * count.astype(x.dtype), new_state), out
+
     grid = np.array(jax.devices()[:4]).reshape(1, 4)
     pipelined = PipelinedReplicas(grid, 2, 2, "1f1b", zero_stage=1, fold_axes=(("cores_fold", 2),))
-    with pytest.raises(ValueError, match=r"zero_stage=1 with replicas_per_device > 1 does not apply.*run_pipelined"):
-        pipelined.run_step(make_step(two_stages, opt), batch, (p, opt.init(p)))
+    with pytest.raises(ValueError, match=r"zero_stage=1 with replicas_per_device > 1: .*rp.all_sum.*run_pipelined"):
+        pipelined.run_step(step, batch, (p, opt.init(p)))
