@@ -105,6 +105,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "replicator/stages/lower.py",
         "replicator/stages/rows.py",
         "replicator/stages/programs.py",
+        "replicator/stages/chunks.py",
     ),
 }
 
@@ -212,6 +213,10 @@ TESTS.update(
             "tests/stages/test_tick_costs.py",
             "tests/stages/test_train.py",
             "tests/stages/test_zero.py",  # the slots padded to a multiple of D
+        ),
+        "replicator/stages/chunks.py": (
+            "tests/stages/test_user_step_zero.py",
+            "tests/stages/test_fold_stages.py",  # ZeRO with several replicas per device
         ),
         "replicator/stages/programs.py": (
             "tests/stages/test_lower.py",

@@ -17,7 +17,7 @@ precondition reasoning of :mod:`replicator.passes.shard_optimizer`, on a stage's
 * a ``reduce_sum`` / ``reduce_max`` / ``reduce_min`` over every axis of a chunked floating-point value is
   reduced on the chunk (its padding masked: ``0``, ``-inf``, ``+inf``) and combined with ``psum`` / ``pmax``
   / ``pmin`` over the data axes: every device gets the whole result (a global gradient norm);
-* a ``jit`` call reading a chunk is interpreted the same way, inside;
+* a ``jit`` call never reaches it: :func:`~replicator.stages.split.split_stages` inlines them all first;
 * with ``scatter`` (ZeRO-2), an ``rp.all_mean`` / ``rp.all_sum`` over every replica of a floating-point
   value of the step's forward and backward (a gradient) becomes a ``psum_scatter`` (``/ D`` for a mean):
   each device receives only its chunk of the averaged gradient;
@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import ClosedJaxpr, DropVar, JaxprEqn, Literal, Var
+from jax.extend.core import DropVar, JaxprEqn, Literal, Var
 
 from replicator.core.primitives import PLACEHOLDERS, all_reduce_p
 from replicator.passes.shard_optimizer import ELEMENTWISE
@@ -199,8 +199,8 @@ def _vars(atoms: Sequence[Any]) -> list[Var]:
 
 
 def _how(eqn: JaxprEqn, chunked: Callable[[Any], bool], scatter: frozenset) -> str:
-    """How :func:`run_chunked` runs ``eqn``: ``"whole"``, ``"elementwise"``, ``"reduce"``, ``"call"``,
-    ``"scatter"`` or ``"gather"`` (its chunked operands read whole)."""
+    """How :func:`run_chunked` runs ``eqn``: ``"whole"``, ``"elementwise"``, ``"reduce"``, ``"scatter"`` or
+    ``"gather"`` (its chunked operands read whole: a ``jit`` call too, which the split has already inlined)."""
     reads = [v for v in eqn.invars if chunked(v)]
     if eqn.primitive in PLACEHOLDERS:
         if (
@@ -217,8 +217,6 @@ def _how(eqn: JaxprEqn, chunked: Callable[[Any], bool], scatter: frozenset) -> s
     if eqn.effects:
         return "gather"
     name = eqn.primitive.name
-    if name in ("jit", "pjit") and isinstance(eqn.params.get("jaxpr"), ClosedJaxpr):
-        return "call"
     shape = reads[0].aval.shape
     if (
         name in ELEMENTWISE
@@ -253,16 +251,6 @@ def plan(eqns: Sequence[JaxprEqn], chunked: set[Var], scatter: frozenset = froze
             chunks.update(o for o, part in zip(eqn.outvars, parts, strict=True) if part and isinstance(o, Var))
         elif how == "gather":
             gathered.update(v for v in _vars(eqn.invars) if v in chunks)
-        elif how == "call":
-            body = eqn.params["jaxpr"].jaxpr
-            inner = {b for b, v in zip(body.invars, eqn.invars, strict=True) if isinstance(v, Var) and v in chunks}
-            inner_chunks, inner_gathered = plan(body.eqns, inner, frozenset())
-            gathered.update(
-                v for b, v in zip(body.invars, eqn.invars, strict=True) if b in inner_gathered and isinstance(v, Var)
-            )
-            for out, b in zip(eqn.outvars, body.outvars, strict=True):
-                if isinstance(b, Var) and b in inner_chunks:
-                    chunks.add(out)
     return chunks, gathered
 
 
@@ -288,14 +276,8 @@ def run_chunked(
 
     for eqn in eqns:
         how = _how(eqn, chunked, scatter)
-        if how == "whole":
-            if eqn.primitive in PLACEHOLDERS:
-                _collective(eqn, env)
-            else:
-                _run([eqn], env)
-            continue
-        if how == "gather":
-            for v in eqn.invars:
+        if how in ("whole", "gather"):
+            for v in eqn.invars:  # "gather": its chunked operands read whole
                 if chunked(v):
                     whole(v)
             if eqn.primitive in PLACEHOLDERS:
@@ -312,24 +294,6 @@ def run_chunked(
                     chunks[out] = on.scatter(whole(v), v.aval, mean=op == "mean")
                 else:
                     env[out] = (lax.pmean if op == "mean" else lax.psum)(whole(v), DATA_AXES)
-            continue
-        if how == "call":
-            body = eqn.params["jaxpr"]
-            inner_env: dict[Var, Any] = dict(zip(body.jaxpr.constvars, body.consts, strict=True))
-            inner_chunks: dict[Var, Any] = {}
-            for b, v in zip(body.jaxpr.invars, eqn.invars, strict=True):
-                if chunked(v):
-                    inner_chunks[b] = chunks[v]
-                else:
-                    inner_env[b] = whole(v)
-            run_chunked(body.jaxpr.eqns, inner_env, inner_chunks, on)
-            for out, b in zip(eqn.outvars, body.jaxpr.outvars, strict=True):
-                if isinstance(out, DropVar):
-                    continue
-                if isinstance(b, Var) and b in inner_chunks:
-                    chunks[out] = inner_chunks[b]
-                else:
-                    env[out] = b.val if isinstance(b, Literal) else inner_env[b]
             continue
         (out,) = eqn.outvars
         if how == "reduce":

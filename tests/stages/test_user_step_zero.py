@@ -176,6 +176,31 @@ def test_a_leaf_whose_update_is_not_elementwise_stays_whole():
     _check_against_one_device(_replicator(2, 1), opt)
 
 
+@jax.jit
+def _blend(m, g):
+    return 0.9 * m + g
+
+
+def _jitted_momentum() -> optax.GradientTransformation:
+    """SGD with momentum whose moment update is a ``jax.jit``-ed function: a call in the update."""
+
+    def update(grads, m, params=None):
+        m = jax.tree.map(_blend, m, grads)
+        return jax.tree.map(lambda x: -0.1 * x, m), m
+
+    return optax.GradientTransformation(lambda params: jax.tree.map(jnp.zeros_like, params), update)
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_a_jitted_function_in_the_update_runs_on_the_chunks(zero_stage):
+    # The split inlines the call: its element-wise body runs on the chunks, the moments stay chunked.
+    opt, p = _jitted_momentum(), _params_for(two_stages)
+    _, _, built = _built(2, zero_stage, opt, p)
+    assert not any(e.primitive.name in ("pjit", "jit") for eqns, _ in built.updates for e in eqns)
+    assert sum(built.paths[i].startswith("[1]") for i in built.chunked) == len(p)  # every moment in chunks
+    _check_against_one_device(_replicator(2, zero_stage), opt)
+
+
 def _data_collectives(zero_stage: int) -> list:
     """The step's collectives over the data axes: (primitive, operand shape)."""
     p, opt = _params_for(two_stages), optax.adam(1e-2)
