@@ -323,13 +323,19 @@ def fold_map(fn: Callable[[list], Any], fold_axes: Sequence[tuple[str, int]]) ->
     if not fold_axes:
         return lambda batch: fn([x[0] for x in batch])
     sizes = tuple(n for _, n in fold_axes)
-    mapped = fn
-    for name, _ in reversed(fold_axes):
-        mapped = jax.vmap(mapped, axis_name=name)
+    mapped = over_fold(fn, fold_axes)
+    return lambda batch: mapped([jnp.reshape(x, (*sizes, *x.shape[1:])) for x in batch])
 
-    def run(batch: list) -> Any:
+
+def over_fold(fn: Callable, fold_axes: Sequence[tuple[str, int]]) -> Callable:
+    """``fn`` of one replica's values, vmapped over the fold axes leading its arguments' leaves (outermost
+    first), the user's collectives spanning them (:func:`~replicator.stages.programs.folded`)."""
+    for name, _ in reversed(fold_axes):
+        fn = jax.vmap(fn, axis_name=name)
+
+    def run(*args: Any) -> Any:
         with folded(fold_axes):
-            return mapped([jnp.reshape(x, (*sizes, *x.shape[1:])) for x in batch])
+            return fn(*args)
 
     return run
 

@@ -81,7 +81,7 @@ from replicator.core.primitives import PLACEHOLDERS, all_reduce_p
 from replicator.stages.chunks import ChunkPacking, Chunks, chunkable, plan, run_chunked
 from replicator.stages.lower import STAGE_AXIS, OutputLayout, _shapes, tick_loop
 from replicator.stages.packing import Packing, RowReader
-from replicator.stages.programs import DATA_AXES, check_collectives, folded, stage_programs
+from replicator.stages.programs import DATA_AXES, check_collectives, stage_programs
 from replicator.stages.rows import LastRows, RowPacker, RowUnpacker
 from replicator.stages.scan_split import traced_in_stages
 from replicator.stages.schedule import make_schedule
@@ -94,6 +94,7 @@ from replicator.stages.train import (
     fold_map,
     fold_mean,
     logical_data_shape,
+    over_fold,
 )
 
 __all__ = ["PipelinedStep"]
@@ -389,14 +390,6 @@ class PipelinedStep:
         state_branches = [update(s, "state") for s in range(stages)]
         output_branches = [update(s, "outputs") for s in range(stages)]
 
-        def over_fold(fn: Callable, *trees: Any) -> Any:
-            """``fn`` of one replica's values, vmapped over the fold axes leading ``trees``' leaves (the user's
-            collectives spanning them)."""
-            for name, _ in reversed(fold_axes):
-                fn = jax.vmap(fn, axis_name=name)
-            with folded(fold_axes):
-                return fn(*trees)
-
         def per_device(row: dict, batch: list) -> tuple:
             if not fold_axes:
                 return one(row, [x[0] for x in batch])
@@ -405,15 +398,17 @@ class PipelinedStep:
                 # k replicas per device: each runs the loop and the update (its collectives over every logical
                 # replica), vmapped; their new rows are equal (the update reads the batch through rp.all_mean).
                 new_rows, outs = fold_map(lambda b: one(row, b), fold_axes)(batch)
-                first = {k: v[(0,) * lead] for k, v in new_rows.items()}
-                return first, [jnp.reshape(o, (-1, *o.shape[lead + 1 :])) for o in outs]
-            # The loop vmapped over the k; the state's update once, on the loop's outputs averaged over them;
-            # the outputs (each replica's own) vmapped.
-            own, shared = fold_map(lambda b: loop(row, b), fold_axes)(batch)
-            stage = lax.axis_index(STAGE_AXIS)
-            new_row, _ = lax.switch(stage, state_branches, row, *fold_mean((own, shared), fold_axes))
-            _, outs = over_fold(lambda o, sh: lax.switch(stage, output_branches, row, o, sh), own, shared)
-            return new_row, [jnp.reshape(o, (-1, *o.shape[lead + 1 :])) for o in outs]
+                new_row = {k: v[(0,) * lead] for k, v in new_rows.items()}
+            else:
+                # The loop vmapped over the k; the state's update once, on the loop's outputs averaged over
+                # them; the outputs (each replica's own) vmapped.
+                own, shared = fold_map(lambda b: loop(row, b), fold_axes)(batch)
+                stage = lax.axis_index(STAGE_AXIS)
+                new_row, _ = lax.switch(stage, state_branches, row, *fold_mean((own, shared), fold_axes))
+                _, outs = over_fold(lambda o, sh: lax.switch(stage, output_branches, row, o, sh), fold_axes)(
+                    own, shared
+                )
+            return new_row, [jnp.reshape(o, (-1, *o.shape[lead + 1 :])) for o in outs]  # a row per replica
 
         # Each kind of leaf in buffers of its own: whole on each device of its stage, or (ZeRO) split over them.
         owners = [min(h) for h in self.held]
