@@ -106,6 +106,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "replicator/stages/rows.py",
         "replicator/stages/programs.py",
         "replicator/stages/chunks.py",
+        "replicator/stages/stack_update.py",
     ),
 }
 
@@ -217,7 +218,9 @@ TESTS.update(
         "replicator/stages/chunks.py": (
             "tests/stages/test_user_step_zero.py",
             "tests/stages/test_fold_stages.py",  # ZeRO with several replicas per device
+            "tests/stages/test_stack_update.py",  # the slices of a stack beside the chunks
         ),
+        "replicator/stages/stack_update.py": ("tests/stages/test_stack_update.py",),
         "replicator/stages/programs.py": (
             "tests/stages/test_lower.py",
             "tests/stages/test_fold_stages.py",  # the user's collectives over the fold axes

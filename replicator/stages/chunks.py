@@ -40,7 +40,7 @@ would gather it (its storage would save nothing).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -52,6 +52,7 @@ from jax.extend.core import DropVar, JaxprEqn, Literal, Var
 from replicator.core.primitives import PLACEHOLDERS, all_reduce_p
 from replicator.passes.shard_optimizer import ELEMENTWISE
 from replicator.stages.programs import DATA_AXES, _collective, _run
+from replicator.stages.stack_update import run_on_slices
 
 __all__ = ["ChunkPacking", "Chunks", "chunkable", "plan", "run_chunked"]
 
@@ -260,9 +261,13 @@ def run_chunked(
     chunks: dict[Var, Any],
     on: Chunks,
     scatter: frozenset = frozenset(),
+    sliced: Mapping[Var, tuple[int, int]] | None = None,
 ) -> None:
     """Bind ``eqns`` in order (see the module docstring): ``env`` holds whole values, ``chunks`` this device's
-    chunk of the chunked ones (a chunked value read whole is all-gathered once, into ``env``)."""
+    chunk of the chunked ones (a chunked value read whole is all-gathered once, into ``env``). ``sliced``: the
+    values ``env`` holds as this stage's slice of a stack (:mod:`~replicator.stages.stack_update`), with their
+    ``(start, stop)``; an equation other than a collective that reads one runs on the slices (none reads a
+    chunked value: the caller plans the two apart)."""
 
     def chunked(v: Any) -> bool:
         return isinstance(v, Var) and v in chunks
@@ -275,6 +280,9 @@ def run_chunked(
         return env[v]
 
     for eqn in eqns:
+        if sliced and eqn.primitive not in PLACEHOLDERS and any(isinstance(v, Var) and v in sliced for v in eqn.invars):
+            run_on_slices(eqn, env, sliced)
+            continue
         how = _how(eqn, chunked, scatter)
         if how in ("whole", "gather"):
             for v in eqn.invars:  # "gather": its chunked operands read whole

@@ -377,7 +377,13 @@ def describe_user_step(
         optimizer_bytes=None,
         stash_slots=ring_slots(step.table)["stash"],
         per_stage=_stage_reports(
-            step.split, step.programs, step.layout, lambda i, _: step.avals[i], step.paths, stats.peak_live, stage_cost
+            step.split,
+            step.programs,
+            step.layout,
+            lambda i, s: step.slices.kept_aval(i, s, step.avals[i]),  # a stack: the stage's slice of it
+            step.paths,
+            stats.peak_live,
+            stage_cost,
         ),
         device_memory=device_memory,
         zero_stage=step.zero_stage,

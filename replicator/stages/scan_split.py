@@ -40,8 +40,9 @@ the sum of each stage's padded slice gradient: the split records them as *partit
 (:class:`~replicator.stages.split.Partition`). A pipelined training step
 (:func:`~replicator.stages.train.pipeline_train_step`, ``Replicator.run_pipelined``) then keeps on each stage
 only its ``L / S`` slice of the stack, of the optimizer's moments and of the gradient, never summed across
-stages. The user's own step (``Replicator.run(step_fn, ...)`` on a pipeline, whose update phase runs on whole
-leaves) still treats the stack as a tied parameter: each stage keeps all of it, its gradient summed across them.
+stages. The user's own step (``Replicator.run(step_fn, ...)`` on a pipeline) does the same where its update is
+element-wise on the stack (:mod:`~replicator.stages.stack_update`); an update that reads it whole (a global-norm
+clip) treats it as a tied parameter: each stage keeps all of it, its gradient summed across them.
 
 >>> def loss(w, x):
 ...     h, _ = jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)

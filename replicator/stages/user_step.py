@@ -86,6 +86,7 @@ from replicator.stages.rows import LastRows, RowPacker, RowUnpacker
 from replicator.stages.scan_split import traced_in_stages
 from replicator.stages.schedule import make_schedule
 from replicator.stages.split import UPDATE, StageSplitError, split_stages
+from replicator.stages.stack_update import SlicePlan, plan_slices
 from replicator.stages.train import (
     _micro_batches,
     _user_stacklevel,
@@ -241,7 +242,6 @@ class PipelinedStep:
         everyone = frozenset(range(stages))
         state_stages = whole.state_stages(n)
         self.held = [(state_stages[i] | fb_split.input_stages[i]) or everyone for i in range(n)]
-        self.layout = [[i for i in range(n) if s in self.held[i]] for s in range(stages)]
         self.avals = [v.aval for v in flat.invars[:n]]
         self.stages, self.mesh, self.recompute = stages, mesh, recompute
         paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
@@ -251,22 +251,22 @@ class PipelinedStep:
         state_in = {v: i for i, v in enumerate(flat.invars[:n])}
         batch_in = set(flat.invars[n:])
         outputs = flat.outvars[n:]
-        self.updates = []
-        for s in range(stages):
-            wanted = [flat.outvars[i] for i in self.layout[s]]
-            eqns, reads = _prune(rest, [*wanted, *outputs])
-            foreign = sorted(state_in[v] for v in reads if v in state_in and s not in self.held[state_in[v]])
-            if foreign:
-                raise StageSplitError(
-                    f"the update of stage {s}'s state (or the step's outputs) reads "
-                    f"{', '.join(paths[i] for i in foreign)}, kept by stages "
-                    f"{sorted(set().union(*(self.held[i] for i in foreign)))} only; {SUPPORTED}; {ALTERNATIVE}."
-                )
-            if reads & batch_in:
-                raise StageSplitError(
-                    f"the update reads the batch outside the loss's value and gradient; {SUPPORTED}; {ALTERNATIVE}."
-                )
-            self.updates.append((eqns, wanted))
+        # A state leaf that a stage's update reads is kept, and updated, by that stage too (the moments of a
+        # stack whose update another stage's global-norm clip decides): until every update reads its own.
+        grown = True
+        while grown:
+            grown, self.updates = False, []
+            self.layout = [[i for i in range(n) if s in self.held[i]] for s in range(stages)]
+            for s in range(stages):
+                wanted = [flat.outvars[i] for i in self.layout[s]]
+                eqns, reads = _prune(rest, [*wanted, *outputs])
+                if reads & batch_in:
+                    raise StageSplitError(
+                        f"the update reads the batch outside the loss's value and gradient; {SUPPORTED}; {ALTERNATIVE}."
+                    )
+                for i in sorted(state_in[v] for v in reads if v in state_in and s not in self.held[state_in[v]]):
+                    self.held[i], grown = self.held[i] | {s}, True
+                self.updates.append((eqns, wanted))
 
         # With k replicas per device the state's update runs once per device, on the loop's outputs averaged
         # over the k (the update reads them through rp.all_mean only, a mean over every logical replica: the
@@ -283,22 +283,34 @@ class PipelinedStep:
                 "repl.run_pipelined(loss_fn, optimizer, batch, (params, opt_state))."
             )
 
+        # A scanned stack each stage keeps its slice of, with its gradient and moments (stack_update).
+        self.update_only = [not fb_split.input_stages[i] for i in range(n)]
+        used = {id(e) for eqns, _ in self.updates for e in eqns}  # free equations (slices of inputs) left out
+        self.slices = self._plan_slices(fb_split, fb, flat, [e for e in rest if id(e) in used], outputs)
         # ZeRO: which leaves each stage stores 1/D per device (see _chunked), each kind in buffers of its own.
         devices = int(np.prod([mesh.shape[a] for a in DATA_AXES]))  # a stage's devices: ZeRO's chunks
-        self.scatter = (
-            frozenset(v for v in self.cut if chunkable(v.aval)) if zero >= 2 else frozenset()
-        )  # ZeRO-2: the averaged gradients reduce-scattered
-        self.update_only = [not fb_split.input_stages[i] for i in range(n)]
-        chunked = self._chunked(flat.invars[:n]) if zero else frozenset()
+        while True:
+            self.scatter = (
+                frozenset(v for v in self.cut if chunkable(v.aval) and v not in self.slices.values)
+                if zero >= 2
+                else frozenset()
+            )  # ZeRO-2: the averaged gradients reduce-scattered
+            chunked = self._chunked(flat.invars[:n]) if zero else frozenset()
+            if not (self.slices.leaves and self._slices_meet_chunks(chunked, flat.invars[:n])):
+                break
+            self.slices = SlicePlan()  # an equation would read a slice and a chunk: the stack stays whole
         self.chunked = chunked
         moments = [[i for i in lay if i in chunked and self.update_only[i]] for lay in self.layout]
         params = [[i for i in lay if i in chunked and not self.update_only[i]] for lay in self.layout]
         self.whole_layout = [[i for i in lay if i not in chunked] for lay in self.layout]
         self.moments = ChunkPacking([[self.avals[i] for i in lay] for lay in moments], devices, "chunks_")
         self.param_chunks = ChunkPacking([[self.avals[i] for i in lay] for lay in params], devices, "param_chunks_")
-        self.packing = Packing([[self.avals[i] for i in lay] for lay in self.whole_layout], slots=True)
+        self.packing = Packing(
+            [[self.slices.kept_aval(i, s, self.avals[i]) for i in lay] for s, lay in enumerate(self.whole_layout)],
+            slots=True,
+        )
         on = Chunks(devices)
-        programs = stage_programs(fb_split, fb)
+        programs = stage_programs(fb_split, fb, self.slices.grads)
         table = make_schedule(schedule, stages, microbatches)
         self.table, self.split, self.programs, self.paths = table, fb_split, programs, paths
         # Each stage's update reads some cut values (its leaves' gradients, the loss; a global-norm clip reads
@@ -358,7 +370,8 @@ class PipelinedStep:
                     chunks.update(
                         zip([flat.invars[i] for i in lay[stage]], packing.local_unpack(stage, row), strict=True)
                     )
-                run_chunked(eqns, env, chunks, on, self.scatter)
+                bounds = self.slices.bounds(stage)
+                run_chunked(eqns, env, chunks, on, self.scatter, bounds)
 
                 def whole(v: Any) -> Any:
                     if isinstance(v, Literal):
@@ -373,7 +386,15 @@ class PipelinedStep:
                 outs = [] if part == "state" else [jnp.asarray(whole(v))[None] for v in outputs]
                 if part == "outputs":
                     return {}, outs
-                packed = self.packing.pack(stage, [whole(flat.outvars[i]) for i in self.whole_layout[stage]])
+
+                def kept(i: int) -> Any:
+                    """Leaf ``i``'s new value as the stage keeps it: whole, or its slice of a stack."""
+                    v = flat.outvars[i]
+                    if i not in self.slices.leaves or (isinstance(v, Var) and v in bounds):
+                        return whole(v)
+                    return lax.slice_in_dim(whole(v), *self.slices.bounds_of(i, stage))
+
+                packed = self.packing.pack(stage, [kept(i) for i in self.whole_layout[stage]])
                 packed.update(self.moments.local_pack(stage, [chunk(i) for i in moments[stage]]))
                 packed.update(self.param_chunks.local_pack(stage, [chunk(i) for i in params[stage]]))
                 packed = {k: v if k in chunk_keys else v[None] for k, v in packed.items()}
@@ -424,8 +445,13 @@ class PipelinedStep:
         ]
         #: How each buffer ``(S, n)`` lies on the mesh.
         self.row_spec = row_spec = {k: spec for packing, _, spec in self._stores for k in packing.buffers()}
-        self._packers = [RowPacker(p, lay, mesh, spec) for p, lay, spec in self._stores]
-        self._unpackers = [(list(p.buffers()), RowUnpacker(p, lay, owners)) for p, lay, _ in self._stores]
+
+        def pieces(layout: Sequence[Sequence[int]]) -> dict:
+            """The sliced leaves among a store's (only the whole rows: a sliced leaf is never chunked)."""
+            return {i: p for i, p in self.slices.leaves.items() if any(i in lay for lay in layout)}
+
+        self._packers = [RowPacker(p, lay, mesh, spec, pieces=pieces(lay)) for p, lay, spec in self._stores]
+        self._unpackers = [(list(p.buffers()), RowUnpacker(p, lay, owners, pieces(lay))) for p, lay, _ in self._stores]
         self._last = LastRows()
         self.step = jax.jit(
             jax.shard_map(
@@ -437,12 +463,50 @@ class PipelinedStep:
             )
         )
 
+    def _plan_slices(
+        self, fb_split: Any, fb: ClosedJaxpr, flat: Jaxpr, rest: Sequence[JaxprEqn], outputs: Sequence[Any]
+    ) -> SlicePlan:
+        """The scanned stacks each stage keeps its slice of (:func:`~replicator.stages.stack_update.plan_slices`):
+        a state leaf partitioned in the forward, paired with a cut value partitioned alike (its gradient; two
+        stacks of one shape and pieces may pair crosswise: the programs take inputs and return outputs sliced
+        independently, and the update's plan checks the pairs it is given)."""
+        n = len(self.avals)
+        free: dict[tuple, list[int]] = {}
+        for position, part in sorted(fb_split.output_partitions.items()):
+            free.setdefault((part.pieces, tuple(fb.out_avals[position].shape)), []).append(position)
+        pairs = {}
+        for i, part in sorted(fb_split.input_partitions.items()):
+            key = (part.pieces, tuple(self.avals[i].shape))
+            if i < n and free.get(key):
+                position = free[key].pop(0)
+                pairs[i] = (position, self.cut[position], part.pieces)
+        everyone = frozenset(range(self.stages))
+        return plan_slices(
+            rest,
+            flat.invars[:n],
+            flat.outvars[:n],
+            outputs,
+            pairs,
+            lambda j: self.update_only[j] and self.held[j] == everyone,
+        )
+
+    def _slices_meet_chunks(self, chunked: frozenset[int], invars: Sequence[Var]) -> bool:
+        """Whether some equation of an update (not a collective) would read both a slice of a stack and a ZeRO
+        chunk (:func:`~replicator.stages.chunks.run_chunked` runs the two apart)."""
+        for s, (eqns, _) in enumerate(self.updates):
+            chunks = plan(eqns, {invars[i] for i in chunked if s in self.held[i]}, self.scatter)[0]
+            for eqn in eqns:
+                reads = {v for v in eqn.invars if isinstance(v, Var)}
+                if eqn.primitive not in PLACEHOLDERS and reads & chunks and any(v in self.slices.values for v in reads):
+                    return True
+        return False
+
     def _chunked(self, invars: Sequence[Var]) -> frozenset[int]:
         """The leaves stored ``1/D`` per device: ZeRO-1 and 2 the update-only leaves (optimizer state), ZeRO-3
         the parameters too, each floating point with an axis (:func:`~replicator.stages.chunks.chunkable`);
         an update-only leaf that some stage's update reads whole (:func:`~replicator.stages.chunks.plan`: not
         element-wise) stays whole, as chunks it would save nothing."""
-        wanted = {i for i, aval in enumerate(self.avals) if chunkable(aval)}
+        wanted = {i for i, aval in enumerate(self.avals) if chunkable(aval) and i not in self.slices.leaves}
         if self.zero_stage < 3:
             wanted = {i for i in wanted if self.update_only[i]}
         while True:
