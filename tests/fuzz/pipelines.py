@@ -70,11 +70,19 @@ class PipeSpec:
     optimizer: str
     lr: float
     rows: int  # global batch rows
+    stack: int = 0  # > 0: no markers; a lax.scan over S * stack residual layers, cut into the S stages unmarked
+
+    @property
+    def used_segments(self) -> tuple[int, ...]:
+        """The segments the loss runs: all, or with a stack the first (before it) and the last (after it)."""
+        return tuple(sorted({0, self.stages - 1})) if self.stack else tuple(range(self.stages))
 
     def describe(self) -> str:
         parts = [f"S={self.stages}", f"width={self.width}", f"rows={self.rows}"]
         parts.append(f"input=embed({self.vocab})" if self.embed else f"input=dense({self.in_dim})")
-        parts += [f"seg{i}={list(s)}" for i, s in enumerate(self.segments)]
+        parts += [f"seg{i}={list(self.segments[i])}" for i in self.used_segments]
+        if self.stack:
+            parts.append(f"stack={self.stages}x{self.stack} (unmarked)")
         for flag in ("tied", "ids_cross", "bf16", "cross_entropy"):
             if getattr(self, flag):
                 parts.append(flag)
@@ -99,7 +107,12 @@ def random_pipe_spec(seed: int, stages: int) -> PipeSpec:
         tuple(str(k) for k in rng.choice(LAYERS, size=int(rng.integers(0 if i == 0 else 1, 3)))) for i in range(stages)
     )
     tuple_at = int(rng.integers(0, stages - 1)) if rng.random() < 0.5 else None
-    return PipeSpec(
+    # Drawn apart, so that the other fields of a program stay what they were before stacks were added.
+    extra = np.random.default_rng([seed, stages, 19])
+    stack = int(extra.choice([1, 2])) if extra.random() < 0.3 else 0
+    if stack:
+        tuple_at = None  # no markers, so no tuple crossing one
+    spec = PipeSpec(
         seed=seed,
         stages=stages,
         segments=segments,
@@ -117,7 +130,9 @@ def random_pipe_spec(seed: int, stages: int) -> PipeSpec:
         optimizer=str(rng.choice(OPTIMIZERS)),
         lr=float(rng.choice([0.01, 0.05])),
         rows=int(rng.choice([16, 32])),  # splits into M x D = 8 or 16 for every variant
+        stack=stack,
     )
+    return spec
 
 
 # -- the loss, the parameters, the batch ----------------------------------------------------
@@ -138,6 +153,11 @@ def _layer(kind: str, p: dict, name: str, h: jax.Array) -> jax.Array:
     raise ValueError(kind)
 
 
+def _stack_layer(h: jax.Array, layer: dict) -> tuple[jax.Array, None]:
+    """One residual layer of the scanned stack."""
+    return h + jnp.tanh(h @ layer["w"] + layer["b"]), None
+
+
 def _round_bf16(h: jax.Array) -> jax.Array:
     """``h`` rounded to bfloat16 and cast back; the gradient passes straight through (no rounding of it)."""
     return h + lax.stop_gradient(h.astype(jnp.bfloat16).astype(jnp.float32) - h)
@@ -155,7 +175,16 @@ def make_loss(spec: PipeSpec):
         if spec.bf16 and spec.embed:
             h = _round_bf16(h)
         skip, extra = None, 0.0
-        for i, kinds in enumerate(spec.segments):
+        if spec.stack:  # segment 0, the stack (cut into the stages by the Replicator), the last segment
+            for j, kind in enumerate(spec.segments[0]):
+                h = _layer(kind, p, f"l0_{j}", h)
+            h, _ = lax.scan(_stack_layer, h, p["stack"])
+            last = spec.stages - 1
+            for j, kind in enumerate(spec.segments[last]):
+                h = _layer(kind, p, f"l{last}_{j}", h)
+            if spec.free_at is not None:
+                extra = 0.05 * jnp.sum(p["free"] ** 2)
+        for i, kinds in enumerate(() if spec.stack else spec.segments):
             if skip is not None:  # the tuple's second item, from the boundary before this segment
                 h = h + (0.1 * jnp.sin(skip.astype(jnp.float32))[:, None] if spec.ids_cross else 0.5 * skip)
                 skip = None
@@ -191,8 +220,8 @@ def initial_params(spec: PipeSpec) -> dict:
         p["emb"] = normal(spec.vocab, d)
     else:
         p["inp"] = {"w": normal(spec.in_dim, d, scale=spec.in_dim**-0.5), "b": normal(d, scale=0.1)}
-    for i, kinds in enumerate(spec.segments):
-        for j, kind in enumerate(kinds):
+    for i in spec.used_segments:
+        for j, kind in enumerate(spec.segments[i]):
             name = f"l{i}_{j}"
             if kind.startswith("dense-"):
                 p[name] = {"w": normal(d, d, scale=d**-0.5), "b": normal(d, scale=0.1)}
@@ -202,6 +231,9 @@ def initial_params(spec: PipeSpec) -> dict:
                 p[name] = {"w": normal(d, d, scale=0.5 * d**-0.5)}
             else:
                 p[name] = {"g": 1.0 + normal(d, scale=0.1), "b": normal(d, scale=0.1)}
+    if spec.stack:
+        layers = spec.stages * spec.stack
+        p["stack"] = {"w": normal(layers, d, d, scale=0.5 * d**-0.5), "b": normal(layers, d, scale=0.1)}
     if not spec.tied:
         p["head"] = normal(d, spec.out_dim, scale=d**-0.5)
     if spec.free_at is not None:

@@ -41,6 +41,8 @@ QUICK = [
     (8, "pipe-S2-M2-gpipe-recompute-zero3", (1, 8)),
     (9, "pipe-S2-M4-1f1b-fold2", (8, 1)),  # 2 replicas per device, folded across workers
     (10, "pipe-S2-M4-1f1b-zero2-run", (2, 4)),  # ZeRO on the user's own step
+    (13, "pipe-S2-M4-1f1b", (1, 8)),  # an unmarked scanned stack: the user's step keeps it as slices
+    (16, "pipe-S4-M8-gpipe-recompute-zero3-run", (4, 2)),  # a stack as slices, the rest in ZeRO-3 chunks
 ]
 SLOW = [
     (100 + i, name, pipelines.mesh_of(v, pipelines.mesh_for(100 + i, v.stages)))
@@ -79,6 +81,9 @@ def test_the_generator_is_reproducible_and_covers_every_feature():
         assert any(getattr(spec, flag) for spec in specs), flag
     assert {spec.tuple_at for spec in specs} >= {None, 0, 1, 2}
     assert {spec.free_at for spec in specs} >= {None, 0, 1, 2, 3}
+    assert {spec.stack for spec in specs} == {0, 1, 2}
+    assert all(spec.tuple_at is None and spec.used_segments == (0, spec.stages - 1) for spec in specs if spec.stack)
+    assert [random_pipe_spec(s, stages).stack for s, stages in ((13, 2), (16, 4))] == [2, 1]  # the QUICK ones
     # The loss has S - 1 markers: jax.jit of it runs (the markers are the identity outside a pipeline).
     spec = random_pipe_spec(3, 4)
     _, losses = reference(spec)
