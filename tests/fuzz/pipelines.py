@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import warnings
 from typing import Any
 
@@ -292,14 +293,45 @@ def initial_state(spec: PipeSpec) -> tuple:
 # -- the reference and the variants -----------------------------------------------------------
 
 
-def reference(spec: PipeSpec) -> tuple[Any, list[float]]:
-    """Final state and each step's loss: ``jax.jit`` of the step on one device on the global batch."""
-    step = jax.jit(make_step(spec, mean=lambda x: x))
+def reference(spec: PipeSpec, order: str | None = None) -> tuple[Any, list[float]]:
+    """Final state and each step's loss: ``jax.jit`` of the step on one device on the global batch.
+
+    ``order`` (:data:`ORDERS`) computes the same step with its float32 sums in another order, to measure how
+    much the program amplifies their rounding (:func:`order_sensitivity`): ``"perm<k>"`` the global batch's
+    rows permuted (seed ``k``); ``"chunks<k>"`` the loss and gradients averaged over ``k`` equal chunks of the
+    batch, as the pipeline averages them over its micro-batches and replicas.
+    """
+    chunks = int(order[len("chunks") :]) if order is not None and order.startswith("chunks") else 0
+    step = jax.jit(_chunked_step(spec, chunks) if chunks else make_step(spec, mean=lambda x: x))
     state, losses = initial_state(spec), []
-    for batch in global_batches(spec):
+    for i, batch in enumerate(global_batches(spec)):
+        if order is not None and order.startswith("perm"):
+            rows = np.random.default_rng([int(order[len("perm") :]), i]).permutation(spec.rows)
+            batch = tuple(x[rows] for x in batch)
         state, out = step(state, batch)
         losses.append(float(out["loss"]))
     return jax.tree.map(np.asarray, state), losses
+
+
+#: The other orders of :func:`reference`'s sums that :func:`order_sensitivity` tries.
+ORDERS = ("perm0", "perm1", "chunks4", "chunks8", "chunks16")
+
+
+def _chunked_step(spec: PipeSpec, k: int):
+    """One device's step with the loss and gradients averaged over ``k`` equal chunks of the batch, in order."""
+    loss, opt = make_loss(spec), make_optimizer(spec)
+
+    def step(state, batch):
+        params, opt_state = state
+        parts = [
+            jax.value_and_grad(loss)(params, *(x.reshape(k, -1, *x.shape[1:])[i] for x in batch)) for i in range(k)
+        ]
+        value = functools.reduce(jnp.add, [v for v, _ in parts]) / k
+        grads = jax.tree.map(lambda *g: functools.reduce(jnp.add, g) / k, *[g for _, g in parts])
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), {"loss": value}
+
+    return step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,13 +436,44 @@ def tolerance(want: np.ndarray) -> float:
     return 2e-4 * max(1.0, float(np.max(np.abs(want)))) if want.size else 0.0
 
 
-def first_mismatch(got: Any, want: Any) -> str | None:
-    """The first leaf of ``got`` beyond :func:`tolerance` of ``want`` (integers: equal), or None."""
+def order_sensitivity(spec: PipeSpec) -> tuple[Any, list[float]]:
+    """Per element of the final state, and per step's loss, how far the reference moves when its sums add in
+    another order (the largest ``|reference - reference(order)|`` over :data:`ORDERS`).
+
+    Large where a program amplifies float32 rounding: AdamW dividing a mean gradient that cancels to ~1e-6
+    over the batch (each quarter's ~4e-4) by ``sqrt(v) + 1e-8``, through ReLU kinks, three steps (seed 340047,
+    S = 4: the reference itself moves by up to 1.4e-4 when its rows are permuted; the pipelines by 4e-4 to
+    9e-4 on that one element, every other element within 8e-5).
+    """
+    base_state, base_losses = reference(spec)
+    state = jax.tree.map(lambda a: np.zeros(np.shape(a)), base_state)
+    losses = [0.0] * len(base_losses)
+    for order in ORDERS:
+        other_state, other_losses = reference(spec, order)
+        state = jax.tree.map(
+            lambda e, b, o: (
+                np.maximum(e, np.abs(np.asarray(b, np.float64) - o))
+                if np.issubdtype(np.asarray(b).dtype, np.floating)
+                else e
+            ),
+            state,
+            base_state,
+            other_state,
+        )
+        losses = [max(e, abs(b - o)) for e, b, o in zip(losses, base_losses, other_losses, strict=True)]
+    return state, losses
+
+
+def first_mismatch(got: Any, want: Any, sensitivity: Any = None) -> str | None:
+    """The first leaf of ``got`` beyond :func:`tolerance` of ``want`` (integers: equal), or None. ``sensitivity``
+    (:func:`order_sensitivity`'s state) widens the tolerance element by element by 4 times the reference's own
+    movement under another order of its sums."""
     got_leaves = jax.tree_util.tree_leaves_with_path(got)
     want_leaves = jax.tree.leaves(want)
     if jax.tree.structure(got) != jax.tree.structure(want):
         return f"structure {jax.tree.structure(got)}, expected {jax.tree.structure(want)}"
-    for (path, a), b in zip(got_leaves, want_leaves, strict=True):
+    widen = jax.tree.leaves(sensitivity) if sensitivity is not None else [0.0] * len(want_leaves)
+    for (path, a), b, e in zip(got_leaves, want_leaves, widen, strict=True):
         a, b = np.asarray(a), np.asarray(b)
         name = jax.tree_util.keystr(path)
         if a.shape != b.shape or a.dtype != b.dtype:
@@ -420,21 +483,33 @@ def first_mismatch(got: Any, want: Any) -> str | None:
                 return f"{name}: {a.ravel()[:6]} != {b.ravel()[:6]}"
             continue
         diff = np.abs(a.astype(np.float64) - b)
-        if not np.all(diff <= tolerance(b)):  # NaN fails too
-            i = np.unravel_index(np.nanargmax(np.where(np.isnan(diff), np.inf, diff)), diff.shape)
-            return f"{name}: max |difference| {float(diff[i]):.3g} at {tuple(int(k) for k in i)} (tolerance {tolerance(b):.3g})"
+        allowed = tolerance(b) + 4 * np.asarray(e)
+        if not np.all(diff <= allowed):  # NaN fails too
+            excess = np.where(np.isnan(diff), np.inf, diff - allowed)
+            i = np.unravel_index(np.argmax(excess), diff.shape)
+            at = float(np.broadcast_to(allowed, diff.shape)[i])
+            return f"{name}: max |difference| {float(diff[i]):.3g} at {tuple(int(k) for k in i)} (tolerance {at:.3g})"
     return None
 
 
-#: What one (program, variant, mesh) run found: the data-parallel fuzzer's record (its ``order_sensitive`` is
-#: never set here), so scripts/fuzz.py reads both alike.
+#: What one (program, variant, mesh) run found: the data-parallel fuzzer's record, so scripts/fuzz.py reads
+#: both alike.
 PipeOutcome = Outcome
 
 
 def check(
-    spec: PipeSpec, variant: Variant, mesh: tuple[int, int], ref: tuple[Any, list[float]] | None = None
+    spec: PipeSpec,
+    variant: Variant,
+    mesh: tuple[int, int],
+    ref: tuple[Any, list[float]] | None = None,
+    sensitivity_cache: dict | None = None,
 ) -> PipeOutcome:
-    """Run one program under one variant and mesh against one device; a crash is an outcome, not an exception."""
+    """Run one program under one variant and mesh against one device; a crash is an outcome, not an exception.
+
+    A run that differs beyond the tolerance is compared again with the tolerance widened, element by element,
+    by the reference's own sensitivity to the order of its sums (:func:`order_sensitivity`, computed once per
+    program in ``sensitivity_cache``); if it agrees then, the outcome passes and records the first comparison
+    in ``order_sensitive``."""
     outcome = PipeOutcome(spec, variant.name, mesh)
     try:
         want_state, want_losses = ref if ref is not None else reference(spec)
@@ -444,12 +519,22 @@ def check(
     except Exception as e:  # noqa: BLE001 - every crash is a finding
         outcome.error = f"{type(e).__name__}: {str(e)[:400]}"
         return outcome
-    outcome.mismatch = first_mismatch(got_state, want_state)
-    if outcome.mismatch is None:
-        for i, (g, w) in enumerate(zip(got_losses, want_losses, strict=True)):
-            if not abs(g - w) <= 1e-5 * max(1.0, abs(w)):
-                outcome.mismatch = f"step {i} loss {g!r}, expected {w!r}"
-                break
+
+    def compare(sensitivity: tuple[Any, list[float]] | None) -> str | None:
+        state_e, losses_e = sensitivity if sensitivity is not None else (None, [0.0] * len(want_losses))
+        found = first_mismatch(got_state, want_state, state_e)
+        for i, (g, w, e) in enumerate(zip(got_losses, want_losses, losses_e, strict=True)):
+            if found is None and not abs(g - w) <= 1e-5 * max(1.0, abs(w)) + 4 * e:
+                found = f"step {i} loss {g!r}, expected {w!r}"
+        return found
+
+    outcome.mismatch = compare(None)
+    if outcome.mismatch is not None:  # is the reference itself that sensitive to rounding there?
+        cache = {} if sensitivity_cache is None else sensitivity_cache
+        if "order" not in cache:
+            cache["order"] = order_sensitivity(spec)
+        if compare(cache["order"]) is None:
+            outcome.order_sensitive, outcome.mismatch = outcome.mismatch, None
     return outcome
 
 
@@ -465,9 +550,10 @@ def run_program(seed: int, variants: list[str], stats: collections.Counter | Non
         except Exception as e:  # noqa: BLE001 - a reference failure is a generator bug
             outcomes.append(PipeOutcome(spec, "reference", mesh, error=f"{type(e).__name__}: {str(e)[:400]}"))
             continue
+        sensitivity: dict = {}  # computed on the first mismatch only
         for v in variants:
             if PIPE_VARIANTS[v].stages == stages:
-                outcomes.append(check(spec, PIPE_VARIANTS[v], mesh_of(PIPE_VARIANTS[v], mesh), ref))
+                outcomes.append(check(spec, PIPE_VARIANTS[v], mesh_of(PIPE_VARIANTS[v], mesh), ref, sensitivity))
                 stats["runs"] += 1
                 stats["graphs"] += 1  # every run compiles its own pipelined step
     return outcomes
