@@ -118,7 +118,7 @@ def _propagate(
         if not reads:
             continue
         roots = frozenset().union(*(values[v][1] for v in reads))
-        if eqn.primitive is all_reduce_p and eqn.params.get("op") in ("sum", "mean", "max", "min"):
+        if eqn.primitive is all_reduce_p:  # a sum, mean, maximum or minimum over the replicas
             for v, out in zip(eqn.invars, eqn.outvars, strict=True):  # replica by replica: shape-agnostic
                 if isinstance(v, Var) and v in values and not isinstance(out, DropVar):
                     values[out] = values[v]

@@ -46,12 +46,19 @@ def _run(repl, step, state, xy):
 PIECES = ((0, 0, 2), (1, 2, 4))
 
 
-def _plan(update, outputs=0):
-    """plan_slices of ``update(w, mu, g) -> (new_w, new_mu, *outputs)``, ``w`` partitioned with gradient ``g``
-    and ``mu`` an update-only leaf."""
+def _jaxpr(update):
     aval = jax.ShapeDtypeStruct((4, 3), jnp.float32)
     with replica_context(ReplicaContext(1, 2)):
-        jaxpr = jax.make_jaxpr(update)(aval, aval, aval).jaxpr
+        return jax.make_jaxpr(update)(aval, aval, aval).jaxpr
+
+
+def _plan(update):
+    """plan_slices of ``update(w, mu, g) -> (new_w, new_mu, *outputs)``, ``w`` partitioned with gradient ``g``
+    and ``mu`` an update-only leaf."""
+    return _plan_of(_jaxpr(update))
+
+
+def _plan_of(jaxpr):
     w, mu, g = jaxpr.invars
     return plan_slices(
         jaxpr.eqns,
@@ -74,6 +81,19 @@ def test_an_elementwise_update_slices_the_stack_and_its_moment():
     assert plan.kept_aval(1, 1, jax.ShapeDtypeStruct((4, 3), jnp.float32)).shape == (2, 3)
 
 
+def test_an_all_reduce_of_a_slice_and_a_whole_value_slices_only_the_slice():
+    def update(w, mu, g):
+        g, scale = rp.all_mean((g, jnp.full((3,), 0.5)))  # one all-reduce of both
+        return w - scale[0] * g, mu
+
+    jaxpr = _jaxpr(update)
+    plan = _plan_of(jaxpr)
+    assert plan.leaves == {0: PIECES}
+    (reduce,) = [e for e in jaxpr.eqns if e.primitive.name == "rp.all_reduce"]
+    assert [v in plan.values for v in reduce.invars] == [True, False]
+    assert [v in plan.values for v in reduce.outvars] == [True, False]
+
+
 @pytest.mark.parametrize(
     "update",
     [
@@ -85,6 +105,19 @@ def test_an_elementwise_update_slices_the_stack_and_its_moment():
 )
 def test_an_update_that_reads_the_stack_whole_keeps_it_whole(update):
     assert not _plan(update).leaves
+
+
+def test_slices_cut_differently_are_never_combined():
+    """Two partitioned leaves of one shape cut at different layers (a user's own slices can be): an update that
+    adds their gradients would combine slices of different layers, so both stay whole."""
+    aval = jax.ShapeDtypeStruct((4, 3), jnp.float32)
+    jaxpr = jax.make_jaxpr(lambda w, v, gw, gv: (w - 0.1 * (gw + gv), v - 0.1 * gv))(aval, aval, aval, aval).jaxpr
+    w, v, gw, gv = jaxpr.invars
+    other = ((0, 0, 1), (1, 1, 4))
+    pairs = {0: (0, gw, PIECES), 1: (1, gv, other)}
+    assert not plan_slices(jaxpr.eqns, [w, v], jaxpr.outvars, [], pairs, lambda j: False).leaves
+    alike = {0: (0, gw, PIECES), 1: (1, gv, PIECES)}  # cut alike: both kept as slices
+    assert set(plan_slices(jaxpr.eqns, [w, v], jaxpr.outvars, [], alike, lambda j: False).leaves) == {0, 1}
 
 
 def test_a_moment_read_whole_keeps_the_stack_whole_too():
