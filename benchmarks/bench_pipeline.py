@@ -26,7 +26,15 @@ data-parallel replica (``Replicator(1, S, pipeline_stages=S)``).
    * ``stage micro-batch, beside``  the same on all ``S`` devices at once (each its own
      copy, one ``shard_map``): the tick ``t'_M`` as a stage runs it while the others
      run theirs, on the cores they share (on emulated CPU devices, ``t_M`` alone has
-     every core to itself).
+     every core to itself);
+   * ``exchange``  the pipeline's sends alone: ``2 (M + S - 1)`` ``ppermute`` of one
+     micro-batch's activation around the ``S`` devices (a forward sweep of ``M + S - 1``
+     ticks, then a backward one, as the schedules send), no compute: ``x_M``, what a
+     tick's exchange costs on these devices (on emulated CPU devices, a rendezvous of
+     the devices' threads);
+   * ``update, beside``  the Adam update of one stage's parameters (``layers / S``), on
+     all ``S`` devices at once: ``u'``, what every schedule adds to its ticks once per
+     step (the one-device step has it too).
 
    Every variant gets the same batch, already on its devices (no host transfer).
    Before timing, the hand-written pipeline's gradients and its parameters after two
@@ -45,7 +53,9 @@ data-parallel replica (``Replicator(1, S, pipeline_stages=S)``).
    cores) is faster than it is beside the other stages: read the measured bubble
    as an upper bound. The ``t'_M`` columns give the same estimates from the tick timed
    beside the other stages: ``ideal' = (M + S - 1) t'_M``, the schedule's ideal on
-   these shared cores.
+   these shared cores; ``ideal' + x_M`` adds the exchanges that any pipeline on these
+   devices sends (the hand-written one too); ``ideal' + x_M + u'`` the optimizer's update
+   too: the whole step's floor on these devices, with the schedule's ticks at ``t'_M``.
 
 2. Per-device memory from XLA's compiled memory analysis of each program
    (``.lower(...).compile().memory_analysis()``; peak = arguments + outputs -
@@ -302,6 +312,43 @@ def stage_beside_runner(params: Params, stages: int, m: int, x: np.ndarray, y: n
     return lambda: f(mine, h, t)
 
 
+def exchange_runner(stages: int, m: int, x: np.ndarray) -> Runner:
+    """The exchanges of a pipeline's step alone: ``M + S - 1`` ticks sending one micro-batch's activation one
+    stage on, then ``M + S - 1`` sending it one stage back (a ``ppermute`` each, in a ``lax.scan``), no compute."""
+    mesh = Mesh(np.array(jax.devices()[:stages]), ("s",))
+    forward = [(i, (i + 1) % stages) for i in range(stages)]
+    backward = [(j, i) for i, j in forward]
+
+    def sweeps(h: jax.Array) -> jax.Array:
+        for pairs in (forward, backward):
+            h, _ = lax.scan(lambda h, _, pairs=pairs: (lax.ppermute(h, "s", pairs), None), h, None, m + stages - 1)
+        return h
+
+    f = jax.jit(jax.shard_map(sweeps, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+    h = jax.device_put(np.tanh(x[: x.shape[0] // m]), NamedSharding(mesh, P()))
+    return lambda: f(h)
+
+
+def update_beside_runner(params: Params, stages: int) -> Runner:
+    """The Adam update of one stage's parameters (``layers / S`` layers), on all ``stages`` devices at once."""
+    mesh = Mesh(np.array(jax.devices()[:stages]), ("s",))
+    everywhere = NamedSharding(mesh, P())
+    mine = jax.device_put(params[-(len(params) // stages) :], everywhere)
+    state = [mine, jax.device_put(TX.init(mine), everywhere)]
+
+    def update(p: Params, opt: Any, g: Params) -> tuple:
+        updates, opt = TX.update(g, opt, p)
+        return optax.apply_updates(p, updates), opt
+
+    f = jax.jit(jax.shard_map(update, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+
+    def run() -> object:
+        state[0], state[1] = f(state[0], state[1], mine)
+        return state[0]
+
+    return run
+
+
 def hand_runner(
     params: Params, stages: int, m: int, x: np.ndarray, y: np.ndarray, want: tuple[Params, Params]
 ) -> tuple[Runner, HandPipeline]:
@@ -411,11 +458,15 @@ def fmt_ms(t: float) -> str:
 
 def time_stages(stages: int, ms: list[int], params: Params, x: np.ndarray, y: np.ndarray) -> None:
     want = reference(params, x, y, 2)
-    variants: dict[str, Runner] = {"one device": single_runner(params, x, y)}
+    variants: dict[str, Runner] = {
+        "one device": single_runner(params, x, y),
+        "update beside": update_beside_runner(params, stages),
+    }
     t0 = time.perf_counter()
     for m in ms:
         variants[f"stage micro-batch M={m}"] = stage_runner(params, stages, m, x, y)
         variants[f"stage micro-batch beside M={m}"] = stage_beside_runner(params, stages, m, x, y)
+        variants[f"exchange M={m}"] = exchange_runner(stages, m, x)
         variants[f"hand GPipe M={m}"] = hand_runner(params, stages, m, x, y, want)[0]
         for schedule in ("gpipe", "1f1b"):
             variants[f"rp {schedule} M={m}"] = rp_runner(params, stages, m, schedule, x, y, want[1])
@@ -438,18 +489,22 @@ def time_stages(stages: int, ms: list[int], params: Params, x: np.ndarray, y: np
         "the same rounds; ideal = (M + S - 1) t_M; bubble measured = 1 - M t_M / step (everything but the "
         "stage's own compute counts as bubble; at tiny sizes t_M is mostly one call's dispatch). t'_M: the same "
         "tick run on all S devices at once (each stage's cores shared as in the pipeline); ideal' = (M + S - 1) "
-        "t'_M.\n"
+        "t'_M. x_M: the step's 2 (M + S - 1) exchanges alone (ppermute of one micro-batch's activation, no "
+        "compute). u': the Adam update of one stage's parameters, on all S devices at once.\n"
     )
+    one, update = med["one device"], med["update beside"]
+    say(f"u' = {fmt_ms(update)} ms.\n")
     say(
         "| M | variant | median step (ms) | / one device | / hand GPipe | tick t_M (ms) | ideal (M+S-1) t_M (ms) "
-        "| measured / ideal | t'_M beside (ms) | measured / ideal' | bubble ideal | bubble measured |"
+        "| measured / ideal | t'_M beside (ms) | measured / ideal' | x_M (ms) | measured / (ideal' + x_M) "
+        "| measured / (ideal' + x_M + u') | bubble ideal | bubble measured |"
     )
-    say("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    one = med["one device"]
-    say(f"| - | one device | {fmt_ms(one)} | 1.00x | | | | | | | | |")
+    say("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    say(f"| - | one device | {fmt_ms(one)} | 1.00x | | | | | | | | | | | |")
     for m in ms:
         tick = med[f"stage micro-batch M={m}"]
         beside = med[f"stage micro-batch beside M={m}"]
+        exchange = med[f"exchange M={m}"]
         hand = med[f"hand GPipe M={m}"]
         ideal = (m + stages - 1) * tick
         bubble = (stages - 1) / (m + stages - 1)
@@ -461,7 +516,9 @@ def time_stages(stages: int, ms: list[int], params: Params, x: np.ndarray, y: np
             say(
                 f"| {m} | {name.rsplit(' M=', 1)[0]} | {fmt_ms(t)} | {t / one:.2f}x | {t / hand:.2f}x | "
                 f"{fmt_ms(tick)} | {fmt_ms(ideal)} | {t / ideal:.2f} | {fmt_ms(beside)} | "
-                f"{t / ((m + stages - 1) * beside):.2f} | {bubble:.3f} | {1 - m * tick / t:.3f} |"
+                f"{t / ((m + stages - 1) * beside):.2f} | {fmt_ms(exchange)} | "
+                f"{t / ((m + stages - 1) * beside + exchange):.2f} | "
+                f"{t / ((m + stages - 1) * beside + exchange + update):.2f} | {bubble:.3f} | {1 - m * tick / t:.3f} |"
             )
 
 
