@@ -52,7 +52,7 @@ from jax.extend.core import DropVar, JaxprEqn, Literal, Var
 from replicator.core.primitives import PLACEHOLDERS, all_reduce_p
 from replicator.passes.shard_optimizer import ELEMENTWISE
 from replicator.stages.programs import DATA_AXES, _collective, _run
-from replicator.stages.stack_update import run_on_slices
+from replicator.stages.stack_update import StageSlices, run_on_slices
 
 __all__ = ["ChunkPacking", "Chunks", "chunkable", "plan", "run_chunked"]
 
@@ -276,11 +276,19 @@ def run_chunked(
         if isinstance(v, Literal):
             return v.val
         if v not in env:
-            env[v] = on.gather(chunks[v], v.aval)
+            env[v] = on.gather(chunks[v], aval(v))
         return env[v]
 
+    def aval(v: Any) -> Any:  # a sliced value's aval is its slice's
+        return sliced.aval(v) if isinstance(sliced, StageSlices) else v.aval
+
     for eqn in eqns:
-        if sliced and eqn.primitive not in PLACEHOLDERS and any(isinstance(v, Var) and v in sliced for v in eqn.invars):
+        if (
+            sliced
+            and eqn.primitive not in PLACEHOLDERS
+            and not any(chunked(v) for v in eqn.invars)
+            and any(isinstance(v, Var) and v in sliced for v in eqn.invars)
+        ):
             run_on_slices(eqn, env, sliced)
             continue
         how = _how(eqn, chunked, scatter)
@@ -299,7 +307,7 @@ def run_chunked(
                 if isinstance(out, DropVar):
                     continue
                 if part:
-                    chunks[out] = on.scatter(whole(v), v.aval, mean=op == "mean")
+                    chunks[out] = on.scatter(whole(v), aval(v), mean=op == "mean")
                 else:
                     env[out] = (lax.pmean if op == "mean" else lax.psum)(whole(v), DATA_AXES)
             continue
@@ -307,21 +315,25 @@ def run_chunked(
         if how == "reduce":
             (x,) = eqn.invars
             fill, combine = _REDUCE[eqn.primitive.name]
-            part = jnp.where(on.valid(x.aval), chunks[x], jnp.asarray(fill, x.aval.dtype))
+            part = jnp.where(on.valid(aval(x)), chunks[x], jnp.asarray(fill, x.aval.dtype))
             local = {"reduce_sum": jnp.sum, "reduce_max": jnp.max, "reduce_min": jnp.min}[eqn.primitive.name](part)
             if not isinstance(out, DropVar):
                 env[out] = combine(local, DATA_AXES).astype(out.aval.dtype)
             continue
-        # "elementwise": the chunks of the leaf-shaped operands, the scalars whole.
-        aval = next(v.aval for v in eqn.invars if chunked(v))
+        # "elementwise": the chunks of the leaf-shaped operands, the scalars whole. On a slice of a stack, an
+        # operand computed whole (not sliced) is sliced first.
+        first = next(v for v in eqn.invars if chunked(v))
+        shape = aval(first)
         args = []
         for v in eqn.invars:
             if chunked(v):
                 args.append(chunks[v])
             elif getattr(v.aval, "shape", ()) == ():
                 args.append(whole(v))
+            elif sliced and first in sliced and v not in sliced:
+                args.append(on.mine(lax.slice_in_dim(whole(v), *sliced[first]), shape))
             else:
-                args.append(on.mine(whole(v), aval))
+                args.append(on.mine(whole(v), shape))
         bound = eqn.primitive.get_bind_params(eqn.params)
         subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
         value = eqn.primitive.bind(*subfuns, *args, **params)

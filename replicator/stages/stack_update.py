@@ -20,6 +20,10 @@ not meet it stays whole on every stage, its gradient summed across them, as befo
 A reduction over a sliced value (a global-norm clip) or any other reader (a ``dot``, a reshape) would need the
 other stages' slices: such a stack stays whole, with every leaf its update ties to it.
 
+With ZeRO (:mod:`~replicator.stages.chunks`) a stage's slice is chunked over its ``D`` devices as a leaf of the
+slice's shape (:class:`StageSlices` gives each sliced value its aval on the stage); an equation that would
+combine a slice with a chunk of a whole leaf of the same shape keeps the stack whole (checked by the step).
+
 >>> def loss(w, x):
 ...     h, _ = jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)
 ...     return jnp.mean(h**2)
@@ -43,7 +47,7 @@ True
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -53,7 +57,7 @@ from jax.extend.core import DropVar, JaxprEqn, Literal, Var
 from replicator.core.primitives import PLACEHOLDERS, all_reduce_p
 from replicator.passes.shard_optimizer import ELEMENTWISE
 
-__all__ = ["SlicePlan", "plan_slices", "run_on_slices"]
+__all__ = ["SlicePlan", "StageSlices", "plan_slices", "run_on_slices"]
 
 #: ``(stage, start, stop)`` per slice of the leading axis, in ``start`` order (a ``Partition``'s pieces).
 Pieces = tuple[tuple[int, int, int], ...]
@@ -88,6 +92,34 @@ class SlicePlan:
     def bounds(self, stage: int) -> dict[Var, tuple[int, int]]:
         """``stage``'s ``(start, stop)`` of every sliced variable."""
         return {v: _bounds(pieces, stage) for v, pieces in self.values.items()}
+
+    def on_stage(self, stage: int) -> StageSlices:
+        """What ``stage`` holds as slices, with their ``(start, stop)`` and avals."""
+        return StageSlices(self.bounds(stage))
+
+
+class StageSlices(Mapping[Var, tuple[int, int]]):
+    """One stage's sliced variables, each with its ``(start, stop)`` of the leading axis, and the aval a
+    variable has on the stage (:meth:`aval`: its slice's, or its own)."""
+
+    def __init__(self, bounds: Mapping[Var, tuple[int, int]]):
+        self._bounds = dict(bounds)
+
+    def __getitem__(self, v: Var) -> tuple[int, int]:
+        return self._bounds[v]
+
+    def __iter__(self) -> Iterator[Var]:
+        return iter(self._bounds)
+
+    def __len__(self) -> int:
+        return len(self._bounds)
+
+    def aval(self, v: Any) -> Any:
+        """``v``'s aval on this stage: its slice's where it is sliced."""
+        if not (isinstance(v, Var) and v in self._bounds):
+            return v.aval
+        start, stop = self._bounds[v]
+        return jax.ShapeDtypeStruct((stop - start, *v.aval.shape[1:]), v.aval.dtype)
 
 
 def _bounds(pieces: Pieces, stage: int) -> tuple[int, int]:

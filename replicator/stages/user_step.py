@@ -291,9 +291,7 @@ class PipelinedStep:
         devices = int(np.prod([mesh.shape[a] for a in DATA_AXES]))  # a stage's devices: ZeRO's chunks
         while True:
             self.scatter = (
-                frozenset(v for v in self.cut if chunkable(v.aval) and v not in self.slices.values)
-                if zero >= 2
-                else frozenset()
+                frozenset(v for v in self.cut if chunkable(v.aval)) if zero >= 2 else frozenset()
             )  # ZeRO-2: the averaged gradients reduce-scattered
             chunked = self._chunked(flat.invars[:n]) if zero else frozenset()
             if not (self.slices.leaves and self._slices_meet_chunks(chunked, flat.invars[:n])):
@@ -303,8 +301,13 @@ class PipelinedStep:
         moments = [[i for i in lay if i in chunked and self.update_only[i]] for lay in self.layout]
         params = [[i for i in lay if i in chunked and not self.update_only[i]] for lay in self.layout]
         self.whole_layout = [[i for i in lay if i not in chunked] for lay in self.layout]
-        self.moments = ChunkPacking([[self.avals[i] for i in lay] for lay in moments], devices, "chunks_")
-        self.param_chunks = ChunkPacking([[self.avals[i] for i in lay] for lay in params], devices, "param_chunks_")
+        kept = self.slices.kept_aval  # a sliced leaf: the stage's slice, chunked as a leaf of that shape
+        self.moments = ChunkPacking(
+            [[kept(i, s, self.avals[i]) for i in lay] for s, lay in enumerate(moments)], devices, "chunks_"
+        )
+        self.param_chunks = ChunkPacking(
+            [[kept(i, s, self.avals[i]) for i in lay] for s, lay in enumerate(params)], devices, "param_chunks_"
+        )
         self.packing = Packing(
             [[self.slices.kept_aval(i, s, self.avals[i]) for i in lay] for s, lay in enumerate(self.whole_layout)],
             slots=True,
@@ -370,31 +373,31 @@ class PipelinedStep:
                     chunks.update(
                         zip([flat.invars[i] for i in lay[stage]], packing.local_unpack(stage, row), strict=True)
                     )
-                bounds = self.slices.bounds(stage)
+                bounds = self.slices.on_stage(stage)
                 run_chunked(eqns, env, chunks, on, self.scatter, bounds)
 
                 def whole(v: Any) -> Any:
                     if isinstance(v, Literal):
                         return v.val
-                    return env[v] if v in env else on.gather(chunks[v], v.aval)
+                    return env[v] if v in env else on.gather(chunks[v], bounds.aval(v))
 
-                def chunk(i: int) -> Any:
-                    v, aval = flat.outvars[i], self.avals[i]
-                    mine = chunks[v] if isinstance(v, Var) and v in chunks else on.mine(whole(v), aval)
-                    return jnp.where(on.valid(aval), mine, jnp.zeros((), aval.dtype))  # the padding kept zero
-
-                outs = [] if part == "state" else [jnp.asarray(whole(v))[None] for v in outputs]
-                if part == "outputs":
-                    return {}, outs
-
-                def kept(i: int) -> Any:
+                def kept_value(i: int) -> Any:
                     """Leaf ``i``'s new value as the stage keeps it: whole, or its slice of a stack."""
                     v = flat.outvars[i]
                     if i not in self.slices.leaves or (isinstance(v, Var) and v in bounds):
                         return whole(v)
                     return lax.slice_in_dim(whole(v), *self.slices.bounds_of(i, stage))
 
-                packed = self.packing.pack(stage, [kept(i) for i in self.whole_layout[stage]])
+                def chunk(i: int) -> Any:
+                    v, aval = flat.outvars[i], kept(i, stage, self.avals[i])
+                    mine = chunks[v] if isinstance(v, Var) and v in chunks else on.mine(kept_value(i), aval)
+                    return jnp.where(on.valid(aval), mine, jnp.zeros((), aval.dtype))  # the padding kept zero
+
+                outs = [] if part == "state" else [jnp.asarray(whole(v))[None] for v in outputs]
+                if part == "outputs":
+                    return {}, outs
+
+                packed = self.packing.pack(stage, [kept_value(i) for i in self.whole_layout[stage]])
                 packed.update(self.moments.local_pack(stage, [chunk(i) for i in moments[stage]]))
                 packed.update(self.param_chunks.local_pack(stage, [chunk(i) for i in params[stage]]))
                 packed = {k: v if k in chunk_keys else v[None] for k, v in packed.items()}
@@ -492,12 +495,15 @@ class PipelinedStep:
 
     def _slices_meet_chunks(self, chunked: frozenset[int], invars: Sequence[Var]) -> bool:
         """Whether some equation of an update (not a collective) would read both a slice of a stack and a ZeRO
-        chunk (:func:`~replicator.stages.chunks.run_chunked` runs the two apart)."""
+        chunk of a whole leaf (a chunk of a slice lines up with the slice's chunks; a whole leaf's does not)."""
         for s, (eqns, _) in enumerate(self.updates):
             chunks = plan(eqns, {invars[i] for i in chunked if s in self.held[i]}, self.scatter)[0]
+            whole_chunks = {v for v in chunks if v not in self.slices.values}
             for eqn in eqns:
                 reads = {v for v in eqn.invars if isinstance(v, Var)}
-                if eqn.primitive not in PLACEHOLDERS and reads & chunks and any(v in self.slices.values for v in reads):
+                if eqn.primitive in PLACEHOLDERS or not reads & whole_chunks:
+                    continue
+                if any(v in self.slices.values for v in reads):
                     return True
         return False
 
@@ -506,7 +512,7 @@ class PipelinedStep:
         the parameters too, each floating point with an axis (:func:`~replicator.stages.chunks.chunkable`);
         an update-only leaf that some stage's update reads whole (:func:`~replicator.stages.chunks.plan`: not
         element-wise) stays whole, as chunks it would save nothing."""
-        wanted = {i for i, aval in enumerate(self.avals) if chunkable(aval) and i not in self.slices.leaves}
+        wanted = {i for i, aval in enumerate(self.avals) if chunkable(aval)}
         if self.zero_stage < 3:
             wanted = {i for i in wanted if self.update_only[i]}
         while True:

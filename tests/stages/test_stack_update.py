@@ -20,6 +20,7 @@ from tests.stages.test_scan_split import DIM, LAYERS, MODELS, batch, plain_loss,
 from tests.stages.test_train import STEPS, _assert_close
 from tests.stages.test_user_step import _one_device, make_step
 
+FLOAT = 4  # bytes
 OPTIMIZERS = {
     "adam": lambda: optax.adam(1e-2),
     "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
@@ -183,7 +184,10 @@ def test_an_unmarked_stack_is_kept_as_slices_and_matches_one_device(
         pieces == tuple((s, s * share, (s + 1) * share) for s in range(stages))
         for pieces in built.slices.leaves.values()
     )
-    assert not built.chunked & set(built.slices.leaves)  # ZeRO chunks the other leaves only
+    # ZeRO splits each stage's slice further over its D devices: the moments (stage 1, 2), the stack too (3).
+    sliced = set(built.slices.leaves)
+    want = {i for i in sliced if zero_stage >= 3 or built.update_only[i]} if zero_stage else set()
+    assert built.chunked & sliced == want
 
 
 def _stored_stack_elements(built, stacked) -> list[int]:
@@ -302,5 +306,52 @@ def test_an_update_mixing_the_stack_with_a_zero_chunk_keeps_the_stack_whole():
     paths = _paths(state0)
     assert paths.index("[0]['other']") in built.chunked
     assert not built.slices.leaves
+    want_state, _ = _one_device(make(lambda x: x), state0, xy)
+    _assert_close(state, want_state)
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_zero_splits_each_stages_slice_of_the_stack_over_its_devices(zero_stage):
+    """S = 2 stages of D = 4 devices: a device keeps 1/4 of its stage's slice of the stack's moments (ZeRO-1) and
+    of the stack itself (ZeRO-3), beside 1/4 of the head's; and the run equals one device."""
+    p, xy = plain_params(), batch()
+    opt = optax.adam(1e-2)
+    repl = rp.Replicator(1, 8, pipeline_stages=2, microbatches=2, passes=rp.Pipeline.default(zero_stage=zero_stage))
+    state0, step = (p, opt.init(p)), make_step(plain_loss, opt)
+    built = repl.pipelined.user_step(step, xy, state0)
+    layer, devices, half = DIM * DIM, 4, LAYERS // 2
+    assert built.moments.nbytes == FLOAT * 2 * (half * layer + layer) // devices  # mu, nu: the stack's and head's
+    if zero_stage == 3:
+        assert built.param_chunks.nbytes == FLOAT * (half * layer + layer) // devices
+    state, _ = _run(repl, step, state0, xy)
+    want_state, _ = _one_device(make_step(plain_loss, opt, mean=False), state0, xy)
+    _assert_close(state, want_state)
+
+
+def test_a_whole_constant_of_the_stacks_shape_meets_its_chunks_sliced_alike():
+    """ZeRO-2: the averaged gradient of the stack arrives as this device's chunk of the stage's slice; an
+    element-wise product with a constant of the whole stack's shape takes that constant's same elements."""
+    mask = np.linspace(0.5, 1.5, LAYERS * DIM * DIM, dtype=np.float32).reshape(LAYERS, DIM, DIM)
+    opt = optax.adam(1e-2)
+
+    def make(mean):
+        def step(state, batch):
+            params, opt_state = state
+            value, grads = jax.value_and_grad(plain_loss)(params, *batch)
+            grads = mean(grads)
+            grads["stack"] = grads["stack"] * mask
+            updates, opt_state = opt.update(grads, opt_state, params)
+            return (optax.apply_updates(params, updates), opt_state), {"loss": mean(value)}
+
+        return step
+
+    p, xy = plain_params(), batch()
+    repl = rp.Replicator(
+        1, 4, devices=jax.devices()[:4], pipeline_stages=2, microbatches=2, passes=rp.Pipeline.default(zero_stage=2)
+    )
+    state0, step = (p, opt.init(p)), make(rp.all_mean)
+    state, _ = _run(repl, step, state0, xy)
+    built = repl.pipelined.user_step(step, xy, state0)
+    assert len(built.slices.leaves) == 3 and built.scatter
     want_state, _ = _one_device(make(lambda x: x), state0, xy)
     _assert_close(state, want_state)
