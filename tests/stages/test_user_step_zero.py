@@ -241,3 +241,43 @@ def test_describe_counts_a_devices_share_of_the_state():
     assert "with ZeRO-1, 1/4 of each chunked leaf" in str(reports[1]) and "chunked" not in str(reports[0])
     arguments = {z: r.device_memory.arguments for z, r in reports.items()}  # the compiled step's, per device
     assert arguments[3] < arguments[1] < arguments[0]
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_a_stage_without_parameters_has_empty_chunks(zero_stage):
+    """Stage 1 holds no parameter (only the loss after the boundary): its chunk buffers are all padding, and the
+    step equals one device."""
+
+    def loss(p, x, y):
+        h = rp.stage_boundary(jnp.tanh(x @ p["w"]))
+        return jnp.mean((h - y) ** 2)
+
+    rng = np.random.default_rng(3)
+    p = {"w": (0.3 * rng.normal(size=(5, 4))).astype(np.float32)}
+    x, y = rng.normal(size=(16, 5)).astype(np.float32), rng.normal(size=(16, 4)).astype(np.float32)
+    opt = optax.adam(1e-2)
+
+    def make(mean):
+        def step(state, batch):
+            params, opt_state = state
+            value, grads = jax.value_and_grad(loss)(params, *batch)
+            updates, opt_state = opt.update(mean(grads), opt_state, params)
+            return (optax.apply_updates(params, updates), opt_state), {"loss": mean(value)}
+
+        return step
+
+    repl = rp.Replicator(
+        1,
+        4,
+        devices=jax.devices()[:4],
+        pipeline_stages=2,
+        microbatches=2,
+        passes=rp.Pipeline.default(zero_stage=zero_stage),
+    )
+    state = (p, opt.init(p))
+    for _ in range(STEPS):
+        state, _ = repl.run(make(rp.all_mean), (x, y), state)
+    want, compiled = (p, opt.init(p)), jax.jit(make(lambda v: v))
+    for _ in range(STEPS):
+        want, _ = compiled(want, (x, y))
+    _assert_close(state, want, tol=2e-5)
