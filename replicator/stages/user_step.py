@@ -289,15 +289,12 @@ class PipelinedStep:
         self.slices = self._plan_slices(fb_split, fb, flat, [e for e in rest if id(e) in used], outputs)
         # ZeRO: which leaves each stage stores 1/D per device (see _chunked), each kind in buffers of its own.
         devices = int(np.prod([mesh.shape[a] for a in DATA_AXES]))  # a stage's devices: ZeRO's chunks
-        while True:
-            self.scatter = (
-                frozenset(v for v in self.cut if chunkable(v.aval)) if zero >= 2 else frozenset()
-            )  # ZeRO-2: the averaged gradients reduce-scattered
-            chunked = self._chunked(flat.invars[:n]) if zero else frozenset()
-            if not (self.slices.leaves and self._slices_meet_chunks(chunked, flat.invars[:n])):
-                break
-            self.slices = SlicePlan()  # an equation would read a slice and a chunk: the stack stays whole
-        self.chunked = chunked
+        self.scatter = (
+            frozenset(v for v in self.cut if chunkable(v.aval)) if zero >= 2 else frozenset()
+        )  # ZeRO-2: the averaged gradients reduce-scattered
+        self.chunked = chunked = self._chunked(flat.invars[:n]) if zero else frozenset()
+        if self.slices.leaves and self._slices_meet_chunks(chunked, flat.invars[:n]):
+            self.slices = SlicePlan()  # an equation would read a slice and a whole leaf's chunk: the stack whole
         moments = [[i for i in lay if i in chunked and self.update_only[i]] for lay in self.layout]
         params = [[i for i in lay if i in chunked and not self.update_only[i]] for lay in self.layout]
         self.whole_layout = [[i for i in lay if i not in chunked] for lay in self.layout]
