@@ -3,7 +3,9 @@
 A program is a random :class:`PipeSpec`: a loss cut into ``S`` segments by
 ``rp.stage_boundary`` (random layers per segment; an embedding of integer inputs
 or a dense input layer in the first; optionally the embedding reused as the head,
-a tuple crossing one boundary, a parameter-only term, inputs rounded to bf16), a
+a tuple crossing one boundary, a parameter-only term, inputs rounded to bf16; or,
+3 programs in 10, no markers and a ``lax.scan`` stack of ``S x 1`` or ``S x 2``
+residual layers between the first and last segments, which the Replicator cuts), a
 random optax optimizer, and the user's step as written for data parallelism
 (``jax.value_and_grad``, ``rp.all_mean(grads)``, the optax update, outputs
 ``{'loss': rp.all_mean(value)}``). :func:`random_pipe_spec` is seeded by the
@@ -24,7 +26,8 @@ gradients is one device's on the global batch.
 :func:`check` runs one program under one variant (``S``, ``M``, schedule,
 recomputation, optionally ``passes=Pipeline.default(zero_stage=1)``) on one mesh
 of 8 devices and compares the whole state (parameters and optimizer state) and
-the losses of every step.
+the losses of every step; a run beyond the tolerance is compared again within
+the reference's own sensitivity to the order of its sums (:func:`order_sensitivity`).
 """
 
 from __future__ import annotations
