@@ -40,7 +40,7 @@ would gather it (its storage would save nothing).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -261,7 +261,7 @@ def run_chunked(
     chunks: dict[Var, Any],
     on: Chunks,
     scatter: frozenset = frozenset(),
-    sliced: Mapping[Var, tuple[int, int]] | None = None,
+    sliced: StageSlices | None = None,
 ) -> None:
     """Bind ``eqns`` in order (see the module docstring): ``env`` holds whole values, ``chunks`` this device's
     chunk of the chunked ones (a chunked value read whole is all-gathered once, into ``env``). ``sliced``: the
@@ -280,7 +280,7 @@ def run_chunked(
         return env[v]
 
     def aval(v: Any) -> Any:  # a sliced value's aval is its slice's
-        return sliced.aval(v) if isinstance(sliced, StageSlices) else v.aval
+        return sliced.aval(v) if sliced is not None else v.aval
 
     for eqn in eqns:
         if (

@@ -306,7 +306,7 @@ class PipelinedStep:
             [[kept(i, s, self.avals[i]) for i in lay] for s, lay in enumerate(params)], devices, "param_chunks_"
         )
         self.packing = Packing(
-            [[self.slices.kept_aval(i, s, self.avals[i]) for i in lay] for s, lay in enumerate(self.whole_layout)],
+            [[kept(i, s, self.avals[i]) for i in lay] for s, lay in enumerate(self.whole_layout)],
             slots=True,
         )
         on = Chunks(devices)
