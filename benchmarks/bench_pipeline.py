@@ -15,7 +15,7 @@ data-parallel replica (``Replicator(1, S, pipeline_stages=S)``).
      axis, ``lax.scan`` over the ``M + S - 1`` ticks, ``lax.ppermute`` shifting the
      activations each tick, its backward by autodiff of the loop (GPipe order: the
      MaxText pattern), Adam on the stacked per-stage weights outside ``shard_map``;
-   * ``rp gpipe`` / ``rp 1f1b``  replicator's pipelined step (``run_pipelined``'s program)
+   * ``rp gpipe`` / ``rp 1f1b`` / ``rp 1f1b-fused``  replicator's pipelined step (``run_pipelined``'s program)
      with its state kept packed across steps (``PipelineTrainStep.pack``/``step``);
    * ``rp gpipe, run_pipelined``  the public call, which packs and unpacks the global
      state every call (largest ``M`` only: what that costs);
@@ -42,8 +42,9 @@ data-parallel replica (``Replicator(1, S, pipeline_stages=S)``).
    two steps), to ``--tolerance``.
 
    The estimates, for each pipelined row: ``ideal = (M + S - 1) t_M`` (every stage
-   busy for the ``M`` micro-batches, plus the fill and drain of ``S - 1`` ticks; both
-   schedules run ``2 (M + S - 1)`` half-ticks of one forward or one backward), the
+   busy for the ``M`` micro-batches, plus the fill and drain of ``S - 1`` ticks; GPipe and
+   1F1B run ``2 (M + S - 1)`` half-ticks of one forward or one backward, 1F1B-fused ``M + 2(S - 1)``
+   ticks of up to one forward and one backward each), the
    ratio ``measured / ideal``, the ideal bubble ``(S-1)/(M+S-1)`` and the measured
    one, ``1 - M t_M / T``: the fraction of the step ``T`` a stage is not computing its
    own micro-batches. It charges everything else to the bubble: the optimizer
@@ -132,6 +133,7 @@ from replicator.stages import DATA_AXES  # noqa: E402
 Runner = Callable[[], object]  # one step; returns something to block on
 Params = list[dict]
 TX = optax.adam(1e-3)
+SCHEDULES = ("gpipe", "1f1b", "1f1b-fused")  # replicator's, each timed at every M
 LINES: list[str] = []  # everything printed, for --out
 
 
@@ -468,7 +470,7 @@ def time_stages(stages: int, ms: list[int], params: Params, x: np.ndarray, y: np
         variants[f"stage micro-batch beside M={m}"] = stage_beside_runner(params, stages, m, x, y)
         variants[f"exchange M={m}"] = exchange_runner(stages, m, x)
         variants[f"hand GPipe M={m}"] = hand_runner(params, stages, m, x, y, want)[0]
-        for schedule in ("gpipe", "1f1b"):
+        for schedule in SCHEDULES:
             variants[f"rp {schedule} M={m}"] = rp_runner(params, stages, m, schedule, x, y, want[1])
     variants[f"rp gpipe, run_pipelined M={ms[-1]}"] = run_pipelined_runner(params, stages, ms[-1], x, y)
     built = time.perf_counter() - t0
@@ -508,7 +510,7 @@ def time_stages(stages: int, ms: list[int], params: Params, x: np.ndarray, y: np
         hand = med[f"hand GPipe M={m}"]
         ideal = (m + stages - 1) * tick
         bubble = (stages - 1) / (m + stages - 1)
-        names = [f"hand GPipe M={m}", f"rp gpipe M={m}", f"rp 1f1b M={m}"]
+        names = [f"hand GPipe M={m}", *(f"rp {schedule} M={m}" for schedule in SCHEDULES)]
         if m == ms[-1]:
             names.append(f"rp gpipe, run_pipelined M={m}")
         for name in names:
@@ -548,6 +550,7 @@ def memory_table(stages: int, params: Params, x: np.ndarray, y: np.ndarray) -> N
         for name, schedule, recompute in (
             ("rp gpipe", "gpipe", False),
             ("rp 1f1b", "1f1b", False),
+            ("rp 1f1b-fused", "1f1b-fused", False),
             ("rp gpipe + recompute", "gpipe", True),
         ):
             row(m, name, RpPipeline(params, stages, m, schedule, x, y, recompute=recompute).memory())

@@ -355,7 +355,10 @@ class Replicator:
       microbatches: ``M``, the micro-batches each replica's share of the batch
         is cut into (default: ``pipeline_stages``).
       schedule: ``'1f1b'`` (the default: at most ``S`` micro-batches'
-        activations alive per stage) or ``'gpipe'`` (all ``M``); the same bubble.
+        activations alive per stage), ``'gpipe'`` (all ``M``; the same bubble)
+        or ``'1f1b-fused'`` (every tick runs a forward and a backward on each
+        stage: the fastest where the stages' devices wait for each other every
+        tick, at up to ``2S-1`` micro-batches alive on the first stage).
       pipeline_recompute: keep only each stage's boundary inputs between a
         micro-batch's forward and backward, and run the stage's forward again
         before its backward (GPipe's recomputation: less memory, one more

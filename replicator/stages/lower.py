@@ -2,8 +2,8 @@
 
 One program under ``jit(shard_map)`` over a ``('stages',)`` mesh. Each tick of
 the table (:mod:`replicator.stages.schedule`), every device reads what its
-stage runs (``kind[t, s]``, ``micro[t, s]``) and runs its forward ``F_s`` or
-its backward ``B_s`` (:mod:`replicator.stages.programs`), each a ``lax.switch``
+stage runs (``forward_micro[t, s]``, ``backward_micro[t, s]``) and runs its forward ``F_s``,
+its backward ``B_s``, or both, forward first (:mod:`replicator.stages.programs`), each a ``lax.switch``
 over the stages inside a loop of 0 or 1 trips (which updates the stash and the
 gradients in place); then what it sends moves with two
 ``ppermute`` over ``'stages'``: activations to ``s + 1``, cotangents to
@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from replicator.stages.packing import Packing, Slots
 from replicator.stages.programs import StagePrograms, stage_programs
-from replicator.stages.schedule import BACKWARD, FORWARD, IDLE, Schedule, make_schedule
+from replicator.stages.schedule import BACKWARD, FORWARD, Schedule, make_schedule
 from replicator.stages.split import StageSplitError, split_stages
 
 __all__ = ["STAGE_AXIS", "OutputLayout", "pipeline_value_and_grad", "ring_slots", "tick_loop"]
@@ -67,7 +67,8 @@ def pipeline_value_and_grad(
     Args:
       loss: ``loss(params, *batch) -> scalar``, marked with ``rp.stage_boundary``; a mean over its batch.
       num_microbatches: ``M``; the batch leaves' leading axis must be divisible by it.
-      schedule: ``"gpipe"``, ``"1f1b"`` or a :class:`~replicator.stages.schedule.Schedule` for ``S`` and ``M``.
+      schedule: ``"gpipe"``, ``"1f1b"``, ``"1f1b-fused"`` or a :class:`~replicator.stages.schedule.Schedule`
+        for ``S`` and ``M``.
       devices: one device per stage (default: the first ``S`` devices).
       recompute: stash only what each stage receives (its boundary inputs) between a micro-batch's forward and
         its backward, and run the stage's forward again before the backward (GPipe's recomputation from the
@@ -332,19 +333,18 @@ def tick_loop(
             outputs[q] = value
         return jax.tree.map(jnp.add, total, outputs if layout is None else layout.split(stage, outputs))
 
-    # Each stage's row, and its neighbours' (what arrives after the tick), as constants of the program.
-    kind = np.asarray(table.kind, np.int32)
-    micro = np.asarray(table.micro, np.int32)
-    idle_column = np.full((table.num_ticks, 1), IDLE, np.int32)
-    previous_kind = np.concatenate([idle_column, kind[:, :-1]], axis=1)  # stage s - 1's
-    next_kind = np.concatenate([kind[:, 1:], idle_column], axis=1)  # stage s + 1's
-    previous_micro = np.concatenate([0 * idle_column, micro[:, :-1]], axis=1)
-    next_micro = np.concatenate([micro[:, 1:], 0 * idle_column], axis=1)
+    # Each stage's row, and its neighbours' (what arrives after the tick), as constants of the program: the
+    # micro-batch whose forward (backward) a stage runs in a tick, -1 where none.
+    forward_micro = np.asarray(table.forward_micro, np.int32)
+    backward_micro = np.asarray(table.backward_micro, np.int32)
+    none_column = np.full((table.num_ticks, 1), -1, np.int32)
+    previous_forward = np.concatenate([none_column, forward_micro[:, :-1]], axis=1)  # stage s - 1's
+    next_backward = np.concatenate([backward_micro[:, 1:], none_column], axis=1)  # stage s + 1's
 
     # On a tick where no stage sends in a direction (GPipe's forward half sends no cotangent), that ppermute
     # is skipped: the same on every stage (a function of the tick), so every stage skips it alike.
-    forward_sends = (kind[:, :-1] == FORWARD).any(axis=1)
-    backward_sends = (kind[:, 1:] == BACKWARD).any(axis=1)
+    forward_sends = (forward_micro[:, :-1] >= 0).any(axis=1)
+    backward_sends = (backward_micro[:, 1:] >= 0).any(axis=1)
 
     def shifted(flags: np.ndarray, t: jax.Array, values: dict, pairs: list) -> dict:
         def send(values: dict) -> dict:
@@ -360,45 +360,52 @@ def tick_loop(
 
         def tick(t: jax.Array, carry: tuple) -> tuple:
             inbox, inbox_ct, stash, total, forward_total = carry
-            what, k = jnp.asarray(kind)[t, s], jnp.asarray(micro)[t, s]
-            micro_batch = [x[k] for x in batch]
+            k_forward, k_backward = jnp.asarray(forward_micro)[t, s], jnp.asarray(backward_micro)[t, s]
+            # Sliced here, not in the loops below: a loop that read the whole batch would carry it.
+            forward_batch = [x[jnp.maximum(k_forward, 0)] for x in batch]
+            backward_batch = [x[jnp.maximum(k_backward, 0)] for x in batch]
 
-            # A stage's forward, then its backward, each in a loop of 0 or 1 trips rather than a conditional: a
+            # A stage's forward, then its backward (both, in a fused schedule's tick: the backward may read the
+            # forward's stash slot), each in a loop of 0 or 1 trips rather than a conditional: a
             # loop updates what it carries in place (the stash, the gradients), where a conditional's outputs
             # are new buffers copied into the carry on every tick, and an idle or forward tick would write
             # zeros. Each loop reads the rings it carries: a ring sliced before the loop would be sunk into it
             # and copied on every tick.
             def forward_once(c: tuple) -> tuple:
                 _, inbox, stash, forward_total, _ = c
+                k = k_forward
                 got = {key: b[k % slots["inbox"]] for key, b in inbox.items()}
-                sent, stashed, added = lax.switch(s, forward_branches, params, micro_batch, got)
+                sent, stashed, added = lax.switch(s, forward_branches, params, forward_batch, got)
                 stash = {key: b.at[k % slots["stash"]].set(stashed[key]) for key, b in stash.items()}
                 return jnp.zeros((), bool), inbox, stash, jax.tree.map(jnp.add, forward_total, added), sent
 
             _, inbox, stash, forward_total, out = lax.while_loop(
-                lambda c: c[0], forward_once, (what == FORWARD, inbox, stash, forward_total, zeros(messages))
+                lambda c: c[0], forward_once, (k_forward >= 0, inbox, stash, forward_total, zeros(messages))
             )
 
-            # The forward's message goes through this loop too (a backward tick sends none: zeros), so its send
-            # waits for it: sent before, it would meet the neighbour's send before that stage's work (the
-            # neighbour runs a backward when this stage runs a forward) and serialize the two.
+            # The forward's message goes through this loop too, so its send waits for it: sent before, it would
+            # meet the neighbour's send before that stage's work (the neighbour runs a backward when this stage
+            # runs a forward) and serialize the two. The barrier keeps XLA from hoisting the unchanged message
+            # out of the loop (a fused tick's backward keeps its forward's message).
             def backward_once(c: tuple) -> tuple:
-                _, total, _, inbox_ct, stash, _ = c
+                _, total, _, inbox_ct, stash, out = c
+                k = k_backward
                 got_ct = {key: b[k % slots["inbox_ct"]] for key, b in inbox_ct.items()}
                 kept = {key: b[k % slots["stash"]] for key, b in stash.items()}
-                sent, added = lax.switch(s, backward_branches, params, micro_batch, got_ct, kept)
-                return jnp.zeros((), bool), jax.tree.map(jnp.add, total, added), sent, inbox_ct, stash, zeros(messages)
+                sent, added = lax.switch(s, backward_branches, params, backward_batch, got_ct, kept)
+                out = lax.optimization_barrier(out)
+                return jnp.zeros((), bool), jax.tree.map(jnp.add, total, added), sent, inbox_ct, stash, out
 
             _, total, out_ct, inbox_ct, stash, out = lax.while_loop(
-                lambda c: c[0], backward_once, (what == BACKWARD, total, zeros(messages_ct), inbox_ct, stash, out)
+                lambda c: c[0], backward_once, (k_backward >= 0, total, zeros(messages_ct), inbox_ct, stash, out)
             )
             arrived = shifted(forward_sends, t, out, forward_to)
             arrived_ct = shifted(backward_sends, t, out_ct, backward_to)
-            from_previous = jnp.asarray(previous_kind)[t, s] == FORWARD
-            slot = jnp.asarray(previous_micro)[t, s] % slots["inbox"]
-            inbox = {key: _put(b, arrived[key][: b.shape[1]], slot, from_previous) for key, b in inbox.items()}
-            from_next = jnp.asarray(next_kind)[t, s] == BACKWARD
-            slot_ct = jnp.asarray(next_micro)[t, s] % slots["inbox_ct"]
+            previous = jnp.asarray(previous_forward)[t, s]
+            slot = jnp.maximum(previous, 0) % slots["inbox"]
+            inbox = {key: _put(b, arrived[key][: b.shape[1]], slot, previous >= 0) for key, b in inbox.items()}
+            following = jnp.asarray(next_backward)[t, s]
+            from_next, slot_ct = following >= 0, jnp.maximum(following, 0) % slots["inbox_ct"]
             inbox_ct = {key: _put(b, arrived_ct[key][: b.shape[1]], slot_ct, from_next) for key, b in inbox_ct.items()}
             return inbox, inbox_ct, stash, total, forward_total
 

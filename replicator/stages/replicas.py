@@ -40,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from replicator.stages.lower import STAGE_AXIS, ring_slots
+from replicator.stages.schedule import SCHEDULES as schedule_tables
 from replicator.stages.schedule import schedule_stats
 from replicator.stages.split import BACKWARD, FORWARD
 from replicator.stages.train import (
@@ -62,7 +63,7 @@ __all__ = [
     "pipeline_mesh",
 ]
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = tuple(schedule_tables)
 
 
 def pipeline_mesh(grid: np.ndarray, stages: int, replicas_per_device: int = 1) -> Mesh:
@@ -135,7 +136,8 @@ class PipelineReport:
 
     Attributes:
       schedule: the tick table (``str()`` draws it); stages: ``S``; microbatches: ``M``; replicas: ``D``.
-      ticks: the table's ticks; bubble: its idle slots over all slots (``(S-1)/(M+S-1)`` for both tables).
+      ticks: the table's ticks; bubble: its idle share (``(S-1)/(M+S-1)`` for every built table;
+        :func:`~replicator.stages.schedule.schedule_stats`).
       row_bytes: per device, the packed parameters (the largest stage's row; its ``1/D`` under ZeRO-3);
         optimizer_bytes: per device, the optimizer state (its parameter-shaped parts packed the same way, their
         ``1/D`` under ZeRO, scalars whole), or ``None`` where the row holds the whole state (the user's own
@@ -193,10 +195,9 @@ class PipelineReport:
             )
         computes = [r.compute_s for r in self.per_stage]
         if all(c is not None for c in computes) and max(computes) > 0:  # type: ignore[type-var]
-            tick = max(max(r.forward_s, r.backward_s) for r in self.per_stage)  # type: ignore[type-var]
             lines.append(
-                f"  cost model: a tick is the slowest forward or backward of one micro-batch, {tick * 1e6:.1f} us; "
-                f"the step about {self.ticks} ticks = {self.ticks * tick * 1e3:.3f} ms; the lightest stage does "
+                f"  cost model: the step about {self.span_s() * 1e3:.3f} ms ({self.ticks} ticks, each as long as its "
+                f"slowest stage's work); the lightest stage does "
                 f"{min(computes) / max(computes):.2f} of the heaviest's work"  # type: ignore[type-var,operator]
             )
         if self.device_memory is not None:
@@ -209,6 +210,14 @@ class PipelineReport:
         lines.append("schedule (F: forward, B: backward of micro-batch m):")
         lines.append(str(self.schedule))
         return "\n".join(lines)
+
+    def span_s(self) -> float:
+        """The cost model's step: each tick of the table as long as its slowest stage's forward and backward
+        there (the stages' devices wait for each other at every tick's exchange)."""
+        forward = np.array([r.forward_s for r in self.per_stage], float)
+        backward = np.array([r.backward_s for r in self.per_stage], float)
+        work = (self.schedule.forward_micro >= 0) * forward + (self.schedule.backward_micro >= 0) * backward
+        return float(work.max(axis=1).sum())
 
 
 def _bytes(n: int) -> str:

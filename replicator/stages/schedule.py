@@ -15,6 +15,15 @@ per-stage peak live activations).
   ``min(S-1-s, M)`` warm-up forwards, then alternates one forward and one
   backward, then drains the backwards. The same bubble, but at most
   ``min(S-s, M)`` micro-batches alive on stage ``s``.
+* :func:`fused_one_f_one_b` ("1f1b-fused"): each tick, every stage runs its
+  next forward *and* its next backward, as soon as their inputs are there. On
+  devices that wait for each other every tick (one SPMD loop), 1F1B's tick
+  pairs one stage's forward with its neighbour's backward and lasts as long as
+  the backward; a fused tick lasts one forward plus one backward on every
+  stage, so the step takes ``(M+S-1)`` ticks of one micro-batch's forward and
+  backward: the schedule's ideal. The price: stage ``s`` keeps up to
+  ``min(2(S-1-s)+1, M)`` micro-batches alive (``2S-1`` on the first stage),
+  still independent of ``M``.
 
 >>> table = one_f_one_b(2, 3)
 >>> print(table)
@@ -30,6 +39,13 @@ tick    stage 0  stage 1
 >>> stats = schedule_stats(table)
 >>> stats.bubble, stats.peak_live
 (0.25, (2, 1))
+>>> print(fused_one_f_one_b(2, 3))
+tick    stage 0  stage 1
+   0    F0       .
+   1    F1       F0+B0
+   2    F2+B0    F1+B1
+   3    B1       F2+B2
+   4    B2       .
 """
 
 from __future__ import annotations
@@ -44,7 +60,9 @@ __all__ = [
     "FORWARD",
     "IDLE",
     "SCHEDULES",
+    "FORWARD_BACKWARD",
     "check_schedule",
+    "fused_one_f_one_b",
     "Schedule",
     "ScheduleStats",
     "gpipe",
@@ -53,8 +71,10 @@ __all__ = [
     "schedule_stats",
 ]
 
-#: What a stage does during a tick (the values of :attr:`Schedule.kind`).
+#: What a stage does during a tick (the values of :attr:`Schedule.kind`), a bit mask: ``FORWARD_BACKWARD``
+#: runs a forward, then a backward, in the same tick (a fused schedule).
 IDLE, FORWARD, BACKWARD = 0, 1, 2
+FORWARD_BACKWARD = FORWARD | BACKWARD
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -62,10 +82,13 @@ class Schedule:
     """A tick table.
 
     Attributes:
-      name: the schedule's name (``"gpipe"``, ``"1f1b"``).
+      name: the schedule's name (``"gpipe"``, ``"1f1b"``, ``"1f1b-fused"``).
       num_stages: ``S``; num_microbatches: ``M``.
-      kind: ``int`` array ``(ticks, S)``: :data:`IDLE`, :data:`FORWARD` or :data:`BACKWARD`.
-      micro: ``int`` array ``(ticks, S)``: the micro-batch (0 where idle).
+      kind: ``int`` array ``(ticks, S)``: :data:`IDLE`, :data:`FORWARD`, :data:`BACKWARD` or
+        :data:`FORWARD_BACKWARD`.
+      micro: ``int`` array ``(ticks, S)``: the micro-batch (0 where idle); where both run, the forward's.
+      micro_backward: where ``kind`` is :data:`FORWARD_BACKWARD`, the backward's micro-batch (``None``: no
+        such cell).
     """
 
     name: str
@@ -73,6 +96,20 @@ class Schedule:
     num_microbatches: int
     kind: np.ndarray
     micro: np.ndarray
+    micro_backward: np.ndarray | None = None
+
+    @property
+    def forward_micro(self) -> np.ndarray:
+        """``(ticks, S)``: the micro-batch whose forward each stage runs in each tick, ``-1`` where none."""
+        return np.where(self.kind & FORWARD, self.micro, -1)
+
+    @property
+    def backward_micro(self) -> np.ndarray:
+        """``(ticks, S)``: the micro-batch whose backward each stage runs in each tick, ``-1`` where none."""
+        micro = self.micro
+        if self.micro_backward is not None:
+            micro = np.where(self.kind == FORWARD_BACKWARD, self.micro_backward, micro)
+        return np.where(self.kind & BACKWARD, micro, -1)
 
     @property
     def num_ticks(self) -> int:
@@ -80,7 +117,8 @@ class Schedule:
 
     def tick_of(self, stage: int, phase: int, micro: int) -> int:
         """The tick at which ``stage`` runs ``phase`` of micro-batch ``micro``."""
-        (ticks,) = np.nonzero((self.kind[:, stage] == phase) & (self.micro[:, stage] == micro))
+        runs = self.forward_micro if phase == FORWARD else self.backward_micro
+        (ticks,) = np.nonzero(runs[:, stage] == micro)
         if len(ticks) != 1:
             raise ValueError(f"{self.name}: stage {stage} runs {_LETTER[phase]}{micro} {len(ticks)} times, not once.")
         return int(ticks[0])
@@ -89,16 +127,29 @@ class Schedule:
         head = "tick    " + "  ".join(f"stage {s:<2d}".rstrip() for s in range(self.num_stages))
         width = max(len(f"stage {s}") for s in range(self.num_stages))
         rows = [head]
+        forward, backward = self.forward_micro, self.backward_micro
+        if self.micro_backward is not None:
+            width = max(width, 2 * len(str(self.num_microbatches - 1)) + 3)
         for t in range(self.num_ticks):
             cells = [
-                "." if k == IDLE else f"{_LETTER[int(k)]}{int(m)}"
-                for k, m in zip(self.kind[t], self.micro[t], strict=True)
+                "+".join([f"F{f}"] * int(f >= 0) + [f"B{b}"] * int(b >= 0)) or "."
+                for f, b in zip(forward[t], backward[t], strict=True)
             ]
             rows.append((f"{t:4d}    " + "  ".join(c.ljust(width) for c in cells)).rstrip())
         return "\n".join(rows)
 
 
 _LETTER = {FORWARD: "F", BACKWARD: "B"}
+
+
+def _from_rows(name: str, stages: int, m: int, rows: list[list[tuple[int, int]]]) -> Schedule:
+    """A table from per-tick rows of ``(forward micro-batch, backward micro-batch)`` per stage, ``-1`` for none."""
+    cells = np.array(rows, dtype=np.int32).reshape(len(rows), stages, 2)
+    forward, backward = cells[..., 0], cells[..., 1]
+    kind = np.where(forward >= 0, FORWARD, IDLE) | np.where(backward >= 0, BACKWARD, IDLE)
+    micro = np.where(forward >= 0, forward, np.maximum(backward, 0))
+    fused = (kind == FORWARD_BACKWARD).any()
+    return Schedule(name, stages, m, kind.astype(np.int32), micro, np.maximum(backward, 0) if fused else None)
 
 
 def _table(name: str, stages: int, m: int, orders: Sequence[Sequence[tuple[int, int]]]) -> Schedule:
@@ -158,6 +209,38 @@ def one_f_one_b(stages: int, m: int) -> Schedule:
     return _table("1f1b", stages, m, orders)
 
 
+def fused_one_f_one_b(stages: int, m: int) -> Schedule:
+    """1F1B with a forward and a backward in every tick: each stage runs its next forward and then its next
+    backward as soon as their inputs are there; ``M + 2(S-1)`` ticks, each one forward and one backward long
+    at most."""
+    _check(stages, m)
+    forward_at: dict[tuple[int, int], int] = {}  # (stage, micro) -> tick
+    backward_at: dict[tuple[int, int], int] = {}
+    next_forward, next_backward = [0] * stages, [0] * stages
+    rows: list[list[tuple[int, int]]] = []
+    while min(next_backward) < m:
+        tick = len(rows)
+        row = []
+        for s in range(stages):
+            f = next_forward[s]
+            if f == m or (s > 0 and forward_at.get((s - 1, f), tick) >= tick):
+                f = -1
+            b = next_backward[s]
+            own_forward = forward_at.get((s, b), tick + (f != b))  # this tick's forward runs first
+            if b == m or own_forward > tick or (s < stages - 1 and backward_at.get((s + 1, b), tick) >= tick):
+                b = -1
+            row.append((f, b))
+        for s, (f, b) in enumerate(row):
+            if f >= 0:
+                forward_at[(s, f)] = tick
+                next_forward[s] += 1
+            if b >= 0:
+                backward_at[(s, b)] = tick
+                next_backward[s] += 1
+        rows.append(row)
+    return _from_rows("1f1b-fused", stages, m, rows)
+
+
 def check_schedule(table: Schedule) -> None:
     """Raise ``ValueError`` unless ``table`` runs each stage's forward and backward of each micro-batch exactly
     once, a forward after the previous stage's (at an earlier tick), a backward after the next stage's and
@@ -166,10 +249,15 @@ def check_schedule(table: Schedule) -> None:
     where = f"schedule {table.name!r} (S={stages}, M={m})"
     if table.kind.shape != (table.num_ticks, stages) or table.micro.shape != table.kind.shape:
         raise ValueError(f"{where}: kind and micro must both be (ticks, {stages}) arrays.")
-    if not np.isin(table.kind, (IDLE, FORWARD, BACKWARD)).all():
-        raise ValueError(f"{where}: kind holds values other than IDLE, FORWARD, BACKWARD.")
+    if not np.isin(table.kind, (IDLE, FORWARD, BACKWARD, FORWARD_BACKWARD)).all():
+        raise ValueError(f"{where}: kind holds values other than IDLE, FORWARD, BACKWARD, FORWARD_BACKWARD.")
+    fused = table.kind == FORWARD_BACKWARD
+    if fused.any() and (table.micro_backward is None or table.micro_backward.shape != table.kind.shape):
+        raise ValueError(f"{where}: a FORWARD_BACKWARD cell needs micro_backward, a (ticks, {stages}) array.")
     busy = table.kind != IDLE
-    if ((table.micro < 0) | (table.micro >= m))[busy].any():
+    if ((table.micro < 0) | (table.micro >= m))[busy].any() or (
+        fused.any() and ((table.micro_backward < 0) | (table.micro_backward >= m))[fused].any()
+    ):
         raise ValueError(f"{where}: a micro-batch index outside 0..{m - 1}.")
     for s in range(stages):
         for k in range(m):
@@ -178,12 +266,12 @@ def check_schedule(table: Schedule) -> None:
                 raise ValueError(f"{where}: stage {s} runs F{k} at tick {f}, before stage {s - 1}'s F{k} arrives.")
             if s < stages - 1 and table.tick_of(s + 1, BACKWARD, k) >= b:
                 raise ValueError(f"{where}: stage {s} runs B{k} at tick {b}, before stage {s + 1}'s B{k} arrives.")
-            if f >= b:
-                raise ValueError(f"{where}: stage {s} runs B{k} at tick {b}, not after its own F{k} (tick {f}).")
+            if f > b:  # the same tick is a fused cell: its forward runs first
+                raise ValueError(f"{where}: stage {s} runs B{k} at tick {b}, before its own F{k} (tick {f}).")
 
 
 #: The schedules by name.
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "1f1b-fused": fused_one_f_one_b}
 
 
 def make_schedule(name: str | Schedule, stages: int, m: int) -> Schedule:
@@ -208,22 +296,37 @@ class ScheduleStats:
 
     Attributes:
       ticks: the table's length.
-      bubble: idle (stage, tick) slots over all slots.
+      span: the step's length in forwards, a tick as long as its busiest stage's work (a forward 1, a
+        backward ``backward_cost``): what the table costs where the stages' devices wait for each other at
+        every tick's exchange and do not share their compute.
+      bubble: the fraction of the stages' time idle over that span (with ``backward_cost=1``, for tables of
+        one unit per cell: idle (stage, tick) slots over all slots).
       peak_live: per stage, the most micro-batches whose forward ran and whose backward has not yet
-        (residuals kept), after any tick.
+        (residuals kept), at any point of a tick (a fused cell's forward runs before its backward).
     """
 
     ticks: int
+    span: float
     bubble: float
     peak_live: tuple[int, ...]
 
 
-def schedule_stats(table: Schedule) -> ScheduleStats:
-    """The bubble fraction and per-stage peak live activations of ``table``."""
-    kind = table.kind
-    live = np.cumsum(kind == FORWARD, axis=0) - np.cumsum(kind == BACKWARD, axis=0)
+def schedule_stats(table: Schedule, backward_cost: float = 1.0) -> ScheduleStats:
+    """The span, bubble fraction and per-stage peak live activations of ``table``, a backward costing
+    ``backward_cost`` forwards.
+
+    >>> [schedule_stats(make(2, 8), backward_cost=2).span for make in (one_f_one_b, fused_one_f_one_b)]
+    [34.0, 27.0]
+
+    (The ideal: ``(M + S - 1)`` ticks of one forward and one backward, 27.)
+    """
+    forwards, backwards = table.forward_micro >= 0, table.backward_micro >= 0
+    work = forwards + backward_cost * backwards
+    live = np.cumsum(forwards, axis=0) - np.cumsum(backwards, axis=0) + backwards  # before the tick's backward
+    span = float(work.max(axis=1).sum())
     return ScheduleStats(
         ticks=table.num_ticks,
-        bubble=float(np.mean(kind == IDLE)),
+        span=span,
+        bubble=float(1 - work.sum() / (table.num_stages * span)),
         peak_live=tuple(int(x) for x in live.max(axis=0)),
     )

@@ -360,7 +360,9 @@ class Variant:
 #: name -> variant: S in {2, 4}, M in {S, 2S}, 1F1B, GPipe, GPipe with recomputation; each also with ZeRO (stage
 #: 1 for 1F1B, 2 for GPipe, 3 for GPipe with recomputation); and three with 2 replicas per device
 #: (replicas_per_device=2: the mesh's 8 logical replicas on 4 devices), the user's step and ZeRO; two with ZeRO
-#: on the user's own step (``-run``: repl.run, the update cut from it run on chunks), and one of both.
+#: on the user's own step (``-run``: repl.run, the update cut from it run on chunks), and one of both; and four
+#: of the fused 1F1B (a forward and a backward in one tick), one with ZeRO-3 and recomputation, one on the user's
+#: own step with ZeRO-2.
 PIPE_VARIANTS: dict[str, Variant] = {
     v.name: v
     for v in [
@@ -381,6 +383,10 @@ PIPE_VARIANTS: dict[str, Variant] = {
         Variant(2, 4, "1f1b", zero=2, run=True),
         Variant(4, 8, "gpipe", True, zero=3, run=True),
         Variant(2, 4, "gpipe", zero=2, fold=2, run=True),
+        Variant(2, 4, "1f1b-fused"),
+        Variant(4, 8, "1f1b-fused"),
+        Variant(4, 4, "1f1b-fused", True, zero=3),
+        Variant(2, 4, "1f1b-fused", zero=2, run=True),
     ]
 }
 #: (num_workers, cores_per_worker) of 8 devices per stage count: stages within a worker (S divides the cores),

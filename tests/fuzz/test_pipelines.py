@@ -43,6 +43,7 @@ QUICK = [
     (10, "pipe-S2-M4-1f1b-zero2-run", (2, 4)),  # ZeRO on the user's own step
     (13, "pipe-S2-M4-1f1b", (1, 8)),  # an unmarked scanned stack: the user's step keeps it as slices
     (16, "pipe-S4-M8-gpipe-recompute-zero3-run", (4, 2)),  # a stack as slices, the rest in ZeRO-3 chunks
+    (17, "pipe-S4-M8-1f1b-fused", (2, 4)),  # a forward and a backward in one tick
 ]
 SLOW = [
     (100 + i, name, pipelines.mesh_of(v, pipelines.mesh_for(100 + i, v.stages)))

@@ -10,7 +10,7 @@ import pytest
 
 import replicator as rp
 from replicator.stages.lower import pipeline_value_and_grad, ring_slots
-from replicator.stages.schedule import BACKWARD, FORWARD, Schedule, gpipe, one_f_one_b
+from replicator.stages.schedule import BACKWARD, FORWARD, Schedule, fused_one_f_one_b, gpipe, one_f_one_b
 from tests.stages.test_gpipe import batch, four_stages_tied, params, three_stages, two_stages
 
 ROWS = 16  # divisible by every M below
@@ -36,7 +36,7 @@ def _compare(loss, stages, m, schedule, p=None, recompute=False):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "1f1b-fused"])
 @pytest.mark.parametrize(
     "loss, stages, m",
     [(two_stages, 2, 2), (two_stages, 2, 4), (four_stages_tied, 4, 4), (four_stages_tied, 4, 8)],
@@ -49,13 +49,13 @@ def test_matches_one_device(loss, stages, m, schedule):
     _compare(loss, stages, m, schedule, p)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "1f1b-fused"])
 def test_three_stages_recomputed_and_m_below_s(schedule):
     # Token ids crossing a boundary, a free gradient, jax.checkpoint (recomputation from the boundaries), M < S.
     _compare(jax.checkpoint(three_stages), 3, 2, schedule)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "1f1b-fused"])
 def test_a_constant_gradient_is_added_once(schedule):
     # A scalar parameter that enters the loss linearly has a constant gradient (a literal in the traced
     # program, not a computed value): the stage that owns it adds it once per micro-batch, with the backward.
@@ -78,6 +78,8 @@ def test_ring_slots():
     for s, m in [(2, 2), (2, 8), (4, 4), (4, 16), (3, 2)]:
         assert ring_slots(gpipe(s, m)) == {"stash": m, "inbox": 1, "inbox_ct": 1}
         assert ring_slots(one_f_one_b(s, m)) == {"stash": min(s, m), "inbox": 1, "inbox_ct": 1}
+        # Fused: the first stage keeps 2S - 1 (a forward every tick while its first cotangent travels back).
+        assert ring_slots(fused_one_f_one_b(s, m)) == {"stash": min(2 * s - 1, m), "inbox": 1, "inbox_ct": 1}
 
 
 def test_backwards_out_of_order():
@@ -124,10 +126,12 @@ def test_1f1b_memory_does_not_grow_with_m():
         return f.lower(p, jnp.ones((rows * m, 64))).compile().memory_analysis().temp_size_in_bytes
 
     assert temp("1f1b", 8) == temp("1f1b", 2)
+    assert temp("1f1b-fused", 16) == temp("1f1b-fused", 3)  # 3 = 2S - 1 slots from M = 3 on
+    assert temp("1f1b-fused", 3) - temp("1f1b", 3) >= rows * 64 * 4  # one more micro-batch's residuals
     assert temp("gpipe", 8) - temp("gpipe", 2) >= 6 * rows * 64 * 4  # 6 more micro-batches' residuals at least
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "1f1b-fused"])
 @pytest.mark.parametrize(
     "loss, stages, m",
     [(two_stages, 2, 4), (four_stages_tied, 4, 8), (jax.checkpoint(three_stages), 3, 4)],

@@ -4,6 +4,7 @@ option. And the mesh layout, where each stage's state lives, the trace-time erro
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import jax
@@ -44,7 +45,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "1f1b-fused"])
 @pytest.mark.parametrize("workers, cores, stages, m, loss", CASES)
 def test_replicated_pipeline_matches_one_device(workers, cores, stages, m, loss, schedule):
     p, (ids, y) = _params_for(loss), global_batch()
@@ -177,6 +178,34 @@ def test_describe_pipeline():
     gpipe = rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=4, microbatches=8, schedule="gpipe")
     report = gpipe.describe_pipeline(four_stages_tied, opt, (ids, y), (p, opt.init(p)))
     assert [r.peak_live for r in report.per_stage] == [8] * 4 and report.stash_slots == 8
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "1f1b-fused"])
+def test_describe_pipeline_times_the_step_from_the_table(schedule):
+    # The cost model's step: each tick as long as its slowest stage's work there, from the stages' forward and
+    # backward costs (set here, uneven: the last stage four times the others), against a loop over the table.
+    p, (ids, y) = _params_for(four_stages_tied), global_batch()
+    opt = optax.adam(1e-2)
+    repl = rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=4, microbatches=8, schedule=schedule)
+    report = repl.describe_pipeline(four_stages_tied, opt, (ids, y), (p, opt.init(p)))
+    costs = [(1.0, 2.0), (1.0, 2.0), (1.0, 2.0), (4.0, 8.0)]
+    report = dataclasses.replace(
+        report,
+        per_stage=[
+            dataclasses.replace(r, forward_s=f, backward_s=b) for r, (f, b) in zip(report.per_stage, costs, strict=True)
+        ],
+    )
+    table = report.schedule
+    want = 0.0
+    for t in range(table.num_ticks):
+        want += max(
+            costs[s][0] * (table.forward_micro[t, s] >= 0) + costs[s][1] * (table.backward_micro[t, s] >= 0)
+            for s in range(4)
+        )
+    assert report.span_s() == want
+    if schedule != "1f1b":  # the slowest stage never waits for another: its 8 micro-batches, plus fill and drain
+        assert want == 8 * 12 + 3 * 1 + 3 * 2
+    assert f"the step about {want * 1e3:.3f} ms ({table.num_ticks} ticks" in str(report)
 
 
 def bn_loss(all_mean):

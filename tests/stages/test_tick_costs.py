@@ -110,7 +110,7 @@ def loop_bodies(comps: dict[str, list[str]]) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "1f1b-fused"])
 @pytest.mark.parametrize("stages", [2, 4])
 def test_a_tick_copies_no_parameter_sized_buffer(stages, schedule):
     comps = computations(compiled_text(stages, schedule))
@@ -123,7 +123,7 @@ def test_a_tick_copies_no_parameter_sized_buffer(stages, schedule):
     assert not big, "parameter-sized slices (a layer's weights out of the row) on every tick:\n" + "\n".join(big)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "1f1b-fused"])
 @pytest.mark.parametrize("stages", [2, 4])
 def test_a_step_reads_the_weights_where_they_are_stored(stages, schedule):
     """The layers line up across the stages, so each lies in a buffer of its own between steps (a slot): the
@@ -149,7 +149,7 @@ def sends(comps: dict[str, list[str]], line: str) -> bool:
     )
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "1f1b-fused"])
 @pytest.mark.parametrize("stages", [2, 4])
 def test_a_tick_sends_after_its_forward_and_backward(stages, schedule):
     comps = computations(compiled_text(stages, schedule))

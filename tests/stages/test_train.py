@@ -53,7 +53,7 @@ def _assert_close(got, want, tol=5e-5):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "1f1b-fused"])
 @pytest.mark.parametrize(
     "loss, stages, m",
     [(two_stages, 2, 4), (four_stages_tied, 4, 4), (three_stages, 3, 6)],

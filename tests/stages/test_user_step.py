@@ -56,7 +56,7 @@ OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "1f1b-fused"])
 @pytest.mark.parametrize("workers, cores, stages, m, loss, optimizer", CASES)
 def test_run_of_the_users_step_matches_one_device(workers, cores, stages, m, loss, optimizer, schedule):
     p, batch = _params_for(loss), global_batch()
