@@ -458,6 +458,15 @@ def fmt_ms(t: float) -> str:
     return f"{t * 1e3:.2f}" if t < 10 else f"{t * 1e3:.0f}"
 
 
+def paired(times: list[float], bases: list[float]) -> str:
+    """The median, over the rounds, of each round's ``time / base``, with the first and third quartiles."""
+    ratios = sorted(t / b for t, b in zip(times, bases, strict=True))
+    if len(ratios) < 4:
+        return f"{statistics.median(ratios):.2f}"
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    return f"{statistics.median(ratios):.2f} [{q1:.2f}, {q3:.2f}]"
+
+
 def time_stages(stages: int, ms: list[int], params: Params, x: np.ndarray, y: np.ndarray) -> None:
     want = reference(params, x, y, 2)
     variants: dict[str, Runner] = {
@@ -497,12 +506,18 @@ def time_stages(stages: int, ms: list[int], params: Params, x: np.ndarray, y: np
     one, update = med["one device"], med["update beside"]
     say(f"u' = {fmt_ms(update)} ms.\n")
     say(
-        "| M | variant | median step (ms) | / one device | / hand GPipe | tick t_M (ms) | ideal (M+S-1) t_M (ms) "
-        "| measured / ideal | t'_M beside (ms) | measured / ideal' | x_M (ms) | measured / (ideal' + x_M) "
-        "| measured / (ideal' + x_M + u') | bubble ideal | bubble measured |"
+        "The paired columns divide each round's step by the same round's hand GPipe step (or `ideal' + x_M + u'` "
+        "from the same round's `t'_M`, `x_M`, `u'`), then give the median over the rounds and, in brackets, "
+        "their first and third quartiles: what the machine's drift between rounds does not move.\n"
     )
-    say("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    say(f"| - | one device | {fmt_ms(one)} | 1.00x | | | | | | | | | | | |")
+    say(
+        "| M | variant | median step (ms) | / one device | / hand GPipe | paired / hand GPipe | tick t_M (ms) "
+        "| ideal (M+S-1) t_M (ms) | measured / ideal | t'_M beside (ms) | measured / ideal' | x_M (ms) "
+        "| measured / (ideal' + x_M) | measured / (ideal' + x_M + u') | paired / (ideal' + x_M + u') "
+        "| bubble ideal | bubble measured |"
+    )
+    say("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    say(f"| - | one device | {fmt_ms(one)} | 1.00x | | | | | | | | | | | | | |")
     for m in ms:
         tick = med[f"stage micro-batch M={m}"]
         beside = med[f"stage micro-batch beside M={m}"]
@@ -513,14 +528,25 @@ def time_stages(stages: int, ms: list[int], params: Params, x: np.ndarray, y: np
         names = [f"hand GPipe M={m}", *(f"rp {schedule} M={m}" for schedule in SCHEDULES)]
         if m == ms[-1]:
             names.append(f"rp gpipe, run_pipelined M={m}")
+        floors = [
+            (m + stages - 1) * b + x + u
+            for b, x, u in zip(
+                samples[f"stage micro-batch beside M={m}"],
+                samples[f"exchange M={m}"],
+                samples["update beside"],
+                strict=True,
+            )
+        ]
         for name in names:
             t = med[name]
             say(
                 f"| {m} | {name.rsplit(' M=', 1)[0]} | {fmt_ms(t)} | {t / one:.2f}x | {t / hand:.2f}x | "
+                f"{paired(samples[name], samples[f'hand GPipe M={m}'])} | "
                 f"{fmt_ms(tick)} | {fmt_ms(ideal)} | {t / ideal:.2f} | {fmt_ms(beside)} | "
                 f"{t / ((m + stages - 1) * beside):.2f} | {fmt_ms(exchange)} | "
                 f"{t / ((m + stages - 1) * beside + exchange):.2f} | "
-                f"{t / ((m + stages - 1) * beside + exchange + update):.2f} | {bubble:.3f} | {1 - m * tick / t:.3f} |"
+                f"{t / ((m + stages - 1) * beside + exchange + update):.2f} | {paired(samples[name], floors)} | "
+                f"{bubble:.3f} | {1 - m * tick / t:.3f} |"
             )
 
 
