@@ -344,6 +344,7 @@ def tick_loop(
     # On a tick where no stage sends in a direction (GPipe's forward half sends no cotangent), that ppermute
     # is skipped: the same on every stage (a function of the tick), so every stage skips it alike.
     forward_sends = (forward_micro[:, :-1] >= 0).any(axis=1)
+    fused = bool(((forward_micro >= 0) & (backward_micro >= 0)).any())
     backward_sends = (backward_micro[:, 1:] >= 0).any(axis=1)
 
     def shifted(flags: np.ndarray, t: jax.Array, values: dict, pairs: list) -> dict:
@@ -361,9 +362,13 @@ def tick_loop(
         def tick(t: jax.Array, carry: tuple) -> tuple:
             inbox, inbox_ct, stash, total, forward_total = carry
             k_forward, k_backward = jnp.asarray(forward_micro)[t, s], jnp.asarray(backward_micro)[t, s]
-            # Sliced here, not in the loops below: a loop that read the whole batch would carry it.
-            forward_batch = [x[jnp.maximum(k_forward, 0)] for x in batch]
-            backward_batch = [x[jnp.maximum(k_backward, 0)] for x in batch]
+            # Sliced here, not in the loops below: a loop that read the whole batch would carry it. A table without
+            # fused cells runs one phase per tick: one slice serves both (a second is a micro-batch more memory).
+            if fused:
+                forward_batch = [x[jnp.maximum(k_forward, 0)] for x in batch]
+                backward_batch = [x[jnp.maximum(k_backward, 0)] for x in batch]
+            else:
+                forward_batch = backward_batch = [x[jnp.maximum(k_forward, k_backward)] for x in batch]
 
             # A stage's forward, then its backward (both, in a fused schedule's tick: the backward may read the
             # forward's stash slot), each in a loop of 0 or 1 trips rather than a conditional: a
