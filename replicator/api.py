@@ -52,7 +52,7 @@ from replicator.cost.topology import PRESETS
 from replicator.errors import InputExhausted
 from replicator.passes.fold import fold_lowered
 from replicator.pipeline.pipeline import Lowered, Pipeline
-from replicator.runtime.consistency import check_replicas_agree
+from replicator.runtime.consistency import check_copies_agree, check_replicas_agree
 from replicator.runtime.distributed import progress
 from replicator.runtime.distributed.startup import check_initialized_under_launcher
 from replicator.runtime.execution import (
@@ -322,7 +322,9 @@ class Replicator:
       check_state_every: every this many steps, check that every replica still
         holds the same state (a host fingerprint of each device's copy, compared
         across processes with one small all-gather); the first differing leaf
-        is named (:mod:`replicator.runtime.consistency`). ``None``: never.
+        is named (:mod:`replicator.runtime.consistency`). In a pipeline, each
+        stage's packed rows are compared across that stage's replicas (on this
+        process's devices) after ``run`` and ``run_pipelined``. ``None``: never.
       max_in_flight: how many dispatched steps may run ahead of the host
         before ``run`` waits for the oldest. ``None``: 2 on CPU, unbounded
         elsewhere. XLA's CPU backend deadlocks (and aborts after 40 s) when
@@ -641,7 +643,17 @@ class Replicator:
         """
         if self.pipelined is None:
             raise ValueError("run_pipelined needs Replicator(..., pipeline_stages=S, microbatches=M).")
-        return self.pipelined.run(loss_fn, optimizer, self._pipelined_batch(batch), state)
+        out = self.pipelined.run(loss_fn, optimizer, self._pipelined_batch(batch), state)
+        self._pipelined_step_ran()
+        return out
+
+    def _pipelined_step_ran(self) -> None:
+        """Count a pipelined step; every ``check_state_every`` steps, check that each stage's replicas hold the
+        same copy of its rows."""
+        self._steps_run += 1
+        if self.check_state_every and self._steps_run % self.check_state_every == 0:
+            rows = jax.tree_util.tree_leaves_with_path(self.pipelined.last_rows)
+            check_copies_agree([x for _, x in rows], [f"the packed state{jax.tree_util.keystr(k)}" for k, _ in rows])
 
     def _pipelined_batch(self, data: Any) -> PyTree:
         """The global batch of a pipelined step: ``data`` itself, the next of an iterator, or an ``input_fn``'s
@@ -841,6 +853,7 @@ class Replicator:
             built = self.pipelined.user_steps_built
             out = self.pipelined.run_step(step_fn, self._pipelined_batch(input_fn), state)
             self.trace_count += self.pipelined.user_steps_built - built  # a new shape traced and compiled
+            self._pipelined_step_ran()
             return out
         depth = self.prefetch if prefetch is None else _check_prefetch(prefetch)
         step = progress.begin_step()

@@ -61,3 +61,74 @@ def test_the_checksum_sees_a_one_ulp_change_and_a_swap(n_devices):
 def test_bad_values_are_rejected():
     with pytest.raises(ValueError, match="check_state_every must be a positive int"):
         rp.Replicator(1, 1, check_state_every=0)
+
+
+def _stage_rows(values_per_device, mesh):
+    """A (stages, 3) array laid out P('stages') on ``mesh``: each device's shard given by hand."""
+    sharding = NamedSharding(mesh, P("stages"))
+    index = sharding.devices_indices_map((mesh.shape["stages"], 3))
+    parts = [jax.device_put(values_per_device(d, index[d][0].start), d) for d in mesh.devices.flat]
+    return jax.make_array_from_single_device_arrays((mesh.shape["stages"], 3), sharding, parts)
+
+
+def test_copies_of_a_stage_row_are_compared_within_the_stage():
+    from jax.sharding import Mesh
+
+    from replicator.runtime.consistency import check_copies_agree
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("stages", "cores"))
+    # Each stage holds its own row (they differ by design); its 4 replicas hold the same copy.
+    same = _stage_rows(lambda d, stage: np.full((1, 3), stage, np.float32), mesh)
+    check_copies_agree([same], ["rows['float32']"])
+    odd = mesh.devices[1, 2].id  # one replica of stage 1 drifted by one ulp
+    drifted = _stage_rows(
+        lambda d, stage: np.full((1, 3), np.nextafter(np.float32(1), 2) if d.id == odd else stage, np.float32), mesh
+    )
+    with pytest.raises(
+        rp.DivergentStateError, match=rf"rows\['float32'\]: the copies of its part \[1:2, :\].*\[{odd}\] another"
+    ):
+        check_copies_agree([drifted], ["rows['float32']"])
+
+
+def _drift(rows, device_id):
+    """``rows`` (a tree of arrays on a mesh) with one device's shards moved by 1."""
+
+    def one(leaf):
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            return leaf
+        parts = [s.data + 1 if s.device.id == device_id else s.data for s in leaf.addressable_shards]
+        return jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, parts)
+
+    return jax.tree.map(one, rows)
+
+
+@pytest.mark.parametrize("entry", ["run", "run_pipelined"])
+def test_a_pipeline_stage_whose_replica_drifted_is_named(entry):
+    import optax
+
+    from tests.stages.test_gpipe import four_stages_tied
+    from tests.stages.test_replicas import _params_for, global_batch
+    from tests.stages.test_user_step import make_step
+
+    p, batch = _params_for(four_stages_tied), global_batch()
+    opt = optax.adam(1e-2)
+    repl = rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=4, microbatches=4, check_state_every=1)
+    step = make_step(four_stages_tied, opt)
+
+    def run(state):
+        if entry == "run":
+            return repl.run(step, batch, state)[0]
+        return repl.run_pipelined(four_stages_tied, opt, batch, state)[0]
+
+    state = run(run((p, opt.init(p))))  # two steps, checked: the replicas agree
+    # A device of stage 2 drifts (as a faulty device would): the next step starts from its rows.
+    built = repl.pipelined.user_step(step, batch, state) if entry == "run" else None
+    last = (
+        built._last
+        if built is not None
+        else repl.pipelined.step_for(four_stages_tied, opt).built(*(state[0],), *batch).last
+    )
+    odd = repl.pipelined.mesh.devices[2].flat[1].id
+    last._rows = _drift(last.rows, odd)
+    with pytest.raises(rp.DivergentStateError, match=rf"the packed state.*\[{odd}\] another"):
+        run(state)

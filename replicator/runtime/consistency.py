@@ -31,7 +31,7 @@ from replicator.core.context import REPLICA_AXES
 from replicator.errors import DivergentStateError
 from replicator.runtime.distributed.agreement import check_same_across_workers
 
-__all__ = ["check_replicas_agree"]
+__all__ = ["check_copies_agree", "check_replicas_agree"]
 
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
@@ -46,6 +46,44 @@ def _checksum(x: jax.Array) -> jax.Array:
     bits = bits.reshape(-1)
     weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
     return jnp.sum(bits * weights, dtype=jnp.uint32) ^ jnp.uint32(bits.size)
+
+
+_checksum_on_device = jax.jit(_checksum)
+
+
+def check_copies_agree(leaves: Sequence[Any], paths: Sequence[str]) -> None:
+    """Raise :class:`~replicator.DivergentStateError` if two devices that hold the same part of a leaf (the same
+    shard index: a pipeline stage's row on each of that stage's replicas) hold different bits.
+
+    For state laid out over a mesh with other axes than the replicas' (``('stages', 'workers', 'cores')``):
+    each of this process's devices checksums its own shard (4 bytes each come back), and the shards are
+    compared within each group of equal index. Copies on another process's devices are not compared.
+
+    Args:
+      leaves: ``jax.Array``s (other leaves, and 8-byte dtypes, are skipped); paths: a name per leaf.
+    """
+    for path, leaf in zip(paths, leaves, strict=True):
+        if not isinstance(leaf, jax.Array) or leaf.dtype.itemsize > 4:
+            continue
+        groups: dict[tuple, dict[int, list[int]]] = {}
+        for shard in leaf.addressable_shards:
+            index = tuple((i.start, i.stop, i.step) if isinstance(i, slice) else i for i in shard.index)
+            digest = int(_checksum_on_device(shard.data))
+            groups.setdefault(index, {}).setdefault(digest, []).append(shard.device.id)
+        for index, digests in groups.items():
+            if len(digests) > 1:
+                ordered = sorted(digests.values(), key=len, reverse=True)
+                raise DivergentStateError(
+                    f"{path}: the copies of its part {_index_text(index)} are no longer identical: devices "
+                    f"{ordered[0]} hold one value, {[d for g in ordered[1:] for d in g]} another. The step keeps "
+                    "them identical when every replica computes them from all-reduced values; look for "
+                    "non-deterministic operations or state placed by hand with different values per device."
+                )
+
+
+def _index_text(index: tuple) -> str:
+    parts = [f"{'' if a is None else a}:{'' if b is None else b}" for a, b, _ in index] if index else []
+    return "[" + ", ".join(parts) + "]"
 
 
 @functools.lru_cache(maxsize=32)

@@ -427,6 +427,7 @@ class PipelinedReplicas:
         fold = int(np.prod([k for _, k in fold_axes], dtype=int))
         self.mesh = pipeline_mesh(grid, stages, replicas_per_device=fold)
         self.stages, self.microbatches, self.schedule = stages, microbatches, schedule
+        self.last_rows: Any = None  # the packed state the last step returned, as it lies on the mesh
         if not isinstance(recompute, bool):
             raise TypeError(f"pipeline_recompute must be a bool, got {recompute!r}.")
         self.recompute = recompute
@@ -474,14 +475,19 @@ class PipelinedReplicas:
         """One step: ``state = (params, opt_state)`` with global shapes; returns ``((params, opt_state), loss)``."""
         params, opt_state = _split_state(state)
         batch = batch if isinstance(batch, tuple) else (batch,)
-        new_params, new_opt_state, value = self.step_for(loss_fn, optimizer)(params, opt_state, *batch)
+        train = self.step_for(loss_fn, optimizer)
+        new_params, new_opt_state, value = train(params, opt_state, *batch)
+        self.last_rows = train.built(params, *batch).last.rows
         return (new_params, new_opt_state), value
 
     def run_step(self, step_fn: Callable, batch: Any, state: Any) -> tuple[Any, Any]:
         """``Replicator.run(step_fn, batch, state)`` on the pipeline: the user's own step, its update phase cut
         from it (:mod:`replicator.stages.user_step`); returns ``(new_state, outputs)``, each output leaf with a
         leading axis of the ``D`` data-parallel replicas."""
-        return self.user_step(step_fn, batch, state)(state, batch)
+        built = self.user_step(step_fn, batch, state)
+        out = built(state, batch)
+        self.last_rows = built.last_rows
+        return out
 
     def describe_step(
         self,

@@ -175,6 +175,11 @@ class LastRows:
             self._leaves, rows = [], None
         self._rows = rows
 
+    @property
+    def rows(self) -> Any:
+        """The rows the last step returned (``None`` before the first)."""
+        return self._rows
+
     def rows_for(self, leaves: Sequence[Any]) -> Any:
         """The remembered rows if ``leaves`` are exactly the leaves unpacked from them, else ``None``."""
         if self._rows is None or len(leaves) != len(self._leaves):

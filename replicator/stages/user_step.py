@@ -550,6 +550,11 @@ class PipelinedStep:
                     leaves[i] = value
         return self.state_def.unflatten(leaves)
 
+    @property
+    def last_rows(self) -> Any:
+        """The packed rows the last call returned, as they lie on the mesh."""
+        return self._last.rows
+
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
         packed = self._last.rows_for(self.state_def.flatten_up_to(state))  # the leaves the last call returned
         packed, outs = self.step(self.pack(state) if packed is None else packed, self.micro_leaves(batch))
