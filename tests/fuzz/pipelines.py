@@ -411,7 +411,9 @@ def mesh_of(variant: Variant, mesh: tuple[int, int]) -> tuple[int, int]:
 
 
 def replicated(spec: PipeSpec, variant: Variant, mesh: tuple[int, int]) -> tuple[Any, list[float]]:
-    """Final state and each step's loss (replica 0's; every replica's must agree) from ``repl.run``."""
+    """Final state and each step's loss (replica 0's; every replica's must agree) from ``repl.run``; after every
+    step, each stage's replicas must hold the same packed rows (``check_state_every=1``): the data-parallel
+    fuzzer's "claimed identical but differs", for the pipeline's state."""
     workers, cores = mesh
     passes = rp.Pipeline.default(zero_stage=variant.zero) if variant.zero else None
     repl = rp.Replicator(
@@ -424,6 +426,7 @@ def replicated(spec: PipeSpec, variant: Variant, mesh: tuple[int, int]) -> tuple
         microbatches=variant.microbatches,
         schedule=variant.schedule,
         pipeline_recompute=variant.recompute,
+        check_state_every=1,  # every step: each stage's replicas hold the same rows (a DivergentStateError crashes)
     )
     step, state, losses = make_step(spec), initial_state(spec), []
     loss_fn, optimizer = make_loss(spec), make_optimizer(spec)
