@@ -97,6 +97,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "replicator/runtime/state.py",
         "replicator/runtime/inputs.py",
         "replicator/runtime/steady.py",
+        "replicator/runtime/consistency.py",
     ),
     "training/checkpoint/": ("replicator/training/checkpoint/",),
     "launch/": ("replicator/launch/",),
@@ -107,6 +108,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "replicator/stages/programs.py",
         "replicator/stages/chunks.py",
         "replicator/stages/stack_update.py",
+        "replicator/stages/schedule.py",
     ),
 }
 
@@ -191,6 +193,7 @@ TESTS: dict[str, tuple[str, ...]] = {
         "tests/test_loop.py",
         "tests/test_host_path.py",
     ),
+    "replicator/runtime/consistency.py": ("tests/test_consistency.py",),
     "replicator/runtime/steady.py": (
         "tests/test_host_path.py",
         "tests/test_run.py",
@@ -221,6 +224,7 @@ TESTS.update(
             "tests/stages/test_stack_update.py",  # the slices of a stack beside the chunks
         ),
         "replicator/stages/stack_update.py": ("tests/stages/test_stack_update.py",),
+        "replicator/stages/schedule.py": ("tests/stages/test_schedule.py", "tests/stages/test_lower.py"),
         "replicator/stages/programs.py": (
             "tests/stages/test_lower.py",
             "tests/stages/test_fold_stages.py",  # the user's collectives over the fold axes

@@ -8,7 +8,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import replicator as rp
-from replicator.runtime.consistency import check_replicas_agree
+from replicator.runtime.consistency import check_copies_agree, check_replicas_agree
 
 
 def _input(n):
@@ -132,3 +132,38 @@ def test_a_pipeline_stage_whose_replica_drifted_is_named(entry):
     last._rows = _drift(last.rows, odd)
     with pytest.raises(rp.DivergentStateError, match=rf"the packed state.*\[{odd}\] another"):
         run(state)
+
+
+def _replicated_with(repl, base, other, on_index=1):
+    """``base`` on every device of ``repl``'s mesh but one, which holds ``other``."""
+    sharding = NamedSharding(repl.mesh, P())
+    parts = [jax.device_put(other if i == on_index else base, d) for i, d in enumerate(repl.mesh.devices.flat)]
+    return jax.make_array_from_single_device_arrays(np.shape(base), sharding, parts)
+
+
+def test_a_sign_flip_and_narrow_dtypes_are_seen(n_devices):
+    # A sign flip moves only the top bit of one element: the checksum keeps it. bfloat16 and bool leaves are
+    # checked too (2 and 1 bytes per element).
+    repl = rp.Replicator(1, n_devices)
+    cases = [
+        (np.array([1.0, 0.0], np.float32), np.array([-1.0, 0.0], np.float32)),
+        (jnp.array([1.0, 2.0], jnp.bfloat16), jnp.array([1.0, 2.5], jnp.bfloat16)),
+        (np.array([True, False]), np.array([True, True])),
+    ]
+    for base, other in cases:
+        with pytest.raises(rp.DivergentStateError):
+            check_replicas_agree([_replicated_with(repl, base, other)], ["state['x']"])
+        rows = _replicated_with(repl, base[None], other[None])  # one part, every device a copy of it
+        with pytest.raises(rp.DivergentStateError):
+            check_copies_agree([rows], ["rows['x']"])
+
+
+def test_a_sharded_leaf_is_not_a_replicated_one(n_devices):
+    # ZeRO's chunks differ between devices by design: check_replicas_agree skips them, check_copies_agree
+    # compares only devices holding the same chunk (none here).
+    repl = rp.Replicator(1, n_devices)
+    sharding = NamedSharding(repl.mesh, P(("workers", "cores")))
+    parts = [jax.device_put(np.full(1, float(i), np.float32), d) for i, d in enumerate(repl.mesh.devices.flat)]
+    chunks = jax.make_array_from_single_device_arrays((n_devices,), sharding, parts)
+    check_replicas_agree([chunks], ["state['chunked']"])
+    check_copies_agree([chunks], ["state['chunked']"])
