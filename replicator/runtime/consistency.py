@@ -71,14 +71,19 @@ def check_copies_agree(leaves: Sequence[Any], paths: Sequence[str]) -> None:
             digest = int(_checksum_on_device(shard.data))
             groups.setdefault(index, {}).setdefault(digest, []).append(shard.device.id)
         for index, digests in groups.items():
-            if len(digests) > 1:
-                ordered = sorted(digests.values(), key=len, reverse=True)
-                raise DivergentStateError(
-                    f"{path}: the copies of its part {_index_text(index)} are no longer identical: devices "
-                    f"{ordered[0]} hold one value, {[d for g in ordered[1:] for d in g]} another. The step keeps "
-                    "them identical when every replica computes them from all-reduced values; look for "
-                    "non-deterministic operations or state placed by hand with different values per device."
-                )
+            _check_one_value(f"{path}: the copies of its part {_index_text(index)} are no longer identical", digests)
+
+
+def _check_one_value(subject: str, groups: dict[int, list[int]], hint: str = "") -> None:
+    """Raise :class:`~replicator.DivergentStateError` naming the devices if ``groups`` (checksum -> the devices
+    that computed it) holds more than one value."""
+    if len(groups) > 1:
+        ordered = sorted(groups.values(), key=len, reverse=True)
+        raise DivergentStateError(
+            f"{subject}: devices {ordered[0]} hold one value, {[d for g in ordered[1:] for d in g]} another. The "
+            "step keeps it identical when every replica computes it from all-reduced values; look for "
+            f"non-deterministic operations or state placed by hand with different values per device{hint}."
+        )
 
 
 def _index_text(index: tuple) -> str:
@@ -123,14 +128,7 @@ def check_replicas_agree(leaves: Sequence[Any], paths: Sequence[str]) -> None:
         groups: dict[int, list[int]] = {}
         for device, row in rows.items():
             groups.setdefault(int(row[i]), []).append(device)
-        if len(groups) > 1:
-            ordered = sorted(groups.values(), key=len, reverse=True)
-            raise DivergentStateError(
-                f"{path} is no longer identical on every replica: devices {ordered[0]} hold one value, "
-                f"{[d for g in ordered[1:] for d in g]} another. The step keeps it identical when every replica "
-                "computes it from all-reduced values; look for non-deterministic operations or state placed by "
-                "hand with different values per device (use rp.broadcast_state)."
-            )
+        _check_one_value(f"{path} is no longer identical on every replica", groups, " (use rp.broadcast_state)")
         local.append(np.asarray(next(iter(groups)), np.int64))
     check_same_across_workers(
         local,
