@@ -67,7 +67,7 @@ def check_copies_agree(leaves: Sequence[Any], paths: Sequence[str]) -> None:
             continue
         groups: dict[tuple, dict[int, list[int]]] = {}
         for shard in leaf.addressable_shards:
-            index = tuple((i.start, i.stop, i.step) if isinstance(i, slice) else i for i in shard.index)
+            index = tuple((i.start, i.stop, i.step) for i in shard.index)  # an array's shard index: slices
             digest = int(_checksum_on_device(shard.data))
             groups.setdefault(index, {}).setdefault(digest, []).append(shard.device.id)
         for index, digests in groups.items():
@@ -87,8 +87,7 @@ def _check_one_value(subject: str, groups: dict[int, list[int]], hint: str = "")
 
 
 def _index_text(index: tuple) -> str:
-    parts = [f"{'' if a is None else a}:{'' if b is None else b}" for a, b, _ in index] if index else []
-    return "[" + ", ".join(parts) + "]"
+    return "[" + ", ".join(f"{'' if a is None else a}:{'' if b is None else b}" for a, b, _ in index) + "]"
 
 
 @functools.lru_cache(maxsize=32)

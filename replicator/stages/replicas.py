@@ -427,7 +427,7 @@ class PipelinedReplicas:
         fold = int(np.prod([k for _, k in fold_axes], dtype=int))
         self.mesh = pipeline_mesh(grid, stages, replicas_per_device=fold)
         self.stages, self.microbatches, self.schedule = stages, microbatches, schedule
-        self.last_rows: Any = None  # the packed state the last step returned, as it lies on the mesh
+        self._last_step: Any = None  # the step that ran last (a PipelineTrainStep or a PipelinedStep)
         if not isinstance(recompute, bool):
             raise TypeError(f"pipeline_recompute must be a bool, got {recompute!r}.")
         self.recompute = recompute
@@ -475,19 +475,21 @@ class PipelinedReplicas:
         """One step: ``state = (params, opt_state)`` with global shapes; returns ``((params, opt_state), loss)``."""
         params, opt_state = _split_state(state)
         batch = batch if isinstance(batch, tuple) else (batch,)
-        train = self.step_for(loss_fn, optimizer)
-        new_params, new_opt_state, value = train(params, opt_state, *batch)
-        self.last_rows = train.built(params, *batch).last.rows
+        self._last_step = self.step_for(loss_fn, optimizer)
+        new_params, new_opt_state, value = self._last_step(params, opt_state, *batch)
         return (new_params, new_opt_state), value
 
     def run_step(self, step_fn: Callable, batch: Any, state: Any) -> tuple[Any, Any]:
         """``Replicator.run(step_fn, batch, state)`` on the pipeline: the user's own step, its update phase cut
         from it (:mod:`replicator.stages.user_step`); returns ``(new_state, outputs)``, each output leaf with a
         leading axis of the ``D`` data-parallel replicas."""
-        built = self.user_step(step_fn, batch, state)
-        out = built(state, batch)
-        self.last_rows = built.last_rows
-        return out
+        self._last_step = self.user_step(step_fn, batch, state)
+        return self._last_step(state, batch)
+
+    @property
+    def last_rows(self) -> Any:
+        """The packed state the last step returned, as it lies on the mesh (``None`` before the first)."""
+        return None if self._last_step is None else self._last_step.last_rows
 
     def describe_step(
         self,

@@ -385,6 +385,7 @@ class PipelineTrainStep:
         #: ZeRO on each stage's data-parallel replicas (:func:`pipeline_train_step`): 0 off, 1, 2 or 3.
         self.zero_stage = check_zero_stage(zero_stage)
         self.num_microbatches, self.schedule, self.devices = num_microbatches, schedule, devices
+        self.last_rows: Any = None  # the packed (params, state) the last call returned, as they lie on the mesh
         if mesh is not None and tuple(mesh.axis_names) != (STAGE_AXIS, *DATA_AXES):
             raise ValueError(f"a pipeline's mesh has the axes {(STAGE_AXIS, *DATA_AXES)}, got {mesh.axis_names}.")
         if mesh is not None and devices is not None:
@@ -446,6 +447,7 @@ class PipelineTrainStep:
         new_params, new_state, value = b.step(*packed, micro)
         out = b.unpack(new_params), b.unpack_state(new_state)
         b.last.remember(jax.tree.leaves(out), (new_params, new_state))
+        self.last_rows = (new_params, new_state)
         return *out, value
 
 
