@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from replicator.stages.lower import STAGE_AXIS, ring_slots
 from replicator.stages.schedule import SCHEDULES as schedule_tables
-from replicator.stages.schedule import schedule_stats
+from replicator.stages.schedule import schedule_stats, table_span
 from replicator.stages.split import BACKWARD, FORWARD
 from replicator.stages.train import (
     DATA_AXES,
@@ -214,10 +214,7 @@ class PipelineReport:
     def span_s(self) -> float:
         """The cost model's step: each tick of the table as long as its slowest stage's forward and backward
         there (the stages' devices wait for each other at every tick's exchange)."""
-        forward = np.array([r.forward_s for r in self.per_stage], float)
-        backward = np.array([r.backward_s for r in self.per_stage], float)
-        work = (self.schedule.forward_micro >= 0) * forward + (self.schedule.backward_micro >= 0) * backward
-        return float(work.max(axis=1).sum())
+        return table_span(self.schedule, [r.forward_s for r in self.per_stage], [r.backward_s for r in self.per_stage])
 
 
 def _bytes(n: int) -> str:

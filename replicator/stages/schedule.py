@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -69,6 +70,7 @@ __all__ = [
     "make_schedule",
     "one_f_one_b",
     "schedule_stats",
+    "table_span",
 ]
 
 #: What a stage does during a tick (the values of :attr:`Schedule.kind`), a bit mask: ``FORWARD_BACKWARD``
@@ -290,6 +292,15 @@ def make_schedule(name: str | Schedule, stages: int, m: int) -> Schedule:
     return SCHEDULES[name](stages, m)
 
 
+def table_span(table: Schedule, forward_cost: Any, backward_cost: Any) -> float:
+    """The step's length when each tick lasts as long as its busiest stage's work there: a forward costs
+    ``forward_cost``, a backward ``backward_cost`` (each a number, or one per stage)."""
+    work = (table.forward_micro >= 0) * np.asarray(forward_cost, float) + (table.backward_micro >= 0) * np.asarray(
+        backward_cost, float
+    )
+    return float(work.max(axis=1).sum())
+
+
 @dataclasses.dataclass(frozen=True)
 class ScheduleStats:
     """What a table costs, read from the table.
@@ -321,9 +332,9 @@ def schedule_stats(table: Schedule, backward_cost: float = 1.0) -> ScheduleStats
     (The ideal: ``(M + S - 1)`` ticks of one forward and one backward, 27.)
     """
     forwards, backwards = table.forward_micro >= 0, table.backward_micro >= 0
-    work = forwards + backward_cost * backwards
     live = np.cumsum(forwards, axis=0) - np.cumsum(backwards, axis=0) + backwards  # before the tick's backward
-    span = float(work.max(axis=1).sum())
+    span = table_span(table, 1.0, backward_cost)
+    work = forwards + backward_cost * backwards
     return ScheduleStats(
         ticks=table.num_ticks,
         span=span,
