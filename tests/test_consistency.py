@@ -167,3 +167,46 @@ def test_a_sharded_leaf_is_not_a_replicated_one(n_devices):
     chunks = jax.make_array_from_single_device_arrays((n_devices,), sharding, parts)
     check_replicas_agree([chunks], ["state['chunked']"])
     check_copies_agree([chunks], ["state['chunked']"])
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        np.linspace(-3, 3, 37, dtype=np.float32),
+        np.arange(-20, 20, 3, dtype=np.int8),
+        np.array([[1.5, -2.0], [0.25, 7.0]], jnp.bfloat16),
+        np.array([True, False, True, True]),
+    ],
+    ids=["float32", "int8", "bfloat16", "bool"],
+)
+def test_the_checksum_is_the_documented_sum(values):
+    # An independent NumPy reference: each element's bits times (1 + i * 2654435761), summed modulo 2**32,
+    # then xor the element count; 4 bytes, exact (wrapping integer arithmetic, no rounding).
+    from replicator.runtime.consistency import _checksum
+
+    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32}[values.dtype.itemsize]
+    bits = values.reshape(-1).view(unsigned).astype(np.uint64)
+    weights = (np.arange(bits.size, dtype=np.uint64) * 2654435761 + 1) % 2**32
+    want = (int(np.sum(bits * weights % 2**32)) % 2**32) ^ bits.size
+    got = _checksum(jnp.asarray(values))
+    assert got.dtype == jnp.uint32 and int(got) == want
+
+
+def test_the_majority_is_named_first_and_skipped_leaves_stop_nothing(n_devices):
+    import re
+
+    if n_devices < 3:
+        pytest.skip("needs 3 devices: a majority and one drifted")
+    repl = rp.Replicator(1, n_devices)
+    drifted = repl.mesh.devices.flat[1].id
+    others = {d.id for d in repl.mesh.devices.flat} - {drifted}
+    leaf = _differs_on(repl, drifted)
+    # A host array before the drifted leaf is skipped (not a device array), and the check goes on past it.
+    for check, rows in ((check_replicas_agree, leaf), (check_copies_agree, leaf[None])):
+        with pytest.raises(rp.DivergentStateError) as caught:
+            check([np.ones(2, np.float32), rows], ["host['h']", "state['w']"])
+        found = re.search(
+            r"state\['w'\].*devices \[([\d, ]+)\] hold one value, \[([\d, ]+)\] another", str(caught.value)
+        )
+        assert found, caught.value
+        assert {int(d) for d in found[1].split(", ")} == others and found[2] == str(drifted)

@@ -126,12 +126,11 @@ class Schedule:
         return int(ticks[0])
 
     def __str__(self) -> str:
-        head = "tick    " + "  ".join(f"stage {s:<2d}".rstrip() for s in range(self.num_stages))
         width = max(len(f"stage {s}") for s in range(self.num_stages))
-        rows = [head]
-        forward, backward = self.forward_micro, self.backward_micro
         if self.micro_backward is not None:
-            width = max(width, 2 * len(str(self.num_microbatches - 1)) + 3)
+            width = max(width, 2 * len(str(self.num_microbatches - 1)) + 3)  # "F99+B99"
+        rows = [("tick    " + "  ".join(f"stage {s}".ljust(width) for s in range(self.num_stages))).rstrip()]
+        forward, backward = self.forward_micro, self.backward_micro
         for t in range(self.num_ticks):
             cells = [
                 "+".join([f"F{f}"] * int(f >= 0) + [f"B{b}"] * int(b >= 0)) or "."

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from replicator.stages import schedule
 from replicator.stages.schedule import (
     BACKWARD,
     FORWARD,
@@ -116,6 +117,29 @@ def test_fused_table():
     np.testing.assert_array_equal(table.backward_micro[3], [-1, 0, 1])
     assert schedule_stats(table).peak_live == (4, 3, 1)
     assert make_schedule("1f1b-fused", 3, 4).name == "1f1b-fused"
+
+
+def test_wide_fused_cells_keep_their_columns():
+    # From M = 101 a fused cell ("F100+B100") is wider than "stage 0": the columns widen, the header with them.
+    table = fused_one_f_one_b(2, 101)
+    head, *rows = str(table).splitlines()
+    column = head.index("stage 1")
+    assert head.startswith("tick    stage 0 ") and head[column - 2 : column] == "  "
+    for t, line in enumerate(rows):
+        cells = [
+            "+".join([f"F{f}"] * int(f >= 0) + [f"B{b}"] * int(b >= 0)) or "."
+            for f, b in zip(table.forward_micro[t], table.backward_micro[t], strict=True)
+        ]
+        assert line[8:column].strip() == cells[0] and line[column - 2 : column] == "  ", line
+        assert line[column:].rstrip() == cells[1], line
+    assert "F100+B100" in str(table)
+
+
+def test_an_order_that_cannot_finish_is_reported():
+    # Stage 0 lists B0 before F0 and stage 1 waits on stage 0's F0: nothing ever runs.
+    stuck = [[(BACKWARD, 0), (FORWARD, 0)], [(FORWARD, 0), (BACKWARD, 0)]]
+    with pytest.raises(AssertionError, match="stuck: the schedule for S=2, M=1 does not finish"):
+        schedule._table("stuck", 2, 1, stuck)
 
 
 def test_a_fused_cell_is_checked():
