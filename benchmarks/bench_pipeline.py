@@ -15,6 +15,11 @@ data-parallel replica (``Replicator(1, S, pipeline_stages=S)``).
      axis, ``lax.scan`` over the ``M + S - 1`` ticks, ``lax.ppermute`` shifting the
      activations each tick, its backward by autodiff of the loop (GPipe order: the
      MaxText pattern), Adam on the stacked per-stage weights outside ``shard_map``;
+   * ``hand GPipe, no exchange``  the same step with each tick's ``ppermute`` left out
+     (each stage keeps its own result): a control, not a pipeline. Its ticks compute
+     what the hand pipeline's do, but no device waits for another, so
+     ``hand GPipe`` minus this row is what waiting at the exchanges costs, and this row
+     over ``ideal' + u'`` is what the step's loop costs beyond its micro-batches' work;
    * ``rp gpipe`` / ``rp 1f1b`` / ``rp 1f1b-fused``  replicator's pipelined step (``run_pipelined``'s program)
      with its state kept packed across steps (``PipelineTrainStep.pack``/``step``);
    * ``rp gpipe, run_pipelined``  the public call, which packs and unpacks the global
@@ -210,9 +215,12 @@ def unstack(stacked: dict) -> Params:
 class HandPipeline:
     """GPipe written by hand: ``M + S - 1`` ticks; at tick ``t`` stage 0 takes micro-batch ``t``, every stage
     runs its layers on what it holds and ``ppermute`` shifts the results one stage on; the last stage's output
-    at tick ``t`` is micro-batch ``t - S + 1``'s, whose loss it adds. The backward is autodiff of the loop."""
+    at tick ``t`` is micro-batch ``t - S + 1``'s, whose loss it adds. The backward is autodiff of the loop.
 
-    def __init__(self, stages: int, m: int, devices: list) -> None:
+    ``exchange=False`` keeps each stage's result where it is instead of shifting it (a timing control, not a
+    pipeline: the same ticks' compute, no device waiting for another; its gradients are not the model's)."""
+
+    def __init__(self, stages: int, m: int, devices: list, exchange: bool = True) -> None:
         self.stages, self.m = stages, m
         self.mesh = Mesh(np.array(devices[:stages]), ("stages",))
         self.on_stages = NamedSharding(self.mesh, P("stages"))
@@ -230,7 +238,7 @@ class HandPipeline:
                     h = jnp.tanh(h @ w[i] + b[i])
                 k = t - (stages - 1)  # the micro-batch leaving the last stage
                 part = jnp.where((s == stages - 1) & (k >= 0), jnp.mean((h - y[jnp.clip(k, 0, m - 1)]) ** 2), 0.0)
-                return lax.ppermute(h, "stages", shift), part
+                return (lax.ppermute(h, "stages", shift) if exchange else h), part
 
             start = lax.pcast(jnp.zeros_like(x[0]), "stages", to="varying")
             _, parts = lax.scan(tick, start, jnp.arange(m + stages - 1))
@@ -376,6 +384,19 @@ def hand_runner(
     return run, hand
 
 
+def no_exchange_runner(params: Params, stages: int, m: int, x: np.ndarray, y: np.ndarray) -> Runner:
+    """The hand pipeline's step with its ``ppermute`` left out (``HandPipeline(exchange=False)``)."""
+    hand = HandPipeline(stages, m, jax.devices(), exchange=False)
+    xm, ym = hand.micro(x), hand.micro(y)
+    state = list(hand.place(params))
+
+    def run() -> object:
+        state[0], state[1], value = hand.step(state[0], state[1], xm, ym)
+        return value
+
+    return run
+
+
 def replicator_for(stages: int, m: int, schedule: str, recompute: bool = False) -> rp.Replicator:
     return rp.Replicator(
         1,
@@ -479,6 +500,7 @@ def time_stages(stages: int, ms: list[int], params: Params, x: np.ndarray, y: np
         variants[f"stage micro-batch beside M={m}"] = stage_beside_runner(params, stages, m, x, y)
         variants[f"exchange M={m}"] = exchange_runner(stages, m, x)
         variants[f"hand GPipe M={m}"] = hand_runner(params, stages, m, x, y, want)[0]
+        variants[f"hand GPipe, no exchange M={m}"] = no_exchange_runner(params, stages, m, x, y)
         for schedule in SCHEDULES:
             variants[f"rp {schedule} M={m}"] = rp_runner(params, stages, m, schedule, x, y, want[1])
     variants[f"rp gpipe, run_pipelined M={ms[-1]}"] = run_pipelined_runner(params, stages, ms[-1], x, y)
@@ -525,7 +547,11 @@ def time_stages(stages: int, ms: list[int], params: Params, x: np.ndarray, y: np
         hand = med[f"hand GPipe M={m}"]
         ideal = (m + stages - 1) * tick
         bubble = (stages - 1) / (m + stages - 1)
-        names = [f"hand GPipe M={m}", *(f"rp {schedule} M={m}" for schedule in SCHEDULES)]
+        names = [
+            f"hand GPipe M={m}",
+            f"hand GPipe, no exchange M={m}",
+            *(f"rp {schedule} M={m}" for schedule in SCHEDULES),
+        ]
         if m == ms[-1]:
             names.append(f"rp gpipe, run_pipelined M={m}")
         floors = [
