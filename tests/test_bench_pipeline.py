@@ -38,7 +38,7 @@ def test_quick_run_writes_every_table_and_state_splits_over_stages(tmp_path):
     for heading in ("### 1. Step time, S = 2", "### 2. Per-device memory, S = 2", "### 3. Parameters and Adam"):
         assert heading in text, heading
     for m in (1, 2, 4):
-        for variant in ("hand GPipe", "rp gpipe", "rp 1f1b", "rp 1f1b-fused"):
+        for variant in ("hand GPipe", "hand GPipe, no exchange", "rp gpipe", "rp 1f1b", "rp 1f1b-fused"):
             assert f"| {m} | {variant} |" in text, (m, variant)
     # --quick: 4 layers of a 32x32 weight and a 32 bias, float32; Adam keeps two moments and a step count.
     params = 4 * (32 * 32 + 32) * 4
