@@ -323,8 +323,8 @@ class Replicator:
         holds the same state (a host fingerprint of each device's copy, compared
         across processes with one small all-gather); the first differing leaf
         is named (:mod:`replicator.runtime.consistency`). In a pipeline, each
-        stage's packed rows are compared across that stage's replicas (on this
-        process's devices) after ``run`` and ``run_pipelined``. ``None``: never.
+        stage's packed rows are compared across that stage's replicas, on every
+        process, after ``run`` and ``run_pipelined``. ``None``: never.
       max_in_flight: how many dispatched steps may run ahead of the host
         before ``run`` waits for the oldest. ``None``: 2 on CPU, unbounded
         elsewhere. XLA's CPU backend deadlocks (and aborts after 40 s) when

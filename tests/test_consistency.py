@@ -210,3 +210,36 @@ def test_the_majority_is_named_first_and_skipped_leaves_stop_nothing(n_devices):
         )
         assert found, caught.value
         assert {int(d) for d in found[1].split(", ")} == others and found[2] == str(drifted)
+
+
+def _copies_job(*args: str):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "JAX_PLATFORMS": "cpu"}
+    command = [sys.executable, "-m", "replicator.launch", "--num-workers", "2", "--cores-per-worker", "2"]
+    worker = root / "tests" / "multiproc" / "copies_worker.py"
+    return subprocess.run(
+        [*command, str(worker), *args], env=env, cwd=root, capture_output=True, text=True, timeout=180
+    )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("drift", [False, True], ids=["same", "one-copy-drifted"])
+def test_copies_on_two_processes_are_compared(drift):
+    # Each stage's two copies sit on two processes: before, each process compared only its own devices (one
+    # copy each) and a drifted copy passed. Both workers now see it, with the devices of the other process.
+    proc = _copies_job(*(["--drift"] if drift else []))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    if not drift:
+        assert proc.stdout.count("the copies agree") == 2, out[-3000:]
+        return
+    said = [
+        next((x.split(f"worker {w}: ", 1)[1] for x in proc.stdout.splitlines() if f"worker {w}: " in x), "")
+        for w in (0, 1)
+    ]
+    assert said[0] == said[1], said  # both workers name the same devices
+    assert "rows['float32']: the copies of its part [0:1, :] are no longer identical: devices [" in said[0], out[-3000:]

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from replicator.core.context import REPLICA_AXES
@@ -56,22 +56,66 @@ def check_copies_agree(leaves: Sequence[Any], paths: Sequence[str]) -> None:
     shard index: a pipeline stage's row on each of that stage's replicas) hold different bits.
 
     For state laid out over a mesh with other axes than the replicas' (``('stages', 'workers', 'cores')``):
-    each of this process's devices checksums its own shard (4 bytes each come back), and the shards are
-    compared within each group of equal index. Copies on another process's devices are not compared.
+    one small jitted program checksums each device's own shard of every leaf and all-gathers the checksums
+    (4 bytes per leaf and device), so every process compares every device's copy, its own and the other
+    processes' (a stage whose replicas sit on two hosts). Every process must call it at the same point, as
+    it calls the step. A leaf on another mesh or placement than the first is compared on this process's
+    devices only.
 
     Args:
       leaves: ``jax.Array``s (other leaves, and 8-byte dtypes, are skipped); paths: a name per leaf.
     """
-    for path, leaf in zip(paths, leaves, strict=True):
-        if not isinstance(leaf, jax.Array) or leaf.dtype.itemsize > 4:
+    picked = [
+        (path, leaf)
+        for path, leaf in zip(paths, leaves, strict=True)
+        if isinstance(leaf, jax.Array) and leaf.dtype.itemsize <= 4
+    ]
+    mesh = next((leaf.sharding.mesh for _, leaf in picked if isinstance(leaf.sharding, NamedSharding)), None)
+    on_mesh = [(path, leaf) for path, leaf in picked if _on(mesh, leaf)]
+    if on_mesh:
+        specs = tuple(leaf.sharding.spec for _, leaf in on_mesh)
+        sums = _gathered_checksums(mesh, specs)(*(leaf for _, leaf in on_mesh))
+        table = np.asarray(sums.addressable_shards[0].data)  # (devices, leaves), every device's, on every process
+        row_of = {device.id: r for r, device in enumerate(mesh.devices.flat)}
+        for i, (path, leaf) in enumerate(on_mesh):
+            groups: dict[tuple, dict[int, list[int]]] = {}
+            for device, index in leaf.sharding.devices_indices_map(leaf.shape).items():
+                digest = int(table[row_of[device.id], i])
+                groups.setdefault(_index_key(index), {}).setdefault(digest, []).append(device.id)
+            _check_groups(path, groups)
+    for path, leaf in picked:
+        if _on(mesh, leaf):
             continue
-        groups: dict[tuple, dict[int, list[int]]] = {}
+        groups = {}
         for shard in leaf.addressable_shards:
-            index = tuple((i.start, i.stop, i.step) for i in shard.index)  # an array's shard index: slices
             digest = int(_checksum_on_device(shard.data))
-            groups.setdefault(index, {}).setdefault(digest, []).append(shard.device.id)
-        for index, digests in groups.items():
-            _check_one_value(f"{path}: the copies of its part {_index_text(index)} are no longer identical", digests)
+            groups.setdefault(_index_key(shard.index), {}).setdefault(digest, []).append(shard.device.id)
+        _check_groups(path, groups)
+
+
+def _on(mesh: Mesh | None, leaf: jax.Array) -> bool:
+    return isinstance(leaf.sharding, NamedSharding) and leaf.sharding.mesh == mesh
+
+
+def _index_key(index: tuple) -> tuple:
+    """An array's shard index (slices) as a hashable key."""
+    return tuple((i.start, i.stop, i.step) for i in index)
+
+
+def _check_groups(path: str, groups: dict[tuple, dict[int, list[int]]]) -> None:
+    for index, digests in groups.items():
+        _check_one_value(f"{path}: the copies of its part {_index_text(index)} are no longer identical", digests)
+
+
+@functools.lru_cache(maxsize=32)
+def _gathered_checksums(mesh: Mesh, specs: tuple) -> Callable:
+    """``(leaves) -> (devices, n)``, the same on every device: each device's checksum of its own shard of each
+    leaf, all-gathered over the whole mesh (rows in ``mesh.devices.flat`` order)."""
+
+    def local(*shards: jax.Array) -> jax.Array:
+        return lax.all_gather(jnp.stack([_checksum(x) for x in shards]), tuple(mesh.axis_names))
+
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False))
 
 
 def _check_one_value(subject: str, groups: dict[int, list[int]], hint: str = "") -> None:

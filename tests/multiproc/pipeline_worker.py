@@ -105,6 +105,7 @@ def main(argv=None) -> None:
         pipeline_stages=args.stages,
         microbatches=MICROBATCHES,
         passes=rp.Pipeline.default(zero_stage=args.zero) if args.zero else None,
+        check_state_every=1,  # each stage's copies compared after every step, across the processes too
     )
     loss = loss_in(args.stages)
 
