@@ -243,3 +243,19 @@ def test_copies_on_two_processes_are_compared(drift):
     ]
     assert said[0] == said[1], said  # both workers name the same devices
     assert "rows['float32']: the copies of its part [0:1, :] are no longer identical: devices [" in said[0], out[-3000:]
+
+
+def test_a_leaf_on_another_mesh_is_compared_on_its_own_devices():
+    # The gathered check takes the first leaf's mesh; a leaf placed on another mesh (other devices) is still
+    # checked, on this process's devices, and its drift is named.
+    from jax.sharding import Mesh
+
+    devices = jax.devices()[:8]
+    first = Mesh(np.array(devices[:4]).reshape(2, 2), ("stages", "cores"))
+    other = Mesh(np.array(devices[4:]).reshape(2, 2), ("stages", "cores"))
+    agree = _stage_rows(lambda d, stage: np.full((1, 3), stage, np.float32), first)
+    odd = other.devices[0, 1].id
+    drifted = _stage_rows(lambda d, stage: np.full((1, 3), 9.0 if d.id == odd else stage, np.float32), other)
+    check_copies_agree([agree, _stage_rows(lambda d, stage: np.full((1, 3), stage, np.float32), other)], ["a", "b"])
+    with pytest.raises(rp.DivergentStateError, match=rf"b: the copies of its part \[0:1, :\].*\[{odd}\] another"):
+        check_copies_agree([agree, drifted], ["a", "b"])
