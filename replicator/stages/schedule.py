@@ -333,10 +333,10 @@ def schedule_stats(table: Schedule, backward_cost: float = 1.0) -> ScheduleStats
     forwards, backwards = table.forward_micro >= 0, table.backward_micro >= 0
     live = np.cumsum(forwards, axis=0) - np.cumsum(backwards, axis=0) + backwards  # before the tick's backward
     span = table_span(table, 1.0, backward_cost)
-    work = forwards + backward_cost * backwards
+    work = forwards.sum() + backward_cost * backwards.sum()  # every stage's units, busy or not
     return ScheduleStats(
         ticks=table.num_ticks,
         span=span,
-        bubble=float(1 - work.sum() / (table.num_stages * span)),
+        bubble=float(1 - work / (table.num_stages * span)),
         peak_live=tuple(int(x) for x in live.max(axis=0)),
     )
