@@ -72,6 +72,7 @@ def check_copies_agree(leaves: Sequence[Any], paths: Sequence[str]) -> None:
     ]
     mesh = next((leaf.sharding.mesh for _, leaf in picked if isinstance(leaf.sharding, NamedSharding)), None)
     on_mesh = [(path, leaf) for path, leaf in picked if _on(mesh, leaf)]
+    elsewhere = [(path, leaf) for path, leaf in picked if not _on(mesh, leaf)]
     if on_mesh:
         specs = tuple(leaf.sharding.spec for _, leaf in on_mesh)
         sums = _gathered_checksums(mesh, specs)(*(leaf for _, leaf in on_mesh))
@@ -83,9 +84,7 @@ def check_copies_agree(leaves: Sequence[Any], paths: Sequence[str]) -> None:
                 digest = int(table[row_of[device.id], i])
                 groups.setdefault(_index_key(index), {}).setdefault(digest, []).append(device.id)
             _check_groups(path, groups)
-    for path, leaf in picked:
-        if _on(mesh, leaf):
-            continue
+    for path, leaf in elsewhere:
         groups = {}
         for shard in leaf.addressable_shards:
             digest = int(_checksum_on_device(shard.data))
