@@ -107,26 +107,56 @@ def test_a_gradient_off_by_ten_percent_is_caught(monkeypatch):
     assert outcome.mismatch is not None and outcome.error is None, str(outcome)
 
 
-def test_a_program_that_amplifies_rounding_passes_within_its_sensitivity_and_an_error_is_still_caught():
-    """Seed 340047 (S = 4, AdamW, a mean gradient that cancels to 2e-6 from parts of 4e-4): the pipelines land
-    up to 9e-4 from the reference on one element, where the reference itself moves by 1e-4 and more when its
-    sums add in another order. That passes as order-sensitive; an error of 1e-3 on another element does not,
-    nor one of 1e-2 on that element."""
-    spec = random_pipe_spec(340047, 4)
-    outcome = check(spec, PIPE_VARIANTS["pipe-S4-M8-1f1b"], (1, 8))
-    assert outcome.ok and outcome.order_sensitive and "['l2_0']['w']" in outcome.order_sensitive, str(outcome)
-    want, _ = reference(spec)
-    sensitivity, _ = pipelines.order_sensitivity(spec)
-    assert float(np.max(sensitivity[0]["l2_0"]["w"])) > 1e-4
+def test_a_run_off_by_less_than_the_references_own_order_sensitivity_passes_and_a_larger_error_is_caught(
+    monkeypatch,
+):
+    """The classifier, on a case built to be order-sensitive (not on how this CPU happens to round one seed):
+    a run off the reference by 3e-3 on one element passes when the reference itself moves by 1e-3 there under
+    another order of its sums (4 times that is allowed), and is recorded as order-sensitive, naming the leaf; the
+    same error on another element, or 5e-3 on that one, is a mismatch; the widening is computed once per
+    program."""
+    spec = random_pipe_spec(9, 2)
+    want = reference(spec)  # (state, losses); the state's first leaf is the parameters
+    params = want[0][0]
+    leaf, other = [k for k in params if isinstance(params[k], dict) and np.ndim(params[k].get("w")) == 2][:2]
+    sensitivity = jax.tree.map(lambda a: np.zeros(np.shape(a)), want[0])
+    sensitivity[0][leaf]["w"][0, 0] = 1e-3
+    computed = []
 
-    def shifted(leaf: str, at: tuple[int, int], by: float):
-        got = jax.tree.map(np.copy, want)
-        got[0][leaf]["w"][at] += by
-        return got
+    def order_sensitivity(s):
+        computed.append(s.seed)
+        return sensitivity, [0.0] * len(want[1])
 
-    assert first_mismatch(want, want, sensitivity) is None
-    assert "['l1_0']['w']" in first_mismatch(shifted("l1_0", (0, 0), 1e-3), want, sensitivity)
-    assert "['l2_0']['w']" in first_mismatch(shifted("l2_0", (5, 5), 1e-2), want, sensitivity)
+    def off_by(name: str, by: float):
+        got = jax.tree.map(np.copy, want[0])
+        got[0][name]["w"][0, 0] += by
+        return lambda *_: (got, list(want[1]))
+
+    monkeypatch.setattr(pipelines, "order_sensitivity", order_sensitivity)
+    variant, cache = PIPE_VARIANTS["pipe-S2-M2-1f1b"], {}
+    monkeypatch.setattr(pipelines, "replicated", off_by(leaf, 3e-3))
+    outcome = check(spec, variant, (1, 8), want, cache)
+    assert outcome.ok and outcome.order_sensitive and f"['{leaf}']['w']" in outcome.order_sensitive, str(outcome)
+    monkeypatch.setattr(pipelines, "replicated", off_by(leaf, 5e-3))
+    outcome = check(spec, variant, (1, 8), want, cache)
+    assert not outcome.ok and f"['{leaf}']['w']" in outcome.mismatch, str(outcome)
+    monkeypatch.setattr(pipelines, "replicated", off_by(other, 3e-3))
+    outcome = check(spec, variant, (1, 8), want, cache)
+    assert not outcome.ok and f"['{other}']['w']" in outcome.mismatch, str(outcome)
+    assert computed == [9]  # once for the program, however many variants compare with it
+    monkeypatch.setattr(pipelines, "replicated", lambda *_: (want[0], list(want[1])))
+    outcome = check(spec, variant, (1, 8), want, {})
+    assert outcome.ok and outcome.order_sensitive is None, str(outcome)  # agreeing outright is not order-sensitive
+    assert computed == [9]
+
+
+def test_seed_340047_a_program_that_amplifies_rounding_passes():
+    """Seed 340047 (S = 4, AdamW, a mean gradient that cancels to 2e-6 from parts of 4e-4): depending on how the
+    machine rounds, the pipelines land within the base tolerance or up to 9e-4 from the reference on one
+    element, where the reference itself moves by 1e-4 and more when its sums add in another order. Either way
+    it passes (outright or as order-sensitive)."""
+    outcome = check(random_pipe_spec(340047, 4), PIPE_VARIANTS["pipe-S4-M8-1f1b"], (1, 8))
+    assert outcome.ok, str(outcome)
 
 
 def test_first_mismatch_names_the_leaf_and_allows_the_tolerance():

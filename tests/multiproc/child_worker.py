@@ -57,7 +57,9 @@ def alive(pid: int) -> bool:
 
 stale = []
 for path in glob.glob(f"{args.pids}.*.*"):
-    if int(path.rsplit(".", 1)[1]) < start:
+    # Only finished files, PIDS.<worker>.<start>: another worker's file being written is named apart.
+    worker_start = path[len(args.pids) + 1 :].split(".")
+    if len(worker_start) == 2 and all(part.isdigit() for part in worker_start) and int(worker_start[1]) < start:
         with open(path) as f:
             pid = int(f.read())
         if alive(pid):
@@ -66,7 +68,7 @@ print(f"stale children alive: {sorted(stale)}", flush=True)
 
 ignore = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); " if args.child_ignores_sigterm else ""
 child = subprocess.Popen([sys.executable, "-c", f"{ignore}import time; time.sleep(600)"])
-tmp = f"{args.pids}.{me}.{start}.tmp"
+tmp = f"{args.pids}-writing-{me}-{start}"  # outside the glob above
 with open(tmp, "w") as f:
     f.write(str(child.pid))
 os.replace(tmp, f"{args.pids}.{me}.{start}")  # whole or absent
