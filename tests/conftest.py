@@ -85,7 +85,38 @@ def repl_square(n_devices: int) -> rp.Replicator:
 SLOW_MODULES = {"test_examples.py", "test_flax_resnet.py", "test_ecosystem.py", "test_differential.py"}
 
 
+#: Modules whose subject does not change between JAX releases: the launcher, the rendezvous store and
+#: their fault drills (host-side Python; the workers' use of ``jax.distributed`` is tested on both legs by
+#: test_distributed.py), the markdown and the examples (the API they call is tested on both legs by the
+#: rest), the fuzzer's command line. Marked ``one_leg``: CI runs them on the JAX 0.10 leg only
+#: (``.ci/run``; CONTRIBUTING.md, "Testing on two JAX versions"). A new test module runs on both legs unless
+#: it is listed here.
+ONE_LEG_MODULES = {
+    "test_docs.py",
+    "test_examples.py",
+    "test_bench_pipeline.py",
+    "test_launch.py",
+    "test_launch_cli.py",
+    "test_launch_membership_gaps.py",
+    "test_launch_mutation_gaps.py",
+    "test_membership.py",
+    "test_rendezvous.py",
+    "test_hosts.py",
+    "test_restarts.py",
+    "test_watchdog.py",
+    "test_faults.py",
+    "test_checkpoint_faults.py",
+    "test_fuzz_script.py",
+}
+#: Folders whose ``slow`` tests are more seeds of what their quick tests already run on both legs (the
+#: fuzzers' long samples): ``one_leg`` too.
+ONE_LEG_WHEN_SLOW = {"fuzz"}
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+        slow_sample = item.path.parent.name in ONE_LEG_WHEN_SLOW and item.get_closest_marker("slow")
+        if item.path.name in ONE_LEG_MODULES or slow_sample:
+            item.add_marker(pytest.mark.one_leg)
