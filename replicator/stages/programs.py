@@ -6,9 +6,11 @@ From a :class:`~replicator.stages.split.StageSplit` of a traced
 * ``forward(inputs, received) -> (sent, residuals, outputs)``: its forward
   equations; ``received`` are the values of the forward boundaries into ``s``,
   ``sent`` the operands of those out of it, ``residuals`` what its backward
-  reads (:meth:`StageSplit.residuals`);
+  reads that depends on the micro-batch (:mod:`~replicator.stages.stash`);
 * ``backward(inputs, residuals, received) -> (sent, outputs)``: its backward
-  equations, ``received`` the cotangents coming back into ``s``.
+  equations, ``received`` the cotangents coming back into ``s``; first it
+  computes again what it reads of the parameters alone (a slice of a stack's
+  weights: the same for every micro-batch, never stashed per micro-batch).
 
 ``inputs`` are all the step's inputs (constants, parameters, the micro-batch;
 what a stage does not read costs nothing once compiled). ``outputs`` has one
@@ -56,6 +58,7 @@ from replicator.core.jaxprs import DefUse, iter_eqns, sub_jaxprs
 from replicator.core.layout import FOLDED_AXES
 from replicator.core.primitives import PLACEHOLDERS, all_reduce_p, replica_id_p
 from replicator.stages.split import BACKWARD, FORWARD, StageSplit, StageSplitError
+from replicator.stages.stash import stash_plan
 
 __all__ = ["DATA_AXES", "StagePrograms", "check_collectives", "folded", "stage_programs"]
 
@@ -276,7 +279,12 @@ def _programs_of(
     sent = [v for b in forward_b if b.sender == stage for v in b.values]
     received_ct = [v for b in backward_b if b.receiver == stage for v in jaxpr.eqns[b.eqn].outvars]
     sent_ct = [v for b in backward_b if b.sender == stage for v in b.values]
-    residuals = list(split.residuals(stage))
+    # The stash: what depends on the micro-batch. Values of the parameters alone (a slice of a stack's weights)
+    # are computed again by the backward (a rename, for a partitioned stack's slice), a scan's stacked carry-in
+    # rebuilt from its carry-out (stash.py).
+    plan = stash_plan(split, stage)
+    residuals = list(plan.kept)
+    refwd = [jaxpr.eqns[i] for i in plan.recompute if i not in dropped]
     # A forward recomputed in the backward (jax.checkpoint) crosses the boundaries again with the same
     # values: the receiver keeps what it received in the forward and reads it there (recomputation from
     # the boundaries); the sender's recomputation of it is left unread.
@@ -327,6 +335,7 @@ def _programs_of(
         env.update((out, env[given]) for out, given in renames.items())
         env.update(zip(received, got, strict=True))
         _run(fwd, env)
+        env.update((stack.source, stack.take(env[var])) for var, stack in plan.rebuilt.items() if stack.tail)
         return [_read(env, v) for v in sent], [env[v] for v in residuals], outputs(env, FORWARD)
 
     def backward(step_inputs: Sequence[Any], kept: Sequence[Any], got: Sequence[Any]) -> tuple[list, list]:
@@ -335,6 +344,10 @@ def _programs_of(
         env.update(zip(residuals, kept, strict=True))
         env.update(zip(received_ct, got, strict=True))
         env.update((var, env[first]) for var, first in again.items())
+        _run(refwd, env)
+        env.update(
+            (var, stack.rebuild(env[stack.source], _read(env, stack.init))) for var, stack in plan.rebuilt.items()
+        )
         run_backward(env)
         return [_read(env, v) for v in sent_ct], outputs(env, BACKWARD)
 

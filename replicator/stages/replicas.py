@@ -43,6 +43,7 @@ from replicator.stages.lower import STAGE_AXIS, ring_slots
 from replicator.stages.schedule import SCHEDULES as schedule_tables
 from replicator.stages.schedule import schedule_stats, table_span
 from replicator.stages.split import BACKWARD, FORWARD
+from replicator.stages.stash import stash_plan
 from replicator.stages.train import (
     DATA_AXES,
     PipelineTrainStep,
@@ -107,8 +108,13 @@ class StageReport:
         packed row, padded to the largest stage's (:attr:`PipelineReport.row_bytes`).
       forward_s, backward_s: the cost model's seconds of one micro-batch's forward, and backward, on this
         stage (``None`` without a cost model); the step runs ``M`` of each.
-      residual_bytes: what one micro-batch's forward keeps for its backward.
+      residual_bytes: what one micro-batch's forward keeps for its backward (the stash, per micro-batch):
+        its activations (:attr:`stash_activation_bytes`) and ``stash_other_bytes``.
       peak_live: the most micro-batches whose residuals are alive at once under the schedule.
+      stash_other_bytes: of ``residual_bytes``, what does not depend on the micro-batch and is stashed all the
+        same (:attr:`~replicator.stages.stash.Stash.other`: a value of the parameters through a collective).
+      recomputed_bytes: what the backward reads of the parameters alone (a slice of a stacked scan's weights)
+        and computes again from them rather than stash per micro-batch: not stored.
     """
 
     stage: int
@@ -118,6 +124,13 @@ class StageReport:
     backward_s: float | None
     residual_bytes: int
     peak_live: int
+    stash_other_bytes: int = 0
+    recomputed_bytes: int = 0
+
+    @property
+    def stash_activation_bytes(self) -> int:
+        """Of the per-micro-batch stash, the activations: values that depend on the micro-batch."""
+        return self.residual_bytes - self.stash_other_bytes
 
     @property
     def compute_s(self) -> float | None:
@@ -184,14 +197,22 @@ class PipelineReport:
             else f"  per device: state {_bytes(self.row_bytes)} (packed row: parameters and optimizer state"
             f"{f'; with ZeRO-{self.zero_stage}, 1/{devices} of each chunked leaf' if self.zero_stage else ''}), "
             f"residual ring of {self.stash_slots} slots",
-            "  stage  compute/micro-batch  parameters  residuals/micro-batch  peak live  activations  leaves",
+            "  stage  compute/micro-batch  parameters  stash/micro-batch: activations  other  peak live  "
+            "stash at peak  leaves",
         ]
         for r in self.per_stage:
             compute = "-" if r.compute_s is None else f"{r.compute_s * 1e6:.1f} us"
             leaves = ", ".join(r.parameters) if len(r.parameters) <= 4 else f"{len(r.parameters)} leaves"
             lines.append(
-                f"  {r.stage:5d}  {compute:>19}  {_bytes(r.parameter_bytes):>10}  {_bytes(r.residual_bytes):>21}  "
-                f"{r.peak_live:9d}  {_bytes(r.activation_bytes):>11}  {leaves}"
+                f"  {r.stage:5d}  {compute:>19}  {_bytes(r.parameter_bytes):>10}  "
+                f"{_bytes(r.stash_activation_bytes):>30}  {_bytes(r.stash_other_bytes):>5}  "
+                f"{r.peak_live:9d}  {_bytes(r.activation_bytes):>13}  {leaves}"
+            )
+        recomputed = [r for r in self.per_stage if r.recomputed_bytes]
+        if recomputed:
+            lines.append(
+                "  not stashed, read again from the parameters in each backward (a stacked scan's slice of weights): "
+                + ", ".join(f"stage {r.stage} {_bytes(r.recomputed_bytes)}" for r in recomputed)
             )
         computes = [r.compute_s for r in self.per_stage]
         if all(c is not None for c in computes) and max(computes) > 0:  # type: ignore[type-var]
@@ -203,9 +224,10 @@ class PipelineReport:
         if self.device_memory is not None:
             mem = self.device_memory
             lines.append(
-                f"  compiled, per device (XLA's memory analysis): peak {_bytes(mem.peak)} = arguments "
+                f"  compiled, per device (XLA's memory analysis): total {_bytes(mem.total)} = arguments "
                 f"{_bytes(mem.arguments)} + outputs {_bytes(mem.outputs)} + temporaries {_bytes(mem.temporaries)}"
                 + (f" - aliased {_bytes(mem.aliased)}" if mem.aliased else "")
+                + " (every buffer as if alive at once: an upper bound, not XLA's peak)"
             )
         lines.append("schedule (F: forward, B: backward of micro-batch m):")
         lines.append(str(self.schedule))
@@ -232,7 +254,9 @@ def _nbytes(aval: Any) -> int:
 class DeviceMemory:
     """XLA's memory analysis of the compiled step, per device (bytes): what the step's arguments, its outputs
     and its temporaries (activations, residual rings, the optimizer's scratch) take, and the output bytes that
-    reuse an argument's buffer (donation). ``peak`` is their sum less the aliased bytes."""
+    reuse an argument's buffer (donation). ``total`` is their sum less the aliased bytes: every buffer the
+    program owns, counted as if all were alive at once, an upper bound on what it holds at any moment, not
+    XLA's own peak (which it does not report)."""
 
     arguments: int
     outputs: int
@@ -240,8 +264,14 @@ class DeviceMemory:
     aliased: int
 
     @property
-    def peak(self) -> int:
+    def total(self) -> int:
+        """Arguments + outputs + temporaries - aliased."""
         return self.arguments + self.outputs + self.temporaries - self.aliased
+
+    @property
+    def peak(self) -> int:
+        """The former name of :attr:`total` (kept working): not XLA's peak, the sum of its buffers."""
+        return self.total
 
 
 def compiled_memory(jitted: Any, *args: Any) -> DeviceMemory:
@@ -275,6 +305,7 @@ def _stage_reports(
     """Per stage: the leaves it keeps, the cost model's forward and backward of one micro-batch, its residuals.
     ``aval_of(leaf, stage)``: the leaf as that stage keeps it (whole, or its slice of a partitioned leaf)."""
     reports = []
+    stash = [stash_plan(split, s) for s in range(len(layout))]
     for s in range(len(layout)):
         phase = {
             p: [split.jaxpr.eqns[i] for i in split.eqns_of(s) if split.phases[i] == p] for p in (FORWARD, BACKWARD)
@@ -288,6 +319,8 @@ def _stage_reports(
                 backward_s=None if stage_cost is None else float(stage_cost(phase[BACKWARD])),
                 residual_bytes=sum(_nbytes(a) for a in programs[s].residuals),
                 peak_live=int(peak_live[s]),
+                stash_other_bytes=sum(_nbytes(v.aval) for v in stash[s].other),
+                recomputed_bytes=sum(_nbytes(v.aval) for v in stash[s].recomputed),
             )
         )
     return tuple(reports)

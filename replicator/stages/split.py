@@ -39,6 +39,7 @@ Example: two stages, the head in the second:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,7 +48,7 @@ from jax.extend.core import primitives as jax_primitives
 
 from replicator._jax_compat import user_code_line, user_source_line
 from replicator.core.jaxprs import CALL_PRIMITIVES, DefUse, iter_eqns, sub_jaxprs
-from replicator.core.primitives import all_reduce_p, stage_boundary_p
+from replicator.core.primitives import PLACEHOLDERS, all_reduce_p, stage_boundary_p
 from replicator.errors import ReplicationError
 
 __all__ = ["Boundary", "Partition", "StageSplit", "StageSplitError", "StageSum", "split_stages"]
@@ -151,6 +152,14 @@ class StageSplit:
       input_stages: per input of ``jaxpr`` (``invars``), the stages that read it.
       output_stages: per output of ``jaxpr``, the stages that hold it.
       free: per equation, whether it is computed from the step's inputs alone.
+      param_only: per equation, whether it is computed from the step's constants and parameters alone (the
+        inputs before ``first_batch``): a free equation that reads no micro-batch input, and has no effect nor
+        collective (a slice of stacked weights, a cast of a parameter). Its values are the same for every
+        micro-batch: a backward that reads them computes them again instead of keeping them per micro-batch
+        (:mod:`~replicator.stages.stash`). All false where the split was given no ``first_batch`` (nor
+        ``num_state``).
+      params_end: the inputs before it are the parameters (``first_batch``, else ``num_state``, else 0), the
+        others the micro-batch.
       input_partitions: the inputs (by index) read only through one slice of the leading axis per stage
         (:class:`Partition`).
       output_partitions: the outputs (by position) that are the sum of one padded slice per stage. The split
@@ -169,6 +178,8 @@ class StageSplit:
     free: tuple[bool, ...]
     input_partitions: dict[int, Partition] = dataclasses.field(default_factory=dict)
     output_partitions: dict[int, Partition] = dataclasses.field(default_factory=dict)
+    param_only: tuple[bool, ...] = ()
+    params_end: int = 0
 
     def partitioned(self, num_params: int, first_output: int = 1) -> dict[int, Partition]:
         """The parameters (inputs ``0 .. num_params - 1``) that each stage may keep only its slice of: input
@@ -208,9 +219,16 @@ class StageSplit:
         return tuple(i for i, v in enumerate(self.jaxpr.outvars[:num_state]) if isinstance(v, Var) and v in sums)
 
     def residuals(self, stage: int) -> tuple[Var, ...]:
-        """What ``stage`` keeps from a micro-batch's forward for its backward: the variables its forward
-        equations define (or receive) and its backward equations read. Its size is the per-micro-batch
-        activation memory a schedule multiplies by the micro-batches in flight."""
+        """What ``stage`` keeps from a micro-batch's forward for its backward (the stash,
+        :func:`~replicator.stages.stash.stash_plan`): of what its backward reads of its forward
+        (:meth:`read_back`), the values that depend on the micro-batch. Its size is the per-micro-batch
+        memory a schedule multiplies by the micro-batches in flight."""
+        from replicator.stages.stash import stash_plan  # it reads the split
+
+        return stash_plan(self, stage).kept
+
+    def read_back(self, stage: int) -> tuple[Var, ...]:
+        """The variables ``stage``'s forward equations define (or receive) and its backward equations read."""
         mine = self.eqns_of(stage)
         defined = {v for i in mine if self.phases[i] == FORWARD for v in self.jaxpr.eqns[i].outvars}
         seen: dict[Var, None] = {}
@@ -218,6 +236,16 @@ class StageSplit:
             if self.phases[i] == BACKWARD:
                 seen.update((v, None) for v in self.jaxpr.eqns[i].invars if isinstance(v, Var) and v in defined)
         return tuple(seen)
+
+    @functools.cached_property
+    def producers(self) -> dict[Var, int]:
+        """Each variable of :attr:`jaxpr` an equation defines, with that equation's index."""
+        return {v: i for i, e in enumerate(self.jaxpr.eqns) for v in e.outvars if isinstance(v, Var)}
+
+    def is_param_only(self, var: Var) -> bool:
+        """Whether ``var`` is a value of an equation of the parameters alone (:attr:`param_only`)."""
+        index = self.producers.get(var) if self.param_only else None
+        return index is not None and self.param_only[index]
 
 
 # ----------------------------------------------------------------------------
@@ -293,7 +321,12 @@ def _inline(
 def _raise_nested(eqn: JaxprEqn) -> None:
     marker = next(e for sub in sub_jaxprs(eqn.params) for e in iter_eqns(sub) if e.primitive is stage_boundary_p)
     loop = eqn.primitive.name in ("scan", "while")
-    where = "a loop body" if loop else "a branch" if eqn.primitive.name == "cond" else "a sub-program"
+    # Name what the user wrote: lax.fori_loop lowers to a scan or a while, lax.switch to a cond.
+    what = {
+        "scan": "the loop (lax.fori_loop / lax.scan / lax.map)",
+        "while": "the loop (lax.fori_loop / lax.while_loop)",
+        "cond": "a branch of the lax.cond / lax.switch",
+    }.get(eqn.primitive.name, f"the '{eqn.primitive.name}'")
     hint = (
         "Stages are cut in the step's top level, once per step. For a stack of identical layers under "
         "lax.scan (Flax nn.scan), leave the stack unmarked: a pipelined Replicator cuts it into its stages "
@@ -303,8 +336,8 @@ def _raise_nested(eqn: JaxprEqn) -> None:
         "reach cannot be scheduled. Move rp.stage_boundary out of the cond/switch, after it."
     )
     raise StageSplitError(
-        f"rp.stage_boundary at {user_code_line(marker.source_info)} is inside {where} of the "
-        f"'{eqn.primitive.name}' at {user_code_line(eqn.source_info)}. {hint}"
+        f"rp.stage_boundary at {user_code_line(marker.source_info)} is inside {what} at "
+        f"{user_code_line(eqn.source_info)}. {hint}"
     )
 
 
@@ -429,6 +462,7 @@ def split_stages(
 
     phases = _phases(flat, [t for _, t in inlined])
     params_end = first_batch if first_batch is not None else num_state or 0
+    param_only = _param_only(flat, placements, set(boundaries), params_end)
     return StageSplit(
         jaxpr=flat,
         num_stages=num_stages,
@@ -441,7 +475,29 @@ def split_stages(
         free=tuple(p is None and i not in boundaries for i, p in enumerate(placements)),
         input_partitions=_input_partitions(flat, facts, eqn_stages, phases, params_end),
         output_partitions=_output_partitions(flat, facts, eqn_stages),
+        param_only=param_only,
+        params_end=params_end,
     )
+
+
+def _param_only(jaxpr: Jaxpr, placements: Sequence[Placement], markers: set[int], params_end: int) -> tuple[bool, ...]:
+    """Per equation, whether it computes from the constants and the inputs before ``params_end`` alone, with
+    no effect and no collective (:attr:`StageSplit.param_only`)."""
+    known: set[Var] = {*jaxpr.constvars, *jaxpr.invars[:params_end]}
+    out = []
+    for index, eqn in enumerate(jaxpr.eqns):
+        ok = (
+            params_end > 0
+            and placements[index] is None
+            and index not in markers
+            and not eqn.effects
+            and eqn.primitive not in PLACEHOLDERS
+            and all(v in known for v in eqn.invars if isinstance(v, Var))
+        )
+        if ok:
+            known.update(v for v in eqn.outvars if isinstance(v, Var))
+        out.append(ok)
+    return tuple(out)
 
 
 def _consecutive(pieces: list[tuple[int, int, int]], length: int) -> bool:

@@ -256,14 +256,14 @@ def test_a_marker_inside_a_flax_scan_body_is_refused_naming_its_line():
     message = _refusal_of_a_marker_in_a_scan_body()
     (marker,) = _marked_lines(_Layer.__call__)
     assert f"rp.stage_boundary at {__file__}:{marker} " in message, message
-    assert "inside a loop body of the 'scan'" in message
+    assert "is inside the loop (lax.fori_loop / lax.scan / lax.map) at" in message
     assert "mark the boundaries between layers outside the scan" in message
 
 
 def test_the_refusal_names_the_users_nn_scan_call_as_the_loop():
     message = _refusal_of_a_marker_in_a_scan_body()
     (loop,) = _marked_lines(_Stack.__call__)
-    assert f"is inside a loop body of the 'scan' at {__file__}:{loop} " in message, message
+    assert f"is inside the loop (lax.fori_loop / lax.scan / lax.map) at {__file__}:{loop} " in message, message
 
 
 # 6. ZeRO on each stage's data-parallel replicas: passes=rp.Pipeline.default(zero_stage=k), through run_pipelined.

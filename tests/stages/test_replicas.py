@@ -334,7 +334,7 @@ def test_describe_pipeline_measures_the_compiled_steps_memory():
         # Arguments per device: the packed parameter row, Adam's two rows and count, this replica's batch share.
         rows = 3 * 4 * 83 + 4
         assert rows <= mem.arguments <= rows + ids.nbytes // 2 + y.nbytes // 2 + 64
-        assert mem.peak == mem.arguments + mem.outputs + mem.temporaries - mem.aliased
+        assert mem.total == mem.peak == mem.arguments + mem.outputs + mem.temporaries - mem.aliased
         assert "compiled, per device (XLA's memory analysis)" in str(report)
     assert memory["gpipe"].temporaries > memory["1f1b"].temporaries  # 8 residual slots against 4
     assert repl.describe_pipeline(four_stages_tied, opt, (ids, y), (p, opt.init(p))).device_memory is None

@@ -218,7 +218,20 @@ class TestErrors:
             return jnp.mean((h @ p["head"] - y) ** 2)
 
         message = raises_at(loss, body, loss)
-        assert "loop body of the 'scan'" in message
+        assert "is inside the loop (lax.fori_loop / lax.scan / lax.map) at" in message
+
+    def test_boundary_in_a_fori_loop_names_the_loop(self):
+        # lax.fori_loop with static bounds (the only one jax.grad takes) lowers to a scan: the message names
+        # the loop the user wrote, at its line, not the primitive it lowered to.
+        def body(i, h):
+            return rp.stage_boundary(jnp.tanh(h @ h.T @ h))  # <-
+
+        def loss(p, ids, y):
+            h = lax.fori_loop(0, 2, body, p["emb"][ids])  # <-
+            return jnp.mean((h @ p["head"] - y) ** 2)
+
+        message = raises_at(loss, body, loss)
+        assert "is inside the loop (lax.fori_loop" in message and "'scan'" not in message, message
 
     def test_boundary_in_a_branch(self):
         def loss(p, ids, y):
@@ -226,7 +239,7 @@ class TestErrors:
             h = lax.cond(jnp.sum(y) > 0, rp.stage_boundary, lambda h: h, h)  # <-
             return jnp.mean((h @ p["head"] - y) ** 2)
 
-        assert "a branch of the 'cond'" in raises_at(loss)
+        assert "is inside a branch of the lax.cond / lax.switch at" in raises_at(loss)
 
     def test_skip_connection_past_a_boundary(self):
         def loss(p, ids, y):
