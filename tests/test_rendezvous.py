@@ -6,6 +6,7 @@ SIGKILL must be seen (replicator/launch/rendezvous.py, membership.py).
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -146,6 +147,25 @@ def test_wrong_or_missing_secret_is_refused_and_the_store_goes_on():
         _served(s)
     with StoreServer() as s, pytest.raises(RendezvousError, match="does not check a secret"):
         StoreClient(s.address, secret=SECRET)  # a client with a secret does not trust a server without one
+
+
+class _SlowRecord(collections.deque):
+    """A ``dropped`` record that takes its time: what a loaded machine does to the server's thread."""
+
+    def append(self, item):
+        time.sleep(0.3)
+        super().append(item)
+
+
+def test_a_refusal_is_recorded_before_the_client_reads_it():
+    """The server publishes why it dropped a connection before it sends the refusal: a client (or a test) that
+    has read the refusal finds the record, however slow the server's thread is (it once failed 48 times in 300
+    on a loaded machine, the record written after the reply)."""
+    with StoreServer(secret=SECRET, handshake_timeout_s=2.0) as s:
+        s.dropped = _SlowRecord(maxlen=256)
+        with pytest.raises(RendezvousError, match="refused this launcher"):
+            StoreClient(s.address, secret=b"another-secret-of-enough-bytes")
+        assert any("wrong or missing secret" in d for d in s.dropped), list(s.dropped)
 
 
 def test_a_client_that_skips_the_handshake_gets_nothing(server):

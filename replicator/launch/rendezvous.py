@@ -28,6 +28,7 @@ must not be secrets.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import hmac
 import ipaddress
@@ -81,7 +82,14 @@ class RendezvousTimeout(RendezvousError, TimeoutError):
 
 
 class _Drop(Exception):
-    """The peer broke the protocol: close its connection (the server goes on)."""
+    """The peer broke the protocol: close its connection (the server goes on), after sending ``reply`` if any.
+
+    The drop is recorded in :attr:`StoreServer.dropped` before the reply leaves, so a peer that reads the
+    reply finds the record already there."""
+
+    def __init__(self, why: str, reply: Mapping[str, Any] | None = None) -> None:
+        super().__init__(why)
+        self.reply = reply
 
 
 def is_loopback(host: str) -> bool:
@@ -297,7 +305,11 @@ class StoreServer:
                 answer = self._answer(request)
                 _send(conn, answer, time.monotonic() + self.frame_timeout_s)
         except _Drop as e:
-            self._drop(conn, peer, str(e))
+            self.dropped.append(f"{peer}: {e}")  # published before the refusal is sent
+            if e.reply is not None:
+                with contextlib.suppress(OSError, TimeoutError):
+                    _send(conn, e.reply, time.monotonic() + self.frame_timeout_s)
+            _shut(conn)
         except TimeoutError:
             self._drop(conn, peer, "too slow (a timeout)")
         except Exception as e:  # noqa: BLE001 - a connection's failure never reaches the other connections
@@ -320,8 +332,9 @@ class StoreServer:
         if self.secret is not None:
             mac = hello.get("mac")
             if not isinstance(mac, str) or not hmac.compare_digest(mac, _mac(self.secret, "client", nonce, theirs)):
-                _send(conn, {"ok": False, "error": "wrong or missing secret", "refused": True}, deadline)
-                raise _Drop("wrong or missing secret")
+                raise _Drop(
+                    "wrong or missing secret", {"ok": False, "error": "wrong or missing secret", "refused": True}
+                )
             _send(conn, {"ok": True, "mac": _mac(self.secret, "server", theirs, nonce)}, deadline)
         else:
             _send(conn, {"ok": True}, deadline)
