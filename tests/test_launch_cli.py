@@ -493,3 +493,18 @@ class TestJobOutput:
             assert f"[worker {w}] Traceback (most recent call last):" in err.splitlines()
             assert f"[worker {w}] KeyError: 'a missing key, handled'" in err.splitlines()
         assert "after the failure" not in err and "whole output" not in err
+
+
+def test_rdzv_rejoin_timeout_must_be_below_the_join_timeout(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--rdzv-rejoin-timeout``: how long a restart round waits for a host still stopping its workers; at or
+    above ``--rdzv-join-timeout`` (or below 0) it is refused (exit 2), saying why."""
+    toy = str(Path(__file__).resolve().parent / "multiproc" / "toy_worker.py")
+    common = ["--nnodes", "1:2", "--rdzv-endpoint", "h:1", "--rdzv-join-timeout", "30"]
+    args, _ = cli.parse([*common, "--rdzv-rejoin-timeout", "20", toy])
+    assert args.rdzv_rejoin_timeout == 20.0
+    assert cli.parse([*common, toy])[0].rdzv_rejoin_timeout is None  # the default: min(60, join / 2)
+    for bad in ("30", "-1"):
+        with pytest.raises(SystemExit) as e:
+            cli.parse([*common, "--rdzv-rejoin-timeout", bad, toy])
+        assert e.value.code == 2
+        assert "below --rdzv-join-timeout (30)" in capsys.readouterr().err

@@ -428,6 +428,80 @@ def test_min_max_closes_after_last_call_and_a_late_host_joins_the_next_round(ser
         r.close()
 
 
+def _restart(server: StoreServer, **kw) -> tuple[Rendezvous, Rendezvous, Assignment]:
+    """Launchers 'a' (host rank 0) and 'b' (1) under --nnodes 1:2 in round 0; 'b' starts a restart (its worker
+    failed). Returns a and b."""
+    rdzvs, results = _join_all(
+        server.address, [{"launcher_id": "a", "rank": 0}, {"launcher_id": "b", "rank": 1}], min_hosts=1, max_hosts=2
+    )
+    _agree(results)
+    a, b = rdzvs
+    assert b.next_round(0, "host rank 1: worker 1 was killed") == 1
+    return a, b
+
+
+def _join_in_thread(r: Rendezvous) -> tuple[threading.Thread, list]:
+    box: list = []
+
+    def go() -> None:
+        try:
+            box.append(r.join())
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            box.append(e)
+
+    t = threading.Thread(target=go)
+    t.start()
+    return t, box
+
+
+def test_a_restart_round_waits_for_a_host_that_still_heartbeats(server):
+    """Host 0 is slow to stop its workers (longer than the last call): the restart round waits for it instead
+    of closing with host 1 alone (a healthy host dropped without a word, the job's result changed)."""
+    a, b = _restart(server)
+    t, box = _join_in_thread(b)
+    time.sleep(3 * b.last_call_s)  # a is still stopping its workers; it heartbeats
+    assert not box, box  # round 1 is still open: it waits for a
+    assert a.join().members == ("a", "b")  # a comes: the round closes with both, ranks kept
+    t.join(timeout=10)
+    assert isinstance(box[0], Assignment) and box[0].members == ("a", "b") and not box[0].left and not box[0].lost
+    for r in (a, b):
+        r.close()
+
+
+def test_a_host_that_does_not_rejoin_in_time_is_named_and_never_told_success(server):
+    """Past the rejoin timeout the round closes without the heartbeating host: the others are told its rank left
+    the job; it is told so when it comes, even after the job ended with success."""
+    a, b = _restart(server)
+    b.rejoin_timeout_s = a.rejoin_timeout_s = 1.0
+    t, box = _join_in_thread(b)
+    t.join(timeout=10)
+    got = box[0]
+    assert isinstance(got, Assignment) and got.members == ("b",), got
+    assert (got.left, got.lost, got.previous_hosts) == ((("a", 0),), (), 2)
+    b.end('{"code": 0, "reason": "every host\'s workers finished (round 1)"}')
+    with pytest.raises(membership.LeftOut, match="host rank 0 left the job at round 1"):
+        a.join()
+    for r in (a, b):
+        r.close()
+
+
+def test_a_restart_round_goes_on_without_a_host_that_is_gone_and_names_it(server):
+    a, b = _restart(server)
+    a.close(leave=False)  # its heartbeats stop: as if killed
+    t, box = _join_in_thread(b)
+    t.join(timeout=10 + b.detection_bound_s)
+    got = box[0]
+    assert isinstance(got, Assignment) and got.members == ("b",), got
+    assert (got.left, got.lost, got.previous_hosts) == ((), (("a", 0),), 2)
+    b.close()
+
+
+def test_the_rejoin_timeout_is_below_the_join_timeout():
+    with pytest.raises(ValueError, match="below the join timeout"):
+        Rendezvous("127.0.0.1:1", min_hosts=1, join_timeout_s=5.0, rejoin_timeout_s=5.0)
+    assert Rendezvous("127.0.0.1:1", min_hosts=1, join_timeout_s=10.0).rejoin_timeout_s == 5.0
+
+
 def test_a_lost_launcher_is_dropped_from_an_open_round(server):
     ghost = Rendezvous(server.address, min_hosts=1, max_hosts=2, launcher_id="ghost", last_call_s=60, **FAST).start()
     ghost._enter(*ghost._state())
@@ -572,15 +646,16 @@ def test_serve_if_here():
 TOY = str(ROOT / "tests" / "multiproc" / "toy_worker.py")
 
 _HOST = """
-import sys
+import os, sys
 from replicator.launch import hosts, membership
 from replicator.launch.environment import worker_command
 endpoint, nnodes, name, serve, max_restarts, *rest = sys.argv[1:]
 low, high = membership.parse_nnodes(nnodes)
 store = membership.serve_if_here(endpoint, None) if serve == "serve" else None
+last_call, kill_grace = float(os.environ.get("LAST_CALL_S", "3")), float(os.environ.get("KILL_GRACE_S", "1"))
 r = membership.Rendezvous(endpoint, min_hosts=low, max_hosts=high, launcher_id=name, heartbeat_interval_s=0.25,
-                          missed_heartbeats=4, last_call_s=3.0, join_timeout_s=30).start()
-code = hosts.run_host(worker_command(rest), r, max_restarts=int(max_restarts), kill_grace_s=1.0, store=store)
+                          missed_heartbeats=4, last_call_s=last_call, join_timeout_s=30).start()
+code = hosts.run_host(worker_command(rest), r, max_restarts=int(max_restarts), kill_grace_s=kill_grace, store=store)
 r.close()
 sys.exit(code)
 """
@@ -588,8 +663,11 @@ sys.exit(code)
 HOST_BOUND_S = 1.25
 
 
-def _hosts(nnodes: str, max_restarts: int, toy_args: list[str], n: int = 2) -> tuple[str, list[subprocess.Popen]]:
-    """``n`` host launchers (processes) on one machine; the first hosts the rendezvous."""
+def _hosts(
+    nnodes: str, max_restarts: int, toy_args: list[str], n: int = 2, env: dict[str, str] | None = None
+) -> tuple[str, list[subprocess.Popen]]:
+    """``n`` host launchers (processes) on one machine; the first hosts the rendezvous. ``env``: more variables
+    (``LAST_CALL_S``, ``KILL_GRACE_S``: the launchers' settings, 3 and 1 s by default)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         endpoint = f"127.0.0.1:{probe.getsockname()[1]}"
@@ -604,6 +682,7 @@ def _hosts(nnodes: str, max_restarts: int, toy_args: list[str], n: int = 2) -> t
                 text=True,
                 cwd=ROOT,
                 start_new_session=True,
+                env={**os.environ, **(env or {})},
             )
         )
         if i == 0:
@@ -645,6 +724,19 @@ def test_a_worker_failure_on_one_host_restarts_every_host(how, how_said):
 
 
 @pytest.mark.multiprocess
+def test_a_host_slower_to_stop_than_the_last_call_is_waited_for_not_dropped():
+    """The issue's reproduction: under 1:2, host 1's worker fails while host 0's ignores SIGTERM, so host 0 takes
+    the whole kill grace (4 s) to stop, longer than the last call (2 s). Round 1 waits for host 0: both hosts
+    run it (before: it closed with host 1 alone, and host 0 exited 0 saying every host's workers finished)."""
+    toy = ["--fail-worker", "1", "--after", "1", "--fail-starts", "1", "--ignore-sigterm", "--sleep", "6"]
+    _, procs = _hosts("1:2", 2, toy, env={"LAST_CALL_S": "2", "KILL_GRACE_S": "4"})
+    (rc0, out0), (rc1, out1) = _finish(procs)
+    assert "round 0: host rank 0 of 2" in out0, out0[-3000:]  # both in round 0
+    assert (rc0, rc1) == (0, 0), out0[-3000:] + out1[-3000:]
+    assert "round 1: host rank 0 of 2" in out0 and "round 1: host rank 1 of 2" in out1, out0[-3000:] + out1[-3000:]
+    assert "left the job" not in out0 + out1
+
+
 def test_a_failure_after_the_last_restart_ends_every_host_with_its_code():
     _, procs = _hosts("2", 0, ["--fail-worker", "1", "--after", "0.3", "--sleep", "5"])
     (rc0, out0), (rc1, out1) = _finish(procs)

@@ -40,6 +40,7 @@ from replicator.launch.membership import (
     DEFAULT_JOIN_TIMEOUT_S,
     DEFAULT_LAST_CALL_S,
     DEFAULT_MISSED_HEARTBEATS,
+    DEFAULT_REJOIN_TIMEOUT_S,
     Rendezvous,
     parse_nnodes,
     serve_if_here,
@@ -274,6 +275,15 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_JOIN_TIMEOUT_S,
         help="seconds a launcher waits for the others to join a round (default %(default)g)",
     )
+    hosts.add_argument(
+        "--rdzv-rejoin-timeout",
+        type=float,
+        metavar="S",
+        default=None,
+        help=f"seconds a restart round waits for the hosts of the round before it that still heartbeat (stopping "
+        f"their workers) before it goes on without them, naming them; below --rdzv-join-timeout (default: "
+        f"{DEFAULT_REJOIN_TIMEOUT_S:g} or half the join timeout, the smaller)",
+    )
     hidden = argparse.SUPPRESS
     p.add_argument("--master-addr", dest="tr_master_addr", metavar="HOST", help=hidden)
     p.add_argument("--master-port", dest="tr_master_port", type=int, metavar="PORT", help=hidden)
@@ -387,6 +397,13 @@ def _rendezvous_mode(args: argparse.Namespace) -> None:
             raise LaunchError(f"{flag} must be a positive number of seconds, got {value!r}.")
     if not args.rdzv_last_call >= 0:
         raise LaunchError(f"--rdzv-last-call must be >= 0 seconds, got {args.rdzv_last_call!r}.")
+    rejoin = args.rdzv_rejoin_timeout
+    if rejoin is not None and not 0 <= rejoin < args.rdzv_join_timeout:
+        raise LaunchError(
+            f"--rdzv-rejoin-timeout {rejoin!r}: give a number of seconds >= 0 and below --rdzv-join-timeout "
+            f"({args.rdzv_join_timeout:g}): the hosts that rejoined a restart would give up before it waited out the "
+            "others."
+        )
     host, sep, port = args.tr_rdzv_endpoint.rpartition(":")
     if not (sep and host and port.isdigit()):
         host, port = args.tr_rdzv_endpoint, str(_RDZV_PORT)
@@ -628,6 +645,7 @@ def _across_hosts(args: argparse.Namespace, command: list[str], interrupted: thr
         heartbeat_interval_s=args.rdzv_heartbeat,
         last_call_s=args.rdzv_last_call,
         join_timeout_s=args.rdzv_join_timeout,
+        rejoin_timeout_s=args.rdzv_rejoin_timeout,
     )
     where = "served here" if store is not None else "served by another host's launcher"
     print(f"[launcher] rendezvous at {args.rdzv_endpoint} ({where}); this host: {address}", file=sys.stderr, flush=True)

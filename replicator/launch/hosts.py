@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from typing import IO
 
 from replicator.launch.environment import LaunchError
-from replicator.launch.membership import Assignment, Rendezvous
+from replicator.launch.membership import Assignment, LeftOut, Rendezvous
 from replicator.launch.processes import DEFAULT_KILL_GRACE_S, EXIT_POLL_S, Output, Worker, stop
 from replicator.launch.rendezvous import RendezvousError, StoreServer
 from replicator.launch.restarts import Outcome, Recovery
@@ -231,7 +231,10 @@ def run_host(
                     break
                 ended = _ended_now(rdzv)
                 outside = _running_without(rdzv)
-                if ended is not None:
+                if isinstance(e, LeftOut):  # dropped from the job: never a success, whatever the others did
+                    output.launcher(f"{e} (exit code {HOST_LOST_EXIT_CODE})")
+                    code = HOST_LOST_EXIT_CODE
+                elif ended is not None:
                     output.launcher(f"the job ended: {ended[1]}")
                     code = ended[0]
                 elif outside is not None:  # the job runs on: this launcher leaves it alone
@@ -250,6 +253,16 @@ def run_host(
                 f"round {a.round}: host rank {a.host_rank} of {a.num_hosts} (coordinator {a.coordinator}, "
                 f"launchers {list(a.members)})"
             )
+            for lid, rank in a.left:
+                output.launcher(
+                    f"host rank {rank} left the job at round {a.round}: it still heartbeats but did not rejoin within "
+                    f"{rdzv.rejoin_timeout_s:g} s (launcher {lid}); going on with {a.num_hosts} of {a.previous_hosts} "
+                    "hosts"
+                )
+            for lid, rank in a.lost:
+                output.launcher(
+                    f"host rank {rank} lost (launcher {lid}); going on with {a.num_hosts} of {a.previous_hosts} hosts"
+                )
             if pending is not None:
                 recoveries.append(pending)
             plan = [

@@ -5,7 +5,13 @@ The state of the current round is one JSON value in the store
 torchrun's c10d rendezvous keeps it: its number (the restart count), whether it
 is open or closed, the launchers that joined it and, once closed, their host
 ranks. A round closes when ``max_hosts`` launchers joined, or ``min_hosts``
-did and ``last_call_s`` passed since. Host ranks are, in this order: the rank a
+did and ``last_call_s`` passed since; a restart round also waits for every host
+of the round before it that still heartbeats (it is stopping its workers), at
+most ``rejoin_timeout_s`` after the restart, and then records those it goes on
+without (:attr:`Assignment.left`; a gone host is in :attr:`Assignment.lost`). A
+launcher of the previous round that finds the restart round closed without it
+is told it left the job (:class:`LeftOut`), even once the job has ended: its
+workers were dropped, so it never reports success. Host ranks are, in this order: the rank a
 launcher asked for (``--node-rank``), the rank it had in the previous round,
 the lowest free one in the order they joined. The JAX coordinator is host rank
 0's address at a port that launcher chose when it joined. Any launcher ends a
@@ -41,12 +47,15 @@ from typing import Any
 
 from replicator.launch.rendezvous import RendezvousError, RendezvousTimeout, StoreClient, StoreServer
 
-__all__ = ["Assignment", "Rendezvous", "Status", "parse_nnodes", "serve_if_here"]
+__all__ = ["Assignment", "LeftOut", "Rendezvous", "Status", "parse_nnodes", "serve_if_here"]
 
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 DEFAULT_MISSED_HEARTBEATS = 5
 DEFAULT_LAST_CALL_S = 3.0
 DEFAULT_JOIN_TIMEOUT_S = 120.0
+#: How long a restart round waits for the hosts of the round before it that still heartbeat (they are stopping
+#: their workers: up to ``--kill-grace`` and more) before it closes without them.
+DEFAULT_REJOIN_TIMEOUT_S = 60.0
 #: How often a waiting launcher reads the round's state.
 POLL_S = 0.1
 
@@ -64,6 +73,16 @@ class Assignment:
     members: tuple[str, ...]  # launcher ids by host rank
     addresses: tuple[str, ...]  # each host's address by host rank
     coordinator: str  # HOST:PORT of JAX's coordinator: host rank 0's address and its chosen port
+    #: The previous round's hosts that this one goes on without, as ``(launcher id, previous host rank)``: those
+    #: that heartbeat but did not rejoin within the rejoin timeout (``left``), and those gone (``lost``).
+    left: tuple[tuple[str, int], ...] = ()
+    lost: tuple[tuple[str, int], ...] = ()
+    previous_hosts: int = 0  # how many hosts the previous round had (0 in round 0)
+
+
+class LeftOut(RendezvousError):
+    """This launcher was a host of the previous round, and the restart round closed without it: its workers
+    are no longer part of the job (it never reports the job's success)."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +133,8 @@ def _initial(round_: int = 0, prev: dict[str, int] | None = None, *, nnodes: lis
         "ranks": [],
         "prev": prev or {},
         "nnodes": nnodes,
+        "opened_at": None,  # the store's clock when a restart opened this round
+        "left": {},  # launcher id -> previous host rank: heartbeating, but not rejoined when the round closed
     }
 
 
@@ -150,6 +171,8 @@ class Rendezvous:
       heartbeat_interval_s, missed_heartbeats: a launcher is gone after this many intervals without a heartbeat.
       last_call_s: how long a round that has ``min_hosts`` waits for more before it closes.
       join_timeout_s: the bound on :meth:`join` (and on connecting).
+      rejoin_timeout_s: how long a restart round waits for the previous round's hosts that still heartbeat
+        (stopping their workers) before it closes without them; below ``join_timeout_s``.
       call_timeout_s: the bound on each call to the store (default: ``missed_heartbeats`` intervals).
     """
 
@@ -169,6 +192,7 @@ class Rendezvous:
         last_call_s: float = DEFAULT_LAST_CALL_S,
         join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
         call_timeout_s: float | None = None,
+        rejoin_timeout_s: float | None = None,
     ) -> None:
         max_hosts = min_hosts if max_hosts is None else max_hosts
         if not 1 <= min_hosts <= max_hosts:
@@ -181,6 +205,14 @@ class Rendezvous:
         self.coordinator_port = coordinator_port
         self.heartbeat_interval_s, self.missed_heartbeats = heartbeat_interval_s, missed_heartbeats
         self.last_call_s, self.join_timeout_s = last_call_s, join_timeout_s
+        if rejoin_timeout_s is None:
+            rejoin_timeout_s = min(DEFAULT_REJOIN_TIMEOUT_S, join_timeout_s / 2)
+        if not 0 <= rejoin_timeout_s < join_timeout_s:
+            raise ValueError(
+                f"the rejoin timeout ({rejoin_timeout_s:g} s) must be below the join timeout ({join_timeout_s:g} s): "
+                "the hosts that rejoined would give up before the round waited out the others."
+            )
+        self.rejoin_timeout_s = rejoin_timeout_s
         #: A launcher is gone once its last heartbeat is older than this.
         self.gone_after_s = heartbeat_interval_s * missed_heartbeats
         #: A lost launcher (or rendezvous host) is seen within this of its last heartbeat, polling every interval.
@@ -281,13 +313,20 @@ class Rendezvous:
         while True:
             client = self.client
             raw, state = self._state()
-            ended = client.get(_END)
-            if ended is not None:
-                raise RendezvousError(f"the job has ended: {ended}")
             joined: list[dict[str, Any]] = state["joined"]
             ids = [j["id"] for j in joined]
             if state["status"] == "closed" and self.id in state["ranks"]:
                 return self._assignment(state)
+            if state["status"] == "closed" and self.id in state["prev"]:  # before the end: never a success
+                raise LeftOut(
+                    f"host rank {state['prev'][self.id]} left the job at round {state['round']}: the restart round "
+                    f"closed without this host ({len(state['ranks'])} host(s) went on), which had not rejoined "
+                    f"within the rejoin timeout ({self.rejoin_timeout_s:g} s) while stopping its workers; this "
+                    f"host's workers are no longer part of the job."
+                )
+            ended = client.get(_END)
+            if ended is not None:
+                raise RendezvousError(f"the job has ended: {ended}")
             if state["status"] == "open" and self.id not in ids and len(joined) < self.max_hosts:
                 self._enter(raw, state)
                 continue
@@ -349,16 +388,24 @@ class Rendezvous:
                 f"and fewer than {self.min_hosts} hosts are left; the job cannot go on."
             )
         full = len(joined) >= self.max_hosts
-        enough = len(joined) >= self.min_hosts and client.server_now >= (state["min_at"] or 0.0) + self.last_call_s
-        if not (full or enough):
+        now = client.server_now
+        enough = len(joined) >= self.min_hosts and now >= (state["min_at"] or 0.0) + self.last_call_s
+        # A restart waits for every host of the round before that still heartbeats (it is stopping its workers),
+        # at most rejoin_timeout_s: otherwise a healthy host slow to stop would be dropped without a word.
+        coming = {lid: rank for lid, rank in state["prev"].items() if lid not in ids and self._alive(ages, lid)}
+        opened = state.get("opened_at")
+        rejoining = bool(coming) and opened is not None and now < opened + self.rejoin_timeout_s
+        if not (full or (enough and not rejoining)):
             return False
-        new = dict(state, status="closed", ranks=_ranks(joined, state["prev"]))
+        new = dict(state, status="closed", ranks=_ranks(joined, state["prev"]), left=coming)
         client.compare_set(_STATE, raw, json.dumps(new))
         return True
 
     def _assignment(self, state: dict[str, Any]) -> Assignment:
         by_id = {j["id"]: j for j in state["joined"]}
         members = tuple(state["ranks"])
+        prev, left = state["prev"], state.get("left", {})
+        without = sorted(((lid, rank) for lid, rank in prev.items() if lid not in members), key=lambda x: x[1])
         first = by_id[members[0]]
         host = f"[{first['address']}]" if ":" in first["address"] else first["address"]
         return Assignment(
@@ -368,6 +415,9 @@ class Rendezvous:
             members=members,
             addresses=tuple(by_id[m]["address"] for m in members),
             coordinator=f"{host}:{first['port']}",
+            left=tuple(x for x in without if x[0] in left),
+            lost=tuple(x for x in without if x[0] not in left),
+            previous_hosts=len(prev),
         )
 
     def next_round(self, after: int, reason: str) -> int:
@@ -382,7 +432,7 @@ class Rendezvous:
                 return state["round"]
             prev = {lid: rank for rank, lid in enumerate(state["ranks"])}
             new = _initial(after + 1, prev, nnodes=state["nnodes"])
-            new["reason"] = reason
+            new["reason"], new["opened_at"] = reason, self.client.server_now
             swapped, _ = self.client.compare_set(_STATE, raw, json.dumps(new))
             if swapped:
                 self.restarted_here = True
