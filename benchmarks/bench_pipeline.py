@@ -63,6 +63,15 @@ data-parallel replica (``Replicator(1, S, pipeline_stages=S)``).
    devices sends (the hand-written one too); ``ideal' + x_M + u'`` the optimizer's update
    too: the whole step's floor on these devices, with the schedule's ticks at ``t'_M``.
 
+1b. The stacked form (``--stacked-rows``, ``--stacked-m``; ``--only-stacked`` runs this section alone): the
+   same MLP written as one ``lax.scan`` over its stacked weights ``(L, W, W)`` (how Flax and MaxText write a
+   transformer; the Replicator cuts the scan into its stages), and as one leaf per layer, under replicator's
+   GPipe and 1F1B, against the hand GPipe (written on the stacked weights), at ``M = 8`` and 16 and 64 rows
+   per micro-batch (small micro-batches show the per-tick cost): paired ratios of interleaved rounds, each
+   form's stash per micro-batch (the largest stage's residuals) and XLA's temporaries. Before replicator's
+   stash kept only what depends on the micro-batch, the stacked form stashed a copy of its stage's weights
+   per micro-batch (issue #41).
+
 2. Per-device memory from XLA's compiled memory analysis of each program
    (``.lower(...).compile().memory_analysis()``; peak = arguments + outputs -
    aliased + temporaries, as ``replicator.runtime.memory.MemoryUsage``), for
@@ -82,6 +91,7 @@ Usage::
     python benchmarks/bench_pipeline.py --devices 8                      # S = 2 and 4
     python benchmarks/bench_pipeline.py --devices 4 --quick --out pipeline.md   # smoke run
     python benchmarks/bench_pipeline.py --stages 4 --microbatches 4,8,16 --layers 16 --width 1024
+    python benchmarks/bench_pipeline.py --devices 2 --stages 2 --only-stacked    # section 1b alone
 """
 
 from __future__ import annotations
@@ -111,12 +121,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=512, help="MLP width")
     p.add_argument("--batch", type=int, default=512, help="global batch (a multiple of 8 S and every M)")
     p.add_argument("--tolerance", type=float, default=1e-4, help="of the hand-written pipeline against one device")
+    p.add_argument("--stacked-rows", default="16,64", help="rows per micro-batch of the stacked-scan section (1b)")
+    p.add_argument("--stacked-m", type=int, default=8, help="micro-batches of the stacked-scan section (1b)")
+    p.add_argument("--only-stacked", action="store_true", help="run the stacked-scan section (1b) alone")
     p.add_argument("--quick", action="store_true", help="tiny sizes, S = 2, M up to 4, 2 rounds: a smoke run")
     p.add_argument("--out", default=None, help="also write the tables to this markdown file")
     args = p.parse_args(argv)
     if args.quick:
         args.stages, args.microbatches, args.rounds, args.steps = "2", "1,2,4", 2, 2
         args.layers, args.width, args.batch = 4, 32, 64
+        args.stacked_rows, args.stacked_m = "4", 4
     return args
 
 
@@ -185,6 +199,17 @@ def make_loss(stages: int) -> Callable:
         return jnp.mean((h - y) ** 2)
 
     return loss
+
+
+def stacked_loss(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
+    """The same MLP as one ``lax.scan`` over its stacked layers (``{'w': (L, W, W), 'b': (L, W)}``), unmarked:
+    a pipelined Replicator cuts the scan into its stages (``rp.split_scan``)."""
+    h, _ = lax.scan(lambda h, wb: (jnp.tanh(h @ wb[0] + wb[1]), None), x, (params["w"], params["b"]))
+    return jnp.mean((h - y) ** 2)
+
+
+def stacked_params(params: Params) -> dict:
+    return {k: np.stack([p[k] for p in params]) for k in "wb"}
 
 
 def one_device_step(loss: Callable) -> Callable:
@@ -412,9 +437,19 @@ def replicator_for(stages: int, m: int, schedule: str, recompute: bool = False) 
 class RpPipeline:
     """Replicator's pipelined step (``run_pipelined``'s program), state packed across steps."""
 
-    def __init__(self, params: Params, stages: int, m: int, schedule: str, x: np.ndarray, y: np.ndarray, **kw: Any):
+    def __init__(
+        self,
+        params: Any,
+        stages: int,
+        m: int,
+        schedule: str,
+        x: np.ndarray,
+        y: np.ndarray,
+        loss: Callable | None = None,
+        **kw: Any,
+    ):
         self.repl = replicator_for(stages, m, schedule, **kw)
-        self.loss = make_loss(stages)
+        self.loss = loss or make_loss(stages)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # M < S: "most of the step is bubble", known
             self.train = self.repl.pipelined.step_for(self.loss, TX)
@@ -429,8 +464,12 @@ class RpPipeline:
         self.packed[0], self.packed[1], value = self.built.step(self.packed[0], self.packed[1], self.micro)
         return value
 
-    def params(self, like: Params) -> Params:
+    def params(self, like: Any) -> Any:
         return self.train.unpack(like, self.packed[0], self.packed[1])[0]
+
+    def stash_bytes(self) -> int:
+        """The largest stage's stash per micro-batch (its programs' residuals)."""
+        return max(sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in p.residuals) for p in self.built.programs)
 
     def memory(self) -> MemoryUsage:
         return memory_of(self.built.step, self.packed[0], self.packed[1], self.micro)
@@ -576,6 +615,52 @@ def time_stages(stages: int, ms: list[int], params: Params, x: np.ndarray, y: np
             )
 
 
+def time_stacked(stages: int, m: int, params: Params) -> None:
+    """The stacked MLP (one ``lax.scan``) and the one-leaf-per-layer MLP under replicator's GPipe and 1F1B,
+    against the hand GPipe (itself written on the stacked weights), at each of ``--stacked-rows`` rows per
+    micro-batch: paired ratios of the same rounds, interleaved; and each program's stash per micro-batch (the
+    largest stage's) and XLA's temporaries."""
+    stacked = stacked_params(params)
+    for rows in map(int, ARGS.stacked_rows.split(",")):
+        x, y = batch_of(rows * m, ARGS.width)
+        want = reference(params, x, y, 2)
+        hand = hand_runner(params, stages, m, x, y, want)[0]
+        variants: dict[str, Runner] = {"hand GPipe": hand}
+        pipes: dict[str, RpPipeline] = {}
+        t0 = time.perf_counter()
+        for schedule in ("gpipe", "1f1b"):
+            for form, p, loss in (("stacked", stacked, stacked_loss), ("one leaf per layer", params, None)):
+                pipe = RpPipeline(p, stages, m, schedule, x, y, loss=loss)
+                for _ in range(2):
+                    pipe.run()
+                got = pipe.params(p)
+                got = [{"w": got["w"][i], "b": got["b"][i]} for i in range(len(params))] if form == "stacked" else got
+                err = max_rel(got, want[1])
+                assert err < ARGS.tolerance, f"rp {schedule} {form}: parameters off one device's by {err:.2e}"
+                name = f"rp {schedule}, {form}"
+                pipes[name], variants[name] = pipe, pipe.run
+        built = time.perf_counter() - t0
+        samples = interleaved_samples(variants, ARGS.rounds, ARGS.steps)
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        say(
+            f"\n### 1b. Stacked scan against one leaf per layer, S = {stages}, M = {m}, {rows} rows per "
+            f"micro-batch (global batch {rows * m}), mlp{ARGS.layers}x{ARGS.width}, Adam\n"
+        )
+        say(
+            f"(built, checked against one device and compiled in {built:.1f} s. Paired: each round's step over the "
+            "same round's hand GPipe step; median [quartiles] over the rounds. Stash: the largest stage's residuals "
+            "per micro-batch; temporaries: XLA's memory analysis of the compiled step.)\n"
+        )
+        say("| variant | median step (ms) | paired / hand GPipe | stash / micro-batch (KiB) | temporaries (KiB) |")
+        say("|---|---:|---:|---:|---:|")
+        say(f"| hand GPipe (stacked weights) | {fmt_ms(med['hand GPipe'])} | 1.00 | | |")
+        for name, pipe in pipes.items():
+            say(
+                f"| {name} | {fmt_ms(med[name])} | {paired(samples[name], samples['hand GPipe'])} | "
+                f"{kib(pipe.stash_bytes())} | {kib(pipe.memory().temporaries)} |"
+            )
+
+
 # -- 2. memory ---------------------------------------------------------------------------------------------
 
 
@@ -663,10 +748,13 @@ def main() -> None:
     for s in stages:
         if ARGS.layers % s or any(ARGS.batch % m for m in ms):
             raise SystemExit(f"--layers must be a multiple of S={s} and --batch of every M in {ms}.")
-        time_stages(s, ms, params, x, y)
-    for s in stages:
-        memory_table(s, params, x, y)
-    state_table(params, x, y)
+        if not ARGS.only_stacked:
+            time_stages(s, ms, params, x, y)
+        time_stacked(s, ARGS.stacked_m, params)
+    if not ARGS.only_stacked:
+        for s in stages:
+            memory_table(s, params, x, y)
+        state_table(params, x, y)
     if ARGS.out:
         with open(ARGS.out, "w") as f:
             f.write("\n".join(LINES) + "\n")

@@ -35,8 +35,27 @@ def test_quick_run_writes_every_table_and_state_splits_over_stages(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     text = out.read_text()
-    for heading in ("### 1. Step time, S = 2", "### 2. Per-device memory, S = 2", "### 3. Parameters and Adam"):
+    for heading in (
+        "### 1. Step time, S = 2",
+        "### 1b. Stacked scan against one leaf per layer, S = 2, M = 4, 4 rows",
+        "### 2. Per-device memory, S = 2",
+        "### 3. Parameters and Adam",
+    ):
         assert heading in text, heading
+    for variant in (
+        "rp gpipe, stacked",
+        "rp gpipe, one leaf per layer",
+        "rp 1f1b, stacked",
+        "rp 1f1b, one leaf per layer",
+    ):
+        assert f"| {variant} |" in text, variant
+    # 1b: the stacked form stashes what one leaf per layer stashes (its activations), not its weights.
+    stash = {
+        line.split(" | ")[0].strip("| "): line.split(" | ")[3]
+        for line in text.splitlines()
+        if line.startswith("| rp ") and ", " in line.split(" | ")[0]
+    }
+    assert stash["rp gpipe, stacked"] == stash["rp gpipe, one leaf per layer"], stash
     for m in (1, 2, 4):
         for variant in ("hand GPipe", "hand GPipe, no exchange", "rp gpipe", "rp 1f1b", "rp 1f1b-fused"):
             assert f"| {m} | {variant} |" in text, (m, variant)
