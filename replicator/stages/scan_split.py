@@ -37,10 +37,11 @@ so that their concatenation (a value of the last stage) reads nothing across sta
 
 The stacked parameters are read by every stage through a slice of their leading axis, and their gradient is
 the sum of each stage's padded slice gradient: the split records them as *partitioned*
-(:class:`~replicator.stages.split.Partition`). A pipelined training step
-(:func:`~replicator.stages.train.pipeline_train_step`, ``Replicator.run_pipelined``) then keeps on each stage
-only its ``L / S`` slice of the stack, of the optimizer's moments and of the gradient, never summed across
-stages. The user's own step (``Replicator.run(step_fn, ...)`` on a pipeline) does the same where its update is
+(:class:`~replicator.stages.split.Partition`). ``Replicator.run_pipelined`` (built on the lower-level
+:func:`~replicator.stages.train.pipeline_train_step`, which the user guide does not need) then keeps on each
+stage only its ``L / S`` slice of the stack, of the optimizer's moments and of the gradient, never summed across
+stages, and each stage stashes per micro-batch only its activations, not its slice of the weights
+(:mod:`~replicator.stages.stash`). The user's own step (``Replicator.run(step_fn, ...)`` on a pipeline) does the same where its update is
 element-wise on the stack (:mod:`~replicator.stages.stack_update`); an update that reads it whole (a global-norm
 clip) treats it as a tied parameter: each stage keeps all of it, its gradient summed across them.
 
@@ -307,6 +308,10 @@ def traced_in_stages(trace: Callable[[Callable], Any], fn: Callable, num_stages:
 
 def split_scan(fn: Callable, num_stages: int, *, index: int | None = None, unmarked_only: bool = False) -> Callable:
     """``fn`` with its scan over a stack of layers cut into ``num_stages`` pipeline stages.
+
+    A pipelined ``Replicator`` (``run_pipelined``, ``run``) applies it by itself to a step without markers;
+    call it for a function you pipeline yourself (:func:`~replicator.stages.lower.pipeline_value_and_grad`
+    cuts only at markers).
 
     Args:
       fn: a loss or a whole step (it may call ``jax.value_and_grad`` itself) that runs a stack of layers with
