@@ -279,17 +279,64 @@ def test_silent_and_slow_clients_are_dropped_while_others_are_served(server):
     _served(server)
 
 
-def test_too_many_connections_are_turned_away_and_the_store_recovers():
-    with StoreServer(max_connections=4, handshake_timeout_s=0.5) as s:
+def test_a_full_store_evicts_its_oldest_unauthenticated_connection_for_a_new_one():
+    with StoreServer(max_connections=4, handshake_timeout_s=30) as s:
         hogs = [_raw(s.address) for _ in range(4)]
-        time.sleep(0.2)
-        extra = _raw(s.address)
-        assert _closed_by_server(extra, 2.0)
-        assert any("over 4 connections" in d for d in s.dropped)
-        time.sleep(0.8)  # the hogs never finish their handshakes: dropped
-        _served(s)
         for h in hogs:
+            _read_frame(h)  # each was accepted (the server's hello)
+        extra = _raw(s.address)
+        assert _read_frame(extra)["service"]  # taken in, long before any handshake timeout
+        assert _closed_by_server(hogs[0], 5.0)  # the oldest made room
+        assert any("evicted unauthenticated" in d for d in s.dropped), list(s.dropped)
+        _served(s)  # and a real client gets in too (evicting the next hog)
+        for h in [*hogs, extra]:
             h.close()
+
+
+def test_a_full_store_of_authenticated_clients_turns_a_newcomer_away_until_one_leaves():
+    """Authenticated connections are never evicted: a newcomer's connection is closed at once ("over N
+    connections"), and the client tries again within its connect timeout, getting in when a slot frees."""
+    with StoreServer(max_connections=2) as s:
+        first, second = StoreClient(s.address), StoreClient(s.address)
+        box: list = []
+
+        def come() -> None:
+            try:
+                box.append(StoreClient(s.address, connect_timeout_s=20))
+            except BaseException as e:  # noqa: BLE001 - reported by the test
+                box.append(e)
+
+        t = threading.Thread(target=come)
+        t.start()
+        deadline = time.monotonic() + 10
+        while not any("over 2 connections" in d for d in s.dropped) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert any("over 2 connections" in d for d in s.dropped), list(s.dropped)
+        assert not box  # still trying
+        first.close()
+        t.join(timeout=20)
+        assert isinstance(box[0], StoreClient), box
+        box[0].set("k", "v")
+        assert second.get("k") == "v"
+        with pytest.raises(RendezvousError, match=r"tries in 0.5 s\): the store may be at its connection limit"):
+            StoreClient(s.address, connect_timeout_s=0.5)  # full again: gives up at its deadline, saying why
+        for c in (second, box[0]):
+            c.close()
+
+
+def test_a_flood_of_idle_connections_does_not_keep_a_launcher_out():
+    """140 silent sockets against the store's 128 connections: a launcher joins at once, not after the flood's
+    handshake timeout (30 s here); before, it failed at once ("closed the connection")."""
+    with StoreServer(handshake_timeout_s=30) as s:
+        flood = [_raw(s.address) for _ in range(140)]
+        try:
+            started = time.monotonic()
+            with Rendezvous(s.address, min_hosts=1, launcher_id="late", last_call_s=0.0, **FAST) as r:
+                assert r.join().members == ("late",)
+            assert time.monotonic() - started < 15  # far below the flood's 30 s
+        finally:
+            for f in flood:
+                f.close()
 
 
 def test_every_client_call_is_bounded():

@@ -92,6 +92,10 @@ class _Drop(Exception):
         self.reply = reply
 
 
+class _HandshakeDropped(RendezvousError):
+    """The server closed the connection during the handshake without refusing it: worth another try."""
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (a name or an address) means this machine only: every address it resolves to is loopback."""
     if host in ("", "0.0.0.0", "::", "*"):
@@ -222,6 +226,10 @@ class StoreServer:
         self._seen: dict[str, float] = {}
         self._cond = threading.Condition()
         self._conns: set[socket.socket] = set()
+        #: The connections still in their handshake (not yet authenticated), by when they came: when the
+        #: store is full, the oldest of them makes room for a new one (a flood of idle sockets cannot keep a
+        #: launcher out).
+        self._unproven: dict[socket.socket, float] = {}
         self._closed = threading.Event()
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
@@ -284,10 +292,20 @@ class StoreServer:
                 continue
             except OSError:
                 return  # closed
+            evicted = None
             with self._cond:
                 full = len(self._conns) >= self.max_connections
+                if full and self._unproven:
+                    evicted = min(self._unproven, key=self._unproven.__getitem__)
+                    self._unproven.pop(evicted)
+                    self._conns.discard(evicted)
+                    full = False
                 if not full:
                     self._conns.add(conn)
+                    self._unproven[conn] = time.monotonic()
+            if evicted is not None:  # its own thread records the drop when its read fails
+                self.dropped.append(f"{_peer_of(evicted)}: evicted unauthenticated (the store was full)")
+                _shut(evicted)
             if full:
                 self._drop(conn, peer, f"over {self.max_connections} connections")
                 continue
@@ -300,6 +318,10 @@ class StoreServer:
     def _serve(self, conn: socket.socket, peer: object) -> None:
         try:
             self._handshake(conn)
+            with self._cond:
+                proven = self._unproven.pop(conn, None) is not None
+            if not proven:  # evicted while it finished its handshake
+                raise _Drop("evicted unauthenticated (the store was full)")
             while not self._closed.is_set():
                 request = _recv(conn, time.monotonic() + self.idle_timeout_s, self.frame_timeout_s)
                 answer = self._answer(request)
@@ -318,6 +340,7 @@ class StoreServer:
             _shut(conn)
             with self._cond:
                 self._conns.discard(conn)
+                self._unproven.pop(conn, None)
 
     def _handshake(self, conn: socket.socket) -> None:
         deadline = time.monotonic() + self.handshake_timeout_s
@@ -442,6 +465,13 @@ class StoreServer:
         return {}
 
 
+def _peer_of(conn: socket.socket) -> object:
+    try:
+        return conn.getpeername()
+    except OSError:
+        return "?"
+
+
 def _shut(conn: socket.socket) -> None:
     try:
         conn.shutdown(socket.SHUT_RDWR)
@@ -481,12 +511,16 @@ class StoreClient:
         self._sock: socket.socket | None = self._connect(connect_timeout_s)
 
     def _connect(self, connect_timeout_s: float) -> socket.socket:
+        """Connect and shake hands, retrying within ``connect_timeout_s``: while nothing listens yet, and when the
+        server closes the connection during the handshake (it was full: a flood of idle connections), with a
+        backoff of 0.1 s doubling to 1 s. A refusal (another secret, not a rendezvous) is not retried."""
         host, port = _split(self.address)
         deadline = time.monotonic() + connect_timeout_s
+        pause, tries = 0.1, 0
         while True:
+            tries += 1
             try:
                 sock = socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.05))
-                break
             except OSError as e:
                 if time.monotonic() + 0.1 >= deadline:
                     raise RendezvousTimeout(
@@ -494,12 +528,22 @@ class StoreClient:
                         f"launcher that hosts it, or check the address and that its port is open to this host."
                     ) from None
                 time.sleep(0.1)
-        try:
-            self._handshake(sock, time.monotonic() + self.timeout_s)
-        except BaseException:
-            _shut(sock)
-            raise
-        return sock
+                continue
+            try:
+                self._handshake(sock, time.monotonic() + self.timeout_s)
+                return sock
+            except _HandshakeDropped as e:
+                _shut(sock)
+                if time.monotonic() + pause >= deadline:
+                    raise RendezvousError(
+                        f"{e} ({tries} tries in {connect_timeout_s:g} s): the store may be at its connection limit "
+                        f"(a flood of connections?) or its host overloaded."
+                    ) from None
+                time.sleep(pause)
+                pause = min(2 * pause, 1.0)
+            except BaseException:
+                _shut(sock)
+                raise
 
     def _handshake(self, sock: socket.socket, deadline: float) -> None:
         try:
@@ -527,7 +571,7 @@ class StoreClient:
                 f"no valid answer from the rendezvous at {self.address}: {e or 'a timeout'}"
             ) from None
         except OSError as e:
-            raise RendezvousError(f"the rendezvous at {self.address} closed the connection: {e}") from None
+            raise _HandshakeDropped(f"the rendezvous at {self.address} closed the connection: {e}") from None
         if not answer.get("ok"):
             raise RendezvousError(
                 f"the rendezvous at {self.address} refused this launcher ({answer.get('error')}): give it the "
