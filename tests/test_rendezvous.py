@@ -7,6 +7,8 @@ SIGKILL must be seen (replicator/launch/rendezvous.py, membership.py).
 from __future__ import annotations
 
 import collections
+import hashlib
+import hmac
 import json
 import math
 import os
@@ -19,6 +21,8 @@ import threading
 import time
 from pathlib import Path
 
+import hypothesis
+import hypothesis.strategies as st
 import pytest
 from utils import finish
 
@@ -181,6 +185,127 @@ def test_a_client_that_skips_the_handshake_gets_nothing(server):
         assert _read_frame(sock) == {"ok": False, "error": "wrong or missing secret", "refused": True}
         assert _closed_by_server(sock, 2.0)
         assert hello["auth"] is True
+
+
+# -- the handshake, field by field (docs/design/rendezvous.md lists each message's fields) -------------------------
+
+_HELLO_FIELDS = {"op": "hello", "nonce": "n" * 32, "mac": "0" * 64}
+
+
+@pytest.mark.parametrize("missing", ["op", "nonce", "mac"])
+def test_a_client_hello_with_a_field_missing_is_dropped_and_the_store_goes_on(missing):
+    """The client's hello without one of its fields (not a wrong value: absent) is never taken for a valid one."""
+    with StoreServer(secret=SECRET, handshake_timeout_s=2.0) as s:
+        sock = _raw(s.address)
+        _read_frame(sock)
+        sock.sendall(_frame({k: v for k, v in _HELLO_FIELDS.items() if k != missing}))
+        assert _closed_by_server(sock, 3.0)
+        sock.close()
+        why = "wrong or missing secret" if missing == "mac" else "no valid hello"
+        assert any(why in d for d in s.dropped), list(s.dropped)
+        _served(s)
+
+
+def _fake_server(hello: dict | None, answer: dict | None) -> tuple[str, threading.Thread]:
+    """A one-connection server that sends ``hello`` (raw), reads the client's hello and sends ``answer`` (a
+    callable of the client's hello and the server's nonce, or a dict); None: close instead."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+
+    def serve() -> None:
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            return
+        with conn:
+            conn.settimeout(10)
+            if hello is None:
+                return
+            conn.sendall(_frame(hello))
+            try:
+                theirs = _read_frame(conn)
+            except (OSError, struct.error, ValueError):
+                return
+            if answer is not None:
+                conn.sendall(_frame(answer(theirs, hello.get("nonce")) if callable(answer) else answer))
+            time.sleep(0.2)
+        listener.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return f"127.0.0.1:{listener.getsockname()[1]}", t
+
+
+_SERVER_HELLO = {"service": "replicator-rendezvous", "version": 1, "nonce": "s" * 32, "auth": True}
+
+
+@pytest.mark.parametrize("missing", ["service", "nonce"])
+def test_a_server_hello_with_a_field_missing_is_refused(missing):
+    address, t = _fake_server({k: v for k, v in _SERVER_HELLO.items() if k != missing}, {"ok": True})
+    with pytest.raises(RendezvousError, match="is not a replicator rendezvous"):
+        StoreClient(address, secret=SECRET, connect_timeout_s=2)
+    t.join(timeout=5)
+
+
+@pytest.mark.parametrize("mac", [None, "0" * 64, 17])
+def test_a_server_answer_without_the_right_mac_is_refused(mac):
+    """The server's proof of the secret missing, wrong or of another type: the client refuses to trust it."""
+    answer = {"ok": True} if mac is None else {"ok": True, "mac": mac}
+    address, t = _fake_server(_SERVER_HELLO, answer)
+    with pytest.raises(RendezvousError, match="does not know the secret"):
+        StoreClient(address, secret=SECRET, connect_timeout_s=2)
+    t.join(timeout=5)
+
+
+def test_a_server_that_knows_the_secret_is_trusted_and_the_macs_cover_the_documented_text():
+    """The MACs are HMAC-SHA256 of 'replicator-rendezvous|ROLE|A|B' (the design's text), checked in constant time
+    on both sides (hmac.compare_digest; a plain == would leak how much of a guess is right)."""
+
+    def mac(role: str, a: str, b: str) -> str:
+        return hmac.new(SECRET, f"replicator-rendezvous|{role}|{a}|{b}".encode(), hashlib.sha256).hexdigest()
+
+    seen: dict = {}
+
+    def answer(theirs: dict, ours: str) -> dict:
+        seen["client_mac_ok"] = theirs.get("mac") == mac("client", ours, theirs["nonce"])
+        return {"ok": True, "mac": mac("server", theirs["nonce"], ours)}
+
+    address, t = _fake_server(_SERVER_HELLO, answer)
+    StoreClient(address, secret=SECRET, connect_timeout_s=2).close()
+    t.join(timeout=5)
+    assert seen == {"client_mac_ok": True}
+
+
+def test_both_sides_compare_macs_in_constant_time(monkeypatch):
+    calls = []
+    real = hmac.compare_digest
+    monkeypatch.setattr(rendezvous.hmac, "compare_digest", lambda a, b: calls.append((a, b)) or real(a, b))
+    with StoreServer(secret=SECRET) as s, StoreClient(s.address, secret=SECRET) as c:
+        c.set("k", "v")
+    assert len(calls) == 2  # the server's check of the client, the client's of the server
+
+
+@hypothesis.settings(max_examples=40, deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.given(
+    hello=st.dictionaries(
+        st.sampled_from(["op", "nonce", "mac", "extra"]),
+        st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=140), st.lists(st.integers(), max_size=3)),
+    )
+)
+def test_any_hello_but_a_valid_one_is_dropped_never_crashing_the_store(hypothesis_server, hello):
+    """Whatever fields a hello has, missing or of any type, the server drops it (or refuses it) and goes on."""
+    sock = _raw(hypothesis_server.address)
+    _read_frame(sock)
+    sock.sendall(_frame(hello))
+    assert _closed_by_server(sock, 3.0)
+    sock.close()
+    _served(hypothesis_server)
+
+
+@pytest.fixture(scope="module")
+def hypothesis_server():
+    with StoreServer(secret=SECRET, handshake_timeout_s=2.0) as s:
+        yield s
 
 
 def test_load_secret(tmp_path, monkeypatch):
