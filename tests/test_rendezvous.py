@@ -674,6 +674,69 @@ def test_the_rejoin_timeout_is_below_the_join_timeout():
     assert Rendezvous("127.0.0.1:1", min_hosts=1, join_timeout_s=10.0).rejoin_timeout_s == 5.0
 
 
+def test_asked_ranks_are_honoured_in_every_round_not_only_the_first(server):
+    """--node-rank holds after a restart too, whatever order the launchers rejoin in, and a taken rank is still
+    refused in a later round."""
+    specs = [{"launcher_id": "x", "rank": 1}, {"launcher_id": "y", "rank": 0}]
+    rdzvs, results = _join_all(server.address, specs, min_hosts=2)
+    _agree(results)
+    assert results[0].members == ("y", "x")
+    x, y = rdzvs
+    assert x.next_round(0, "a failure") == 1
+    t, box = _join_in_thread(x)  # x rejoins first this time: it still gets rank 1, not the free rank 0
+    time.sleep(0.3)
+    assert not box
+    assert y.join().members == ("y", "x")
+    t.join(timeout=10)
+    assert box[0].host_rank == 1
+    assert y.next_round(1, "another failure") == 2
+    with Rendezvous(server.address, min_hosts=2, rank=0, launcher_id="intruder", **FAST) as intruder:
+        t, box = _join_in_thread(y)
+        deadline = time.monotonic() + 5
+        while "y" not in [j["id"] for j in y._state()[1]["joined"]] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(RendezvousError, match="host rank 0 is taken by launcher y"):
+            intruder.join()
+    x.join()
+    t.join(timeout=10)
+    assert box[0].members == ("y", "x") and box[0].round == 2
+    for r in rdzvs:
+        r.close()
+
+
+_launchers = st.lists(
+    st.tuples(st.one_of(st.none(), st.integers(0, 5)), st.one_of(st.none(), st.integers(0, 5))),
+    min_size=1,
+    max_size=6,
+)
+
+
+@hypothesis.settings(max_examples=50, deadline=None)
+@hypothesis.given(_launchers)
+def test_ranks_are_a_permutation_honouring_asked_then_previous_ranks(launchers):
+    """membership._ranks over any joined launchers (each with an asked rank or none, a previous rank or none):
+    every launcher gets exactly one of 0..n-1; an asked rank below n that no earlier launcher asked for is
+    given; a previous rank below n is kept when nobody asked for it and no earlier launcher had it."""
+    joined = [{"id": f"l{i}", "rank": asked} for i, (asked, _) in enumerate(launchers)]
+    prev = {f"l{i}": p for i, (_, p) in enumerate(launchers) if p is not None}
+    ranks = membership._ranks(joined, prev)
+    n = len(joined)
+    assert sorted(ranks) == sorted(j["id"] for j in joined) and len(ranks) == n
+    asked_first = {}
+    for j in joined:
+        if j["rank"] is not None and j["rank"] < n:
+            asked_first.setdefault(j["rank"], j["id"])
+    for rank, lid in asked_first.items():
+        assert ranks[rank] == lid
+    kept_first = {}
+    for j in joined:
+        p = prev.get(j["id"])
+        if p is not None and p < n and p not in asked_first and j["id"] not in asked_first.values():
+            kept_first.setdefault(p, j["id"])
+    for rank, lid in kept_first.items():
+        assert ranks[rank] == lid
+
+
 def test_a_lost_launcher_is_dropped_from_an_open_round(server):
     ghost = Rendezvous(server.address, min_hosts=1, max_hosts=2, launcher_id="ghost", last_call_s=60, **FAST).start()
     ghost._enter(*ghost._state())
