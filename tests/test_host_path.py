@@ -174,6 +174,31 @@ def test_a_new_pass_pipeline_between_calls_compiles_the_step_again(n_devices):
     assert repl.trace_count == 2
 
 
+@pytest.mark.parametrize("given", ["input_fn", "batch"])
+def test_a_batch_of_the_same_shapes_in_another_structure_is_traced_for_it(n_devices, given):
+    """Steady steps of ``{"a", "b"}`` batches, then ``{"a", "c"}`` with the same shapes and dtypes, then a tuple:
+    each new structure is traced for itself; the program compiled for the last one never runs it (it would
+    read ``c`` as ``b``)."""
+    repl = rp.Replicator(1, n_devices)
+    weight = {"a": 1.0, "b": 10.0, "c": 100.0}
+
+    def step(state, batch):
+        items = batch.items() if isinstance(batch, dict) else zip(("a", "c"), batch, strict=True)
+        return state + sum(weight[k] * rp.all_mean(jnp.mean(v)) for k, v in items), {}
+
+    x = np.ones(n_devices, np.float32)
+    plan = [({"a": x, "b": x}, 11.0), ({"a": x, "c": x}, 101.0), ((x, x), 101.0)]
+    one_input_fn = lambda ctx: iter([batch for batch, _ in plan for _ in range(3)])  # noqa: E731 - one iterator
+    state, expected = repl.broadcast_state(np.zeros((), np.float32)), 0.0
+    for batch, adds in plan:
+        data = one_input_fn if given == "input_fn" else batch
+        for _ in range(3):  # the second and third calls of a structure take the steady path
+            state, _ = repl.run(step, data, state)
+            expected += adds
+            np.testing.assert_allclose(np.asarray(state), expected, rtol=1e-6, err_msg=str(batch)[:40])
+    assert repl.trace_count == 3
+
+
 def test_a_batch_of_a_new_shape_after_repeated_steps_is_checked_and_compiled(n_devices):
     repl = rp.Replicator(1, n_devices)
     state = repl.broadcast_state([np.zeros((), np.float32)])
