@@ -259,3 +259,39 @@ def test_a_leaf_on_another_mesh_is_compared_on_its_own_devices():
     check_copies_agree([agree, _stage_rows(lambda d, stage: np.full((1, 3), stage, np.float32), other)], ["a", "b"])
     with pytest.raises(rp.DivergentStateError, match=rf"b: the copies of its part \[0:1, :\].*\[{odd}\] another"):
         check_copies_agree([agree, drifted], ["a", "b"])
+
+
+@pytest.mark.parametrize(
+    ("base", "other"),
+    [
+        (np.float32(1024.0), np.float32(2048.0)),  # a loss scale
+        (np.int32(7), np.int32(8)),  # a step count
+        (np.bool_(True), np.bool_(False)),  # a flag
+        (np.float16(0.5), np.float16(0.25)),  # a narrow scalar
+    ],
+    ids=["loss-scale", "step-count", "flag", "float16"],
+)
+def test_a_0d_leaf_that_drifted_is_named_by_both_checks(n_devices, base, other):
+    """0-d leaves (a loss scale, a step count) are state too: one device's copy off is named, by the replicas'
+    check and by the copies' check, and an undrifted one passes both."""
+    repl = rp.Replicator(1, n_devices)
+    drifted = _replicated_with(repl, base, other)
+    assert drifted.shape == () and drifted.sharding.is_fully_replicated
+    with pytest.raises(rp.DivergentStateError, match=r"state\['scale'\]"):
+        check_replicas_agree([jnp.ones(2), drifted], ["state['w']", "state['scale']"])
+    with pytest.raises(rp.DivergentStateError, match=r"state\['scale'\]"):
+        check_copies_agree([jnp.ones(2), drifted], ["state['w']", "state['scale']"])
+    same = _replicated_with(repl, base, base)
+    check_replicas_agree([same], ["state['scale']"])
+    check_copies_agree([same], ["state['scale']"])
+
+
+def test_a_0d_leaf_drifted_by_hand_stops_a_checked_run(n_devices):
+    repl = rp.Replicator(1, n_devices, check_state_every=1)
+    state = {"w": jnp.zeros(2), "step": _replicated_with(repl, np.int32(3), np.int32(4))}
+
+    def step(s, b):
+        return {"w": s["w"] + rp.all_mean(b["x"][0]), "step": s["step"] + 1}, {}
+
+    with pytest.raises(rp.DivergentStateError, match=r"state\['step'\] is no longer identical"):
+        repl.run(step, _input(n_devices), state)

@@ -158,11 +158,15 @@ def check_replicas_agree(leaves: Sequence[Any], paths: Sequence[str]) -> None:
     picked = [
         (path, leaf)
         for path, leaf in zip(paths, leaves, strict=True)
-        if isinstance(leaf, jax.Array) and leaf.sharding.is_fully_replicated and leaf.dtype.itemsize <= 4
+        if isinstance(leaf, jax.Array)
+        and isinstance(leaf.sharding, NamedSharding)  # on a mesh: one device's array has no copies to compare
+        and leaf.sharding.is_fully_replicated
+        and leaf.dtype.itemsize <= 4
     ]
     if not picked:
         return
     mesh = picked[0][1].sharding.mesh
+    picked = [(path, leaf) for path, leaf in picked if leaf.sharding.mesh == mesh]
     sums = _per_device_checksums(mesh, len(picked))(*(leaf for _, leaf in picked))
     rows = {s.device.id: np.asarray(s.data)[0] for s in sums.addressable_shards}  # device -> (n,)
     local = []
