@@ -315,3 +315,27 @@ def test_export_refuses_an_existing_directory(tmp_path):
     assert_equal(ocp.StandardCheckpointer().restore(path), {"w": np.zeros(2, np.float32)})
     with pytest.raises(CheckpointError, match="checkpoints hold arrays of numbers"):
         export_orbax(tmp_path / "s", {"name": "text"})
+
+
+def test_narrow_dtypes_keep_their_dtype_through_export_and_restore(n8, tmp_path):
+    """bfloat16, float16, int8 and bool leaves (mixed precision's parameters, a loss scale's flag), 0-d ones
+    too, are written by export_orbax and read back by orbax and by restore_orbax with their own dtype, bit for
+    bit (assert_array_equal alone would pass a float32 copy of the same values)."""
+    repl = rp.Replicator(1, 8)
+    state = {
+        "w16": jnp.linspace(-2, 2, 8, dtype=jnp.bfloat16),
+        "h16": jnp.linspace(-1, 1, 6, dtype=jnp.float16),
+        "scale": jnp.float16(1024.0),
+        "q": jnp.arange(-4, 4, dtype=jnp.int8),
+        "finite": jnp.bool_(True),
+        "w32": jnp.ones(3, jnp.float32),
+    }
+    state, _ = repl.run(lambda s, b: (s, {}), {"x": np.zeros((8, 1), np.float32)}, state)
+    path = export_orbax(tmp_path / "narrow", state)
+    as_tree = ocp.StandardCheckpointer().restore(path)
+    back = restore_orbax(path, jax.tree.map(jnp.zeros_like, state))
+    for name, want in state.items():
+        for got in (as_tree[name], back[name]):
+            assert np.asarray(got).dtype == np.asarray(want).dtype, (name, np.asarray(got).dtype)
+            assert np.shape(got) == np.shape(want), name
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
