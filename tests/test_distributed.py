@@ -143,6 +143,22 @@ class TestOutputsInOneProcess:
             with pytest.raises(ValueError, match=re.escape(want) + ".*rp.local_outputs"):
                 distributed.replica_invariant(out)
 
+    def test_replica_invariant_returns_a_replicated_state_leaf_whole(self, repl2d):
+        """The new state of a run has no replica axis: its leaves come back whole (before, a (3,) leaf of zeros
+        was read as 3 replicas' rows and its first element returned, silently; a (3,) leaf of other values was
+        an error); the outputs beside it still give one row."""
+        state = {"w": np.zeros(3, np.float32), "b": np.arange(4, dtype=np.float32), "n": np.int32(2)}
+
+        def step(s, batch):
+            return {**s, "b": s["b"] + rp.all_mean(batch["x"][0])}, {"m": rp.all_mean(batch["x"][0])}
+
+        new, out = repl2d.run(step, {"x": np.ones((repl2d.num_replicas, 1), np.float32)}, state)
+        got = distributed.replica_invariant(new)
+        assert {k: np.shape(v) for k, v in got.items()} == {"w": (3,), "b": (4,), "n": ()}
+        np.testing.assert_array_equal(got["b"], np.arange(4, dtype=np.float32) + 1)
+        np.testing.assert_array_equal(got["w"], np.zeros(3, np.float32))
+        assert distributed.replica_invariant(out)["m"].shape == (1,)  # one replica's row of (R, 1)
+
     def test_replica_invariant_compares_bits(self):
         nan_rows = np.tile(np.array([1.0, np.nan], np.float32), (3, 1))
         np.testing.assert_array_equal(distributed.replica_invariant({"a": nan_rows})["a"], nan_rows[0])

@@ -62,11 +62,16 @@ def replica_invariant(outputs: PyTree) -> PyTree:
     worker's replicas but not across workers are not caught; use
     :func:`gather_outputs` to compare every replica's.)
 
+    A leaf replicated on every device of its mesh (a state leaf: ``Replicator.run``'s new state, without
+    ZeRO) has no replica axis: it is returned whole, this process's copy, with no check (that is
+    ``check_state_every``'s). A state leaf split over the replicas (ZeRO) is not one value per replica: read
+    it whole with :func:`gather_outputs`.
+
     Args:
-      outputs: the outputs of ``Replicator.run`` (leaves stacked by replica).
+      outputs: the outputs of ``Replicator.run`` (leaves stacked by replica), or its replicated state.
 
     Returns:
-      The same pytree, each leaf one replica's row, as numpy.
+      The same pytree, each output leaf one replica's row (each state leaf whole), as numpy.
 
     Raises:
       ValueError: if a leaf's rows differ between this worker's replicas (the
@@ -75,6 +80,8 @@ def replica_invariant(outputs: PyTree) -> PyTree:
     """
 
     def one(path: Any, x: Any) -> np.ndarray:
+        if isinstance(x, jax.Array) and x.sharding.is_fully_replicated and len(x.sharding.device_set) > 1:
+            return np.asarray(x.addressable_data(0))  # a state leaf: one value on every device, no replica axis
         rows, replicas = _rows_and_replicas(x)
         key = jax.tree_util.keystr(path, simple=True, separator=".")
         name = f"output {key!r}" if key else "the output"
