@@ -130,7 +130,7 @@ TESTS: dict[str, tuple[str, ...]] = {
     ),
     "replicator/passes/compress.py": ("tests/passes/test_compress.py",),
     "replicator/passes/defaults.py": ("tests/passes/test_pipeline.py", "tests/passes/test_auto.py"),
-    "replicator/passes/fold.py": ("tests/passes/test_fold.py", "tests/passes/test_mutation_gaps.py"),
+    "replicator/passes/fold.py": ("tests/passes/test_fold.py",),
     "replicator/passes/fuse_collectives.py": ("tests/passes/test_fuse_collectives.py", "tests/passes/test_buffers.py"),
     "replicator/passes/hierarchical.py": ("tests/passes/test_hierarchical.py",),
     "replicator/passes/lower_collectives.py": (
@@ -141,7 +141,6 @@ TESTS: dict[str, tuple[str, ...]] = {
         "tests/passes/test_shard_optimizer.py",
         "tests/passes/test_zero_stages.py",
         "tests/passes/test_zero_where.py",
-        "tests/passes/test_mutation_gaps.py",
     ),
     "replicator/passes/share_slice_kernels.py": ("tests/passes/test_share_slice_kernels.py",),
     "replicator/passes/simplify.py": ("tests/passes/test_simplify.py",),
@@ -151,9 +150,9 @@ TESTS: dict[str, tuple[str, ...]] = {
         "tests/test_bad_input.py",
     ),
     "replicator/analysis/records.py": (
+        "tests/passes/test_records.py",
         "tests/passes/test_buffers.py",
         "tests/test_report.py",
-        "tests/passes/test_mutation_gaps.py",
     ),
     # Every test runs the verifier (REPLICATOR_VERIFY=1 in conftest.py): a mutant that makes it
     # raise fails them all; one that lets a broken graph through fails only the tests that build one.

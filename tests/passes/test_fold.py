@@ -309,3 +309,17 @@ def test_checkpoints_move_between_folded_and_unfolded_runs(tmp_path):
         np.testing.assert_allclose(
             np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path)
         )
+
+
+@pytest.mark.parametrize("per_device", [2, 8])
+def test_folded_ppermute_gives_zeros_to_a_replica_no_one_sends_to(per_device):
+    """``lax.ppermute`` over a folded axis, a shift without wrap-around: replica 0 receives zeros, as in JAX."""
+    repl = rp.Replicator(1, 8, replicas_per_device=per_device, axis_name="batch")
+    x = np.arange(16 * 3, dtype=np.float32).reshape(16, 3) + 1  # no zero rows: a row sent by mistake shows
+    perm = [(i, i + 1) for i in range(7)]
+    got = run_step(repl, lambda b: {"y": lax.ppermute(b["x"], "batch", perm)}, {"x": x})
+    rows = x.reshape(8, 2, 3)  # replica r's rows
+    want = np.zeros_like(rows)
+    for src, dst in perm:
+        want[dst] = rows[src]
+    np.testing.assert_array_equal(np.asarray(rp.local_outputs(got)["y"]), want)

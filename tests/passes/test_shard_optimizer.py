@@ -228,3 +228,53 @@ def test_nothing_to_do_without_gradient_all_reduce(repl):
     result = ShardOptimizerUpdate(min_tensor_bytes=0).run(graph)
     assert not result.changed and result.graph is graph
     assert repr(ShardOptimizerUpdate()) == "ShardOptimizerUpdate(shard_state=True, min_tensor_bytes=65536, stage=1)"
+
+
+def test_momentum_also_returned_as_an_output_stays_replicated(n_devices):
+    """ZeRO stores a leaf sharded only if its new value is returned once (as the new state).
+
+    Momentum ``m`` (read only element-wise, updated from the reduce-scattered gradient) is
+    sharded; ``k``, updated the same way but also returned as an output, stays whole.
+    """
+    if n_devices == 1:
+        pytest.skip("needs several replicas")
+    w = 2 * n_devices
+
+    def step(state, batch):
+        p, m, k = state
+        g = rp.all_mean(batch["x"].T @ (batch["x"] @ p))  # a gradient-like all-reduce of a (w, 3) value
+        m, k = 0.9 * m + g, 0.5 * k + g
+        return (p - 0.1 * m - 0.1 * k, m, k), {"k": k}
+
+    rng = np.random.default_rng(0)
+    state = tuple((rng.normal(size=(w, 3)) * 0.1).astype(np.float32) for _ in range(3))
+    batches = [{"x": rng.normal(size=(2 * n_devices, w)).astype(np.float32)} for _ in range(3)]
+    repl = rp.Replicator(1, n_devices, passes=_with_zero())
+    after = repl.lower(step, batches[0], state).after("shard-optimizer-update")
+    assert {after.state_paths[i] for i in after.sharded_state} == {"state[1]"}
+    check_against_simulation(repl, step, batches, state, atol=1e-6, rtol=1e-5)
+
+
+def test_stage2_reduces_on_chunks_only_over_the_chunk_axis(n_devices):
+    """Stage 2: a sum over the chunk axis of the reduce-scattered gradient is partial sums and an all-reduce;
+    a sum over another axis (each row's sum) is not made of chunks: it reads the gradient whole."""
+    if n_devices == 1:
+        pytest.skip("needs several replicas")
+    w = 2 * n_devices
+
+    def step(state, batch):
+        p, m = state
+        g = rp.all_mean(batch["x"].T @ (batch["x"] @ p))
+        m = 0.9 * m + g
+        return (p - 0.1 * m, m), {"total": jnp.sum(g, axis=0), "rows": jnp.sum(g, axis=1)}
+
+    rng = np.random.default_rng(0)
+    state = tuple((rng.normal(size=(w, 3)) * 0.1).astype(np.float32) for _ in range(2))
+    batches = [{"x": rng.normal(size=(2 * n_devices, w)).astype(np.float32)} for _ in range(3)]
+    repl = rp.Replicator(1, n_devices, passes=_with_zero(stage=2))
+    after = repl.lower(step, batches[0], state).after("shard-optimizer-update")
+    assert count_primitives(after.jaxpr, ["rp.reduce_scatter", "rp.all_reduce"]) == {
+        "rp.reduce_scatter": 1,  # the gradient
+        "rp.all_reduce": 1,  # the partial sums over the chunk axis
+    }
+    check_against_simulation(repl, step, batches, state, atol=1e-6, rtol=1e-5)
