@@ -7,7 +7,6 @@ import numpy as np
 from jax import lax
 
 import replicator as rp
-
 from replicator.analysis.records import estimated_sent_bytes, pass_on_origin
 from replicator.core.graph import Origin
 
