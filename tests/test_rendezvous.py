@@ -961,10 +961,12 @@ def test_a_worker_failure_on_one_host_restarts_every_host(how, how_said):
 @pytest.mark.multiprocess
 def test_a_host_slower_to_stop_than_the_last_call_is_waited_for_not_dropped():
     """The issue's reproduction: under 1:2, host 1's worker fails while host 0's ignores SIGTERM, so host 0 takes
-    the whole kill grace (4 s) to stop, longer than the last call (2 s). Round 1 waits for host 0: both hosts
-    run it (before: it closed with host 1 alone, and host 0 exited 0 saying every host's workers finished)."""
-    toy = ["--fail-worker", "1", "--after", "1", "--fail-starts", "1", "--ignore-sigterm", "--sleep", "6"]
-    _, procs = _hosts("1:2", 2, toy, env={"LAST_CALL_S": "2", "KILL_GRACE_S": "4"})
+    the whole kill grace (8 s) to stop, longer than the last call (6 s: round 0 closes as soon as both hosts
+    joined, however loaded the machine). Round 1 waits for host 0: both hosts run it (before: it closed with
+    host 1 alone, and host 0 exited 0 saying every host's workers finished)."""
+    toy = ["--fail-worker", "1", "--after", "1", "--fail-starts", "1", "--ignore-sigterm", "--sleep", "30"]
+    toy += ["--restart-sleep", "0.5"]
+    _, procs = _hosts("1:2", 2, toy, env={"LAST_CALL_S": "6", "KILL_GRACE_S": "8"})
     (rc0, out0), (rc1, out1) = _finish(procs)
     assert "round 0: host rank 0 of 2" in out0, out0[-3000:]  # both in round 0
     assert (rc0, rc1) == (0, 0), out0[-3000:] + out1[-3000:]
