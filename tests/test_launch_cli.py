@@ -241,9 +241,10 @@ class TestAcrossHosts:
         common = ["--nnodes", "1:2", "--rdzv-endpoint", endpoint, "--rdzv-heartbeat", "0.25", "--rdzv-last-call",
                   "0.5", "--kill-grace", "1", "--max-time", "60"]  # fmt: skip
         command = [sys.executable, "-m", "replicator.launch", *common]
+        done = tmp_path / "done"  # the first job runs until the late launcher has given up (at most 60 s)
         first = subprocess.Popen(
-            [*command, TOY, "--sleep", "8"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-            env=env, start_new_session=True,
+            [*command, TOY, "--sleep", "60", "--until-file", str(done)], stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env, start_new_session=True,
         )  # fmt: skip
         try:
             StoreClient(endpoint, connect_timeout_s=60).close()
@@ -256,6 +257,7 @@ class TestAcrossHosts:
                 [*command, "--rdzv-join-timeout", "2", TOY], capture_output=True, text=True, cwd=ROOT, env=env,
                 timeout=60,
             )  # fmt: skip
+            done.touch()
             out0 = "".join(seen) + first.communicate(timeout=60)[0]
         finally:
             first.kill()

@@ -985,7 +985,9 @@ def test_a_failure_after_the_last_restart_ends_every_host_with_its_code():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("nnodes", ["2", "1:2"])
 def test_a_sigkilled_host_launcher(nnodes):
-    _, procs = _hosts(nnodes, 1, ["--sleep", "3"])
+    # Round 0 closes as soon as both hosts joined; a long last call keeps a slow-starting host 1 in it under
+    # 1:2 (with 3 s it once closed without it on a loaded machine).
+    _, procs = _hosts(nnodes, 1, ["--sleep", "3"], env={"LAST_CALL_S": "20"})
     assert "host rank 1 of 2" in _wait_for_line(procs[1], "round 0")[-1]
     time.sleep(0.3)
     os.killpg(procs[1].pid, signal.SIGKILL)  # its launcher and its worker: the host is gone

@@ -11,7 +11,8 @@ environment variables as ``NAME=value``, then:
   NAME``, reporting nothing); the others sleep ``--sleep``;
 * otherwise every worker sleeps ``--sleep`` seconds and exits 0.
 
-``--restart-sleep S`` sleeps ``S`` instead of ``--sleep`` in the starts after the first.
+``--restart-sleep S`` sleeps ``S`` instead of ``--sleep`` in the starts after the first;
+``--until-file PATH`` ends the sleep early once ``PATH`` exists.
 ``--fail-starts K`` makes worker ``I`` fail only in the job's first ``K`` starts
 (``REPLICATOR_RESTART_COUNT < K``: under ``--max-restarts``); ``--fail-in-start R`` only in
 start ``R``. ``--ignore-sigterm``
@@ -55,6 +56,7 @@ p.add_argument("--no-report", action="store_true")
 p.add_argument("--after", type=float, default=0.0)
 p.add_argument("--sleep", type=float, default=0.0)
 p.add_argument("--restart-sleep", type=float, help="sleep this long instead of --sleep after a restart")
+p.add_argument("--until-file", help="end the sleep early once this file exists")
 p.add_argument("--fail-starts", type=int, help="fail only while REPLICATOR_RESTART_COUNT < K")
 p.add_argument("--fail-in-start", type=int, help="fail only when REPLICATOR_RESTART_COUNT == R")
 p.add_argument("--ignore-sigterm", action="store_true")
@@ -80,4 +82,6 @@ if args.fail_worker is not None and me == str(args.fail_worker) and failing:
     if not args.no_report:
         report(int(me), f"toy failure in worker {me}")
     sys.exit(args.code)
-time.sleep(args.sleep if start == 0 or args.restart_sleep is None else args.restart_sleep)
+deadline = time.monotonic() + (args.sleep if start == 0 or args.restart_sleep is None else args.restart_sleep)
+while time.monotonic() < deadline and not (args.until_file and os.path.exists(args.until_file)):
+    time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
