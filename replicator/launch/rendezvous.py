@@ -20,7 +20,13 @@ malformed (a length out of range, bytes that are not a JSON object), that
 does not finish its handshake within ``handshake_timeout_s``, a message within
 ``frame_timeout_s`` of its first byte (a slow sender), or says nothing for
 ``idle_timeout_s``, is closed; the other connections are served meanwhile,
-each by its own thread, at most ``max_connections`` at a time. Every client
+each by its own thread, at most ``max_connections`` at a time. A full store
+makes room for a newcomer by closing its oldest connection still in its
+handshake (an authenticated one is never closed for room; with none to close,
+the newcomer is closed at once), and every drop is recorded in
+``StoreServer.dropped`` before any refusal is sent. A client retries a
+handshake the server closed without refusing it (backoff 0.1 s doubling to
+1 s, within ``connect_timeout_s``); a refusal is final. Every client
 call has a timeout. Traffic is authenticated, not encrypted: keys and values
 must not be secrets.
 """
