@@ -27,7 +27,6 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from replicator.core.context import REPLICA_AXES
 from replicator.errors import DivergentStateError
 from replicator.runtime.distributed.agreement import check_same_across_workers
 
@@ -133,22 +132,12 @@ def _index_text(index: tuple) -> str:
     return "[" + ", ".join(f"{'' if a is None else a}:{'' if b is None else b}" for a, b, _ in index) + "]"
 
 
-@functools.lru_cache(maxsize=32)
-def _per_device_checksums(mesh: Mesh, n: int) -> Callable:
-    """``(leaves) -> (replicas, n)``: each device's checksum of its own copy of each leaf."""
-
-    def local(*leaves: jax.Array) -> jax.Array:
-        return jnp.stack([_checksum(x) for x in leaves])[None]
-
-    specs = tuple(P() for _ in range(n))
-    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(REPLICA_AXES), check_vma=False))
-
-
 def check_replicas_agree(leaves: Sequence[Any], paths: Sequence[str]) -> None:
     """Raise :class:`~replicator.DivergentStateError` if a replicated leaf differs between devices.
 
-    One small jitted program computes, on every device, a checksum of that
-    device's copy of each leaf; 4 bytes per leaf and device come back.
+    One small jitted program (the one :func:`check_copies_agree` uses) computes, on every device, a checksum
+    of that device's copy of each leaf; 4 bytes per leaf and device come back. This process's devices are
+    compared with each other, then each process's value with worker 0's.
 
     Args:
       leaves: the state's array leaves (``jax.Array``s on one mesh); leaves
@@ -167,8 +156,10 @@ def check_replicas_agree(leaves: Sequence[Any], paths: Sequence[str]) -> None:
         return
     mesh = picked[0][1].sharding.mesh
     picked = [(path, leaf) for path, leaf in picked if leaf.sharding.mesh == mesh]
-    sums = _per_device_checksums(mesh, len(picked))(*(leaf for _, leaf in picked))
-    rows = {s.device.id: np.asarray(s.data)[0] for s in sums.addressable_shards}  # device -> (n,)
+    sums = _gathered_checksums(mesh, tuple(P() for _ in picked))(*(leaf for _, leaf in picked))
+    table = np.asarray(sums.addressable_shards[0].data)  # (devices, leaves), every device's, on every process
+    here = jax.process_index()
+    rows = {d.id: table[r] for r, d in enumerate(mesh.devices.flat) if d.process_index == here}  # device -> (n,)
     local = []
     for i, (path, _) in enumerate(picked):
         groups: dict[int, list[int]] = {}
