@@ -1,5 +1,5 @@
-"""Input contexts, batch signatures and batches of several workers: what mutation testing found untested
-(scripts/mutate.py)."""
+"""runtime/inputs.py: input contexts, batch signatures and batches of several workers (the cases mutation
+testing found untested first)."""
 
 from __future__ import annotations
 
