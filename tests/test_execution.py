@@ -1,4 +1,4 @@
-"""Placement of batches and state on the mesh: what mutation testing found untested (scripts/mutate.py).
+"""runtime/execution.py: placement of batches and state on the mesh (the cases mutation testing found untested first).
 
 The paths of a mesh that spans processes are run in this one process by making ``spans_processes`` say so
 (every device is still this process's, so the global arrays can be checked against NumPy).
