@@ -108,15 +108,16 @@ ONE_LEG_MODULES = {
     "test_checkpoint_faults.py",
     "test_fuzz_script.py",
 }
-#: Folders whose ``slow`` tests are more seeds of what their quick tests already run on both legs (the
-#: fuzzers' long samples): ``one_leg`` too.
-ONE_LEG_WHEN_SLOW = {"fuzz"}
+#: Modules whose ``slow`` tests are more seeds of what their quick tests already run on both legs (the
+#: pipeline fuzzer's long sample): ``one_leg`` too. The data-parallel fuzzer's sample (test_differential.py,
+#: all ``slow``) runs on both legs.
+ONE_LEG_WHEN_SLOW = {"test_pipelines.py"}
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
-        slow_sample = item.path.parent.name in ONE_LEG_WHEN_SLOW and item.get_closest_marker("slow")
+        slow_sample = item.path.name in ONE_LEG_WHEN_SLOW and item.get_closest_marker("slow")
         if item.path.name in ONE_LEG_MODULES or slow_sample:
             item.add_marker(pytest.mark.one_leg)
