@@ -59,3 +59,36 @@ def test_a_new_input_function_every_call_warns_at_the_third_call(n_devices: int)
             warned = [w for w in caught if "new function object on every call" in str(w.message)]
             assert len(warned) == (call == 3), f"call {call}"
     assert "(3 in a row" in str(warned[0].message)
+
+
+def test_a_worker_batch_that_divides_by_the_workers_but_not_the_replicas_is_refused() -> None:
+    """10 splits over 2 workers but not over their 8 replicas: an error, not a silently floored per-replica size."""
+    ctx = InputContext(num_workers=2, worker_id=0, cores_per_worker=4)
+    with pytest.raises(ValueError, match="not divisible by the 8 replicas"):
+        ctx.worker_batch_size(10)
+    with pytest.raises(ValueError, match="not divisible by the 8 replicas"):
+        ctx.get_per_replica_batch_size(12)
+    assert ctx.worker_batch_size(16) == 8 and ctx.get_per_replica_batch_size(16) == 2
+
+
+def test_a_later_step_where_one_worker_changes_structure_is_an_error_on_a_fresh_replicator(n_devices: int) -> None:
+    """After a step that cached the batch signature, worker 1 alone yielding another structure is still caught
+    (not only worker 0's batch is checked on the cached path)."""
+    if n_devices < 2 or n_devices % 2:
+        pytest.skip("needs two workers")
+    rows = n_devices // 2
+    repl = rp.Replicator(num_workers=2, cores_per_worker=rows)
+
+    def input_fn(ctx: InputContext):
+        yield {"x": np.zeros((rows,), np.float32)}
+        key = "x" if ctx.worker_id == 0 else "y"  # the same shape under another name, on worker 1 only
+        while True:
+            yield {key: np.zeros((rows,), np.float32)}
+
+    def step(s, b):
+        return s + 1, {"out": next(iter(b.values()))}
+
+    state, _ = repl.run(step, input_fn, jnp.float32(0))  # both workers yield {"x": ...}: the signature is cached
+    assert float(state) == 1.0
+    with pytest.raises(ValueError, match="workers yielded batches of different structures"):
+        repl.run(step, input_fn, state)
