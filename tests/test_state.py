@@ -175,3 +175,11 @@ def test_a_per_replica_step_returning_three_values_gets_the_tracers_error(repl: 
     batch = {"x": np.ones((repl.num_replicas, 2), np.float32)}
     with pytest.raises((TypeError, ValueError), match=r"must return a pair \(new_state, outputs\); it returned tuple"):
         repl.run(lambda s, b: (s, {"y": b["x"]}, 0), batch, state, per_replica_state=True)
+
+
+@pytest.mark.parametrize("scalar", [np.float32(0), np.zeros((), np.float32), jnp.float32(0)])
+def test_a_0d_leaf_marked_per_replica_is_refused(scalar) -> None:
+    """A scalar has no leading axis to hold one row per replica."""
+    with pytest.raises(ValueError, match=r"leading axis of size num_replicas \(8\).*shape \(\)"):
+        state_module.per_replica_flags({"s": scalar}, True, 8)
+    assert state_module.per_replica_flags({"s": np.zeros((8,), np.float32)}, True, 8) == (True,)
