@@ -176,3 +176,29 @@ def test_a_folded_step_trains_like_one_device_in_either_form_of_its_state(
         w, _ = repl.run(step, (x, y), w)
         want = want - 0.1 * jax.grad(loss)(want, x, y)
     np.testing.assert_allclose(np.asarray(w), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_steps_closing_over_same_shaped_arrays_of_other_values_get_other_fingerprints(repl: rp.Replicator) -> None:
+    """The same-program check sees a closed-over constant's bytes, not only its dtype and shape."""
+    batch = {"x": np.ones((repl.num_replicas, 3), np.float32)}
+    ones, zeros, also_ones = jnp.ones(3, jnp.float32), jnp.zeros(3, jnp.float32), jnp.ones(3, jnp.float32)
+
+    def fingerprint(const: jax.Array) -> str:
+        graph = repl.lower(lambda b: {"y": b["x"] * const}, batch).final
+        assert graph.jaxpr.consts, "the step should close over its array as a constant"
+        return execution.program_fingerprint(graph)
+
+    assert fingerprint(ones) != fingerprint(zeros)
+    assert fingerprint(ones) == fingerprint(also_ones)
+
+
+def test_two_local_workers_yielding_different_dtypes_is_a_type_error(repl2d: rp.Replicator) -> None:
+    """Two workers of one process whose leaves differ in dtype: an error naming both, not a silent widening."""
+    workers, cores = repl2d.mesh.devices.shape
+    if workers < 2:
+        pytest.skip("needs two workers")
+    for other in (np.float64, np.int32):
+        per_worker = [np.zeros((cores, 2), np.float32), np.zeros((cores, 2), other)]
+        names = sorted(["float32", np.dtype(other).name])
+        with pytest.raises(TypeError, match=rf"different dtypes \['{names[0]}', '{names[1]}'\]"):
+            place_batch([[x] for x in per_worker], repl2d.mesh, workers)
