@@ -706,3 +706,16 @@ def test_a_snapshot_holds_this_process_shards_matched_by_value_not_identity():
     snap = snapshot.capture([leaf], entries, {0: [record]}, process, writer=False, copy_on_device=False)
     assert list(snap.shards) == [(0, ((0, 4),))]
     np.testing.assert_array_equal(np.asarray(snap.shards[0, ((0, 4),)]), np.arange(4.0))
+
+
+def test_an_edited_version_2_manifest_is_refused(tmp_path):
+    """Version 2 manifests carry a digest too: one edited without re-sealing is refused like a version 3 one."""
+    path = Path(save_checkpoint(tmp_path, 4, {"w": np.arange(3, dtype=np.float32)}, extra={"lr": 0.1}))
+    manifest = _manifest(path)
+    manifest["version"] = 2  # no leaf of this checkpoint has shards: a valid version 2 manifest once resealed
+    _reseal(path, manifest)
+    assert restore_checkpoint(tmp_path, {"w": np.zeros(3, np.float32)})[2] == {"lr": 0.1}
+    manifest["extra"] = {"lr": 0.2}  # edited, the digest left as it was
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ckpt_manifest.DamagedCheckpoint, match="modified or corrupted"):
+        restore_checkpoint(tmp_path, {"w": np.zeros(3, np.float32)})
