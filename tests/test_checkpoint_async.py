@@ -382,3 +382,18 @@ def test_kill_9_at_any_moment_of_an_async_save_leaves_an_intact_checkpoint(tmp_p
         assert step in (1, 2) and (fraction is not None or step == 2)
         np.testing.assert_array_equal(state["w"], np.arange(4 << 20, dtype=np.float32) + (step - 1))
         assert float(state["b"]) == step
+
+
+def test_an_async_save_keeps_host_leaves_as_they_were_when_it_was_called(tmp_path, monkeypatch):
+    """The caller changing a host array in place before the write does not change the checkpoint."""
+    gate = _Gate(monkeypatch)
+    host = np.arange(6, dtype=np.float32)
+    original = host.copy()
+    manager = CheckpointManager(tmp_path)
+    manager.save_async(1, {"w": host})
+    assert gate.entered.wait(WAIT), "the write never started"
+    host[:] = 99  # before the arrays are written
+    gate.opened.set()
+    manager.wait()
+    _, restored, _ = restore_checkpoint(tmp_path, {"w": np.zeros(6, np.float32)})
+    np.testing.assert_array_equal(restored["w"], original)
