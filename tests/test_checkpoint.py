@@ -719,3 +719,37 @@ def test_an_edited_version_2_manifest_is_refused(tmp_path):
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ckpt_manifest.DamagedCheckpoint, match="modified or corrupted"):
         restore_checkpoint(tmp_path, {"w": np.zeros(3, np.float32)})
+
+
+def test_every_data_file_is_fsynced_before_the_step_directory_is_renamed_into_place(tmp_path, n_devices, monkeypatch):
+    """A crash after the commit leaves whole files: arrays.npz, the shard files and the manifest are each fsynced
+    before the rename that commits the step."""
+    from jax.sharding import Mesh
+
+    events: list[tuple] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd):
+        events.append(("fsync", os.fstat(fd).st_ino))
+        return real_fsync(fd)
+
+    def rename(src, dst, *args, **kwargs):
+        events.append(("rename", os.fspath(dst)))
+        return real_rename(src, dst, *args, **kwargs)
+
+    state = {"w": np.arange(3, dtype=np.float32)}
+    if n_devices >= 2:
+        mesh = Mesh(np.array(jax.devices()), ("d",))
+        state["x"] = jax.device_put(np.arange(2.0 * n_devices, dtype=np.float32), NamedSharding(mesh, P("d")))
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    final = Path(save_checkpoint(tmp_path, 5, state))
+    monkeypatch.undo()
+    commit = events.index(("rename", os.fspath(final)))
+    synced = {ino for kind, ino in events[:commit] if kind == "fsync"}
+    data = [p for p in final.iterdir() if p.is_file()]
+    assert "arrays.npz" in {p.name for p in data} and "manifest.json" in {p.name for p in data}
+    if n_devices >= 2:
+        assert len(data) > 2, f"no shard file among {sorted(p.name for p in data)}"
+    for p in data:
+        assert p.stat().st_ino in synced, f"{p.name} was not fsynced before the step directory's rename"
