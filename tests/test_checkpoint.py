@@ -10,6 +10,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -753,3 +754,20 @@ def test_every_data_file_is_fsynced_before_the_step_directory_is_renamed_into_pl
         assert len(data) > 2, f"no shard file among {sorted(p.name for p in data)}"
     for p in data:
         assert p.stat().st_ino in synced, f"{p.name} was not fsynced before the step directory's rename"
+
+
+def test_fallback_skips_only_damaged_checkpoints_not_one_that_does_not_fit_the_target(tmp_path):
+    """An intact newest checkpoint of another shape is the caller's error: restore(fallback=True) says so rather
+    than silently restoring an older checkpoint that happens to fit."""
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, {"w": np.arange(3, dtype=np.float32)})
+    manager.save(2, {"w": np.arange(4, dtype=np.float32)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "skipped it; restoring the newest intact checkpoint" warning
+        with pytest.raises(CheckpointError, match=r"has state\['w'\] of shape .*but the model expects") as info:
+            manager.restore({"w": np.zeros(3, np.float32)}, fallback=True)
+    assert "no intact checkpoint" not in str(info.value)
+    assert not isinstance(info.value, ckpt_manifest.DamagedCheckpoint)
+    step, restored, _ = manager.restore({"w": np.zeros(4, np.float32)}, fallback=True)
+    assert step == 2
+    np.testing.assert_array_equal(restored["w"], np.arange(4, dtype=np.float32))
