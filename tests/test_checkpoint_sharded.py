@@ -538,3 +538,33 @@ def test_a_process_that_fails_to_write_its_shards_fails_the_save_everywhere(tmp_
         assert re.search(rf"\[worker {w}\] .*{pattern}", outs[w][1]), outs[w][1][-3000:]
     assert "saved step" not in outs[0][0] + outs[1][0]
     assert os.listdir(second) == []  # nothing committed, the temporary removed, the lock released
+
+
+@pytest.mark.parametrize("field", ["offset", "bytes"])
+def test_a_sidecar_whose_offsets_or_sizes_differ_from_the_layout_is_refused(tmp_path, field):
+    """Process 1 listing the expected shards at other offsets or of other sizes wrote another layout: refused."""
+    from replicator.training.checkpoint import shards as ckpt_shards
+
+    expected = [
+        ckpt_shards.Record(0, ((0, 4), (0, 3)), 1, None, 0, 48),
+        ckpt_shards.Record(0, ((4, 8), (0, 3)), 1, None, 48, 48),
+    ]
+    sha = hashlib.sha256(b"").hexdigest()
+
+    def write(edit: dict) -> None:
+        records = [
+            {"leaf": r.leaf, "index": r.index, "offset": r.offset, "bytes": r.nbytes, "sha256": sha, **edit}
+            if i == 1
+            else {"leaf": r.leaf, "index": r.index, "offset": r.offset, "bytes": r.nbytes, "sha256": sha}
+            for i, r in enumerate(expected)
+        ]
+        text = json.dumps({"process": 1, "file": ckpt_shards.shard_file(1), "records": records})
+        (tmp_path / "shards-p00001.json").write_text(text)
+
+    write({})  # as the layout says: taken, and its digests noted
+    digests: dict = {}
+    ckpt_shards._take_sidecar(str(tmp_path), 1, expected, digests, wait_s=1.0)
+    assert digests == {(0, r.bounds): sha for r in expected}
+    write({field: {"offset": 40, "bytes": 40}[field]})
+    with pytest.raises(CheckpointError, match="process 1 wrote other shards than process 0 expects"):
+        ckpt_shards._take_sidecar(str(tmp_path), 1, expected, {}, wait_s=1.0)
