@@ -218,15 +218,6 @@ class StageSplit:
                 sums.update(v for v in eqn.outvars if isinstance(v, Var))
         return tuple(i for i, v in enumerate(self.jaxpr.outvars[:num_state]) if isinstance(v, Var) and v in sums)
 
-    def residuals(self, stage: int) -> tuple[Var, ...]:
-        """What ``stage`` keeps from a micro-batch's forward for its backward (the stash,
-        :func:`~replicator.stages.stash.stash_plan`): of what its backward reads of its forward
-        (:meth:`read_back`), the values that depend on the micro-batch. Its size is the per-micro-batch
-        memory a schedule multiplies by the micro-batches in flight."""
-        from replicator.stages.stash import stash_plan  # it reads the split
-
-        return stash_plan(self, stage).kept
-
     def read_back(self, stage: int) -> tuple[Var, ...]:
         """The variables ``stage``'s forward equations define (or receive) and its backward equations read."""
         mine = self.eqns_of(stage)

@@ -31,16 +31,14 @@ True
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import Var
 
 from replicator._jax_compat import scan_operand_counts
-
-if TYPE_CHECKING:
-    from replicator.stages.split import StageSplit
+from replicator.stages.split import FORWARD, StageSplit
 
 __all__ = ["CarryStack", "Stash", "stash_plan"]
 
@@ -114,7 +112,6 @@ def stash_plan(split: StageSplit, stage: int) -> Stash:
 def _micro_batch_values(split: StageSplit) -> set[Var]:
     """The variables of ``split.jaxpr`` that depend on the micro-batch: on an input from ``params_end`` on, or on
     a value received across a boundary. (Without ``params_end``, every input counts as the micro-batch.)"""
-    from replicator.stages.split import FORWARD
 
     jaxpr = split.jaxpr
     varying: set[Var] = set(jaxpr.invars[split.params_end :] if split.params_end else jaxpr.invars)
@@ -145,7 +142,6 @@ def _carry_stacks(split: StageSplit, stage: int, read: list[Var], param_only: li
     """The outputs in ``read`` of ``stage``'s forward scans that stack a carry as it came in: rebuilt from the
     stacked carry-out where ``read`` holds it, else from their tail where the initial carry costs nothing to
     keep (an input, a literal, a value of the parameters alone or one kept already)."""
-    from replicator.stages.split import FORWARD
 
     wanted = set(read)
     found: dict[Var, CarryStack] = {}

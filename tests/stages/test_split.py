@@ -16,6 +16,7 @@ from jax import lax
 import replicator as rp
 from replicator.core.context import replica_context
 from replicator.stages import StageSplitError, split_stages
+from replicator.stages.stash import stash_plan
 
 S0, S1, S2 = frozenset({0}), frozenset({1}), frozenset({2})
 VOCAB, DIM = 6, 4
@@ -100,7 +101,7 @@ class TestThreeStages:
         for stage in range(3):
             phases = {split.phases[i] for i in split.eqns_of(stage)}
             assert phases == {"forward", "backward", "update"}, stage
-            assert split.residuals(stage), stage  # something kept from the forward for the backward
+            assert stash_plan(split, stage).kept, stage  # something kept from the forward for the backward
         # The loss is computed by the last stage; each new parameter by its own.
         outs = split.output_stages
         assert outs[-1] == S2 and outs[0] == S0 and outs[1] == S2 and outs[2] == S1  # emb, head, w1 (sorted keys)
