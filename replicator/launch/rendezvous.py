@@ -309,7 +309,7 @@ class StoreServer:
                 if not full:
                     self._conns.add(conn)
                     self._unproven[conn] = time.monotonic()
-            if evicted is not None:  # its own thread records the drop when its read fails
+            if evicted is not None:  # recorded here, with why; its own thread then ends on the closed socket
                 self.dropped.append(f"{_peer_of(evicted)}: evicted unauthenticated (the store was full)")
                 _shut(evicted)
             if full:
