@@ -43,3 +43,14 @@ def test_back_on_after_a_step_that_fails_to_trace(n_devices):
     with pytest.raises(ZeroDivisionError):
         rp.Replicator(1, n_devices).run(step, _batches(n_devices))
     assert gc.isenabled()
+
+
+def test_a_nested_pause_leaves_the_collector_off_until_the_outer_one_ends():
+    from replicator.runtime.gc_pause import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the inner block found it paused: it leaves it so
+    assert gc.isenabled()

@@ -16,6 +16,19 @@ wait for the first collection after the pause.
 False
 >>> gc.isenabled()
 True
+
+Promises:
+
+1. Inside ``gc_paused()`` the cyclic collector is off, and a step is traced inside it (once: a later call
+   reuses the compiled step)
+   (tests/test_gc_pause.py::test_paused_while_the_step_is_traced_and_back_after).
+2. After the block the collector is on again (same test).
+3. It is on again after a block that raised, e.g. a step that fails to trace
+   (tests/test_gc_pause.py::test_back_on_after_a_step_that_fails_to_trace).
+4. A collector the user disabled stays disabled, during and after the block
+   (tests/test_gc_pause.py::test_a_collector_the_user_disabled_stays_disabled).
+5. Nested blocks: the inner one's end leaves the collector off; only the outer one's end turns it on
+   (tests/test_gc_pause.py::test_a_nested_pause_leaves_the_collector_off_until_the_outer_one_ends).
 """
 
 from __future__ import annotations
