@@ -104,6 +104,7 @@ ONE_LEG_MODULES = {
     "test_hosts.py",
     "test_restarts.py",
     "test_watchdog.py",
+    "test_blame_promises.py",
     "test_faults.py",
     "test_checkpoint_faults.py",
     "test_fuzz_script.py",

@@ -5,6 +5,32 @@ collective breaks): :func:`blame_order` puts the worker that failed on its own
 first, from the exit codes and the status files the workers wrote (see
 :mod:`replicator.runtime.distributed.status`), and :func:`blame` says which
 worker failed, how, and why, in one line.
+
+Promises:
+
+1. A worker killed by a signal is described by the signal's name and the
+   shell's exit code ``128 + signal``; exit code 75 as giving up waiting for
+   the others at start-up; any other code as itself
+   (tests/test_blame_promises.py::test_an_exit_is_described_with_the_shells_exit_code).
+2. A worker that only echoes a peer's failure (JAX's SIGABRT, a start-up
+   timeout, an error of JAX's runtime) is blamed after every other failed
+   worker (tests/test_launch.py::TestStatusFiles::test_blame_the_first_real_failure_not_its_echoes).
+3. A worker killed from outside is blamed before its peers' runtime errors,
+   even ones reported earlier
+   (tests/test_launch.py::TestStatusFiles::test_a_killed_worker_is_blamed_before_its_peers_errors).
+4. Among the rest, the worker whose status file claims the job's first
+   failure is blamed (tests/test_launch.py::TestStatusFiles::test_the_first_reported_failure_wins).
+5. Then the first to end, then the lowest worker id: the choice does not
+   depend on the order of the workers
+   (tests/test_blame_promises.py::test_among_equal_failures_the_first_to_end_then_the_lowest_id_is_blamed).
+6. Only a worker that ended with a non-zero code is blamed, never one that
+   succeeded or still runs; a blamed SIGABRT names the workers still running
+   (tests/test_blame_promises.py::test_only_a_failed_worker_is_blamed_and_running_ones_are_named).
+7. The reason in the line is the exception's type and the first line of its
+   message, cut at 500 characters (then `` ...``); a worker without a status
+   file has none (tests/test_blame_promises.py::test_the_error_summary_is_the_first_line_cut_at_500_characters),
+   and its output is not read for one
+   (tests/test_launch.py::TestLocalJobs::test_a_failure_without_a_report_is_not_read_from_the_log).
 """
 
 from __future__ import annotations
