@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -279,3 +281,54 @@ def test_collectives_outside_a_step_say_where_to_call_them():
     with pytest.raises(RuntimeError, match="Replicator.run"):
         rp.num_replicas()
     assert jax.device_count() >= 1
+
+
+# -- runtime/mesh.py: the mesh a Replicator runs on ---------------------------------------------------------------
+
+
+def test_replica_r_is_the_rth_device_by_id_whatever_order_the_devices_are_given_in(n_devices):
+    from replicator.runtime.mesh import build_mesh
+
+    if n_devices < 4:
+        pytest.skip("needs 4 devices")
+    devices = jax.devices()[:4]
+    for given in (devices, devices[::-1]):
+        mesh = build_mesh(2, 2, devices=list(given))
+        assert mesh.axis_names == ("workers", "cores") and dict(mesh.shape) == {"workers": 2, "cores": 2}
+        assert [d.id for d in mesh.devices.flat] == sorted(d.id for d in devices)  # replica w * 2 + c
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "2", None])
+def test_a_worker_or_core_count_that_is_not_a_positive_int_is_refused(bad):
+    from replicator.runtime.mesh import build_mesh, force_cpu_devices
+
+    with pytest.raises(ValueError, match="num_workers must be a positive int"):
+        build_mesh(bad, 1)
+    if bad is not None:  # None is a valid cores_per_worker: every local device
+        with pytest.raises(ValueError, match="cores_per_worker must be a positive int or None"):
+            build_mesh(1, bad)
+        with pytest.raises(ValueError, match=r"force_cpu_devices\(n\): n must be a positive int"):
+            force_cpu_devices(bad)
+
+
+def test_cores_per_worker_none_is_every_local_device_or_the_workers_share_of_those_given(n_devices):
+    from replicator.runtime.mesh import build_mesh
+
+    assert dict(build_mesh(1).shape) == {"workers": 1, "cores": n_devices}
+    if n_devices >= 4:
+        assert dict(build_mesh(2, devices=jax.devices()[:4]).shape) == {"workers": 2, "cores": 2}
+
+
+_OTHER_FLAGS = st.lists(st.sampled_from(["--xla_cpu_enable_fast_math=false", "--xla_dump_to=/tmp/x", "--xla_a=1"]))
+
+
+@hypothesis.settings(max_examples=50, deadline=None)
+@hypothesis.given(_OTHER_FLAGS, st.integers(0, 3), st.lists(st.integers(1, 64), max_size=2), st.integers(1, 64))
+def test_the_device_count_flag_is_set_once_other_flags_kept_in_order(others, at, before, n):
+    from replicator.runtime.mesh import with_device_count
+
+    flags = list(others)
+    for count in before:  # any earlier counts, anywhere among the other flags
+        flags.insert(min(at, len(flags)), f"--xla_force_host_platform_device_count={count}")
+    got = with_device_count(" ".join(flags), n).split()
+    assert got == [*others, f"--xla_force_host_platform_device_count={n}"]

@@ -11,6 +11,34 @@ Example (after ``rp.force_cpu_devices(8)``, which must run before JAX starts):
 >>> mesh = rp.build_mesh(num_workers=2, cores_per_worker=4)
 >>> dict(mesh.shape)
 {'workers': 2, 'cores': 4}
+
+Promises:
+
+1. ``build_mesh(W, C)`` is a ``('workers', 'cores')`` mesh of shape ``(W, C)`` whose device ``[w, c]`` is the
+   ``(w * C + c)``-th device by (process, id), in whatever order ``devices`` lists them
+   (tests/test_run.py::test_replica_r_is_the_rth_device_by_id_whatever_order_the_devices_are_given_in).
+2. ``cores_per_worker=None`` is every local device, or ``len(devices) // num_workers`` of the devices given
+   (tests/test_run.py::test_cores_per_worker_none_is_every_local_device_or_the_workers_share_of_those_given).
+3. A worker or core count that is not a positive int (0, negative, a float, a string) is a ``ValueError``
+   naming the argument
+   (tests/test_run.py::test_a_worker_or_core_count_that_is_not_a_positive_int_is_refused).
+4. More replicas than devices is a ``ValueError`` naming both numbers and ``force_cpu_devices``
+   (tests/test_run.py::TestBadInput::test_more_replicas_than_devices).
+5. In a job of several processes, each process holds ``W / processes`` consecutive workers, each of its own
+   devices: with one worker per process, worker ``w`` is process ``w``
+   (tests/test_distributed.py::TestMeshOverProcesses::test_worker_w_is_process_w,
+   tests/test_distributed.py::TestMeshOverProcesses::test_several_workers_per_process).
+6. Workers that do not split evenly over the processes, a process with too few devices, or devices that
+   leave out a process are each a ``ValueError`` naming the numbers and the fix
+   (tests/test_distributed.py::TestMeshOverProcesses::test_errors).
+7. ``force_cpu_devices(n)`` before JAX starts sets the emulated device count in ``XLA_FLAGS``, other flags
+   kept (tests/test_run.py::test_force_cpu_devices_before_start_keeps_other_flags); after, it does nothing if
+   JAX has ``n`` CPU devices or more, and with fewer raises a ``RuntimeError`` that says to set ``XLA_FLAGS``
+   (tests/test_run.py::TestBadInput::test_force_cpu_devices_after_start); ``n`` not a positive int is a
+   ``ValueError`` (tests/test_run.py::test_a_worker_or_core_count_that_is_not_a_positive_int_is_refused).
+8. ``with_device_count(flags, n)`` holds the count flag exactly once, set to ``n``, after the other flags,
+   which keep their order (earlier count flags removed, wherever they were)
+   (tests/test_run.py::test_the_device_count_flag_is_set_once_other_flags_kept_in_order).
 """
 
 from __future__ import annotations
