@@ -105,6 +105,7 @@ ONE_LEG_MODULES = {
     "test_restarts.py",
     "test_watchdog.py",
     "test_blame_promises.py",
+    "test_environment_promises.py",
     "test_faults.py",
     "test_checkpoint_faults.py",
     "test_fuzz_script.py",

@@ -4,6 +4,33 @@ A worker runs through the bootstrap (:func:`worker_command`) with the job's
 settings in ``REPLICATOR_*`` variables (:func:`worker_env`), which
 :func:`replicator.runtime.distributed.initialize` reads. :class:`LaunchError`
 is the error for bad launcher arguments.
+
+Promises:
+
+1. A worker's environment has the job's coordinator, worker count, worker
+   id, cores per worker and the three timeouts, and keeps the rest of the
+   launcher's environment (tests/test_launch.py::TestCommandLine::test_worker_env).
+2. A setting not given is removed, never inherited from the launcher's own
+   environment (a stale status directory included), and the launcher's
+   environment itself is not changed
+   (tests/test_launch.py::TestCommandLine::test_worker_env_status_dir,
+   tests/test_environment_promises.py::test_worker_env_sets_or_unsets_every_setting_and_leaves_base_alone).
+3. The restart count and the most restarts are set under both names,
+   ``REPLICATOR_*`` and torchrun's ``TORCHELASTIC_*``; the first start's
+   worker count defaults to this start's
+   (tests/test_environment_promises.py::test_the_restart_count_and_the_most_restarts_are_under_both_names).
+4. ``cores_per_worker`` replaces the device count in ``XLA_FLAGS``, keeping
+   the other flags (tests/test_launch.py::TestCommandLine::test_worker_env).
+5. Output is unbuffered (``PYTHONUNBUFFERED=1``, ``python -u``), every worker
+   runs through the bootstrap (a script, or ``-m module``) and is given the
+   launcher's pid to die with it
+   (tests/test_environment_promises.py::test_a_worker_runs_through_the_bootstrap_unbuffered,
+   tests/test_environment_promises.py::test_worker_env_sets_or_unsets_every_setting_and_leaves_base_alone).
+6. A coordinator's port in use on this machine is refused before any worker
+   starts, naming the port and a free one to pass
+   (tests/test_watchdog.py::TestPortCheck::test_a_port_in_use_is_named_with_another_to_use);
+   an address of another machine is not checked
+   (tests/test_watchdog.py::TestPortCheck::test_an_address_of_another_machine_is_not_checked).
 """
 
 from __future__ import annotations
