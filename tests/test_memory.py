@@ -71,3 +71,31 @@ def test_a_lowered_that_does_not_know_its_devices_says_so(repl):
     lowered = repl.lower(lambda b: rp.all_sum(b), np.ones((repl.num_replicas, 2), np.float32))
     with pytest.raises(ValueError, match="does not know its devices"):
         Lowered(lowered.stages).memory()
+
+
+def _two_leaf_step(s, b):
+    return {"stats": s["stats"] + rp.all_mean(b["x"]).sum(), "w": s["w"]}, {}
+
+
+def _two_leaf_state(n):
+    return {"stats": jnp.zeros((n, 256)), "w": jnp.zeros(512, jnp.bfloat16)}
+
+
+def test_a_per_replica_leaf_counts_one_row_per_device_and_a_bfloat16_one_two_bytes_an_element(n_devices):
+    repl = rp.Replicator(1, n_devices)
+    batch = {"x": np.ones((n_devices, 4), np.float32)}  # one row of 4 float32s per replica
+    state = _two_leaf_state(n_devices)
+    per_replica = repl.lower(_two_leaf_step, batch, state, per_replica_state={"stats": True, "w": False}).memory()
+    assert per_replica.arguments == 256 * 4 + 512 * 2 + 4 * 4  # one row of stats, all of w, one batch row
+    replicated = repl.lower(_two_leaf_step, batch, state).memory()
+    assert replicated.arguments == n_devices * 256 * 4 + 512 * 2 + 4 * 4  # every row of stats on every device
+
+
+def test_donated_state_is_counted_as_aliased(n_devices):
+    batch = {"x": np.ones((n_devices, 4), np.float32)}
+    kept, donated = (
+        rp.Replicator(1, n_devices, donate_state=d).lower(_two_leaf_step, batch, _two_leaf_state(n_devices)).memory()
+        for d in (False, True)
+    )
+    assert kept.aliased == 0 and donated.aliased == n_devices * 256 * 4 + 512 * 2  # the new state reuses it all
+    assert donated.arguments == kept.arguments and donated.outputs == kept.outputs

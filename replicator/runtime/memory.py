@@ -14,6 +14,24 @@ at once on one device, as XLA planned it.
 True
 >>> usage.peak == usage.arguments + usage.outputs - usage.aliased + usage.temporaries
 True
+
+Promises:
+
+1. ``peak == arguments + outputs - aliased + temporaries``, every figure XLA's own
+   (tests/test_memory.py::test_xla_counts_the_arguments_the_graph_says_a_device_holds).
+2. ``arguments`` is what the graph says one device holds (the state, ZeRO-sharded leaves 1/N of it), one
+   replica's batch rows and the runtime constants, with or without ZeRO
+   (tests/test_memory.py::test_xla_counts_the_arguments_the_graph_says_a_device_holds); ZeRO makes the state
+   and the peak smaller (tests/test_memory.py::test_zero_divides_the_state_and_the_peak).
+3. A state leaf kept per replica counts one row per device, not all of them, and a narrow leaf (bfloat16) its
+   own bytes per element
+   (tests/test_memory.py::test_a_per_replica_leaf_counts_one_row_per_device_and_a_bfloat16_one_two_bytes_an_element).
+4. Donated state (``donate_state=True``) is counted as ``aliased``: the new state's bytes; without donation
+   ``aliased`` is 0 (tests/test_memory.py::test_donated_state_is_counted_as_aliased).
+5. ``str(usage)`` says the peak and its four terms in MiB, and ``explain`` prints it next to the state the
+   graph predicts (tests/test_memory.py::test_explain_prints_the_predicted_state_and_the_measured_memory).
+6. A ``Lowered`` that does not know its devices is a ``ValueError`` that says so, not a guess
+   (tests/test_memory.py::test_a_lowered_that_does_not_know_its_devices_says_so).
 """
 
 from __future__ import annotations
