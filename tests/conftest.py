@@ -97,6 +97,7 @@ ONE_LEG_MODULES = {
     "test_bench_pipeline.py",
     "test_launch.py",
     "test_launch_cli.py",
+    "test_launch_options.py",
     "test_launch_membership_gaps.py",
     "test_launch_mutation_gaps.py",
     "test_membership.py",

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from replicator import launch
-from replicator.launch import cli, hosts, relay
+from replicator.launch import LaunchOptions, cli, hosts, relay
 from replicator.launch.rendezvous import StoreClient
 from replicator.launch.watchdog import STALL_EXIT_CODE
 from replicator.runtime.distributed.startup import START_TIMEOUT_EXIT_CODE
@@ -175,7 +175,7 @@ class TestAcrossHosts:
         [
             (["--max-time", "0"], r"--max-time must be a positive number of seconds, got 0.0"),
             (["--kill-grace", "-1"], r"--kill-grace must be >= 0 seconds"),
-            (["--max-restarts", "-1"], r"--max-restarts must be an int >= 0"),
+            (["--max-restarts", "-1"], r"--max-restarts must be a non-negative int \(0: no restarts\), got -1"),
         ],
     )
     def test_settings_are_checked_before_the_rendezvous(self, argv, message, capsys):
@@ -365,8 +365,8 @@ class TestRefusedBeforeAnyWorkerStarts:
         assert cli.main(["--num-workers", "2", "--log-dir", "/tmp/logs", TOY]) == 0
         (module_command, module_kwargs), (script_command, script_kwargs) = launched
         assert module_command[-3:] == ["-m", "tests.multiproc.toy_worker", "-x"] and script_command[-1] == TOY
-        assert module_kwargs["num_workers"] == 2 and module_kwargs["show_runtime_logs"] is True
-        assert script_kwargs["log_dir"] == "/tmp/logs" and script_kwargs["show_runtime_logs"] is False
+        assert module_kwargs["num_workers"] == 2 and module_kwargs["options"].show_runtime_logs is True
+        assert script_kwargs["options"] == LaunchOptions(log_dir="/tmp/logs")
 
     def test_command_line_end_to_end(self, tmp_path):
         started = time.monotonic()

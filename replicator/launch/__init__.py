@@ -83,7 +83,13 @@ restart runs one worker fewer, never fewer than ``M``, with the first start's
 count in ``REPLICATOR_INITIAL_NUM_WORKERS``; a ``Trainer`` with ``resume_from=``
 goes on on the smaller mesh, the global batch kept.
 
-Library use: :func:`launch` runs a job and returns its exit code.
+Library use: :func:`launch` runs a job and returns its exit code; its options
+(timeouts, restarts, the watchdog, the rendezvous's timing, the logs) are a
+:class:`LaunchOptions`, the command line's defaults when left out::
+
+    from replicator.launch import LaunchOptions, launch
+
+    code = launch([sys.executable, "train.py"], num_workers=2, options=LaunchOptions(max_restarts=3))
 
 Modules: :mod:`~replicator.launch.environment` (a worker's command line and
 environment, the coordinator's port), :mod:`~replicator.launch.processes`
@@ -93,17 +99,20 @@ environment, the coordinator's port), :mod:`~replicator.launch.processes`
 :mod:`~replicator.launch.watchdog` (verdicts on the workers' progress),
 :mod:`~replicator.launch.supervise` (the supervision loop and :func:`launch`),
 :mod:`~replicator.launch.restarts` (which endings are restarted, timing recoveries),
+:mod:`~replicator.launch.options` (:class:`LaunchOptions`: the options, their defaults and checks),
 :mod:`~replicator.launch.cli` (the command line, :func:`main`).
 """
 
 from replicator.launch.cli import main
 from replicator.launch.environment import LaunchError, check_port_free, free_port, worker_command, worker_env
+from replicator.launch.options import LaunchOptions
 from replicator.launch.processes import DEFAULT_KILL_GRACE_S
 from replicator.launch.supervise import launch
 
 __all__ = [
     "DEFAULT_KILL_GRACE_S",
     "LaunchError",
+    "LaunchOptions",
     "check_port_free",
     "free_port",
     "launch",

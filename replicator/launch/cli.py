@@ -24,6 +24,7 @@ worker starts too.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import importlib.machinery
 import os
@@ -34,28 +35,19 @@ import threading
 from collections.abc import Sequence
 
 from replicator.launch.environment import LaunchError, worker_command
-from replicator.launch.hosts import HOST_LOST_EXIT_CODE, check_settings, run_host
+from replicator.launch.hosts import HOST_LOST_EXIT_CODE, run_host
 from replicator.launch.membership import (
-    DEFAULT_HEARTBEAT_INTERVAL_S,
-    DEFAULT_JOIN_TIMEOUT_S,
-    DEFAULT_LAST_CALL_S,
     DEFAULT_MISSED_HEARTBEATS,
     DEFAULT_REJOIN_TIMEOUT_S,
     Rendezvous,
     parse_nnodes,
     serve_if_here,
 )
-from replicator.launch.processes import DEFAULT_KILL_GRACE_S
+from replicator.launch.options import LaunchOptions, option_flag
 from replicator.launch.rendezvous import ENV_SECRET, RendezvousError, is_loopback, load_secret
-from replicator.launch.restarts import DEFAULT_FAILURE_WINDOW_S
 from replicator.launch.supervise import launch
-from replicator.launch.watchdog import DEFAULT_COMPILE_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S, STALL_EXIT_CODE
-from replicator.runtime.distributed.startup import (
-    DEFAULT_HEARTBEAT_TIMEOUT_S,
-    DEFAULT_SHUTDOWN_TIMEOUT_S,
-    DEFAULT_START_TIMEOUT_S,
-    START_TIMEOUT_EXIT_CODE,
-)
+from replicator.launch.watchdog import STALL_EXIT_CODE
+from replicator.runtime.distributed.startup import START_TIMEOUT_EXIT_CODE
 
 __all__ = ["TORCHRUN", "main"]
 
@@ -92,39 +84,41 @@ _TORCHRUN_REFUSED: dict[str, str] = {
 _MASTER_PORT = 29500
 _RDZV_PORT = 29400
 
-# The options that take seconds: (flag, default, help), in --help's order.
-_SECONDS: list[tuple[str, float | None, str]] = [
-    ("--start-timeout", DEFAULT_START_TIMEOUT_S, "seconds workers wait for all to join (default %(default)g)"),
+#: The options' defaults: --help's come from these (:class:`~replicator.launch.options.LaunchOptions`).
+_DEFAULTS = LaunchOptions()
+
+# The options that take seconds: (LaunchOptions field, help), in --help's order; the flag is the field's.
+_SECONDS: list[tuple[str, str]] = [
+    ("start_timeout_s", "seconds workers wait for all to join (default %(default)g)"),
+    ("heartbeat_timeout_s", "seconds after which a silent worker counts as dead (default %(default)g)"),
+    ("shutdown_timeout_s", "seconds a finished worker waits for the others (default %(default)g)"),
+    ("kill_grace_s", "seconds between SIGTERM and SIGKILL when stopping workers (default %(default)g)"),
+    ("max_time_s", "stop the whole job after this many seconds (default: no limit)"),
     (
-        "--heartbeat-timeout",
-        DEFAULT_HEARTBEAT_TIMEOUT_S,
-        "seconds after which a silent worker counts as dead (default %(default)g)",
-    ),
-    (
-        "--shutdown-timeout",
-        DEFAULT_SHUTDOWN_TIMEOUT_S,
-        "seconds a finished worker waits for the others (default %(default)g)",
-    ),
-    (
-        "--kill-grace",
-        DEFAULT_KILL_GRACE_S,
-        "seconds between SIGTERM and SIGKILL when stopping workers (default %(default)g)",
-    ),
-    ("--max-time", None, "stop the whole job after this many seconds (default: no limit)"),
-    (
-        "--step-timeout",
-        DEFAULT_STEP_TIMEOUT_S,
+        "step_timeout_s",
         "stop the job when no worker made progress for S seconds while one waits for another; it names "
         "the worker behind and prints every worker's Python stack (default %(default)g; 0: off)",
     ),
-    ("--compile-timeout", DEFAULT_COMPILE_TIMEOUT_S, "the same while a worker compiles a step (default %(default)g)"),
+    ("compile_timeout_s", "the same while a worker compiles a step (default %(default)g)"),
     (
-        "--failure-window",
-        DEFAULT_FAILURE_WINDOW_S,
+        "failure_window_s",
         "with --min-workers: a worker keeps failing when the failure before was blamed on it too and it fails "
         "again within S seconds after the restart in between (default %(default)g)",
     ),
 ]
+
+
+def _dest(field: str) -> str:
+    """The argparse destination of a LaunchOptions field: its flag's (``kill_grace_s``: ``kill_grace``)."""
+    return option_flag(field)[2:].replace("-", "_")
+
+
+def options_of(args: argparse.Namespace) -> LaunchOptions:
+    """The :class:`~replicator.launch.options.LaunchOptions` that the parsed ``args`` say; LaunchError if bad.
+
+    Every field has an option of the same name (``kill_grace_s``: ``--kill-grace``), whose default is the field's.
+    """
+    return LaunchOptions(**{f.name: getattr(args, _dest(f.name)) for f in dataclasses.fields(LaunchOptions)})
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -147,6 +141,7 @@ def _parser() -> argparse.ArgumentParser:
         "--cores-per-worker",
         type=int,
         metavar="C",
+        default=_DEFAULTS.cores_per_worker,
         help="devices per worker; on CPU this many are emulated (default: not set: each worker uses the devices "
         "JAX finds, all of a GPU host's GPUs, or the CPU devices XLA_FLAGS asks for, 1 without it)",
     )
@@ -163,13 +158,13 @@ def _parser() -> argparse.ArgumentParser:
         help="start only this worker (one per host; needs --coordinator; torchrun: --node-rank; default: none, "
         "every worker of the job starts on this machine)",
     )
-    for flag, default, text in _SECONDS:
-        p.add_argument(flag, type=float, metavar="S", default=default, help=text)
+    for field, text in _SECONDS:
+        p.add_argument(option_flag(field), type=float, metavar="S", default=getattr(_DEFAULTS, field), help=text)
     p.add_argument(
         "--max-restarts",
         type=int,
         metavar="N",
-        default=0,
+        default=_DEFAULTS.max_restarts,
         help="when a worker fails (killed, an exception, the watchdog), stop the others and start every worker "
         "again, up to N times; workers read the restart number in REPLICATOR_RESTART_COUNT (and "
         "TORCHELASTIC_RESTART_COUNT) and resume from their checkpoints, e.g. Trainer(..., resume_from=DIR). "
@@ -180,6 +175,7 @@ def _parser() -> argparse.ArgumentParser:
         "--min-workers",
         type=int,
         metavar="M",
+        default=_DEFAULTS.min_workers,
         help="with --max-restarts: when a worker keeps failing (see --failure-window), the next restart runs the "
         "job on one worker fewer, never fewer than M; it counts as a restart. Workers read the new count in "
         "REPLICATOR_NUM_WORKERS and the first start's in REPLICATOR_INITIAL_NUM_WORKERS; a Trainer with "
@@ -189,6 +185,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--log-dir",
         metavar="DIR",
+        default=_DEFAULTS.log_dir,
         help="keep every worker's whole output in a new directory under DIR (worker-I.log), chatter and "
         "tracebacks included (default: a temporary directory, removed at the end unless a line of the launcher "
         "named a file in it: everything else was shown)",
@@ -196,6 +193,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--show-runtime-logs",
         action="store_true",
+        default=_DEFAULTS.show_runtime_logs,
         help="also show the runtime's chatter, such as Gloo's '[Gloo] Rank 0 is connected to 1 peer ranks' lines "
         "(default: off; they are in the log files either way)",
     )
@@ -256,7 +254,7 @@ def _parser() -> argparse.ArgumentParser:
         "--rdzv-heartbeat",
         type=float,
         metavar="S",
-        default=DEFAULT_HEARTBEAT_INTERVAL_S,
+        default=_DEFAULTS.rdzv_heartbeat_s,
         help=f"seconds between the launchers' heartbeats: a host (or the rendezvous) silent for "
         f"{DEFAULT_MISSED_HEARTBEATS} of them is lost, seen within {DEFAULT_MISSED_HEARTBEATS + 1} (default "
         f"%(default)g)",
@@ -265,21 +263,21 @@ def _parser() -> argparse.ArgumentParser:
         "--rdzv-last-call",
         type=float,
         metavar="S",
-        default=DEFAULT_LAST_CALL_S,
+        default=_DEFAULTS.rdzv_last_call_s,
         help="with MIN:MAX: seconds a round with MIN hosts waits for more (default %(default)g)",
     )
     hosts.add_argument(
         "--rdzv-join-timeout",
         type=float,
         metavar="S",
-        default=DEFAULT_JOIN_TIMEOUT_S,
+        default=_DEFAULTS.rdzv_join_timeout_s,
         help="seconds a launcher waits for the others to join a round (default %(default)g)",
     )
     hosts.add_argument(
         "--rdzv-rejoin-timeout",
         type=float,
         metavar="S",
-        default=None,
+        default=_DEFAULTS.rdzv_rejoin_timeout_s,
         help=f"seconds a restart round waits for the hosts of the round before it that still heartbeat (stopping "
         f"their workers) before it goes on without them, naming them; below --rdzv-join-timeout (default: "
         f"{DEFAULT_REJOIN_TIMEOUT_S:g} or half the join timeout, the smaller)",
@@ -391,18 +389,6 @@ def _rendezvous_mode(args: argparse.Namespace) -> None:
     if args.tr_node_rank is not None and not 0 <= args.tr_node_rank < high:
         raise LaunchError(
             f"--node-rank {args.tr_node_rank} is out of range for --nnodes {args.tr_nnodes}: give 0..{high - 1}."
-        )
-    for flag, value in (("--rdzv-heartbeat", args.rdzv_heartbeat), ("--rdzv-join-timeout", args.rdzv_join_timeout)):
-        if not value > 0:
-            raise LaunchError(f"{flag} must be a positive number of seconds, got {value!r}.")
-    if not args.rdzv_last_call >= 0:
-        raise LaunchError(f"--rdzv-last-call must be >= 0 seconds, got {args.rdzv_last_call!r}.")
-    rejoin = args.rdzv_rejoin_timeout
-    if rejoin is not None and not 0 <= rejoin < args.rdzv_join_timeout:
-        raise LaunchError(
-            f"--rdzv-rejoin-timeout {rejoin!r}: give a number of seconds >= 0 and below --rdzv-join-timeout "
-            f"({args.rdzv_join_timeout:g}): the hosts that rejoined a restart would give up before it waited out the "
-            "others."
         )
     host, sep, port = args.tr_rdzv_endpoint.rpartition(":")
     if not (sep and host and port.isdigit()):
@@ -578,7 +564,8 @@ def _find_in(locations: list[str], part: str) -> list[str] | None:
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     """The launcher's options, torchrun's resolved into ours, and the workers' command (script or module, args).
 
-    Exits with code 2 and a message on a bad option, a script that cannot be
+    ``args.options`` is the :class:`~replicator.launch.options.LaunchOptions` the options say
+    (``LaunchOptions()`` for none of them). Exits with code 2 and a message on a bad option, a script that cannot be
     read or a module that cannot be found: before any worker starts.
     """
     parser = _parser()
@@ -588,6 +575,7 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(_unknown_option(unknown[0], parser))
     try:
         _from_torchrun(args)
+        args.options = options_of(args)
         if not args.module and not rest:
             raise LaunchError("give the script to run (train.py [args]) or a module (-m pkg.train [args]).")
         _check_program(rest, args.module)
@@ -614,20 +602,6 @@ def _local_address(endpoint: str) -> str:
 
 def _across_hosts(args: argparse.Namespace, command: list[str], interrupted: threading.Event) -> int:
     """This host's part of a job across hosts: serve the rendezvous if it can, join it, run the rounds."""
-    check_settings(
-        args.nproc,
-        args.max_restarts,
-        args.cores_per_worker,
-        {
-            "--start-timeout": (args.start_timeout, None),
-            "--heartbeat-timeout": (args.heartbeat_timeout, None),
-            "--shutdown-timeout": (args.shutdown_timeout, None),
-            "--kill-grace": (args.kill_grace, 0),
-            "--max-time": (args.max_time, None),
-            "--step-timeout": (args.step_timeout, 0),
-            "--compile-timeout": (args.compile_timeout, None),
-        },
-    )
     try:
         secret = load_secret(args.rdzv_secret_file)
         store = serve_if_here(args.rdzv_endpoint, secret)
@@ -642,10 +616,7 @@ def _across_hosts(args: argparse.Namespace, command: list[str], interrupted: thr
         rank=args.tr_node_rank,
         address=address,
         secret=secret,
-        heartbeat_interval_s=args.rdzv_heartbeat,
-        last_call_s=args.rdzv_last_call,
-        join_timeout_s=args.rdzv_join_timeout,
-        rejoin_timeout_s=args.rdzv_rejoin_timeout,
+        **args.options.rendezvous_timing(),
     )
     where = "served here" if store is not None else "served by another host's launcher"
     print(f"[launcher] rendezvous at {args.rdzv_endpoint} ({where}); this host: {address}", file=sys.stderr, flush=True)
@@ -659,19 +630,9 @@ def _across_hosts(args: argparse.Namespace, command: list[str], interrupted: thr
             command,
             rdzv,
             nproc_per_host=args.nproc,
-            max_restarts=args.max_restarts,
-            cores_per_worker=args.cores_per_worker,
-            start_timeout_s=args.start_timeout,
-            heartbeat_timeout_s=args.heartbeat_timeout,
-            shutdown_timeout_s=args.shutdown_timeout,
-            kill_grace_s=args.kill_grace,
-            max_time_s=args.max_time,
-            step_timeout_s=args.step_timeout,
-            compile_timeout_s=args.compile_timeout,
             interrupted=interrupted,
-            log_dir=args.log_dir,
-            show_runtime_logs=args.show_runtime_logs,
             store=store,
+            options=args.options,
         )
     finally:
         rdzv.close()
@@ -698,22 +659,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return launch(
             command,
             num_workers=args.num_workers,
-            cores_per_worker=args.cores_per_worker,
             coordinator=args.coordinator,
             worker_id=args.worker_id,
-            start_timeout_s=args.start_timeout,
-            heartbeat_timeout_s=args.heartbeat_timeout,
-            shutdown_timeout_s=args.shutdown_timeout,
-            kill_grace_s=args.kill_grace,
-            max_time_s=args.max_time,
-            step_timeout_s=args.step_timeout,
-            compile_timeout_s=args.compile_timeout,
-            max_restarts=args.max_restarts,
-            min_workers=args.min_workers,
-            failure_window_s=args.failure_window,
             interrupted=interrupted,
-            log_dir=args.log_dir,
-            show_runtime_logs=args.show_runtime_logs,
+            options=args.options,
         )
     except LaunchError as e:
         _parser().error(str(e))

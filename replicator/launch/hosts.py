@@ -44,18 +44,13 @@ from typing import IO
 
 from replicator.launch.environment import LaunchError
 from replicator.launch.membership import Assignment, LeftOut, Rendezvous
-from replicator.launch.processes import DEFAULT_KILL_GRACE_S, EXIT_POLL_S, Output, Worker, stop
+from replicator.launch.options import FROM_OPTIONS, FromOptions, LaunchOptions, merge
+from replicator.launch.processes import EXIT_POLL_S, Output, Worker, stop
 from replicator.launch.rendezvous import RendezvousError, StoreServer
 from replicator.launch.restarts import Outcome, Recovery
 from replicator.launch.supervise import _close_logs, _log_directory, _start_all, _summary, supervise
-from replicator.launch.watchdog import DEFAULT_COMPILE_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S
-from replicator.runtime.distributed.startup import (
-    DEFAULT_HEARTBEAT_TIMEOUT_S,
-    DEFAULT_SHUTDOWN_TIMEOUT_S,
-    DEFAULT_START_TIMEOUT_S,
-)
 
-__all__ = ["HOST_LOST_EXIT_CODE", "check_settings", "run_host"]
+__all__ = ["HOST_LOST_EXIT_CODE", "run_host"]
 
 #: The exit code of a launcher whose job ended because a host, or the rendezvous, was lost.
 HOST_LOST_EXIT_CODE = 77
@@ -132,47 +127,42 @@ class _Watch:
         return None
 
 
-def check_settings(
-    nproc_per_host: int, max_restarts: int, cores_per_worker: int | None, seconds: dict[str, tuple]
-) -> None:
-    """The settings :func:`~replicator.launch.supervise.launch` checks too; LaunchError saying what to pass.
-
-    ``seconds``: ``{flag: (value, lowest allowed or None for > 0)}``; a value of None is not checked.
-    """
-    for flag, count, low in (("--nproc-per-node", nproc_per_host, 1), ("--max-restarts", max_restarts, 0)):
-        if isinstance(count, bool) or not isinstance(count, int) or count < low:
-            raise LaunchError(f"{flag} must be an int >= {low}, got {count!r}.")
-    if cores_per_worker is not None and cores_per_worker < 1:
-        raise LaunchError(f"--cores-per-worker must be a positive int, got {cores_per_worker!r}.")
-    for flag, (value, low) in seconds.items():
-        if value is not None and not (value > 0 if low is None else value >= low):
-            need = "a positive number of seconds" if low is None else f">= {low} seconds"
-            raise LaunchError(f"{flag} must be {need}, got {value!r}.")
-
-
 def run_host(
     command: Sequence[str],
     rdzv: Rendezvous,
     *,
     nproc_per_host: int = 1,
-    max_restarts: int = 0,
-    cores_per_worker: int | None = None,
-    start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
-    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
-    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
-    kill_grace_s: float = DEFAULT_KILL_GRACE_S,
-    max_time_s: float | None = None,
-    step_timeout_s: float | None = DEFAULT_STEP_TIMEOUT_S,
-    compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+    max_restarts: int | FromOptions = FROM_OPTIONS,
+    cores_per_worker: int | None | FromOptions = FROM_OPTIONS,
+    start_timeout_s: float | FromOptions = FROM_OPTIONS,
+    heartbeat_timeout_s: float | FromOptions = FROM_OPTIONS,
+    shutdown_timeout_s: float | FromOptions = FROM_OPTIONS,
+    kill_grace_s: float | FromOptions = FROM_OPTIONS,
+    max_time_s: float | None | FromOptions = FROM_OPTIONS,
+    step_timeout_s: float | None | FromOptions = FROM_OPTIONS,
+    compile_timeout_s: float | FromOptions = FROM_OPTIONS,
     interrupted: threading.Event | None = None,
-    log_dir: str | os.PathLike | None = None,
-    show_runtime_logs: bool = False,
+    log_dir: str | os.PathLike | None | FromOptions = FROM_OPTIONS,
+    show_runtime_logs: bool | FromOptions = FROM_OPTIONS,
     env: dict[str, str] | None = None,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
     store: StoreServer | None = None,
+    options: LaunchOptions | None = None,
 ) -> int:
     """Run this host's workers through the rounds of ``rdzv`` (started); the job's exit code.
+
+    The options come from ``options`` (default
+    :class:`~replicator.launch.options.LaunchOptions()`), each keyword given
+    overriding its field, as for :func:`~replicator.launch.supervise.launch`;
+    the rendezvous's timing is ``rdzv``'s, made with the same options'
+    (:meth:`~replicator.launch.options.LaunchOptions.rendezvous_timing`).
+    For example, on each host (a secret is needed beyond loopback)::
+
+        options = LaunchOptions(max_restarts=3, rdzv_heartbeat_s=0.5)
+        rdzv = Rendezvous("10.0.0.1:29400", min_hosts=2, secret=secret, **options.rendezvous_timing())
+        rdzv.start()
+        code = run_host([sys.executable, "train.py"], rdzv, options=options)
 
     Args:
       command: the worker's command line (see :func:`~replicator.launch.environment.worker_command`).
@@ -184,6 +174,8 @@ def run_host(
         :func:`~replicator.launch.supervise.launch`.
       store: the rendezvous store, when this launcher hosts it: before returning, it waits (at most
         ``rdzv.detection_bound_s``) for the other launchers to leave, so that they read how the job ended.
+      options: the options (:class:`~replicator.launch.options.LaunchOptions`); its ``min_workers`` must be
+        None (across hosts, ``--nnodes MIN:MAX`` goes on with fewer hosts).
 
     Returns:
       0 when every host's workers finished; the failed worker's exit code when no restart was left;
@@ -192,21 +184,33 @@ def run_host(
       ``rdzv.join_timeout_s`` (the job goes on);
       124 after ``max_time_s``; ``128 + signal`` when a launcher was interrupted; 1 when a host's workers
       were still running long after another's finished.
+
+    Raises:
+      LaunchError: on a bad option (the message says what to pass).
     """
-    check_settings(
-        nproc_per_host,
-        max_restarts,
-        cores_per_worker,
-        {
-            "--start-timeout": (start_timeout_s, None),
-            "--heartbeat-timeout": (heartbeat_timeout_s, None),
-            "--shutdown-timeout": (shutdown_timeout_s, None),
-            "--kill-grace": (kill_grace_s, 0),
-            "--max-time": (max_time_s, None),
-            "--step-timeout": (step_timeout_s, 0),
-            "--compile-timeout": (compile_timeout_s, None),
-        },
+    o = merge(
+        options,
+        max_restarts=max_restarts,
+        cores_per_worker=cores_per_worker,
+        start_timeout_s=start_timeout_s,
+        heartbeat_timeout_s=heartbeat_timeout_s,
+        shutdown_timeout_s=shutdown_timeout_s,
+        kill_grace_s=kill_grace_s,
+        max_time_s=max_time_s,
+        step_timeout_s=step_timeout_s,
+        compile_timeout_s=compile_timeout_s,
+        log_dir=log_dir,
+        show_runtime_logs=show_runtime_logs,
     )
+    if isinstance(nproc_per_host, bool) or not isinstance(nproc_per_host, int) or nproc_per_host < 1:
+        raise LaunchError(f"--nproc-per-node must be an int >= 1, got {nproc_per_host!r}.")
+    if o.min_workers is not None:
+        raise LaunchError(
+            f"--min-workers {o.min_workers} does not go with a job across hosts; pass --nnodes MIN:MAX (the "
+            "fewest hosts to go on with) to the Rendezvous instead (min_hosts=)."
+        )
+    max_restarts, kill_grace_s, max_time_s, log_dir = o.max_restarts, o.kill_grace_s, o.max_time_s, o.log_dir
+    shutdown_timeout_s = o.shutdown_timeout_s
     output = Output(stdout or sys.stdout, stderr or sys.stderr)
     base = dict(os.environ if env is None else env)
     interrupted = interrupted or threading.Event()
@@ -270,9 +274,9 @@ def run_host(
                 for i in range(nproc_per_host)
             ]
             settings = {
-                "cores_per_worker": cores_per_worker,
-                "start_timeout_s": start_timeout_s,
-                "heartbeat_timeout_s": heartbeat_timeout_s,
+                "cores_per_worker": o.cores_per_worker,
+                "start_timeout_s": o.start_timeout_s,
+                "heartbeat_timeout_s": o.heartbeat_timeout_s,
                 "shutdown_timeout_s": shutdown_timeout_s,
                 "max_restarts": max_restarts,
                 "initial_num_workers": initial * nproc_per_host,
@@ -281,7 +285,7 @@ def run_host(
             workers = []
             try:
                 _start_all(
-                    workers, plan, command, base, settings, a.round, status_root, output, logs, show_runtime_logs
+                    workers, plan, command, base, settings, a.round, status_root, output, logs, o.show_runtime_logs
                 )
                 every += workers
                 outcome = supervise(
@@ -291,8 +295,8 @@ def run_host(
                     finish_timeout_s=finish_timeout_s,
                     max_time_s=max_time_s,
                     job_start=job_start,
-                    step_timeout_s=step_timeout_s,
-                    compile_timeout_s=compile_timeout_s,
+                    step_timeout_s=o.step_timeout_s,
+                    compile_timeout_s=o.compile_timeout_s,
                     interrupted=interrupted,
                     recovery=pending,
                     stop_when=watch,

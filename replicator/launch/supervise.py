@@ -26,23 +26,12 @@ from typing import IO
 
 from replicator.launch.blame import blame, exit_code
 from replicator.launch.environment import LaunchError, check_port_free, free_port, worker_env
-from replicator.launch.processes import DEFAULT_KILL_GRACE_S, EXIT_POLL_S, Output, Worker, start, stop
+from replicator.launch.options import FROM_OPTIONS, FromOptions, LaunchOptions, merge
+from replicator.launch.processes import EXIT_POLL_S, Output, Worker, start, stop
 from replicator.launch.relay import WorkerLog, log_path
-from replicator.launch.restarts import DEFAULT_FAILURE_WINDOW_S, Outcome, Recovery, Shrinking
-from replicator.launch.watchdog import (
-    DEFAULT_COMPILE_TIMEOUT_S,
-    DEFAULT_STEP_TIMEOUT_S,
-    DIAGNOSE_INTERVAL_S,
-    Verdict,
-    diagnose,
-)
-from replicator.runtime.distributed.startup import (
-    DEFAULT_HEARTBEAT_TIMEOUT_S,
-    DEFAULT_SHUTDOWN_TIMEOUT_S,
-    DEFAULT_START_TIMEOUT_S,
-    cluster_environment,
-    cluster_rank,
-)
+from replicator.launch.restarts import Outcome, Recovery, Shrinking
+from replicator.launch.watchdog import DIAGNOSE_INTERVAL_S, Verdict, diagnose
+from replicator.runtime.distributed.startup import cluster_environment, cluster_rank
 
 __all__ = ["launch", "supervise"]
 
@@ -191,25 +180,26 @@ def launch(
     command: Sequence[str],
     *,
     num_workers: int | None = None,
-    cores_per_worker: int | None = None,
+    cores_per_worker: int | None | FromOptions = FROM_OPTIONS,
     coordinator: str | None = None,
     worker_id: int | None = None,
-    start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
-    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
-    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
-    kill_grace_s: float = DEFAULT_KILL_GRACE_S,
-    max_time_s: float | None = None,
-    step_timeout_s: float | None = DEFAULT_STEP_TIMEOUT_S,
-    compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
-    max_restarts: int = 0,
-    min_workers: int | None = None,
-    failure_window_s: float = DEFAULT_FAILURE_WINDOW_S,
+    start_timeout_s: float | FromOptions = FROM_OPTIONS,
+    heartbeat_timeout_s: float | FromOptions = FROM_OPTIONS,
+    shutdown_timeout_s: float | FromOptions = FROM_OPTIONS,
+    kill_grace_s: float | FromOptions = FROM_OPTIONS,
+    max_time_s: float | None | FromOptions = FROM_OPTIONS,
+    step_timeout_s: float | None | FromOptions = FROM_OPTIONS,
+    compile_timeout_s: float | FromOptions = FROM_OPTIONS,
+    max_restarts: int | FromOptions = FROM_OPTIONS,
+    min_workers: int | None | FromOptions = FROM_OPTIONS,
+    failure_window_s: float | FromOptions = FROM_OPTIONS,
     env: dict[str, str] | None = None,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
     interrupted: threading.Event | None = None,
-    log_dir: str | os.PathLike | None = None,
-    show_runtime_logs: bool = False,
+    log_dir: str | os.PathLike | None | FromOptions = FROM_OPTIONS,
+    show_runtime_logs: bool | FromOptions = FROM_OPTIONS,
+    options: LaunchOptions | None = None,
 ) -> int:
     """Run ``command`` as the workers of a job; return the job's exit code.
 
@@ -218,6 +208,17 @@ def launch(
     workers on this machine (the coordinator on ``127.0.0.1`` at a free port,
     or at ``coordinator``); with neither, under SLURM or Open MPI, one worker
     whose settings JAX reads from the cluster's environment.
+
+    The options (timeouts, restarts, the watchdog, the logs) come from
+    ``options`` (default :class:`~replicator.launch.options.LaunchOptions()`,
+    the command line's defaults); each may be given as a keyword too, which
+    overrides that field of ``options``. The rendezvous fields of ``options``
+    are for jobs across hosts (:func:`~replicator.launch.hosts.run_host`) and
+    not read here. For example, two workers on this machine, restarted up to
+    3 times::
+
+        code = launch([sys.executable, "train.py"], num_workers=2, options=LaunchOptions(max_restarts=3))
+        code = launch([sys.executable, "train.py"], num_workers=2, max_restarts=3)  # the same
 
     Args:
       command: the worker's command line, e.g. ``[sys.executable, "train.py"]``.
@@ -249,6 +250,10 @@ def launch(
       show_runtime_logs: show the runtime's chatter too (Gloo's connection
         lines; see :mod:`~replicator.launch.relay`); it is in the log files
         either way.
+      min_workers, failure_window_s: restart on fewer workers when one keeps
+        failing (see :class:`~replicator.launch.options.LaunchOptions`).
+      options: the options (:class:`~replicator.launch.options.LaunchOptions`);
+        the keywords above that are given override its fields.
 
     Returns:
       0 if every worker succeeded, else the first failed worker's exit code
@@ -264,34 +269,32 @@ def launch(
     """
     if not command:
         raise LaunchError("no command to run: give a script (train.py [args]) or a module (-m pkg.train [args]).")
-    for name, value in (
-        ("--start-timeout", start_timeout_s),
-        ("--heartbeat-timeout", heartbeat_timeout_s),
-        ("--shutdown-timeout", shutdown_timeout_s),
-    ):
-        if not value > 0:
-            raise LaunchError(f"{name} must be a positive number of seconds, got {value!r}.")
-    if kill_grace_s < 0:
-        raise LaunchError(f"--kill-grace must be >= 0 seconds, got {kill_grace_s!r}.")
-    if max_time_s is not None and not max_time_s > 0:
-        raise LaunchError(f"--max-time must be a positive number of seconds, got {max_time_s!r}.")
-    if step_timeout_s is not None and not step_timeout_s >= 0:
-        raise LaunchError(f"--step-timeout must be >= 0 seconds (0: no watchdog), got {step_timeout_s!r}.")
-    if not compile_timeout_s > 0:
-        raise LaunchError(f"--compile-timeout must be a positive number of seconds, got {compile_timeout_s!r}.")
-    if cores_per_worker is not None and cores_per_worker < 1:
-        raise LaunchError(f"--cores-per-worker must be a positive int, got {cores_per_worker!r}.")
+    o = merge(
+        options,
+        cores_per_worker=cores_per_worker,
+        start_timeout_s=start_timeout_s,
+        heartbeat_timeout_s=heartbeat_timeout_s,
+        shutdown_timeout_s=shutdown_timeout_s,
+        kill_grace_s=kill_grace_s,
+        max_time_s=max_time_s,
+        step_timeout_s=step_timeout_s,
+        compile_timeout_s=compile_timeout_s,
+        max_restarts=max_restarts,
+        min_workers=min_workers,
+        failure_window_s=failure_window_s,
+        log_dir=log_dir,
+        show_runtime_logs=show_runtime_logs,
+    )
     if num_workers is not None and num_workers < 1:
         raise LaunchError(f"--num-workers must be a positive int, got {num_workers!r}.")
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-        raise LaunchError(f"--max-restarts must be a non-negative int (0: no restarts), got {max_restarts!r}.")
+    max_restarts, kill_grace_s = o.max_restarts, o.kill_grace_s
     if max_restarts and (worker_id is not None or num_workers is None):
         raise LaunchError(
             "--max-restarts restarts every worker of a job on this machine (--num-workers W without "
             "--worker-id). Across hosts the launchers agree on each restart through a rendezvous: run "
             "--nnodes N --rdzv-endpoint HOST:PORT --max-restarts R on each host instead of --coordinator/--worker-id."
         )
-    shrinking = _shrinking(num_workers, worker_id, max_restarts, min_workers, failure_window_s)
+    shrinking = _shrinking(num_workers, worker_id, max_restarts, o.min_workers, o.failure_window_s)
     if coordinator is not None:
         host, sep, port = coordinator.rpartition(":")
         if not sep or not host or not port.isdigit():
@@ -300,10 +303,10 @@ def launch(
     base = dict(os.environ if env is None else env)
     plan = _plan(base, num_workers, coordinator, worker_id)
     settings = {
-        "cores_per_worker": cores_per_worker,
-        "start_timeout_s": start_timeout_s,
-        "heartbeat_timeout_s": heartbeat_timeout_s,
-        "shutdown_timeout_s": shutdown_timeout_s,
+        "cores_per_worker": o.cores_per_worker,
+        "start_timeout_s": o.start_timeout_s,
+        "heartbeat_timeout_s": o.heartbeat_timeout_s,
+        "shutdown_timeout_s": o.shutdown_timeout_s,
         "max_restarts": max_restarts,
         "initial_num_workers": num_workers,
     }
@@ -312,7 +315,7 @@ def launch(
     job_start = time.monotonic()
     every: list[Worker] = []  # of every start: whether a line named one of their log files
     recoveries: list[Recovery] = []
-    logs = _log_directory(log_dir)
+    logs = _log_directory(o.log_dir)
     status_root = tempfile.mkdtemp(prefix="replicator-launch-")  # private (mode 0700): the workers' status files
     try:
         while True:
@@ -320,7 +323,7 @@ def launch(
             workers: list[Worker] = []
             try:
                 _start_all(
-                    workers, plan, command, base, settings, restart, status_root, output, logs, show_runtime_logs
+                    workers, plan, command, base, settings, restart, status_root, output, logs, o.show_runtime_logs
                 )
                 every += workers
                 outcome = supervise(
@@ -329,11 +332,11 @@ def launch(
                     kill_grace_s=kill_grace_s,
                     # JAX's shutdown barrier makes finishing workers wait for each other at most
                     # shutdown_timeout_s (then it aborts them): a worker running much longer is stuck.
-                    finish_timeout_s=2 * shutdown_timeout_s + kill_grace_s,
-                    max_time_s=max_time_s,
+                    finish_timeout_s=2 * o.shutdown_timeout_s + kill_grace_s,
+                    max_time_s=o.max_time_s,
                     job_start=job_start,
-                    step_timeout_s=step_timeout_s,
-                    compile_timeout_s=compile_timeout_s,
+                    step_timeout_s=o.step_timeout_s,
+                    compile_timeout_s=o.compile_timeout_s,
                     interrupted=interrupted,
                     recovery=recoveries[-1] if recoveries else None,
                 )
@@ -373,9 +376,9 @@ def launch(
         shutil.rmtree(status_root, ignore_errors=True)
     _summary(outcome.code, workers, recoveries, output, num_workers)
     condensed = any(w.log is not None and w.log.condensed for w in every)
-    if condensed or (outcome.code and log_dir is not None):
+    if condensed or (outcome.code and o.log_dir is not None):
         output.launcher(f"every worker's whole output: {os.path.join(logs, 'worker-*.log')}")
-    elif log_dir is None:  # nothing in it that was not shown
+    elif o.log_dir is None:  # nothing in it that was not shown
         shutil.rmtree(logs, ignore_errors=True)
     return outcome.code
 
@@ -430,13 +433,12 @@ def _plan(
 def _shrinking(
     num_workers: int | None, worker_id: int | None, max_restarts: int, min_workers: int | None, window_s: float
 ) -> Shrinking | None:
-    """``--min-workers`` and ``--failure-window``, checked (None: a job that is never restarted on fewer)."""
-    if not window_s > 0:
-        raise LaunchError(f"--failure-window must be a positive number of seconds, got {window_s!r}.")
+    """``--min-workers`` and ``--failure-window`` (their values checked by LaunchOptions) against the job's shape.
+
+    None: a job that is never restarted on fewer workers.
+    """
     if min_workers is None:
         return None
-    if isinstance(min_workers, bool) or not isinstance(min_workers, int) or min_workers < 1:
-        raise LaunchError(f"--min-workers must be a positive int, got {min_workers!r}.")
     if num_workers is None or worker_id is not None:
         raise LaunchError(
             "--min-workers restarts a job on this machine on fewer workers (--num-workers W without --worker-id). "
