@@ -472,3 +472,41 @@ def test_given_batches_input_functions_and_iterators_in_turn_each_run_their_own_
         np.testing.assert_allclose(np.asarray(out["m"]), np.full(n_devices, want), rtol=1e-6)
     np.testing.assert_allclose(float(state[0]), total, rtol=1e-6)
     assert repl.trace_count == 1
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.bool_], ids=["int8", "bool"])
+def test_a_batch_of_another_dtype_after_steady_steps_is_traced_for_it(n_devices, dtype):
+    """The same shapes in a narrow dtype: not the recorded step (its program is float32's), traced for it."""
+    repl = rp.Replicator(1, n_devices)
+    state = repl.broadcast_state([np.zeros((), np.float32)])
+    x = np.arange(8 * n_devices) % 2
+    for _ in range(3):
+        state, _ = repl.run(_step, {"x0": x.astype(np.float32)}, state)
+    state, out = repl.run(_step, {"x0": x.astype(dtype)}, state)
+    assert repl.trace_count == 2
+    np.testing.assert_allclose(np.asarray(out["m"]), np.full(n_devices, 0.5), rtol=1e-6)
+    np.testing.assert_allclose(float(state[0]), 4 * 0.5, rtol=1e-6)
+
+
+def test_two_local_workers_each_run_their_own_batches_in_order_step_after_step(n_devices):
+    """Several local workers: every repeated step draws from each worker's iterator once (none is skipped or
+    drawn twice), and each worker's rows go to its own replicas."""
+    if n_devices < 2 or n_devices % 2:
+        pytest.skip("needs two workers")
+    cores = n_devices // 2
+
+    def input_fn(ctx: Any) -> Iterator[dict]:
+        for i in range(5):
+            yield {"x0": np.full((cores,), 10.0 * i + ctx.worker_id, np.float32)}
+
+    def step(state: list, batch: dict) -> tuple[list, dict]:
+        return [s + rp.all_mean(batch["x0"][0]) for s in state], {"x": batch["x0"][0]}
+
+    repl = rp.Replicator(2, cores)
+    state = repl.broadcast_state([np.zeros((), np.float32)])
+    for i in range(5):
+        state, out = repl.run(step, input_fn, state)
+        np.testing.assert_array_equal(np.asarray(out["x"]), np.repeat([10.0 * i, 10.0 * i + 1], cores))
+    assert float(state[0]) == pytest.approx(sum(10.0 * i + 0.5 for i in range(5)))
+    with pytest.raises(rp.InputExhausted, match="exhausted after 5 batches"):
+        repl.run(step, input_fn, state)

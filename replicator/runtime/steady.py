@@ -14,6 +14,52 @@ records the step again.
 
 The cost this saves is host time per step, against a hand-written ``jit(shard_map)`` call
 (``benchmarks/host_overhead.py``); ``tests/test_host_path.py`` counts its Python calls.
+
+Promises:
+
+1. A call like the last one runs the recorded step with at most a few Python calls more than a hand-written
+   ``jit(shard_map)`` call, through the jitted function's C++ fast path, for an ``input_fn`` and for a batch
+   given to ``run`` again
+   (tests/test_host_path.py::test_a_repeated_step_makes_few_python_calls_beyond_the_hand_written_call,
+   tests/test_host_path.py::test_a_batch_given_to_run_again_makes_few_python_calls_beyond_the_hand_written_call,
+   tests/test_host_path.py::test_a_repeated_step_takes_the_jitted_functions_cpp_fast_path).
+2. Every batch runs once, at its own step, in order: one the steady check drew and found different is run by
+   the general path, counted once in the input position; the input's end is ``InputExhausted`` after the
+   number of batches it gave
+   (tests/test_host_path.py::test_steady_steps_run_each_batch_once_in_order_across_a_change_of_shape).
+3. A batch of another shape, of the same shapes in another structure, or of another dtype (int8, bool) is
+   checked and traced for it, not run by the recorded step
+   (tests/test_host_path.py::test_a_batch_of_a_new_shape_after_repeated_steps_is_checked_and_compiled,
+   tests/test_host_path.py::test_a_batch_of_the_same_shapes_in_another_structure_is_traced_for_it,
+   tests/test_host_path.py::test_a_batch_of_another_dtype_after_steady_steps_is_traced_for_it).
+4. A leaf that is not a NumPy array goes through every check: a Python float is refused as a scalar
+   (tests/test_host_path.py::test_a_float_leaf_after_repeated_numpy_batches_is_refused), a JAX array on one
+   device is placed by replica
+   (tests/test_host_path.py::test_a_device_array_batch_after_steady_numpy_steps_is_placed_by_replica);
+   a bad batch gets the batch checks' own error
+   (tests/test_host_path.py::test_a_bad_batch_after_steady_steps_gets_the_batch_checks_error).
+5. A state other than the one the last call returned (another value, an earlier state, the same arrays in
+   another structure, another shape) is placed and used, traced for where it differs
+   (tests/test_host_path.py::test_a_state_that_is_not_the_returned_one_is_placed_and_used,
+   tests/test_host_path.py::test_the_returned_arrays_in_another_structure_are_traced_for_it,
+   tests/test_host_path.py::test_a_state_of_another_shape_after_steady_steps_is_traced_for_its_shape).
+6. Another step function, pass pipeline or input in turn each runs its own step and continues its own data
+   (tests/test_host_path.py::test_alternating_step_functions_each_run_their_own_step,
+   tests/test_host_path.py::test_a_new_pass_pipeline_between_calls_compiles_the_step_again,
+   tests/test_host_path.py::test_two_input_functions_alternating_each_continue_their_own_iterator,
+   tests/test_host_path.py::test_given_batches_input_functions_and_iterators_in_turn_each_run_their_own_data).
+7. The record holds the ``input_fn`` and its iterators weakly: a dropped ``input_fn`` takes its iterator with
+   it (tests/test_host_path.py::test_a_dropped_input_function_takes_its_iterator_with_it_after_steady_steps), and
+   ``forget_input`` starts the input over
+   (tests/test_host_path.py::test_forget_input_after_steady_steps_starts_the_input_over).
+8. What the general path does on every step still happens: prefetch draws ahead once turned on
+   (tests/test_host_path.py::test_prefetch_turned_on_after_steady_steps_draws_ahead), a batch over the host-memory
+   threshold is checked at every step
+   (tests/test_host_path.py::test_a_batch_over_the_host_memory_threshold_is_checked_at_every_step), and
+   ``check_state_every`` runs (tests/test_host_path.py::test_steady_steps_check_the_replicas_agree_every_k_steps).
+9. With several local workers every step draws one batch from each worker's iterator and gives each worker's
+   rows to its own replicas
+   (tests/test_host_path.py::test_two_local_workers_each_run_their_own_batches_in_order_step_after_step).
 """
 
 from __future__ import annotations
