@@ -7,6 +7,29 @@ it started; its output is copied line by line with a ``[worker I] `` prefix
 process group: what a worker started (a data loader, a compiler) goes with it, also
 when the worker itself exited first (a failed worker's children would otherwise keep
 cores, ports and devices into the next start).
+
+Promises:
+
+1. Every line a worker prints is copied whole, with its ``[worker I] ``
+   prefix, stdout to stdout and stderr to stderr, whatever its line ending or
+   bytes (tests/test_processes_promises.py::test_each_line_is_copied_whole_with_its_prefix,
+   tests/test_launch.py::TestLocalJobs::test_output_is_prefixed_and_the_job_configured).
+2. Stopping sends ``SIGTERM`` first and ``SIGKILL`` only after the grace
+   (tests/test_processes_promises.py::test_sigterm_comes_first_and_sigkill_only_after_the_grace);
+   a worker that ignores ``SIGTERM`` is killed
+   (tests/test_launch.py::TestLocalJobs::test_sigterm_is_escalated_to_sigkill).
+3. Workers that exit on ``SIGTERM`` are not waited for until the grace ends
+   (tests/test_processes_promises.py::test_stop_does_not_wait_out_the_grace_for_workers_that_exit_on_sigterm).
+4. Stopping reaches each worker's whole process group, also of a worker that
+   already exited, and of a job that succeeded
+   (tests/test_launch.py::test_stopping_a_job_stops_what_its_workers_started,
+   tests/test_launch.py::test_a_job_that_succeeds_leaves_no_child_behind).
+5. Stopping is bounded: a worker still not dead 10 s after ``SIGKILL`` is
+   named and left (tests/test_processes_promises.py::test_stop_gives_up_on_a_worker_that_does_not_die_within_a_bound).
+6. Signalling a worker that is gone is no error
+   (tests/test_processes_promises.py::test_signalling_a_worker_that_is_gone_is_no_error),
+   nor is the launcher's own output closed: the pipes are still drained
+   (tests/test_processes_promises.py::test_the_launchers_output_closed_does_not_stop_the_copying).
 """
 
 from __future__ import annotations
