@@ -18,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from replicator.launch import LaunchError, LaunchOptions, cli, hosts, launch
@@ -295,6 +296,7 @@ def test_each_bad_value_is_refused_naming_the_flag_and_what_it_must_be(fields, m
         {"rdzv_rejoin_timeout_s": 0},
         {"min_workers": 1, "max_restarts": 1},
         {"cores_per_worker": 1},
+        {"start_timeout_s": np.float32(3.0), "max_restarts": np.int64(2)},  # NumPy's numbers too
     ],
 )
 def test_the_edges_that_are_allowed(fields):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import numbers
 import os
 from typing import Final
 
@@ -192,7 +193,8 @@ def option_flag(name: str) -> str:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A real number of seconds (NumPy's too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _seconds(name: str, value: object, need: str, *, positive: bool, optional: bool = False) -> None:
@@ -205,7 +207,7 @@ def _seconds(name: str, value: object, need: str, *, positive: bool, optional: b
 def _count(name: str, value: object, low: int, need: str, *, optional: bool = False) -> None:
     if value is None and optional:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise LaunchError(f"{option_flag(name)} must be {need}, got {value!r}.")
 
 
