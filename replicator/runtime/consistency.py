@@ -12,6 +12,41 @@ the devices that disagree.
 
 >>> repl = rp.Replicator(1, 8, check_state_every=1)
 >>> w, _ = repl.run(lambda w, b: (w + rp.all_mean(b["x"][0]), {}), lambda ctx: iter([{"x": np.ones((8, 2))}]), np.zeros(2))
+
+Promises:
+
+1. ``check_state_every=K`` checks the new state after every ``K``-th step; replicas that agree pass every
+   step, with float32, int32, bool and bfloat16 leaves
+   (tests/test_consistency.py::test_identical_replicas_pass_every_step,
+   tests/test_consistency.py::test_a_drifted_leaf_is_named_with_the_devices).
+2. ``check_state_every`` that is not a positive int is a ``ValueError``
+   (tests/test_consistency.py::test_bad_values_are_rejected).
+3. A replicated leaf whose copies differ is a ``DivergentStateError`` naming the leaf's path and the devices
+   on each side, the majority first (tests/test_consistency.py::test_a_drifted_leaf_is_named_with_the_devices,
+   tests/test_consistency.py::test_the_majority_is_named_first_and_skipped_leaves_stop_nothing).
+4. Any change of bits is seen: one ulp, two elements swapped, a sign flip, in float32, bfloat16 and bool leaves
+   (tests/test_consistency.py::test_the_checksum_sees_a_one_ulp_change_and_a_swap,
+   tests/test_consistency.py::test_a_sign_flip_and_narrow_dtypes_are_seen); the checksum is the documented
+   position-weighted sum of the bits modulo 2**32, for float32, int8, bfloat16 and bool
+   (tests/test_consistency.py::test_the_checksum_is_the_documented_sum).
+5. A 0-d leaf (a loss scale, a step count, a flag, a float16) is checked by both checks and stops a checked
+   run (tests/test_consistency.py::test_a_0d_leaf_that_drifted_is_named_by_both_checks,
+   tests/test_consistency.py::test_a_0d_leaf_drifted_by_hand_stops_a_checked_run).
+6. A leaf that is not a device array, or of an 8-byte dtype (complex64), is skipped, and the leaves after it
+   are still checked (tests/test_consistency.py::test_the_majority_is_named_first_and_skipped_leaves_stop_nothing,
+   tests/test_consistency.py::test_an_8_byte_leaf_is_skipped_and_the_leaves_after_it_are_still_checked).
+7. ``check_replicas_agree`` skips leaves split over the replicas (ZeRO); ``check_copies_agree`` compares only
+   the devices that hold the same part of a leaf
+   (tests/test_consistency.py::test_a_sharded_leaf_is_not_a_replicated_one,
+   tests/test_consistency.py::test_copies_of_a_stage_row_are_compared_within_the_stage).
+8. A drifted replica of a pipeline stage is named, under ``run`` and ``run_pipelined``
+   (tests/test_consistency.py::test_a_pipeline_stage_whose_replica_drifted_is_named).
+9. ``check_copies_agree`` compares the copies on every process, each process naming the same devices
+   (tests/test_consistency.py::test_copies_on_two_processes_are_compared), and a leaf on another mesh than
+   the first on its own devices (tests/test_consistency.py::test_a_leaf_on_another_mesh_is_compared_on_its_own_devices).
+10. ``check_replicas_agree`` in a job of several processes compares each process's copy with worker 0's (one
+    all-gather); a worker whose copy differs is a ``ValueError`` naming the leaf and the worker
+    (tests/test_consistency.py::test_each_process_is_compared_with_worker_0s_copy).
 """
 
 from __future__ import annotations
