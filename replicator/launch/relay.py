@@ -21,6 +21,36 @@ launcher's own output with a ``[worker I] `` prefix, except:
 stdout is never held: what a script prints there, training logs included,
 shows at once.
 
+Promises:
+
+1. Every line goes to the worker's log file as printed, chatter included;
+   the chatter is left out of the launcher's output unless
+   ``show_runtime_logs`` (tests/test_launch_cli.py::TestChatter::test_worker_log,
+   tests/test_launch_cli.py::TestJobOutput::test_chatter_is_left_out_unless_asked_for_and_always_logged).
+2. Chatter is cut out wherever it is in a line, the rest of the line kept; a
+   line that only looks like it is kept
+   (tests/test_launch_cli.py::TestChatter::test_gloo_lines_are_chatter).
+3. stdout is never held, not even a traceback, not even after a failure
+   (tests/test_relay_promises.py::test_stdout_is_never_held).
+4. A stderr error report and the stderr after it are held while the job
+   runs, and shown in order :data:`HOLD_S` seconds after the last of them,
+   not before (tests/test_relay_promises.py::test_an_error_report_is_held_until_hold_s_after_its_last_line_then_shown_in_order,
+   tests/test_launch_cli.py::TestJobOutput::test_a_traceback_that_the_script_caught_is_shown).
+5. When the job fails, the blamed worker's held lines are shown in full after
+   the launcher's diagnosis; every other worker's stderr from then on is held
+   and shown as one line that names its log file and how many lines it holds
+   (tests/test_relay_promises.py::test_after_a_failure_the_blamed_worker_shows_its_report_and_the_others_one_line,
+   tests/test_launch_cli.py::TestJobOutput::test_the_diagnosis_first_and_the_consequences_condensed).
+6. The one line is the exception the last traceback ended with; else XLA's
+   first fatal line, its first error line, the first line that starts a
+   report, the first non-empty line; at most 300 characters
+   (tests/test_relay_promises.py::test_the_summary_of_an_error_report,
+   tests/test_launch_cli.py::TestChatter::test_error_reports).
+7. A worker's log is ``worker-I.log``, and ``worker-I.restart-R.log`` after
+   restart ``R`` (tests/test_relay_promises.py::test_log_files_are_named_by_worker_and_start).
+8. A log file that cannot be written (a full disk) does not stop the lines
+   shown (tests/test_relay_promises.py::test_a_log_file_that_cannot_be_written_does_not_stop_the_output).
+
 >>> strip_chatter("[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3") is None
 True
 >>> strip_chatter("step 3 loss 0.25")
