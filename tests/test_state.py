@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -183,3 +185,30 @@ def test_a_0d_leaf_marked_per_replica_is_refused(scalar) -> None:
     with pytest.raises(ValueError, match=r"leading axis of size num_replicas \(8\).*shape \(\)"):
         state_module.per_replica_flags({"s": scalar}, True, 8)
     assert state_module.per_replica_flags({"s": np.zeros((8,), np.float32)}, True, 8) == (True,)
+
+
+def test_a_per_replica_prefix_that_does_not_match_the_state_or_holds_a_non_bool_is_refused() -> None:
+    state = {"params": np.zeros(3), "stats": np.zeros((8, 3))}
+    assert state_module.per_replica_flags(state, {"params": False, "stats": True}, 8) == (False, True)
+    for prefix, why in (
+        ({"params": False}, "does not match the state's structure"),  # a key missing
+        ({"params": False, "stats": True, "extra": False}, "does not match the state's structure"),
+        ({"params": 0, "stats": 1}, "its leaves must be bools, got 0"),  # ints are not flags
+        ({"params": False, "stats": "yes"}, "its leaves must be bools"),
+    ):
+        with pytest.raises(ValueError, match=rf"per_replica_state must be a bool.*{why}"):
+            state_module.per_replica_flags(state, prefix, 8)
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(st.lists(st.tuples(st.booleans(), st.booleans()), max_size=6))
+def test_with_per_replica_marks_exactly_the_flagged_signatures(marks) -> None:
+    """Whatever the signatures were marked before (a cache key reused), exactly the flagged ones are marked."""
+    signatures = tuple(
+        PerReplicaSignature(((8, i), np.dtype(np.float32))) if before else ((8, i), np.dtype(np.float32))
+        for i, (before, _) in enumerate(marks)
+    )
+    flags = tuple(flag for _, flag in marks)
+    got = state_module.with_per_replica(signatures, flags)
+    assert [type(s) is PerReplicaSignature for s in got] == list(flags)
+    assert [tuple(s) for s in got] == [tuple(s) for s in signatures]  # the shapes and dtypes kept

@@ -32,6 +32,48 @@ Example::
     def step_fn(state, batch):
         ...
         stats = broadcast_state(per_replica_stats)               # replica 0's, in a step
+
+Promises:
+
+1. Inside a step ``broadcast_state(x)`` is replica 0's value on every replica
+   (tests/test_state.py::TestInsideAStep::test_per_replica_values_become_replica_0s), and state made from it
+   passes the replica-invariance check that the value itself fails
+   (tests/test_state.py::TestInsideAStep::test_broadcast_state_is_replica_invariant_state).
+2. On the host, a replicated leaf whose devices hold different copies (a 0-d int32 leaf too) comes back with
+   replica 0's copy on every device, as ``NamedSharding(mesh, P())``, with its shape and dtype; ``run`` takes
+   it as it is; without a Replicator the state's own mesh is used
+   (tests/test_state.py::TestFromTheHost::test_devices_holding_different_copies_get_replica_0s,
+   tests/test_state.py::test_replicator_method).
+3. Host values (NumPy arrays, Python numbers) are placed replicated with canonical, non-weak dtypes; a
+   bfloat16 leaf stays bfloat16 (tests/test_state.py::TestFromTheHost::test_host_values_are_placed_replicated).
+4. A leaf split over the devices is one global value: gathered whole, not replaced by replica 0's part nor
+   sent from process 0 (tests/test_state.py::TestFromTheHost::test_host_values_are_placed_replicated,
+   tests/test_state.py::test_broadcast_state_in_a_job_of_processes_gathers_a_split_leaf_and_takes_process_0s_copies).
+5. With several processes every process gets process 0's copies, in one collective for all the leaves
+   (tests/test_state.py::TestFromTheHost::test_several_processes_take_process_0s_copy).
+6. On the host without a mesh, state not on one mesh is a ``ValueError`` that asks for the Replicator; a
+   ``replicator`` that is neither a Replicator nor a Mesh is a ``TypeError``
+   (tests/test_state.py::TestFromTheHost::test_without_a_mesh_it_asks_for_the_replicator).
+7. ``per_replica_state`` may be a bool, a function of a leaf's path, or a pytree prefix of the state with a bool
+   per subtree (the ``per_replica_flags`` doctest, tests/test_docs.py::test_docstring_examples_run;
+   tests/test_per_replica_state.py::test_the_returned_state_has_the_replica_axis_sharded_over_the_replicas);
+   a prefix that does not match the state, or holds a leaf that is not a bool, is a ``ValueError``
+   (tests/test_state.py::test_a_per_replica_prefix_that_does_not_match_the_state_or_holds_a_non_bool_is_refused,
+   tests/test_per_replica_state.py::test_a_per_replica_leaf_without_the_replica_axis_is_an_error).
+8. A leaf marked per replica must have a leading axis of ``num_replicas`` rows: a 0-d leaf or another size is
+   a ``ValueError`` that names the leaf and the fix
+   (tests/test_state.py::test_a_0d_leaf_marked_per_replica_is_refused,
+   tests/test_per_replica_state.py::test_a_per_replica_leaf_without_the_replica_axis_is_an_error).
+9. Each replica's step sees its own row of a per-replica leaf, without the axis, and its new row is stored
+   split over the replicas, one row per device
+   (tests/test_per_replica_state.py::test_each_replica_keeps_its_own_running_mean,
+   tests/test_per_replica_state.py::test_the_returned_state_has_the_replica_axis_sharded_over_the_replicas); a
+   per-replica step that does not return a pair gets the tracer's error
+   (tests/test_state.py::test_a_per_replica_step_returning_three_values_gets_the_tracers_error).
+10. A per-replica leaf's cache-key signature never equals a replicated leaf's of the same shape and dtype
+    (tests/test_state.py::test_a_per_replica_signature_never_equals_the_replicated_one), and
+    ``with_per_replica`` marks exactly the flagged signatures, unmarking any other, shapes and dtypes kept
+    (tests/test_state.py::test_with_per_replica_marks_exactly_the_flagged_signatures).
 """
 
 from __future__ import annotations
