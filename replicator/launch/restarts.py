@@ -29,6 +29,41 @@ Every restart is logged with its cause, and its recovery with how long it took
 (:class:`Recovery`): from the failure's detection to the end of the first step
 that every restarted worker ran, read from their progress records, in stages.
 
+Promises:
+
+1. Restarts are counted exactly: a job is started at most ``N + 1`` times,
+   each start with its number in ``REPLICATOR_RESTART_COUNT`` and
+   ``TORCHELASTIC_RESTART_COUNT`` and a new coordinator port
+   (tests/test_restarts.py::TestRestartLoop::test_restarts_until_the_job_succeeds);
+   the ``N+1``-th failure ends the job with its own exit code and blame
+   (tests/test_restarts.py::TestRestartLoop::test_a_job_failing_more_than_n_times_ends_with_the_last_failure).
+2. A watchdog's verdict is restarted as a failure is
+   (tests/test_restarts.py::TestRestartLoop::test_a_watchdog_verdict_is_restarted);
+   ``--max-time`` is not (tests/test_restarts.py::TestRestartLoop::test_max_time_is_not_restarted);
+   without ``--max-restarts`` a failure ends the job
+   (tests/test_restarts.py::TestRestartLoop::test_without_max_restarts_a_failure_ends_the_job).
+3. A coordinator address given is kept across restarts
+   (tests/test_restarts.py::TestRestartLoop::test_a_given_coordinator_address_is_kept), and a
+   restart starts only once what the failed start's workers started is gone
+   (tests/test_restarts.py::test_a_restart_starts_after_what_the_failed_start_started_is_gone).
+4. A worker keeps failing exactly when it is blamed again (a failure blamed
+   on nobody never is) within ``--failure-window`` seconds of the restart
+   after its previous failure
+   (tests/test_restarts_promises.py::test_a_worker_keeps_failing_only_when_blamed_again_within_the_window,
+   tests/test_restarts.py::TestFewerWorkers::test_a_failure_after_the_window_is_a_new_one).
+5. With ``--min-workers`` each failure takes at most one worker away, only
+   when one keeps failing, never below ``--min-workers``, and after a shrink
+   only two new failures of one worker shrink the job again
+   (tests/test_restarts_promises.py::test_a_shrinking_job_loses_one_worker_per_repeated_failure_never_below_min_workers,
+   tests/test_restarts.py::TestFewerWorkers::test_never_fewer_than_min_workers); the workers
+   read the new count and the first start's
+   (tests/test_restarts.py::TestFewerWorkers::test_a_worker_that_keeps_failing_is_left_behind).
+6. A recovery is timed once, to the first look at which every restarted
+   worker has run its first step
+   (tests/test_restarts.py::TestRecovery::test_recovery_waits_for_every_worker,
+   tests/test_restarts_promises.py::test_a_recovery_is_timed_once_and_in_order,
+   tests/test_restarts.py::TestRecovery::test_first_step_done).
+
 >>> r = Recovery(number=1, cause="worker 1 was killed by SIGKILL", detected=100.0)
 >>> r.stopped = 101.0
 >>> r.observe([{"joined": True, "phase": "compiling", "steps_started": 1}], now=104.0)
