@@ -11,6 +11,75 @@ entry per replica, such as a PRNG key each), as long as each divides evenly.
 The iterators of an ``input_fn`` live as long as the function itself
 (:class:`InputRegistry`): a function made for one call and dropped takes its
 iterators with it.
+
+Promises:
+
+1. ``InputContext`` numbers this worker's replicas ``w * C .. w * C + C - 1`` and answers to the
+   ``tf.distribute`` names (its doctest, tests/test_docs.py::test_docstring_examples_run;
+   tests/test_inputs.py::test_the_tf_distribute_names_of_an_input_context_are_numbers,
+   tests/test_run.py::TestSemantics::test_input_context); a global batch size that the replicas do not divide
+   is a ``ValueError``, not a floored size
+   (tests/test_inputs.py::test_a_worker_batch_that_divides_by_the_workers_but_not_the_replicas_is_refused).
+2. Replica ``w * C + c`` gets rows ``[c * B/C, (c + 1) * B/C)`` of each leaf of worker ``w``'s batch
+   (tests/test_run.py::TestSemantics::test_without_state_outputs_are_stacked_in_replica_order); leaves with
+   other numbers of rows (one per replica next to many) are each split the same way
+   (tests/test_porting_inputs.py::test_one_typed_key_per_replica_next_to_rows_given_as_a_batch).
+3. A leaf of any numeric or boolean dtype, narrow ones too (bool, int8, float16, bfloat16), is accepted exactly
+   when it has rows and they split evenly over the cores; otherwise a ``ValueError`` names the worker and the
+   leaf (tests/test_inputs.py::test_a_leaf_is_accepted_exactly_when_it_has_rows_that_split_evenly_over_the_cores,
+   tests/test_bad_input.py::test_a_batch_with_no_rows_is_an_error,
+   tests/test_run.py::TestBadInput::test_a_leaf_whose_rows_do_not_divide_is_named).
+4. A batch with no leaves, a 0-d leaf, a Python list of numbers, a leaf of strings or one NumPy cannot convert is
+   refused, naming the leaf (tests/test_inputs.py::test_an_empty_batch_and_a_string_leaf_are_refused,
+   tests/test_run.py::TestBadInput::test_scalar_batch_leaf,
+   tests/test_bad_input.py::test_a_list_in_the_batch_is_named_as_the_culprit,
+   tests/test_run.py::TestBadInput::test_non_numeric_batch_leaf,
+   tests/test_inputs_unconvertible_leaves.py::test_a_leaf_numpy_cannot_convert_is_a_type_error_naming_the_leaf_and_why).
+5. A batch given to ``run`` is split over this process's local workers in order, as views; with one local worker
+   it is the batch itself; rows that the process's replicas do not divide are a ``ValueError``
+   (tests/test_inputs.py::test_a_process_batch_is_split_over_its_local_workers_in_order_as_views,
+   tests/test_inputs_per_call.py::TestGivenDirectly::test_a_batch_is_split_over_the_replicas_in_order,
+   tests/test_inputs_per_call.py::TestGivenDirectly::test_rows_not_divisible_by_the_replicas_of_the_process_are_named).
+6. An ``input_fn`` that is not callable, or returns no iterable, is a ``TypeError`` that says what to pass
+   (tests/test_run.py::TestBadInput::test_input_fn_must_be_callable_returning_iterable).
+7. Batch signatures are equal exactly when the structure and each leaf's per-replica shape and dtype are
+   (tests/test_inputs.py::test_batch_signatures_of_different_batches_are_equal_when_shapes_and_dtypes_are).
+8. Workers whose batches differ in structure are a ``ValueError``, at the first step or a later one
+   (tests/test_inputs.py::test_workers_yielding_batches_of_different_structures_is_an_error,
+   tests/test_inputs.py::test_a_later_step_where_one_worker_changes_structure_is_an_error_on_a_fresh_replicator);
+   a ``jax.ShapeDtypeStruct`` leaf given to ``run`` is a ``TypeError``
+   (tests/test_host_path.py::test_a_shape_dtype_struct_batch_leaf_given_to_run_is_a_clear_error).
+9. A batch of NumPy or JAX arrays is checked once per signature (a batch of other leaves every time), and the
+   checker remembers at most ``MAX_CHECKED_SIGNATURES`` signatures
+   (tests/test_inputs.py::test_a_batch_signature_is_checked_once_and_the_checker_remembers_a_bounded_number).
+10. A worker's iterator that ends is ``InputExhausted`` naming that worker and the batches drawn, and stays so
+    (tests/test_run.py::TestSemantics::test_input_fn_is_continued_across_calls,
+    tests/test_run.py::TestSemantics::test_input_exhausted_propagates_out_of_generators); an ``InputExhausted``
+    the iterator raises itself passes unchanged
+    (tests/test_inputs.py::test_the_worker_whose_iterator_ended_is_named_and_an_input_exhausted_of_its_own_passes_unchanged).
+11. A batch drawn ahead (prefetch) whose draw failed raises its error, or its batch's check error, at its own
+    step, and the end of the input at the step after the last batch; steps count only batches taken
+    (tests/test_prefetch.py::test_an_error_of_input_fn_is_raised_by_the_step_whose_batch_it_was_drawing,
+    tests/test_prefetch.py::test_a_bad_batch_is_reported_at_its_step_with_the_same_message,
+    tests/test_prefetch.py::test_exhaustion_is_raised_at_the_step_after_the_last_batch,
+    tests/test_prefetch.py::test_the_trainer_counts_only_batches_steps_took_and_resumes_exactly).
+12. An ``input_fn`` is continued across calls for as long as it lives (a bound method for as long as its
+    object), and ``forget_input`` starts it over, prefetched batches dropped
+    (tests/test_run.py::TestSemantics::test_input_fn_is_continued_across_calls,
+    tests/test_inputs_per_call.py::test_a_function_held_by_the_caller_is_continued_a_bound_method_too,
+    tests/test_run.py::TestSemantics::test_forget_input_starts_over,
+    tests/test_prefetch.py::test_forget_input_drops_the_prefetched_batch); functions of one factory each continue
+    their own data (tests/test_inputs_registry.py::test_input_functions_made_by_one_factory_each_continue_their_own_data).
+13. The iterators of a dropped ``input_fn`` (a generator function made on every call too) are not kept
+    (tests/test_inputs_per_call.py::test_iterators_of_input_functions_that_no_longer_exist_are_not_kept,
+    tests/test_inputs_per_call.py::test_a_generator_function_made_every_call_is_not_kept), and the registry
+    remembers at most ``MAX_LINEAGES`` pieces of code
+    (tests/test_inputs_registry.py::test_the_input_registry_remembers_1024_pieces_of_code_then_starts_over).
+14. A new ``input_fn`` on every call warns once, at the third call in a row that each ran one step, naming
+    the call site and the fix; one per epoch does not warn
+    (tests/test_inputs.py::test_a_new_input_function_every_call_warns_at_the_third_call,
+    tests/test_inputs_per_call.py::test_a_new_input_function_every_call_warns_once_naming_the_call_site_and_the_fix,
+    tests/test_inputs_per_call.py::test_a_new_input_function_per_epoch_does_not_warn).
 """
 
 from __future__ import annotations
