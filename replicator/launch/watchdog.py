@@ -21,6 +21,40 @@ longer finish:
 It only reads the records (files the workers write); the launcher calls it
 every :data:`DIAGNOSE_INTERVAL_S` seconds.
 
+Promises:
+
+1. A stall is judged exactly when the newest record is the timeout old,
+   never earlier, blaming the worker(s) behind and naming where the others
+   wait; its exit code is :data:`STALL_EXIT_CODE`
+   (tests/test_watchdog_promises.py::test_a_stall_is_judged_exactly_when_the_last_progress_is_the_timeout_old,
+   tests/test_watchdog.py::TestDiagnose::test_the_worker_behind_is_blamed_with_what_the_others_wait_in,
+   tests/test_watchdog.py::TestDiagnose::test_no_verdict_while_any_worker_made_progress_recently).
+2. The compile timeout applies while the worker(s) behind compile; the step
+   timeout while they do anything else, even if others compile
+   (tests/test_watchdog.py::TestDiagnose::test_compiling_workers_behind_get_the_compile_timeout,
+   tests/test_watchdog.py::TestDiagnose::test_a_worker_behind_in_input_fn_gets_the_step_timeout_though_others_compile).
+3. Workers all in their own code at one place are never a stall
+   (tests/test_watchdog.py::TestDiagnose::test_workers_all_in_their_own_code_at_one_place_wait_for_nobody);
+   workers all stuck in one step are, every one blamed
+   (tests/test_watchdog.py::TestDiagnose::test_every_worker_stuck_in_the_same_step_is_a_stall_of_all);
+   the checkpoint's writer is blamed, not those waiting for its commit
+   (tests/test_watchdog.py::TestDiagnose::test_the_checkpoint_writer_is_blamed_not_the_workers_waiting_for_its_commit).
+4. A worker that left early is named at once, whatever the timeouts (exit
+   code 76); one that finished its last steps, or a final save after them, is
+   not (tests/test_watchdog.py::TestDiagnose::test_a_worker_that_left_early_is_named_at_once,
+   tests/test_watchdog_promises.py::test_a_worker_that_left_early_is_named_whatever_the_timeouts,
+   tests/test_watchdog.py::TestDiagnose::test_workers_finishing_their_last_steps_are_not_early).
+5. A worker that ended before joining is named once it has been gone
+   :data:`NEVER_JOINED_SETTLE_S` (exit code 75); workers that all end so are
+   not (tests/test_watchdog.py::TestDiagnose::test_a_worker_that_ended_before_joining_is_named_a_second_after,
+   tests/test_watchdog.py::TestDiagnose::test_workers_that_never_join_and_end_together_are_not_blamed).
+6. No stall is judged while a worker joins (the start-up timeout's job),
+   while a worker has no record yet, or with the step timeout 0
+   (tests/test_watchdog.py::TestDiagnose::test_joining_is_left_to_the_start_up_timeout,
+   tests/test_watchdog.py::TestDiagnose::test_no_verdict_without_every_record_or_with_the_watchdog_off).
+7. A duration in a verdict is never negative (a record from a clock ahead)
+   (tests/test_watchdog_promises.py::test_where_a_worker_is_never_reads_a_negative_time).
+
 >>> import time
 >>> now = time.time()
 >>> records = {
