@@ -207,6 +207,7 @@ TESTS: dict[str, tuple[str, ...]] = {
         "tests/test_restarts.py",
         "tests/test_faults.py",
         "tests/test_rendezvous.py",
+        "tests/test_membership.py",
     ),
 }
 TESTS.update(

@@ -4,27 +4,34 @@ Most tests run ``launch()`` on a JAX-free toy worker (tests/multiproc/toy_worker
 which starts in milliseconds; one runs ``python -m replicator.launch`` itself. Workers that
 start a child process of their own (tests/multiproc/child_worker.py) check that stopping a
 job stops what its workers started. The jobs with real JAX workers are in
-tests/test_distributed.py.
+tests/test_distributed.py. At the end, the parts one at a time: a worker's process
+group and output (processes.py, relay.py), supervising (supervise.py) and a worker's
+status summary (blame.py), each test killing a mutant that survived the rest
+(scripts/mutate.py).
 """
 
 from __future__ import annotations
 
+import glob
 import io
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from utils import child_pids, kill_leftovers, still_running
+from utils import child_pids, kill_leftovers, running, still_running
 
 from replicator import launch
-from replicator.launch import LaunchError, blame, cli, processes
+from replicator.launch import LaunchError, blame, cli, processes, relay, supervise
 from replicator.runtime import distributed
 from replicator.runtime.distributed import status
 from replicator.runtime.mesh import with_device_count
@@ -396,3 +403,195 @@ def test_stopping_a_job_stops_what_its_workers_started(tmp_path, child):
         assert took < 10, took  # no output thread waited on a pipe a child held open
     finally:
         kill_leftovers(list(pids.values()))
+
+
+# -- a worker's process group and output (processes.py, relay.py) ------------------------------------------------
+
+#: A worker that starts a child ignoring SIGTERM (as JAX's runtime does), writes the child's pid, and waits.
+#: The worker itself ends on SIGTERM (Python's default), the child does not.
+_WORKER = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"])
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(str(child.pid))
+import os; os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(60)
+"""
+
+
+def test_a_workers_stderr_reaches_the_launchers_stderr_through_its_log(tmp_path: Path) -> None:
+    """With a WorkerLog (the launcher's default), stdout lines go to stdout and stderr lines to stderr, prefixed."""
+    shown: list[tuple[bool, str]] = []
+    log = relay.WorkerLog(4, lambda to_stderr, text: shown.append((to_stderr, text)), str(tmp_path / "w.log"))
+    code = "import sys; print('to out', flush=True); print('to err', file=sys.stderr, flush=True)"
+    worker = processes.start(
+        4,
+        [sys.executable, "-c", code],
+        dict(os.environ),
+        processes.Output(io.StringIO(), io.StringIO()),
+        str(tmp_path),
+        str(tmp_path / "p"),
+        log=log,
+    )
+    assert worker.proc.wait(timeout=30) == 0
+    for t in worker.threads:
+        t.join(timeout=10)
+    log.close()
+    assert sorted(shown) == [(False, "[worker 4] to out\n"), (True, "[worker 4] to err\n")]
+    assert sorted((tmp_path / "w.log").read_text().splitlines()) == ["to err", "to out"]  # both kept whole
+
+
+def test_stop_kills_what_a_worker_started_after_the_worker_ended_on_sigterm(tmp_path: Path) -> None:
+    """SIGTERM ends the worker at once; its child ignores SIGTERM and must still go, by the SIGKILL to the group."""
+    pid_file = tmp_path / "child.pid"
+    output = processes.Output(io.StringIO(), io.StringIO())
+    worker = processes.start(
+        0, [sys.executable, "-c", _WORKER, str(pid_file)], dict(os.environ), output, str(tmp_path), str(tmp_path / "p")
+    )
+    child: int | None = None
+    try:
+        deadline = time.monotonic() + 20.0
+        while not ("ready" in output.stdout.getvalue() and pid_file.exists()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert pid_file.exists() and "ready" in output.stdout.getvalue(), "the worker's child never started"
+        child = int(pid_file.read_text())
+        processes.stop([worker], grace_s=5.0, output=output)
+        assert worker.returncode == -signal.SIGTERM  # the worker itself went on SIGTERM
+        assert still_running([child], within_s=2.0) == []
+        assert not running(child)
+        assert "did not die" not in output.stderr.getvalue()  # said only of a worker SIGKILL could not end
+    finally:
+        try:
+            os.killpg(worker.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if child is not None:
+            kill_leftovers([child])
+
+
+# -- supervising (supervise.py): short limits, errors in the launcher, the plan, clean-up -------------------------
+
+
+def test_a_max_time_under_a_second_is_accepted() -> None:
+    """``max_time_s`` is any positive number of seconds: 0.5 runs the job (it ends by itself or by the limit)."""
+    out, err = io.StringIO(), io.StringIO()
+    rc = supervise.launch(
+        [sys.executable, "-c", "pass"], num_workers=1, env=clean_env(), stdout=out, stderr=err, max_time_s=0.5
+    )
+    assert rc in (0, 124), err.getvalue()
+
+
+def test_an_error_in_the_launcher_stops_the_workers_before_it_propagates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception while supervising (a launcher bug, Ctrl-C in a program calling launch()) never leaves workers."""
+    pid_file = tmp_path / "worker.pid"
+    code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    real = supervise._interrupt
+
+    def boom(interrupted, output):  # once the worker runs
+        if pid_file.exists() and pid_file.read_text():
+            raise RuntimeError("a launcher bug")
+        return real(interrupted, output)
+
+    monkeypatch.setattr(supervise, "_interrupt", boom)
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.raises(RuntimeError, match="a launcher bug"):
+        supervise.launch(
+            [sys.executable, "-c", code], num_workers=1, env=clean_env(), stdout=out, stderr=err, max_time_s=30,
+            kill_grace_s=2.0,
+        )  # fmt: skip
+    pid = int(pid_file.read_text())
+    try:
+        assert still_running([pid], within_s=3.0) == [], err.getvalue()
+    finally:
+        kill_leftovers([pid])
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A port on 127.0.0.1 that a socket is listening on."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        yield s.getsockname()[1]
+
+
+class TestMultiHostPlan:
+    def test_worker_0_checks_the_coordinator_port(self, busy_port: int) -> None:
+        """Worker 0 opens the coordinator's port: one in use fails before anything starts, naming it."""
+        with pytest.raises(LaunchError, match=f"port {busy_port} on 127.0.0.1 is already in use"):
+            supervise._plan({}, 2, f"127.0.0.1:{busy_port}", 0)
+
+    def test_other_workers_do_not_check_it(self, busy_port: int) -> None:
+        """Worker 1 only connects to the coordinator: the port being open (by worker 0) is no error."""
+        address = f"127.0.0.1:{busy_port}"
+        assert supervise._plan({}, 2, address, 1) == [(1, address, 2)]
+
+
+def _launch_one(code: str) -> tuple[int, str]:
+    """launch() one worker running ``python -c code``; returns (exit code, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    rc = supervise.launch(
+        [sys.executable, "-c", code], num_workers=1, env=clean_env(), stdout=out, stderr=err, max_time_s=60
+    )
+    return rc, err.getvalue()
+
+
+class TestCleanUp:
+    def test_a_removed_status_directory_is_no_error(self) -> None:
+        """The launcher's status directory removed under it (a /tmp cleaner): the job's exit code, no traceback."""
+        code = "import os, shutil; shutil.rmtree(os.path.dirname(os.environ['REPLICATOR_STATUS_DIR'])); raise SystemExit(3)"
+        rc, err = _launch_one(code)
+        assert rc == 3, err
+
+    def test_a_removed_log_directory_is_no_error(self, tmp_path, monkeypatch) -> None:
+        """The same for the temporary directory of the workers' logs, removed at the end when nothing failed."""
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the launcher makes it
+        code = f"import glob, shutil; [shutil.rmtree(d) for d in glob.glob({str(tmp_path)!r} + '/replicator-logs-*')]"
+        rc, err = _launch_one(code)
+        assert rc == 0, err
+        assert not glob.glob(str(tmp_path / "replicator-logs-*"))
+
+
+# -- a worker's status file and its summary (blame.py) -----------------------------------------------------------
+
+
+def _worker(status_dir: str, ended: float | None) -> processes.Worker:
+    """A worker record (its process an already finished ``true``), as the launcher keeps it."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return processes.Worker(
+        worker_id=0,
+        proc=proc,
+        started=time.time(),
+        threads=[],
+        status_dir=status_dir,
+        progress_file=os.path.join(status_dir, "progress-0.json"),
+        ended=ended,
+    )
+
+
+class TestStatusSummary:
+    def test_a_running_worker_has_no_status_yet(self, tmp_path) -> None:
+        """The status file is read once the worker ended: one already there (an earlier start's) is not its own."""
+        status.write_status(str(tmp_path), 0, kind="exception", exception_type="ValueError", message="old")
+        worker = _worker(str(tmp_path), ended=None)
+        assert worker.status is None
+        worker.ended = time.time()
+        assert worker.status is not None and worker.status["message"] == "old"
+
+    @pytest.mark.parametrize(
+        "kind, exception_type, message, expected",
+        [
+            ("exception", "ValueError", "bad value\nmore", "ValueError: bad value"),
+            ("exception", None, "no type given", "no type given"),  # not "None: no type given"
+            ("start-timeout", "TimeoutError", "peers never joined", "peers never joined"),  # only exceptions name one
+            ("exception", "KeyError", "", "KeyError"),
+        ],
+    )
+    def test_error_summary(self, tmp_path, kind: str, exception_type: str | None, message: str, expected: str) -> None:
+        """``Type: first line`` for an exception with a type, else the message alone."""
+        status.write_status(str(tmp_path), 0, kind=kind, exception_type=exception_type, message=message)
+        assert blame.error_summary(_worker(str(tmp_path), ended=time.time())) == expected

@@ -510,3 +510,14 @@ def test_rdzv_rejoin_timeout_must_be_below_the_join_timeout(capsys: pytest.Captu
             cli.parse([*common, "--rdzv-rejoin-timeout", bad, toy])
         assert e.value.code == 2
         assert "below --rdzv-join-timeout (30)" in capsys.readouterr().err
+
+
+def test_rdzv_last_call_0_is_allowed_and_a_negative_one_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--rdzv-last-call 0``: close a MIN:MAX round as soon as MIN hosts joined; below 0 is an error (exit 2)."""
+    common = ["--nnodes", "1:2", "--rdzv-endpoint", "h:1", "--rdzv-last-call"]
+    args, _ = cli.parse([*common, "0", TOY])
+    assert (args.rdzv_last_call, args.hosts) == (0.0, (1, 2))
+    with pytest.raises(SystemExit) as e:
+        cli.parse([*common, "-0.5", TOY])
+    assert e.value.code == 2
+    assert "--rdzv-last-call must be >= 0 seconds, got -0.5" in capsys.readouterr().err

@@ -1,7 +1,10 @@
 """The rendezvous across hosts: its store (secure by default, robust to hostile peers, every wait bounded) and rounds.
 
 Hosts are launchers in threads of this process, and a few real processes where a
-SIGKILL must be seen (replicator/launch/rendezvous.py, membership.py).
+SIGKILL must be seen (replicator/launch/rendezvous.py, membership.py); the end of a
+round of one launcher per host (hosts.py) is run here too, in this process (the jobs
+across hosts with real JAX workers are in tests/test_hosts.py). Settings and closing of
+a single launcher's rendezvous: tests/test_membership.py.
 """
 
 from __future__ import annotations
@@ -9,9 +12,11 @@ from __future__ import annotations
 import collections
 import hashlib
 import hmac
+import io
 import json
 import math
 import os
+import re
 import signal
 import socket
 import struct
@@ -26,9 +31,10 @@ import hypothesis.strategies as st
 import pytest
 from utils import finish
 
-from replicator.launch import hosts, membership, rendezvous
-from replicator.launch.membership import Assignment, Rendezvous, parse_nnodes
+from replicator.launch import hosts, membership, processes, rendezvous
+from replicator.launch.membership import Assignment, Rendezvous, Status, parse_nnodes
 from replicator.launch.rendezvous import RendezvousError, RendezvousTimeout, StoreClient, StoreServer
+from replicator.launch.restarts import Outcome
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = b"0123456789abcdef-test-secret"
@@ -1035,3 +1041,88 @@ def test_a_join_stops_when_its_launcher_is_interrupted(server):
         with pytest.raises(RendezvousError, match="stopped while waiting for round 0 to close"):
             a.join(stop=stop)
         assert time.monotonic() - t0 < 2.0
+
+
+# -- the wire protocol's hello and the client's default bound ----------------------------------------------------
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_the_server_speaks_first_with_service_version_1_and_a_nonce(secret: bytes | None) -> None:
+    """The hello a launcher of another release reads first: protocol version 1, a fresh nonce, whether auth is on."""
+    with StoreServer(secret=secret, handshake_timeout_s=0.5) as s:
+        hellos = []
+        for _ in range(2):
+            with socket.create_connection(("127.0.0.1", s.port), timeout=5) as sock:
+                hellos.append(_read_frame(sock))
+    for hello in hellos:
+        assert set(hello) == {"service", "version", "nonce", "auth"}
+        assert (hello["service"], hello["version"], hello["auth"]) == ("replicator-rendezvous", 1, secret is not None)
+        assert re.fullmatch(r"[0-9a-f]{32}", hello["nonce"])
+    assert hellos[0]["nonce"] != hellos[1]["nonce"]
+
+
+def test_a_store_client_bounds_each_call_by_10_s_by_default(server: StoreServer) -> None:
+    """StoreClient(address) as in rendezvous.py's example: each call answers within 10 s or raises."""
+    with StoreClient(server.address) as c:
+        assert c.timeout_s == 10.0
+
+
+# -- one launcher per host (hosts.py): the end of a round, in this process ---------------------------------------
+
+
+def _output() -> processes.Output:
+    return processes.Output(io.StringIO(), io.StringIO())
+
+
+def _said(output: processes.Output) -> str:
+    assert isinstance(output.stderr, io.StringIO)
+    return output.stderr.getvalue()
+
+
+@pytest.mark.parametrize(
+    "code, reason",
+    [
+        (124, "--max-time ran out (exit code 124)"),
+        (130, "host rank 0's launcher was interrupted (exit code 130)"),
+        (143, "host rank 0's launcher was interrupted (exit code 143)"),
+    ],
+)
+def test_a_round_not_to_restart_ends_the_job_for_every_host_saying_why(
+    server: StoreServer, code: int, reason: str
+) -> None:
+    """``--max-time`` (124) or a signal to a launcher: no restart; the end, recorded for every host, says which."""
+    output = _output()
+    with Rendezvous(server.address, min_hosts=1, launcher_id="h0", join_timeout_s=5.0, **FAST) as r:
+        a = r.join()
+        watch = hosts._Watch(r, a, output)
+        outcome = Outcome(code, "stopped", restartable=False, detected=time.monotonic())
+        assert hosts._next(r, a, watch, outcome, output, max_restarts=3) == code
+        ended = r.poll().ended
+    assert ended is not None and json.loads(ended) == {"code": code, "reason": reason}
+    assert f"[launcher] the job ended: {reason}\n" in _said(output)
+
+
+class _Polled:
+    """A rendezvous that only answers poll(), with the status given."""
+
+    heartbeat_interval_s = 0.25
+    gone_after_s = 1.0
+
+    def __init__(self, status: object) -> None:
+        self.status = status
+
+    def poll(self) -> object:
+        return self.status
+
+
+def test_a_round_started_elsewhere_stops_this_hosts_workers_as_a_failure() -> None:
+    """Another host opening round 2 must stop this host's round-1 workers with a non-zero code (a restart, not a
+    job that finished), naming the round."""
+    a = Assignment(1, 0, 2, ("a", "b"), ("h0", "h1"), "h0:1")
+    output = _output()
+    watch = hosts._Watch(_Polled(Status(2, True, (), (), None)), a, output)  # type: ignore[arg-type]
+    outcome = watch(now=10.0)
+    assert outcome is not None and outcome.code != 0
+    assert watch.event is not None and watch.event[0] == "restart" and watch.event[1] == outcome.code
+    assert "round 2 was started by another host: stopping this host's workers" in _said(output)
+    assert hosts._Watch(_Polled(Status(1, True, (), (), None)), a, _output())(now=10.0) is None  # its own round
