@@ -29,6 +29,60 @@ handshake the server closed without refusing it (backoff 0.1 s doubling to
 1 s, within ``connect_timeout_s``); a refusal is final. Every client
 call has a timeout. Traffic is authenticated, not encrypted: keys and values
 must not be secrets.
+
+Promises:
+
+1. The server speaks first (service, version 1, a nonce); with a secret each
+   side proves it by an HMAC of both nonces over the documented text
+   (tests/test_rendezvous.py::test_the_server_speaks_first_with_service_version_1_and_a_nonce,
+   tests/test_rendezvous.py::test_a_server_that_knows_the_secret_is_trusted_and_the_macs_cover_the_documented_text).
+2. A client with a wrong or missing secret is refused, at once and for good,
+   and the store goes on; a client with a secret does not trust a server
+   without one (tests/test_rendezvous.py::test_wrong_or_missing_secret_is_refused_and_the_store_goes_on).
+3. A handshake field missing on either side ends that handshake: the client's
+   hello is dropped and the store goes on, the server's hello is refused by
+   the client (tests/test_rendezvous.py::test_a_client_hello_with_a_field_missing_is_dropped_and_the_store_goes_on,
+   tests/test_rendezvous.py::test_a_server_hello_with_a_field_missing_is_refused); any hello but a valid
+   one is dropped, never crashing the store
+   (tests/test_rendezvous.py::test_any_hello_but_a_valid_one_is_dropped_never_crashing_the_store).
+4. A server answer without the right MAC is refused
+   (tests/test_rendezvous.py::test_a_server_answer_without_the_right_mac_is_refused), and both
+   sides compare MACs in constant time
+   (tests/test_rendezvous.py::test_both_sides_compare_macs_in_constant_time).
+5. A store that other machines reach needs a secret
+   (tests/test_rendezvous.py::test_non_loopback_bind_needs_a_secret), read from a private file or
+   the environment (tests/test_rendezvous.py::test_load_secret).
+6. Malformed bytes drop their connection at once, never the store
+   (tests/test_rendezvous.py::test_malformed_messages_drop_the_connection_not_the_store); a
+   malformed request after the handshake is answered with an error and the
+   connection goes on (tests/test_rendezvous.py::test_malformed_requests_after_the_handshake);
+   a client that skips the handshake gets nothing
+   (tests/test_rendezvous.py::test_a_client_that_skips_the_handshake_gets_nothing).
+7. Silent and slow connections are closed within their timeouts while the
+   others are served (tests/test_rendezvous.py::test_silent_and_slow_clients_are_dropped_while_others_are_served).
+8. A full store closes its oldest unauthenticated connection for a newcomer,
+   never an authenticated one (the newcomer is turned away until one leaves),
+   so a flood of idle connections does not keep a launcher out
+   (tests/test_rendezvous.py::test_a_full_store_evicts_its_oldest_unauthenticated_connection_for_a_new_one,
+   tests/test_rendezvous.py::test_a_full_store_of_authenticated_clients_turns_a_newcomer_away_until_one_leaves,
+   tests/test_rendezvous.py::test_a_flood_of_idle_connections_does_not_keep_a_launcher_out).
+9. Every drop is recorded before any refusal is sent
+   (tests/test_rendezvous.py::test_a_refusal_is_recorded_before_the_client_reads_it).
+10. Nothing hangs: every client call answers within its timeout (10 s by
+    default), connecting included
+    (tests/test_rendezvous.py::test_every_client_call_is_bounded,
+    tests/test_rendezvous.py::test_a_store_client_bounds_each_call_by_10_s_by_default); a wait
+    returns once its keys are set, else at its timeout
+    (tests/test_rendezvous.py::test_wait_returns_when_another_client_sets_and_times_out_otherwise).
+11. ``add`` and ``compare_set`` are atomic across clients
+    (tests/test_rendezvous.py::test_counter_is_atomic_across_clients,
+    tests/test_rendezvous.py::test_store_operations).
+12. The store holds at most ``MAX_STORE_BYTES`` bytes and ``MAX_KEYS``
+    keys: a change beyond is answered with an error, and the store goes on
+    (tests/test_rendezvous_promises.py::test_the_store_is_bounded_and_a_full_store_answers_and_goes_on).
+13. A message over :data:`MAX_MESSAGE_BYTES` is refused before it is sent; the
+    connection goes on
+    (tests/test_rendezvous_promises.py::test_a_message_over_the_limit_is_refused_before_it_is_sent_and_the_connection_goes_on).
 """
 
 from __future__ import annotations
