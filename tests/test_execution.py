@@ -202,3 +202,46 @@ def test_two_local_workers_yielding_different_dtypes_is_a_type_error(repl2d: rp.
         names = sorted(["float32", np.dtype(other).name])
         with pytest.raises(TypeError, match=rf"different dtypes \['{names[0]}', '{names[1]}'\]"):
             place_batch([[x] for x in per_worker], repl2d.mesh, workers)
+
+
+# -- the promises of runtime/execution.py no other test checks ---------------------------------------------------
+
+
+def test_state_on_the_mesh_is_used_as_it_is_and_other_leaves_are_placed_replicated_or_split(
+    repl: rp.Replicator,
+) -> None:
+    from replicator.core.graph import ShardedState
+
+    mesh, n = repl.mesh, repl.num_replicas
+    on_mesh = jax.device_put(np.arange(3, dtype=np.float32), NamedSharding(mesh, P()))
+    weak = jax.device_put(jnp.asarray(2.0), NamedSharding(mesh, P()))  # on the mesh, but weakly typed
+    assert weak.weak_type  # placed again, strong: a Python float's weak type must not retrace later
+    leaves = [on_mesh, weak, np.int8(-3), np.ones((2, n), jnp.bfloat16), np.array([True, False])]
+    placed = place_state(leaves, mesh, ShardedState({3: 1}))  # leaf 3 split along its axis 1 (ZeRO)
+    assert placed[0] is on_mesh
+    assert not placed[1].weak_type and placed[1].dtype == jnp.float32
+    assert placed[2].shape == () and placed[2].dtype == jnp.int8 and int(placed[2]) == -3
+    assert placed[3].dtype == jnp.bfloat16 and placed[3].sharding.spec == P(None, REPLICA_AXES)
+    assert {s.data.shape for s in placed[3].addressable_shards} == {(2, 1)}
+    for leaf in (placed[1], placed[2], placed[4]):
+        assert leaf.sharding == NamedSharding(mesh, P())
+    np.testing.assert_array_equal(np.asarray(placed[4]), [True, False])
+
+
+def test_a_constant_or_0d_output_comes_back_one_row_per_replica(repl: rp.Replicator) -> None:
+    """Outputs get a leading replica axis, in replica order, whatever the rewrite left (a literal too)."""
+    n = repl.num_replicas
+    out = repl.run(lambda b: {"c": 1.5, "k": jnp.int8(3), "rid": rp.replica_id()}, {"x": np.zeros((n, 1), np.float32)})
+    assert out["c"].shape == (n,) and out["k"].shape == (n,) and out["k"].dtype == jnp.int8
+    np.testing.assert_array_equal(np.asarray(out["c"]), np.full(n, 1.5))
+    np.testing.assert_array_equal(np.asarray(out["rid"]), np.arange(n))
+
+
+def test_a_step_may_close_over_an_earlier_runs_output_on_the_mesh(repl: rp.Replicator) -> None:
+    """An array on the mesh (the state a run returned) cannot enter shard_map as a constant; its value can."""
+    n = repl.num_replicas
+    batch = {"x": np.ones((n, 3), np.float32)}
+    w, _ = repl.run(lambda s, b: (s + rp.all_mean(b["x"][0]), {}), batch, jnp.zeros(3))
+    assert w.sharding.mesh == repl.mesh and len(w.sharding.device_set) == n
+    out = repl.run(lambda b: {"y": b["x"][0] * w}, batch)
+    np.testing.assert_array_equal(np.asarray(out["y"]), np.ones((n, 3)))

@@ -14,6 +14,51 @@ local workers (``jax.make_array_from_process_local_data``), state from a host
 value is checked to be identical in every process before it is placed, and
 the first call of a step checks that every process compiled the same program
 (so that a mismatch is an error, not a collective that waits forever).
+
+Promises:
+
+1. Replica ``r``'s outputs come back as row ``r`` of each output, a new leading axis in replica-id order, for
+   0-d outputs and constants too
+   (tests/test_run.py::TestSemantics::test_without_state_outputs_are_stacked_in_replica_order,
+   tests/test_execution.py::test_a_constant_or_0d_output_comes_back_one_row_per_replica).
+2. The state comes back once, replicated, and stays on the mesh between calls
+   (tests/test_run.py::TestSemantics::test_state_comes_back_once_and_stays_on_the_mesh). ``place_state`` uses
+   a leaf already laid out on the mesh as it is, places a weakly typed one again with a strong dtype, keeps a
+   0-d int8, a bool or a bfloat16 leaf's shape and dtype, and splits a ZeRO leaf along its own axis
+   (tests/test_execution.py::test_state_on_the_mesh_is_used_as_it_is_and_other_leaves_are_placed_replicated_or_split).
+3. ``place_batch`` uses a batch leaf already laid out by replica as it is
+   (tests/test_execution.py::test_a_batch_leaf_already_laid_out_by_replica_is_used_as_it_is); two local workers'
+   leaves of different dtypes are a ``TypeError`` naming both, not a silent widening
+   (tests/test_execution.py::test_two_local_workers_yielding_different_dtypes_is_a_type_error).
+4. On CPU devices a batch of ``MEMORY_CHECK_BYTES`` or more that exceeds the free memory is a ``MemoryError``
+   naming the sizes and the fix; a smaller one is not checked; with the free memory unknown it is placed
+   (tests/test_execution.py::test_a_batch_larger_than_the_free_memory_is_a_memory_error_naming_the_fix,
+   tests/test_execution.py::test_a_small_batch_is_not_checked_against_the_free_memory,
+   tests/test_execution.py::test_a_large_batch_is_placed_when_the_free_memory_is_unknown).
+5. ``spans_processes`` is true only for a mesh with devices of several processes
+   (tests/test_execution.py::test_spans_processes_only_with_devices_of_several_processes).
+6. On a mesh that spans processes each process's local rows become one global batch in worker order, with
+   several replicas per device and for typed PRNG keys too
+   (tests/test_execution.py::test_process_local_rows_become_one_global_batch_in_worker_order,
+   tests/test_execution.py::test_folded_workers_rows_become_one_global_batch,
+   tests/test_execution.py::test_process_local_typed_keys_become_global_typed_keys), and state from the host
+   or from one process's devices takes process 0's values
+   (tests/test_execution.py::test_state_on_this_process_devices_takes_process_0s_values,
+   tests/test_distributed.py::TestTwoProcesses::test_initial_state_is_worker_0s).
+7. On a mesh that spans processes the first call checks that every process compiled the same program: a
+   different constant or batch size on one worker is a ``ValueError`` before step one, the same program runs
+   (tests/test_divergence.py::test_a_different_learning_rate_on_one_worker_is_an_error_before_step_one,
+   tests/test_distributed.py::TestTwoProcesses::test_workers_that_disagree_are_an_error,
+   tests/test_divergence.py::test_the_same_program_on_every_worker_runs).
+8. ``program_fingerprint`` differs for steps that differ in a literal or in the bytes of an array they close
+   over, and is equal for equal ones (its doctest, tests/test_docs.py::test_docstring_examples_run;
+   tests/test_execution.py::test_steps_closing_over_same_shaped_arrays_of_other_values_get_other_fingerprints,
+   tests/test_divergence.py::test_the_cross_worker_fingerprint_tells_apart_what_the_workers_must_agree_on).
+9. A step may close over an array on the mesh (an earlier run's output): its value is the constant
+   (tests/test_execution.py::test_a_step_may_close_over_an_earlier_runs_output_on_the_mesh).
+10. Several replicas per device (a folded step) train as one device does, whether the replicated state comes
+    out of the block's ``vmap`` unbatched or batched
+    (tests/test_execution.py::test_a_folded_step_trains_like_one_device_in_either_form_of_its_state).
 """
 
 from __future__ import annotations
