@@ -30,6 +30,57 @@ heartbeat thread within the same bound (its calls time out after
     server = rendezvous.StoreServer().start()
     with Rendezvous(server.address, min_hosts=1, max_hosts=1, last_call_s=0.0) as rdzv:
         first = rdzv.join()  # Assignment(round=0, host_rank=0, num_hosts=1, ..., coordinator='127.0.0.1:PORT')
+
+Promises:
+
+1. ``--nnodes`` is ``N`` or ``MIN:MAX`` with ``1 <= MIN <= MAX``; anything
+   else is refused saying what to pass
+   (tests/test_membership_promises.py::test_nnodes_is_n_or_min_max_with_1_le_min_le_max,
+   tests/test_rendezvous.py::test_parse_nnodes).
+2. The launchers of a round agree on one assignment; the coordinator is host
+   rank 0's address at the port it chose
+   (tests/test_rendezvous.py::test_fixed_hosts_agree_and_asked_ranks_are_honored).
+3. Host ranks are a permutation: the rank asked for, then the previous
+   round's, then the free ones in join order
+   (tests/test_rendezvous.py::test_ranks_are_a_permutation_honouring_asked_then_previous_ranks);
+   ``--node-rank`` holds in every round, whatever order the hosts rejoin in,
+   and the others keep their ranks
+   (tests/test_rendezvous.py::test_asked_ranks_are_honoured_in_every_round_not_only_the_first,
+   tests/test_membership_promises.py::test_every_round_keeps_the_ranks_of_the_round_before_whatever_order_its_hosts_rejoin_in).
+4. A rank taken by a live launcher is refused, in a later round too
+   (tests/test_rendezvous.py::test_a_taken_rank_is_refused); so is a launcher given another
+   ``--nnodes``, or a store holding a state this launcher did not write
+   (tests/test_rendezvous.py::test_launchers_given_another_nnodes_or_a_foreign_state_are_refused).
+5. Under ``MIN:MAX`` a round closes after the last call; a launcher that
+   comes while a round runs waits and joins the next round, and the hosts of
+   the round before keep their ranks there
+   (tests/test_rendezvous.py::test_min_max_closes_after_last_call_and_a_late_host_joins_the_next_round).
+6. A restart round waits for each host of the round before that still
+   heartbeats (tests/test_rendezvous.py::test_a_restart_round_waits_for_a_host_that_still_heartbeats),
+   at most the rejoin timeout; then it goes on without it, names it, and that
+   host is told it left, never success
+   (tests/test_rendezvous.py::test_a_host_that_does_not_rejoin_in_time_is_named_and_never_told_success).
+   A gone host is named as lost
+   (tests/test_rendezvous.py::test_a_restart_round_goes_on_without_a_host_that_is_gone_and_names_it);
+   with too few hosts left the join fails
+   (tests/test_rendezvous.py::test_a_host_gone_before_a_fixed_size_restart_ends_the_join).
+7. A round is restarted once, whoever asks and however late; the first end
+   given stands
+   (tests/test_membership_promises.py::test_a_restart_of_a_round_already_restarted_opens_no_other_and_the_first_end_stands).
+8. Nothing hangs: a join ends within the join timeout, naming who joined
+   (tests/test_rendezvous.py::test_join_is_bounded_and_names_who_joined), or once its launcher
+   is interrupted (tests/test_rendezvous.py::test_a_join_stops_when_its_launcher_is_interrupted);
+   the rejoin timeout is below the join timeout
+   (tests/test_rendezvous.py::test_the_rejoin_timeout_is_below_the_join_timeout).
+9. A lost launcher is seen within :attr:`Rendezvous.detection_bound_s`
+   (tests/test_rendezvous.py::test_a_sigkilled_launcher_process_is_seen_gone_within_the_bound),
+   and dropped from an open round
+   (tests/test_rendezvous.py::test_a_lost_launcher_is_dropped_from_an_open_round); a lost or
+   frozen rendezvous host within the same bound
+   (tests/test_rendezvous.py::test_a_sigkilled_rendezvous_host_ends_the_others_within_the_bound,
+   tests/test_rendezvous.py::test_a_frozen_rendezvous_host_ends_the_others_within_the_bound); the
+   bounds follow from the heartbeat settings, and bad settings are refused
+   (tests/test_membership_promises.py::test_the_detection_bounds_follow_from_the_heartbeat_settings).
 """
 
 from __future__ import annotations
