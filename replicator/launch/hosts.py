@@ -28,6 +28,50 @@ A launcher that comes while a round runs (a host back after it was lost, or a
 late one under ``MIN:MAX``) waits outside it and joins the round of the next
 restart; if none comes within the join timeout it ends alone
 (:data:`HOST_LOST_EXIT_CODE`), the job untouched.
+
+Promises:
+
+1. A worker's failure on one host restarts the workers of every host, each
+   start with the round number in ``REPLICATOR_RESTART_COUNT`` and the job's
+   worker count in ``REPLICATOR_NUM_WORKERS``, and a job whose hosts' workers
+   all finish ends with 0 on every host
+   (tests/test_rendezvous.py::test_a_worker_failure_on_one_host_restarts_every_host,
+   tests/test_hosts.py::test_a_worker_killed_on_host_1_restarts_every_host_and_the_job_ends_as_if_uninterrupted).
+2. Restarts are counted exactly: rounds ``1 .. max_restarts`` are restarts,
+   and a failure in round ``max_restarts`` ends the job with that failure's
+   code for every host
+   (tests/test_hosts_promises.py::test_a_failure_is_restarted_exactly_max_restarts_times_then_ends_the_job_with_its_code,
+   tests/test_rendezvous.py::test_a_failure_after_the_last_restart_ends_every_host_with_its_code).
+3. A round that another launcher restarted stops this host's workers as a
+   failure, never as a job that finished
+   (tests/test_rendezvous.py::test_a_round_started_elsewhere_stops_this_hosts_workers_as_a_failure).
+4. A host that is gone, or the rendezvous lost, stops the round with
+   :data:`HOST_LOST_EXIT_CODE`, naming it
+   (tests/test_hosts_promises.py::test_a_round_is_stopped_by_a_gone_host_a_lost_rendezvous_or_the_jobs_end);
+   the job goes on without the host while at least ``min_hosts`` are left,
+   else ends (tests/test_hosts_promises.py::test_a_lost_host_restarts_the_job_while_enough_are_left_else_ends_it_with_77,
+   tests/test_hosts.py::test_a_lost_host_under_min_max_and_the_job_finishes_on_the_other),
+   within the detection bound
+   (tests/test_rendezvous.py::test_a_sigkilled_host_launcher,
+   tests/test_rendezvous.py::test_a_sigkilled_rendezvous_host_ends_the_other_hosts_within_the_bound).
+5. ``--max-time`` or a signal to a launcher ends the job for every host with
+   its code, saying which
+   (tests/test_rendezvous.py::test_a_round_not_to_restart_ends_the_job_for_every_host_saying_why).
+6. A host slower to stop its workers than the last call is waited for, not
+   dropped (tests/test_rendezvous.py::test_a_host_slower_to_stop_than_the_last_call_is_waited_for_not_dropped).
+7. A launcher that comes while a round runs joins at the next restart
+   (tests/test_launch_cli.py::TestAcrossHosts::test_a_host_that_comes_back_joins_at_the_restart_after);
+   with none within the join timeout it ends alone, the job untouched
+   (tests/test_launch_cli.py::TestAcrossHosts::test_a_host_that_waits_in_vain_for_a_restart_leaves_the_running_job_alone);
+   one that comes after the end is told
+   (tests/test_rendezvous.py::test_a_launcher_that_comes_after_the_end_is_told).
+8. The rendezvous is read at most once per heartbeat interval
+   (tests/test_hosts_promises.py::test_the_rendezvous_is_read_at_most_once_per_heartbeat_interval);
+   the job's end reads back as its code and reason, and anything else in the
+   store as a failure (code 1), never an exception
+   (tests/test_hosts_promises.py::test_the_jobs_end_reads_back_as_written_and_anything_else_as_a_failure).
+9. Bad settings are refused before the rendezvous is reached
+   (tests/test_launch_cli.py::TestAcrossHosts::test_settings_are_checked_before_the_rendezvous).
 """
 
 from __future__ import annotations
