@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("replicator.pipeline",),
     ("replicator.passes",),
     ("replicator.stages",),  # pipeline parallelism: model stages (split, schedule), not the pass pipeline
+    ("replicator.tensor",),  # tensor parallelism: placements over the 'tensor' axis, the local rewrite
     ("replicator.cost",),
     ("replicator.runtime",),
     ("replicator.tools",),

@@ -1,0 +1,316 @@
+"""Run a one-device jaxpr on each device's part of its values: the tensor-parallel rewrite.
+
+:func:`analyze` walks a jaxpr with its inputs' placements over the tensor axis
+and returns every output's placement, applying the rules of
+:mod:`replicator.tensor.rules` equation by equation; higher-order primitives
+are handled here: calls (``jit``, ``remat``, ``custom_jvp_call``,
+``custom_vjp_call``) are walked inline, ``scan`` and ``while`` carries reach a
+fixed point (a carry that comes out sharded is carried sharded, its initial
+value sliced; one that comes out a partial sum is summed at the end of each
+iteration), and ``cond`` takes the join of its branches.
+
+:func:`run` does the same walk on values: inside ``shard_map`` each device
+holds its local part of every value (a sharded dimension is ``1/T`` of the
+global one), each equation's inputs are first converted to the placements its
+rule asks for (:func:`replicator.tensor.placement.convert`: an all-reduce, a
+reduce-scatter, a free local slice, or a gather only where allowed), then the
+primitive is bound on the local parts with its shape parameters made local.
+
+Example: a column-parallel then a row-parallel matmul need one all-reduce:
+
+>>> import jax, jax.numpy as jnp
+>>> from replicator.tensor import interpret
+>>> from replicator.tensor.placement import REPLICATED, Shard
+>>> def mlp(x, w1, w2):
+...     return jnp.tanh(x @ w1) @ w2
+>>> closed = jax.make_jaxpr(mlp)(jnp.ones((4, 8)), jnp.ones((8, 16)), jnp.ones((16, 8)))
+>>> interpret.analyze(closed.jaxpr, [REPLICATED, Shard(1), Shard(0)], size=2)
+[P]
+
+Promises:
+
+1. :func:`run` under ``shard_map`` over the tensor axis gives each device its
+   part of what the jaxpr computes on one device, within rounding
+   (``tests/tensor/test_interpret.py``, against ``jax.jit`` of the same function
+   on one device, at T = 2 and 4).
+2. :func:`analyze` and :func:`run` agree: the placements ``run`` returns are
+   those ``analyze`` predicts.
+3. A carry of ``scan``/``while`` keeps one placement for every iteration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from jax import lax
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
+
+from replicator._jax_compat import scan_operand_counts, user_source_line
+from replicator.core.jaxprs import CALL_PARAMS
+from replicator.tensor.placement import (
+    REPLICATED,
+    Placement,
+    Replicated,
+    Shard,
+    TensorContext,
+    convert,
+    local_shape,
+)
+from replicator.tensor.rules import Decision, rule_for
+
+__all__ = ["analyze", "run"]
+
+
+class _Gathered(Replicated):
+    """Analysis only: a carry whose iterations disagree on the dimension they shard (held whole)."""
+
+    def __repr__(self) -> str:
+        return "R*"
+
+
+def _join(a: Placement, b: Placement) -> Placement:
+    """One placement for a carry that enters as ``a`` and comes out of an iteration as ``b``."""
+    if a == b:
+        return a
+    if isinstance(a, _Gathered) or isinstance(b, _Gathered):
+        return _Gathered()
+    if isinstance(a, Shard) and isinstance(b, Shard):
+        return _Gathered()
+    for x in (a, b):
+        if isinstance(x, Shard):
+            return x  # a replicated value is sliced for free, a partial one reduce-scattered
+    return REPLICATED  # replicated and partial: summed each iteration
+
+
+def _plain(p: Placement) -> Placement:
+    return REPLICATED if isinstance(p, _Gathered) else p
+
+
+def _line(eqn: JaxprEqn) -> str:
+    return user_source_line(eqn.source_info)
+
+
+class _Walker:
+    """One walk, on placements only (``values`` None) or on this device's values too."""
+
+    def __init__(self, ctx: TensorContext):
+        self.ctx = ctx
+        # (id(value), wanted placement) -> (value, converted): a value one consumer summed or
+        # gathered is not summed again for the next. The value is held so that its id stays its own.
+        self._converted: dict[tuple[int, Placement], tuple[Any, Any]] = {}
+
+    # -- the walk ------------------------------------------------------------------
+
+    def walk(
+        self, jaxpr: Jaxpr, consts: Sequence[Any] | None, args: Sequence[Any] | None, in_pl: Sequence[Placement]
+    ) -> tuple[list[Any] | None, list[Placement]]:
+        values = args is not None
+        env_pl: dict[Any, Placement] = {}
+        env: dict[Any, Any] = {}
+        for v in jaxpr.constvars:
+            env_pl[v] = REPLICATED
+        if values:
+            env.update(zip(jaxpr.constvars, consts or (), strict=True))
+            env.update(zip(jaxpr.invars, args, strict=True))
+        env_pl.update(zip(jaxpr.invars, [_plain(p) for p in in_pl], strict=True))
+
+        def read_pl(a: Any) -> Placement:
+            return REPLICATED if isinstance(a, Literal) else env_pl[a]
+
+        def read(a: Any) -> Any:
+            return a.val if isinstance(a, Literal) else env[a]
+
+        for eqn in jaxpr.eqns:
+            ins_pl = [read_pl(a) for a in eqn.invars]
+            ins = [read(a) for a in eqn.invars] if values else None
+            outs, outs_pl = self.eqn(eqn, ins, ins_pl)
+            env_pl.update(zip(eqn.outvars, outs_pl, strict=True))
+            if values:
+                env.update(zip(eqn.outvars, outs, strict=True))
+        out_pl = [read_pl(a) for a in jaxpr.outvars]
+        return ([read(a) for a in jaxpr.outvars] if values else None), out_pl
+
+    def eqn(self, eqn: JaxprEqn, ins: list | None, ins_pl: list[Placement]) -> tuple[list | None, list[Placement]]:
+        name = eqn.primitive.name
+        if name in CALL_PARAMS:
+            return self.call(eqn, ins, ins_pl)
+        if name == "scan":
+            return self.scan(eqn, ins, ins_pl)
+        if name == "while":
+            return self.while_(eqn, ins, ins_pl)
+        if name == "cond":
+            return self.cond(eqn, ins, ins_pl)
+        decision = rule_for(name)(eqn, ins_pl, self.ctx.size)
+        if ins is None:
+            return None, list(decision.outs)
+        return self.bind(eqn, ins, ins_pl, decision), list(decision.outs)
+
+    def convert_all(self, eqn: JaxprEqn, xs: Sequence[Any], have: Sequence[Placement], want: Sequence[Placement]):
+        line = _line(eqn)
+        reason = f"'{eqn.primitive.name}'"
+        out = []
+        for x, h, w in zip(xs, have, want, strict=True):
+            w = _plain(w)
+            if h == w:
+                out.append(x)
+                continue
+            key = (id(x), w)
+            if key not in self._converted:
+                self._converted[key] = (x, convert(self.ctx, x, h, w, line, reason))
+            out.append(self._converted[key][1])
+        return out
+
+    def bind(self, eqn: JaxprEqn, ins: list, ins_pl: list[Placement], decision: Decision) -> list:
+        local = self.convert_all(eqn, ins, ins_pl, decision.wants)
+        params = _local_params(eqn, decision, self.ctx.size)
+        out = eqn.primitive.bind(*local, **params)
+        outs = list(out) if eqn.primitive.multiple_results else [out]
+        if decision.then is not None:
+            kind = {"max": lax.pmax, "min": lax.pmin}[decision.then]
+            self.ctx.record(f"all-reduce-{decision.then}", outs[0], _line(eqn), f"'{eqn.primitive.name}'")
+            outs = [kind(o, self.ctx.axis) for o in outs]
+        return outs
+
+    # -- higher-order primitives ------------------------------------------------------
+
+    def call(self, eqn: JaxprEqn, ins: list | None, ins_pl: list[Placement]):
+        inner = eqn.params[CALL_PARAMS[eqn.primitive.name]]
+        consts = inner.consts if isinstance(inner, ClosedJaxpr) else ()
+        body = inner.jaxpr if isinstance(inner, ClosedJaxpr) else inner
+        k = len(body.invars)
+        return self.walk(body, consts, None if ins is None else ins[-k:], ins_pl[-k:])
+
+    def _closed(self, closed: ClosedJaxpr, args: list | None, in_pl: Sequence[Placement]):
+        return self.walk(closed.jaxpr, closed.consts, args, in_pl)
+
+    def scan(self, eqn: JaxprEqn, ins: list | None, ins_pl: list[Placement]):
+        p = eqn.params
+        n_consts, n_carry = scan_operand_counts(p)
+        body: ClosedJaxpr = p["jaxpr"]
+        consts_pl = ins_pl[:n_consts]
+        xs_pl = [_unstack(x) for x in ins_pl[n_consts + n_carry :]]
+        carry_pl = list(ins_pl[n_consts : n_consts + n_carry])
+        while True:
+            _, out_pl = self._closed(body, None, consts_pl + [_plain(c) for c in carry_pl] + [_plain(x) for x in xs_pl])
+            new = [_join(c, o) for c, o in zip(carry_pl, out_pl[:n_carry], strict=True)]
+            if new == carry_pl:
+                break
+            carry_pl = new
+        ys_pl = [_stack(y) for y in out_pl[n_carry:]]
+        outs_pl = [_plain(c) for c in carry_pl] + ys_pl
+        if ins is None:
+            return None, outs_pl
+        consts = ins[:n_consts]
+        init = self.convert_all(
+            eqn, ins[n_consts : n_consts + n_carry], ins_pl[n_consts : n_consts + n_carry], carry_pl
+        )
+        xs_have = ins_pl[n_consts + n_carry :]
+        xs = self.convert_all(eqn, ins[n_consts + n_carry :], xs_have, [_stack(x) for x in xs_pl])
+        carry_in = [_plain(c) for c in carry_pl]
+
+        def step(carry: list, x: list) -> tuple[list, list]:
+            outs, got = self._closed(body, list(consts) + list(carry) + list(x), consts_pl + carry_in + xs_pl)
+            carry = self.convert_all(eqn, outs[:n_carry], got[:n_carry], carry_in)
+            return carry, outs[n_carry:]
+
+        carry, ys = lax.scan(step, init, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+        return list(carry) + list(ys), outs_pl
+
+    def while_(self, eqn: JaxprEqn, ins: list | None, ins_pl: list[Placement]):
+        p = eqn.params
+        nc, nb = p["cond_nconsts"], p["body_nconsts"]
+        cond_j: ClosedJaxpr = p["cond_jaxpr"]
+        body_j: ClosedJaxpr = p["body_jaxpr"]
+        cond_pl, body_pl = ins_pl[:nc], ins_pl[nc : nc + nb]
+        carry_pl = list(ins_pl[nc + nb :])
+        while True:
+            _, out_pl = self._closed(body_j, None, body_pl + [_plain(c) for c in carry_pl])
+            new = [_join(c, o) for c, o in zip(carry_pl, out_pl, strict=True)]
+            if new == carry_pl:
+                break
+            carry_pl = new
+        carry_in = [_plain(c) for c in carry_pl]
+        if ins is None:
+            return None, carry_in
+        cond_consts, body_consts = ins[:nc], ins[nc : nc + nb]
+        init = self.convert_all(eqn, ins[nc + nb :], ins_pl[nc + nb :], carry_pl)
+
+        def cond_fun(carry: list) -> Any:
+            (pred,), (pred_pl,) = self._closed(cond_j, list(cond_consts) + list(carry), cond_pl + carry_in)
+            return convert(self.ctx, pred, pred_pl, REPLICATED, _line(eqn), "the predicate of a 'while'")
+
+        def body_fun(carry: list) -> list:
+            outs, got = self._closed(body_j, list(body_consts) + list(carry), body_pl + carry_in)
+            return self.convert_all(eqn, outs, got, carry_in)
+
+        return list(lax.while_loop(cond_fun, body_fun, init)), carry_in
+
+    def cond(self, eqn: JaxprEqn, ins: list | None, ins_pl: list[Placement]):
+        branches: Sequence[ClosedJaxpr] = eqn.params["branches"]
+        ops_pl = ins_pl[1:]
+        outs_pl: list[Placement] | None = None
+        for b in branches:
+            _, got = self._closed(b, None, ops_pl)
+            outs_pl = got if outs_pl is None else [_join(a, g) for a, g in zip(outs_pl, got, strict=True)]
+        outs_pl = [_plain(p) for p in outs_pl or []]
+        if ins is None:
+            return None, outs_pl
+        index = convert(self.ctx, ins[0], ins_pl[0], REPLICATED, _line(eqn), "the index of a 'cond'")
+
+        def branch_fn(b: ClosedJaxpr):
+            def fn(*ops: Any) -> list:
+                outs, got = self._closed(b, list(ops), ops_pl)
+                return self.convert_all(eqn, outs, got, outs_pl)
+
+            return fn
+
+        return list(lax.switch(index, [branch_fn(b) for b in branches], *ins[1:])), outs_pl
+
+
+def _unstack(p: Placement) -> Placement:
+    """The placement of one step's slice of a scanned-over value."""
+    if isinstance(p, Shard):
+        return Shard(p.dim - 1) if p.dim > 0 else _Gathered()
+    return p
+
+
+def _stack(p: Placement) -> Placement:
+    if isinstance(p, _Gathered):
+        return REPLICATED
+    return Shard(p.dim + 1) if isinstance(p, Shard) else p
+
+
+def _local_params(eqn: JaxprEqn, decision: Decision, size: int) -> dict:
+    """The equation's params with the shapes they name made local."""
+    params = dict(eqn.params)
+    name = eqn.primitive.name
+    out = decision.outs[0] if decision.outs else REPLICATED
+    if name == "broadcast_in_dim":
+        params["shape"] = local_shape(params["shape"], out, size)
+        params["sharding"] = None
+    elif name == "reshape":
+        params["new_sizes"] = local_shape(tuple(params["new_sizes"]), out, size)
+        if "sharding" in params:
+            params["sharding"] = None
+    elif name == "slice" and isinstance(out, Shard):
+        limit = list(params["limit_indices"])
+        limit[out.dim] //= size
+        params["limit_indices"] = tuple(limit)
+    elif name == "dynamic_slice" and isinstance(decision.wants[0], Shard):
+        params["slice_sizes"] = local_shape(tuple(params["slice_sizes"]), decision.wants[0], size)
+    return params
+
+
+def analyze(jaxpr: Jaxpr, in_placements: Sequence[Placement], *, size: int, axis: str = "tensor") -> list[Placement]:
+    """The placement of each output of ``jaxpr`` given its inputs'."""
+    return _Walker(TensorContext(axis, size, allow_gather=True)).walk(jaxpr, None, None, in_placements)[1]
+
+
+def run(
+    ctx: TensorContext, closed: ClosedJaxpr, args: Sequence[Any], in_placements: Sequence[Placement]
+) -> tuple[list[Any], list[Placement]]:
+    """Evaluate ``closed`` on this device's parts ``args`` (under ``shard_map`` over ``ctx.axis``)."""
+    outs, pl = _Walker(ctx).walk(closed.jaxpr, closed.consts, list(args), in_placements)
+    assert outs is not None
+    return outs, pl

@@ -1,0 +1,185 @@
+"""Tensor parallelism of a one-device training step, from a plan.
+
+:class:`TensorParallel` traces ``step(state, batch) -> (new_state, aux)`` on
+the global shapes, decides every state leaf's placement over the tensor axis
+(the plan's, then, for the leaves it does not name, the placement their update
+comes out in: an optimizer's moments follow their parameter), and runs the
+step under ``jit(shard_map(...))`` with each device holding ``1/T`` of every
+split leaf, through the rewrite of :mod:`replicator.tensor.interpret`.
+
+>>> import jax, jax.numpy as jnp
+>>> def step(w, x):
+...     loss = lambda w: jnp.mean(jnp.tanh(x @ w["fc1"]) @ w["fc2"])
+...     g = jax.grad(loss)(w)
+...     return jax.tree.map(lambda p, g: p - 0.1 * g, w, g), loss(w)
+>>> tp = TensorParallel(step, TensorPlan({"fc1": "column", "fc2": "row"}), size=2)
+>>> w = {"fc1": jnp.ones((4, 8)) / 8, "fc2": jnp.ones((8, 2)) / 8}
+>>> new_w, loss = tp(tp.shard(w), jnp.ones((3, 4)))
+>>> [(c.kind, c.shape) for c in tp.collectives(w, jnp.ones((3, 4)))]  # the loss, summed once
+[('all-reduce', ())]
+
+Promises:
+
+1. ``tp(state, batch)`` equals ``jax.jit(step)(state, batch)`` on one device
+   within rounding (``tests/tensor/test_parallelize.py``, T = 2 and 4).
+2. Split leaves are held ``1/T`` per device, in and out.
+3. No value is gathered whole over the tensor axis unless ``allow_gather``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from replicator.tensor.interpret import analyze, run
+from replicator.tensor.placement import (
+    REPLICATED,
+    Collective,
+    Placement,
+    Replicated,
+    Shard,
+    TensorContext,
+    TensorPlacementError,
+    convert,
+)
+from replicator.tensor.plan import TensorPlan, leaf_paths
+
+__all__ = ["TensorParallel", "infer_state_placements"]
+
+
+def _spec(p: Placement, ndim: int, axis: str) -> PartitionSpec:
+    if isinstance(p, Shard):
+        return PartitionSpec(*[axis if d == p.dim else None for d in range(ndim)])
+    return PartitionSpec()
+
+
+def infer_state_placements(
+    jaxpr: Any, named: Sequence[Placement | None], shapes: Sequence[tuple[int, ...]], n_batch: int, size: int
+) -> list[Placement]:
+    """The plan's placements, and for unnamed leaves the one their update comes out in (a fixed point)."""
+    current: list[Placement] = [p if p is not None else REPLICATED for p in named]
+    for _ in range(len(current) + 1):
+        outs = analyze(jaxpr, current + [REPLICATED] * n_batch, size=size)
+        changed = False
+        for i, (p, out) in enumerate(zip(current, outs[: len(current)], strict=False)):
+            free = named[i] is None and isinstance(p, Replicated)
+            if free and isinstance(out, Shard) and shapes[i][out.dim] % size == 0:
+                current[i] = out
+                changed = True
+        if not changed:
+            return current
+    return current
+
+
+class TensorParallel:
+    """``step(state, batch) -> (new_state, aux)`` run split over a tensor axis of ``size`` devices."""
+
+    def __init__(
+        self,
+        step: Callable[[Any, Any], tuple[Any, Any]],
+        plan: TensorPlan | dict,
+        *,
+        size: int,
+        devices: Sequence[Any] | None = None,
+        axis: str = "tensor",
+        allow_gather: bool = False,
+    ):
+        self.step = step
+        self.plan = plan if isinstance(plan, TensorPlan) else TensorPlan(plan)
+        self.size = size
+        devices = list(devices if devices is not None else jax.devices())
+        if len(devices) < size:
+            raise TensorPlacementError(
+                f"a tensor degree of {size} needs {size} devices; there are {len(devices)}.\n"
+                f"Fix: lower the degree, or on CPU emulate devices with "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={size}."
+            )
+        self.mesh = Mesh(np.array(devices[:size]), (axis,))
+        self.axis = axis
+        self.allow_gather = allow_gather
+        self._built: dict[Any, tuple] = {}
+
+    # -- building ------------------------------------------------------------------------
+
+    def _build(self, state: Any, batch: Any) -> tuple:
+        leaves = jax.tree_util.tree_leaves((state, batch))
+        key = (
+            jax.tree_util.tree_structure((state, batch)),
+            tuple((np.shape(x), str(getattr(x, "dtype", None) or np.result_type(x))) for x in leaves),
+        )
+        if key in self._built:
+            return self._built[key]
+        closed, out_shape = jax.make_jaxpr(self.step, return_shape=True)(state, batch)
+        state_leaves, state_tree = jax.tree_util.tree_flatten(state)
+        n_state, n_batch = len(state_leaves), len(jax.tree_util.tree_leaves(batch))
+        new_state_tree = jax.tree_util.tree_structure(out_shape[0])
+        if new_state_tree != state_tree:
+            raise TensorPlacementError(
+                f"the step must return (new_state, aux) with new_state of the state's structure; it "
+                f"returned {new_state_tree} for {state_tree}."
+            )
+        shapes = [np.shape(x) for x in state_leaves]
+        pl = infer_state_placements(closed.jaxpr, self.plan.placements(state, self.size), shapes, n_batch, self.size)
+        ctx = TensorContext(self.axis, self.size, allow_gather=self.allow_gather)
+        n_out = len(closed.jaxpr.outvars)
+        out_pl = pl + [REPLICATED] * (n_out - n_state)
+
+        def local_step(*args: Any) -> list:
+            ctx.events.clear()
+            outs, got = run(ctx, closed, args, pl + [REPLICATED] * n_batch)
+            return [
+                convert(ctx, o, g, w, "the step's outputs", "returning it in its placement")
+                for o, g, w in zip(outs, got, out_pl, strict=True)
+            ]
+
+        in_specs = [_spec(p, len(s), self.axis) for p, s in zip(pl, shapes, strict=True)]
+        in_specs += [PartitionSpec()] * n_batch
+        out_avals = [v.aval for v in closed.jaxpr.outvars]
+        out_specs = [_spec(p, len(a.shape), self.axis) for p, a in zip(out_pl, out_avals, strict=True)]
+        mapped = jax.shard_map(
+            local_step, mesh=self.mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False
+        )
+        fn = jax.jit(mapped)
+        out_tree = jax.tree_util.tree_structure(out_shape)
+        built = (fn, pl, ctx, out_tree, state_tree)
+        self._built[key] = built
+        return built
+
+    # -- the user's calls -----------------------------------------------------------------
+
+    def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
+        fn, _, _, out_tree, _ = self._build(state, batch)
+        outs = fn(*jax.tree_util.tree_leaves((state, batch)))
+        return jax.tree_util.tree_unflatten(out_tree, outs)
+
+    def placements(self, state: Any, batch: Any) -> dict[str, Placement]:
+        """Each state leaf's placement over the tensor axis, by path."""
+        _, pl, _, _, _ = self._build(state, batch)
+        return dict(zip(leaf_paths(state), pl, strict=True))
+
+    def shard(self, state: Any, batch: Any = None) -> Any:
+        """``state`` placed on the mesh as the step holds it (split leaves 1/T per device)."""
+        if batch is None:
+            pl = [p or REPLICATED for p in self.plan.placements(state, self.size)]
+        else:
+            pl = self._build(state, batch)[1]
+        leaves, tree = jax.tree_util.tree_flatten(state)
+        placed = [
+            jax.device_put(x, NamedSharding(self.mesh, _spec(p, np.ndim(x), self.axis)))
+            for x, p in zip(leaves, pl, strict=True)
+        ]
+        return jax.tree_util.tree_unflatten(tree, placed)
+
+    def lower(self, state: Any, batch: Any) -> Any:
+        """The step lowered for these shapes (``jax.stages.Lowered``: ``.as_text()``, ``.compile()``)."""
+        fn = self._build(state, batch)[0]
+        return fn.lower(*jax.tree_util.tree_leaves((state, batch)))
+
+    def collectives(self, state: Any, batch: Any) -> list[Collective]:
+        """Every collective over the tensor axis the rewrite inserts (traced once, in program order)."""
+        self.lower(state, batch)
+        return list(self._build(state, batch)[2].events)

@@ -1,0 +1,174 @@
+"""Placements of a value over the tensor axis, and moving a value between them.
+
+Every value of a tensor-parallel step is, on the ``'tensor'`` mesh axis of size
+``T``, in one of three placements (DTensor's names; JAX calls a partial sum
+*unreduced*):
+
+* :data:`REPLICATED`: every device holds the whole value;
+* :class:`Shard` ``(d)``: device ``i`` holds the ``i``-th of ``T`` equal
+  contiguous blocks of dimension ``d``;
+* :data:`PARTIAL`: every device holds a value of the whole shape, and the
+  value is their sum.
+
+Moving between them is a collective or a local slice (:func:`convert`):
+
+========================  ======================================  ===========
+from -> to                how                                     bytes moved
+========================  ======================================  ===========
+partial -> replicated     ``psum`` (an all-reduce)                2(T-1)/T x
+partial -> shard(d)       ``psum_scatter`` (a reduce-scatter)     (T-1)/T x
+replicated -> shard(d)    a local slice (free)                    0
+shard(d) -> replicated    ``all_gather``: refused unless allowed  (T-1)/T x
+========================  ======================================  ===========
+
+Promises:
+
+1. :func:`convert` returns the value of the wanted placement, equal on every
+   device to the reference's (``tests/tensor/test_placement.py``).
+2. A gather of a sharded value is refused with :class:`TensorPlacementError`
+   naming the user's line, unless ``allow_gather`` was given; every collective
+   made is recorded in ``context.events`` with its line and reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+from jax import lax
+
+from replicator.errors import ReplicationError
+
+__all__ = [
+    "PARTIAL",
+    "REPLICATED",
+    "Collective",
+    "Partial",
+    "Placement",
+    "Replicated",
+    "Shard",
+    "TensorContext",
+    "TensorPlacementError",
+    "convert",
+    "local_shape",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Replicated:
+    """Every device holds the whole value."""
+
+    def __repr__(self) -> str:
+        return "R"
+
+
+@dataclasses.dataclass(frozen=True)
+class Partial:
+    """Every device holds a summand of the value (a partial sum)."""
+
+    def __repr__(self) -> str:
+        return "P"
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """Device ``i`` holds block ``i`` of ``T`` along dimension ``dim``."""
+
+    dim: int
+
+    def __repr__(self) -> str:
+        return f"S({self.dim})"
+
+
+Placement = Replicated | Partial | Shard
+REPLICATED = Replicated()
+PARTIAL = Partial()
+
+
+class TensorPlacementError(ReplicationError):
+    """A tensor-parallel plan the step cannot run under as asked."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective over the tensor axis that the rewrite inserted."""
+
+    kind: str  # "all-reduce", "reduce-scatter", "all-gather", "all-reduce-max"
+    shape: tuple[int, ...]  # the global shape of the value
+    dtype: str
+    line: str  # the user's source line of the consumer
+    reason: str
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the whole value."""
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass
+class TensorContext:
+    """What the rewrite needs to know and what it records."""
+
+    axis: str
+    size: int
+    allow_gather: bool = False
+    events: list[Collective] = dataclasses.field(default_factory=list)
+
+    def record(self, kind: str, x: Any, line: str, reason: str, shape: tuple[int, ...] | None = None) -> None:
+        self.events.append(Collective(kind, tuple(shape or x.shape), str(x.dtype), line, reason))
+
+
+def local_shape(shape: tuple[int, ...], placement: Placement, size: int) -> tuple[int, ...]:
+    """The shape a device holds of a value of global ``shape``."""
+    if not isinstance(placement, Shard):
+        return tuple(shape)
+    out = list(shape)
+    out[placement.dim] //= size
+    return tuple(out)
+
+
+def _global(shape: tuple[int, ...], placement: Placement, size: int) -> tuple[int, ...]:
+    out = list(shape)
+    if isinstance(placement, Shard):
+        out[placement.dim] *= size
+    return tuple(out)
+
+
+def _gather(ctx: TensorContext, x: Any, dim: int, line: str, reason: str) -> Any:
+    if not ctx.allow_gather:
+        raise TensorPlacementError(
+            f"at {line}: {reason} needs the whole of a value held sharded over '{ctx.axis}' "
+            f"(shape {_global(x.shape, Shard(dim), ctx.size)}, split on dimension {dim}), which would "
+            f"gather it on every device.\n"
+            f"Fix: change the plan so that this value is not split on that dimension (e.g. mark the "
+            f"parameter it comes from 'replicated'), or allow the gather with allow_gather=True."
+        )
+    ctx.record("all-gather", x, line, reason, _global(x.shape, Shard(dim), ctx.size))
+    return lax.all_gather(x, ctx.axis, axis=dim, tiled=True)
+
+
+def _local_slice(ctx: TensorContext, x: Any, dim: int) -> Any:
+    n = x.shape[dim] // ctx.size
+    return lax.dynamic_slice_in_dim(x, lax.axis_index(ctx.axis) * n, n, dim)
+
+
+def convert(ctx: TensorContext, x: Any, have: Placement, want: Placement, line: str, reason: str) -> Any:
+    """``x`` (this device's part of a value in placement ``have``) in placement ``want``."""
+    if have == want:
+        return x
+    if isinstance(have, Partial):
+        if isinstance(want, Replicated):
+            ctx.record("all-reduce", x, line, reason)
+            return lax.psum(x, ctx.axis)
+        assert isinstance(want, Shard)
+        ctx.record("reduce-scatter", x, line, reason)
+        return lax.psum_scatter(x, ctx.axis, scatter_dimension=want.dim, tiled=True)
+    if isinstance(have, Replicated):
+        if isinstance(want, Shard):
+            return _local_slice(ctx, x, want.dim)
+        # replicated -> partial: one device keeps the value, the others hold zeros.
+        keep = lax.axis_index(ctx.axis) == 0
+        return lax.select(lax.broadcast(keep, np.shape(x)), x, lax.full_like(x, 0))
+    whole = _gather(ctx, x, have.dim, line, reason)
+    return convert(ctx, whole, REPLICATED, want, line, reason)

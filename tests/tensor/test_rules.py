@@ -1,0 +1,112 @@
+"""The placement rules on graphs: what each primitive gives, and that the local program computes it.
+
+The analysis (``interpret.analyze``) is checked on small functions; the reshape
+rule also on numbers, over shape pairs that split and merge dimensions, under
+``shard_map`` against one device.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from replicator.tensor import PARTIAL, REPLICATED, Shard, TensorParallel
+from replicator.tensor.interpret import analyze
+
+R, P = REPLICATED, PARTIAL
+
+
+def _analyze(fn, shapes, placements, size=2):
+    closed = jax.make_jaxpr(fn)(*[jnp.ones(s) for s in shapes])
+    return analyze(closed.jaxpr, placements, size=size)
+
+
+def test_column_then_row_is_one_partial_sum():
+    got = _analyze(lambda x, a, b: jnp.tanh(x @ a) @ b, [(4, 8), (8, 16), (16, 8)], [R, Shard(1), Shard(0)])
+    assert got == [P]
+
+
+@pytest.mark.parametrize(
+    ("lhs", "rhs", "want"),
+    [
+        (R, Shard(0), P),  # contracting split on one side: the other is sliced, the result partial
+        (Shard(1), Shard(0), P),
+        (Shard(0), R, Shard(0)),  # a free dimension: the result split there
+        (R, Shard(1), Shard(1)),
+        (P, R, P),  # bilinear: a partial operand against a whole one stays partial
+        (P, Shard(1), Shard(1)),  # ... against a split one is summed first
+    ],
+)
+def test_dot_general(lhs, rhs, want):
+    assert _analyze(jnp.matmul, [(4, 8), (8, 6)], [lhs, rhs]) == [want]
+
+
+def test_a_batch_dimension_split_on_both_sides_stays_split():
+    fn = lambda a, b: jnp.einsum("hqd,hkd->hqk", a, b)  # noqa: E731
+    assert _analyze(fn, [(4, 3, 2), (4, 5, 2)], [Shard(0), R]) == [Shard(0)]
+
+
+def test_reductions_over_a_split_dimension():
+    assert _analyze(lambda x: x.sum(1), [(4, 8)], [Shard(1)]) == [P]
+    assert _analyze(lambda x: x.sum(0), [(4, 8)], [Shard(1)]) == [Shard(0)]
+    assert _analyze(lambda x: x.max(1), [(4, 8)], [Shard(1)]) == [R]  # a pmax after the local max
+    assert _analyze(lambda x: jnp.exp(x).sum(), [(4, 8)], [P]) == [R]  # exp of a partial sum: summed first
+
+
+def test_linear_primitives_keep_a_partial_sum_and_others_sum_it():
+    assert _analyze(lambda x, y: -(x + y) * 3.0, [(4,), (4,)], [P, P]) == [P]
+    assert _analyze(lambda x, y: x + y, [(4,), (4,)], [P, R]) == [R]
+    assert _analyze(lambda x: jnp.tanh(x), [(4,)], [P]) == [R]
+    assert _analyze(lambda x: x.astype(jnp.int32), [(4,)], [P]) == [R]  # truncation is not linear
+
+
+def test_shape_primitives_move_the_split_dimension():
+    assert _analyze(lambda x: x.T, [(4, 8)], [Shard(1)]) == [Shard(0)]
+    assert _analyze(lambda x: x.reshape(2, 3, 4, 2), [(2, 3, 8)], [Shard(2)]) == [Shard(2)]
+    assert _analyze(lambda x: x.reshape(2, 24), [(2, 3, 8)], [Shard(1)]) == [Shard(1)]
+    assert _analyze(lambda x: x.reshape(2, 24), [(2, 4, 6)], [Shard(2)]) == [R]  # not the leading factor
+    assert _analyze(lambda x: x.reshape(2, 2, 2), [(8,)], [Shard(0)], size=4) == [R]  # 2 blocks of 4 devices
+    assert _analyze(lambda x: jnp.broadcast_to(x, (3, 8)), [(8,)], [Shard(0)]) == [Shard(1)]
+    assert _analyze(lambda x: x[:, :4], [(4, 8)], [Shard(1)]) == [R]
+    assert _analyze(lambda x: x[:2], [(4, 8)], [Shard(1)]) == [Shard(1)]
+
+
+def test_a_primitive_without_a_rule_gets_the_worst_case():
+    assert _analyze(lambda x: jnp.sort(x, axis=0), [(4, 8)], [Shard(1)]) == [R]
+    assert _analyze(lambda x: jnp.cumsum(x, axis=1), [(4, 8)], [Shard(1)]) == [R]
+    assert _analyze(lambda x: jnp.cumsum(x, axis=0), [(4, 8)], [Shard(1)]) == [Shard(1)]
+
+
+def test_a_scan_carry_that_comes_out_split_is_carried_split():
+    def fn(x, w):
+        return lax.scan(lambda c, wi: (c + wi, None), jnp.zeros_like(x), w)[0]
+
+    assert _analyze(fn, [(4, 8), (3, 4, 8)], [R, Shard(2)]) == [Shard(1)]
+    # A scan over the split dimension itself would need each step's slice whole: held whole.
+    assert _analyze(fn, [(4, 8), (4, 4, 8)], [R, Shard(0)]) == [R]
+
+
+@pytest.mark.parametrize(
+    ("shape", "split", "new"),
+    [((2, 8, 3), 1, (2, 4, 2, 3)), ((2, 4, 2, 3), 1, (2, 8, 3)), ((4, 6), 0, (24,)), ((16,), 0, (4, 2, 2))],
+)
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_reshape_of_a_split_value_computes_one_devices_numbers(shape, split, new, size):
+    if shape[split] % size:
+        pytest.skip("the degree does not divide the dimension")
+
+    def step(p, x):
+        w = p["w"]
+        moved = jnp.sin(w.reshape(new)) * x
+        return {"w": moved.reshape(shape) + w}, jnp.sum(moved)
+
+    p = {"w": jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape) / 10}
+    tp = TensorParallel(step, {"w": split}, size=size)
+    got = tp(tp.shard(p, jnp.float32(2)), jnp.float32(2))
+    want = jax.jit(step)(p, jnp.float32(2))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert "all-gather" not in [e.kind for e in tp.collectives(p, jnp.float32(2))]
