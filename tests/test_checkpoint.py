@@ -1,12 +1,16 @@
 """Checkpoints: round trips, atomicity under failure and SIGKILL, checks on restore."""
 
 import hashlib
+import io
+import itertools
 import json
+import math
 import os
 import pathlib
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -14,6 +18,9 @@ import warnings
 from pathlib import Path
 from typing import NamedTuple
 
+import hypothesis
+import hypothesis.extra.numpy as hnp
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -771,3 +778,255 @@ def test_fallback_skips_only_damaged_checkpoints_not_one_that_does_not_fit_the_t
     step, restored, _ = manager.restore({"w": np.zeros(4, np.float32)}, fallback=True)
     assert step == 2
     np.testing.assert_array_equal(restored["w"], np.arange(4, dtype=np.float32))
+
+
+# -- promises without a test before (issue #41 item 4) --------------------------------------
+# Each module of replicator/training/checkpoint/ lists its promises at the end of its docstring, each with
+# the test that checks it; these are the tests written for the promises that had none.
+
+# Every dtype a JAX state holds without x64 (64-bit numpy leaves are narrowed as JAX narrows them).
+_DTYPES = [
+    np.bool_,
+    np.int8,
+    np.uint8,
+    np.int16,
+    np.uint16,
+    np.int32,
+    np.uint32,
+    np.float16,
+    ml_dtypes.bfloat16,
+    np.float32,
+    np.complex64,
+    ml_dtypes.float8_e4m3fn,
+    ml_dtypes.float8_e5m2,
+]
+
+
+@hypothesis.settings(max_examples=60, deadline=None, suppress_health_check=[hypothesis.HealthCheck.too_slow])
+@hypothesis.given(
+    dtype=st.sampled_from(_DTYPES),
+    shape=hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4),
+    seed=st.integers(0, 2**32 - 1),
+    on_device=st.booleans(),
+)
+def test_a_leaf_round_trips_through_its_stored_array_with_its_dtype_shape_and_bits(dtype, shape, seed, on_device):
+    """encoding: entry -> stored -> an .npz read with allow_pickle=False -> decode gives the leaf back, bit for bit,
+    with its own dtype and shape (bfloat16, float8, float16, int8, bool, 0-d ones too), on the host or not."""
+    dtype = np.dtype(dtype)
+    raw = np.random.default_rng(seed).integers(0, 256, size=math.prod(shape) * dtype.itemsize, dtype=np.uint8)
+    if dtype.kind == "b":
+        raw &= 1  # a bool byte is 0 or 1
+    value = raw.view(dtype).reshape(shape)
+    leaf = jnp.asarray(value) if on_device else value
+    entry = ckpt_encoding.entry("['x']", leaf)
+    assert entry["dtype"] == dtype.name and entry["shape"] == list(shape)
+    array = ckpt_encoding.stored(leaf, entry)
+    assert array.dtype == np.dtype(ckpt_encoding.stored_dtype(entry)) and array.dtype.isbuiltin == 1
+    buffer = io.BytesIO()
+    np.savez(buffer, a0=array)
+    buffer.seek(0)
+    with np.load(buffer, allow_pickle=False) as npz:
+        back = ckpt_encoding.decode(npz["a0"], entry)
+    assert back.dtype == dtype and back.shape == tuple(shape)
+    assert back.tobytes() == value.tobytes()
+
+
+# -- agreement ------------------------------------------------------------------------------
+
+
+def test_an_attempt_keeps_an_exception_only_in_a_multi_process_job_and_never_a_keyboard_interrupt():
+    alone = ckpt_agreement.Attempt(multi=False)
+    with pytest.raises(OSError, match="disk full"), alone:
+        raise OSError("disk full")
+    assert alone.error is None
+    multi = ckpt_agreement.Attempt(multi=True)
+    with multi:
+        raise OSError("disk full")  # kept for the collective that follows
+    assert isinstance(multi.error, OSError)
+    interrupted = ckpt_agreement.Attempt(multi=True)
+    with pytest.raises(KeyboardInterrupt), interrupted:
+        raise KeyboardInterrupt
+    assert interrupted.error is None
+
+
+def test_a_process_other_than_zero_learns_the_temporary_or_raises_process_zeros_error_quoted(monkeypatch):
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    sent = []
+
+    def from_process0(value, told):
+        sent.append(value)
+        return told
+
+    failed = (np.int32(1), ckpt_agreement._pack("OSError: disk full"))
+    monkeypatch.setattr(ckpt_agreement, "from_process0", lambda value: from_process0(value, failed))
+    with pytest.raises(
+        CheckpointError, match=r"^process 0 failed to save the checkpoint /c/step_00000003: OSError: disk full$"
+    ):
+        ckpt_agreement.share_temporary(None, "", "/c/step_00000003")
+    told = (np.int32(0), ckpt_agreement._pack(".tmp-step_00000003-abc-1"))
+    monkeypatch.setattr(ckpt_agreement, "from_process0", lambda value: from_process0(value, told))
+    assert ckpt_agreement.share_temporary(None, "", "/c/step_00000003") == ".tmp-step_00000003-abc-1"
+    assert len(sent) == 2  # every process takes part in the collective
+
+
+def test_a_process_that_wrote_its_part_names_the_first_process_that_did_not(monkeypatch):
+    from jax.experimental import multihost_utils
+
+    rows = [(0, ""), (1, "OSError: disk full"), (1, "OSError: another")]  # process 0 (this one), 1, 2
+    gathered = (np.array([f for f, _ in rows], np.int32), np.stack([ckpt_agreement._pack(m) for _, m in rows]))
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda value: gathered)
+    with pytest.raises(
+        CheckpointError,
+        match=r"^process 1 failed to write its part of the checkpoint /c/step_00000003, so it was not saved: "
+        r"OSError: disk full$",
+    ):
+        ckpt_agreement.agree_written(None, "/c/step_00000003")
+    own = OSError("mine")
+    with pytest.raises(OSError) as info:
+        ckpt_agreement.agree_written(own, "/c/step_00000003")
+    assert info.value is own  # the process that failed raises its own exception
+    ok = (np.zeros(3, np.int32), np.stack([ckpt_agreement._pack("")] * 3))
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda value: ok)
+    assert ckpt_agreement.agree_written(None, "/c/step_00000003") is None
+
+
+@hypothesis.settings(max_examples=100, deadline=None)
+@hypothesis.given(
+    head=st.text(st.characters(blacklist_characters="\0"), max_size=20),  # lone surrogates too
+    filler=st.sampled_from(["a", "é", "✓", "😀", "\udcff"]),  # 1 to 4 bytes (the cut may fall inside one) or none
+    count=st.integers(0, 2100),
+    tail=st.text(st.characters(blacklist_characters="\0"), max_size=20),
+)
+def test_an_error_message_reaches_the_other_processes_whole_or_cut_at_its_bound(head, filler, count, tail):
+    """Any message (a path's undecodable byte, as a lone surrogate, included) is packed without an error, which
+    would leave the other processes waiting in the collective: whole up to MESSAGE_BYTES bytes, else cut there."""
+    text = head + filler * count + tail
+    packed = ckpt_agreement._pack(text)
+    assert packed.dtype == np.uint8 and packed.shape == (ckpt_agreement.MESSAGE_BYTES,)
+    raw = text.encode(errors="backslashreplace")  # what UTF-8 cannot encode, as a \udcxx escape
+    got = ckpt_agreement._unpack(packed)
+    if len(raw) <= ckpt_agreement.MESSAGE_BYTES:
+        assert got == raw.decode()
+        assert got == text or any("\ud800" <= c <= "\udfff" for c in text)
+    else:  # cut to its first MESSAGE_BYTES bytes, a character split there replaced, never an error
+        assert got == raw[: ckpt_agreement.MESSAGE_BYTES].decode(errors="replace")
+
+
+def test_processes_that_read_different_checkpoints_get_a_checkpoint_error(monkeypatch):
+    from jax.experimental import multihost_utils
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda local: np.stack([local, local + 1]))
+    with pytest.raises(CheckpointError, match="restored checkpoint.*same directory and step= on every process"):
+        ckpt_agreement.check_same_checkpoint("step 3 sha256 ab")
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda local: np.stack([local, local]))
+    ckpt_agreement.check_same_checkpoint("step 3 sha256 ab")  # the same: no error
+
+
+# -- background -----------------------------------------------------------------------------
+
+
+def test_join_returns_what_the_work_raised_even_a_base_exception():
+    def raising(error):
+        def work():
+            raise error
+
+        return work
+
+    for error in (OSError("disk full"), KeyboardInterrupt("stop")):
+        save = ckpt_background.BackgroundSave(3, "/c/step_00000003", raising(error))
+        assert save.join(60) is error and not save.running
+    done = ckpt_background.BackgroundSave(4, "/c/step_00000004", lambda: None)
+    assert done.join(60) is None and not done.running
+    # Not a daemon: an interpreter that exits without waiting still lets the save finish.
+    assert done._thread.name == "replicator-checkpoint-4" and not done._thread.daemon
+
+
+def test_waiting_for_a_background_save_counts_as_progress_of_the_waiting_thread(monkeypatch):
+    from replicator.runtime.distributed import progress
+
+    touched: list[str] = []
+    monkeypatch.setattr(progress, "touch", lambda: touched.append(threading.current_thread().name))
+    release = threading.Event()
+    save = ckpt_background.BackgroundSave(5, "/c/step_00000005", lambda: release.wait(60))
+    try:
+        assert isinstance(save.join(0.05), CheckpointError)  # still writing
+    finally:
+        release.set()
+    assert save.join(60) is None
+    assert touched and set(touched) == {threading.main_thread().name}
+
+
+# -- the manager ----------------------------------------------------------------------------
+
+
+def test_the_directory_is_fsynced_after_the_rename_that_commits_a_checkpoint(tmp_path, monkeypatch):
+    """The rename is durable: a power cut after save() returns cannot undo it."""
+    events: list[tuple[str, str]] = []
+    real_fsync_dir, real_rename = ckpt_files.fsync_dir, os.rename
+
+    def fsync_dir(path):
+        events.append(("fsync_dir", os.path.realpath(path)))
+        real_fsync_dir(path)
+
+    def rename(src, dst, *args, **kwargs):
+        events.append(("rename", os.path.realpath(dst)))
+        real_rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt_files, "fsync_dir", fsync_dir)
+    monkeypatch.setattr(os, "rename", rename)
+    final = save_checkpoint(tmp_path, 5, {"w": np.arange(3, dtype=np.float32)})
+    monkeypatch.undo()
+    commit = events.index(("rename", os.path.realpath(final)))
+    assert ("fsync_dir", os.path.realpath(tmp_path)) in events[commit + 1 :], events
+
+
+@hypothesis.settings(max_examples=25, deadline=None, suppress_health_check=[hypothesis.HealthCheck.too_slow])
+@hypothesis.given(
+    gaps=st.lists(st.integers(1, 4), min_size=1, max_size=6),
+    keep=st.none() | st.integers(1, 4),
+    restart=st.none() | st.integers(0, 24),
+)
+def test_pruning_keeps_exactly_the_keep_newest_checkpoints(gaps, keep, restart):
+    """After every save the directory holds exactly the ``keep`` newest steps (all with keep=None), also after
+    an overwrite=True save of an earlier step (a restart), which first discards the steps after it."""
+    steps = list(itertools.accumulate(gaps))
+    with tempfile.TemporaryDirectory() as directory:
+        manager = CheckpointManager(directory, keep=keep)
+        expected: list[int] = []
+        for step in [*steps, *([] if restart is None else [restart])]:
+            overwrite = bool(expected) and step <= expected[-1]
+            manager.save(step, {"x": np.full(2, step, np.int32)}, overwrite=overwrite)
+            expected = sorted({s for s in expected if s < step} | {step})
+            expected = expected if keep is None else expected[-keep:]
+            assert manager.all_steps() == expected
+            assert sorted(os.listdir(directory)) == [f"step_{s:08d}" for s in expected]
+        assert manager.restore({"x": np.zeros(2, np.int32)})[1]["x"].tolist() == [expected[-1]] * 2
+
+
+def test_a_restore_spanning_processes_asks_them_all_to_have_read_the_same_step_and_digest(tmp_path, monkeypatch):
+    path = Path(save_checkpoint(tmp_path, 3, {"w": np.arange(4, dtype=np.float32)}))
+    digest = _manifest(path)["manifest_sha256"]
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(ckpt_encoding, "target_sharding", lambda target: _SpansProcesses())
+    monkeypatch.setattr(ckpt_encoding, "place_like", lambda leaf, sharding: leaf)
+    told: list[str] = []
+    monkeypatch.setattr(ckpt_agreement, "check_same_checkpoint", told.append)
+    step, restored, _ = restore_checkpoint(tmp_path, {"w": np.zeros(4, np.float32)})
+    assert step == 3 and told == [f"step 3 sha256 {digest}"]
+    np.testing.assert_array_equal(restored["w"], np.arange(4, dtype=np.float32))
+
+
+# -- interop --------------------------------------------------------------------------------
+
+
+def test_restore_and_export_orbax_without_orbax_say_how_to_install_it(tmp_path, monkeypatch):
+    from replicator.training.checkpoint import restore_orbax
+
+    monkeypatch.setitem(sys.modules, "orbax.checkpoint", None)  # `import orbax.checkpoint` raises ImportError
+    with pytest.raises(CheckpointError, match=r"need orbax-checkpoint.*pip install 'replicator\[orbax\]'"):
+        restore_orbax(tmp_path, {"w": np.zeros(2, np.float32)})
+    with pytest.raises(CheckpointError, match=r"need orbax-checkpoint.*pip install 'replicator\[orbax\]'"):
+        export_orbax(tmp_path / "e", {"w": np.zeros(2, np.float32)})
+    assert not (tmp_path / "e").exists()
+

@@ -397,3 +397,25 @@ def test_an_async_save_keeps_host_leaves_as_they_were_when_it_was_called(tmp_pat
     manager.wait()
     _, restored, _ = restore_checkpoint(tmp_path, {"w": np.zeros(6, np.float32)})
     np.testing.assert_array_equal(restored["w"], original)
+
+
+# -- promises without a test before (issue #41 item 4) ------------------------------------------------------
+
+
+def test_only_the_writer_holds_the_leaves_stored_whole_and_they_are_what_a_save_stores():
+    """A process that does not write the arrays file (not process 0) holds none of its leaves; process 0's held
+    leaves become exactly the arrays a synchronous save stores (bfloat16 as uint16, a key as its key data)."""
+    from replicator.training.checkpoint import encoding, snapshot
+
+    leaves = [jnp.arange(3.0), np.arange(4, dtype=np.int32), jnp.ones(2, jnp.bfloat16), jax.random.key(7)]
+    entries = [encoding.entry(f"[{i}]", leaf) for i, leaf in enumerate(leaves)]
+    other = snapshot.capture(leaves, entries, {}, process=0, writer=False, copy_on_device=False)
+    assert other.whole == {} and other.ready == {} and other.shards == {}
+    writer = snapshot.capture(leaves, entries, {}, process=0, writer=True, copy_on_device=True)
+    got = writer.stored_whole()
+    assert list(got) == ["a0", "a1", "a2", "a3"]
+    for i, (leaf, entry) in enumerate(zip(leaves, entries, strict=True)):
+        want = encoding.stored(leaf, entry)
+        assert got[f"a{i}"].dtype == want.dtype and got[f"a{i}"].tobytes() == want.tobytes()
+    writer.release()
+    assert writer.whole == {} and writer.shards == {} and writer.ready == {}

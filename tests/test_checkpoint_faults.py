@@ -5,9 +5,12 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 import textwrap
 import warnings
 
+import hypothesis
+import hypothesis.strategies as st
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -329,3 +332,57 @@ def test_a_polled_file_appears_whole_or_not_at_all(tmp_path, monkeypatch):
         ckpt_files.write_text(str(path), "another")
     assert path.read_text() == "OSError: injected: disk full"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shards-p00001.failed"]
+
+
+# -- promises without a test before (issue #41 item 4) ---------------------------------
+
+
+def test_a_data_file_is_never_written_over(tmp_path):
+    """files.write_arrays makes a new file: an existing one (another save's) is refused and left as it was."""
+    path = tmp_path / "arrays.npz"
+    path.write_bytes(b"another save's arrays")
+    with pytest.raises(FileExistsError):
+        ckpt_files.write_arrays(str(path), {"a0": np.zeros(2, np.float32)})
+    assert path.read_bytes() == b"another save's arrays"
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)
+_EDITS = {
+    "step": lambda m: m.update(step=m["step"] + 1),
+    "extra": lambda m: m["extra"].update(edited=True),
+    "shape": lambda m: m["leaves"][0].update(shape=[3]),
+    "dtype": lambda m: m["leaves"][0].update(dtype="int32"),
+    "arrays_bytes": lambda m: m.update(arrays_bytes=m["arrays_bytes"] + 1),
+    "version": lambda m: m.update(version=5 - m["version"]),  # 2 <-> 3, both readable
+}
+
+
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(
+    step=st.integers(0, 10**9),
+    extra=st.dictionaries(st.text(max_size=6), _JSON, max_size=4),
+    version=st.sampled_from([2, 3]),
+    edit=st.sampled_from(sorted(_EDITS)),
+)
+def test_a_manifest_reads_back_as_written_and_any_edit_is_refused_in_every_version_with_a_digest(
+    step, extra, version, edit
+):
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, f"step_{step:08d}")
+        os.mkdir(path)
+        ckpt_files.write_arrays(os.path.join(path, "arrays.npz"), {"a0": np.zeros(2, np.float32)})
+        leaves = [{"path": "['w']", "shape": [2], "dtype": "float32"}]
+        manifest = ckpt_manifest.build_manifest(path, step, extra, "PyTreeDef({'w': *})", leaves)
+        manifest["version"] = version
+        manifest["manifest_sha256"] = ckpt_manifest.manifest_digest(manifest)
+        manifest_path = pathlib.Path(path) / "manifest.json"
+        manifest_path.write_text(json.dumps(manifest, indent=1))
+        assert ckpt_manifest.parse_manifest(path, step, lambda: [step]) == {**manifest, "path": path}
+        _EDITS[edit](manifest)  # the digest left as it was
+        manifest_path.write_text(json.dumps(manifest, indent=1))
+        with pytest.raises(ckpt_manifest.DamagedCheckpoint, match="modified or corrupted"):
+            ckpt_manifest.parse_manifest(path, step, lambda: [step])

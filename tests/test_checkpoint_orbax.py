@@ -339,3 +339,19 @@ def test_narrow_dtypes_keep_their_dtype_through_export_and_restore(n8, tmp_path)
             assert np.asarray(got).dtype == np.asarray(want).dtype, (name, np.asarray(got).dtype)
             assert np.shape(got) == np.shape(want), name
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
+
+
+# -- promises without a test before (issue #41 item 4) ------------------------------------
+
+
+def test_a_mismatch_is_raised_before_any_array_is_read(saved, monkeypatch):
+    def no_read(self, *args, **kwargs):
+        raise AssertionError("an array was read")
+
+    monkeypatch.setattr(ocp.PyTreeCheckpointer, "restore", no_read)
+    target = fresh_state()
+    more = target.replace(params={**target.params, "Dense_2": {"bias": jnp.zeros(8)}})
+    wrong_dtype = target.replace(params=jax.tree.map(lambda x: x.astype(jnp.bfloat16), target.params))
+    for wrong, match in ((more, "lacks state"), (wrong_dtype, "bfloat16"), ({"params": target.params}, "partial")):
+        with pytest.raises(CheckpointError, match=match):
+            restore_orbax(saved["standard"], wrong)

@@ -18,14 +18,19 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import itertools
 import json
+import math
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -568,3 +573,167 @@ def test_a_sidecar_whose_offsets_or_sizes_differ_from_the_layout_is_refused(tmp_
     write({field: {"offset": 40, "bytes": 40}[field]})
     with pytest.raises(CheckpointError, match="process 1 wrote other shards than process 0 expects"):
         ckpt_shards._take_sidecar(str(tmp_path), 1, expected, {}, wait_s=1.0)
+
+
+# -- promises without a test before (issue #41 item 4) ------------------------------------
+
+
+@st.composite
+def _shard_records(draw):
+    """A leaf's shape and shard records: a grid of cuts (possibly empty parts at the end), then perhaps damaged."""
+    shape = draw(st.lists(st.integers(1, 6), min_size=1, max_size=3))
+    axes = []
+    for dim in shape:
+        inner = sorted(draw(st.sets(st.integers(1, dim - 1), max_size=3))) if dim > 1 else []
+        points = [0, *inner, dim] + ([dim] if draw(st.booleans()) else [])  # an uneven split's empty last part
+        axes.append(list(zip(points, points[1:], strict=False)))
+    cells = [list(map(list, cell)) for cell in itertools.product(*axes)]
+    how = draw(st.sampled_from(["intact", "drop", "repeat", "move", "grow"]))
+    k = draw(st.integers(0, len(cells) - 1))
+    axis = draw(st.integers(0, len(shape) - 1))
+    intact = how == "intact"
+    if how == "drop" and len(cells) > 1:
+        cells.pop(k)
+    elif how == "repeat":
+        cells.insert(draw(st.integers(0, len(cells))), list(map(list, cells[k])))
+    elif how in ("move", "grow"):
+        a, b = cells[k][axis]
+        delta = draw(st.sampled_from([-1, 1]))
+        cells[k][axis] = [a + delta, b + delta] if how == "move" else [a, b + delta]
+    records = [
+        {"file": "shards-p00000.bin", "offset": 0, "bytes": 4 * math.prod(b - a for a, b in index), "index": index}
+        for index in cells
+    ]
+    for r in records:
+        r["sha256"] = "0" * 64
+        r["bytes"] = max(r["bytes"], 0)
+    return shape, records, intact
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(_shard_records())
+def test_shard_records_accepted_by_the_manifest_check_cover_every_element_exactly_once(drawn):
+    """The records a manifest may hold tile the leaf (parse_manifest refuses the others, e.g. a repeated, moved,
+    grown or missing record), and every grid of records, as any sharding makes, is accepted."""
+    shape, records, intact = drawn
+    entry = {"path": "['x']", "shape": shape, "dtype": "float32", "shards": records}
+    problem = ckpt_manifest._shards_problem(entry)
+    covered = np.zeros(shape, np.int64)
+    valid = True
+    for r in records:
+        bounds = r["index"]
+        if any(not 0 <= a <= b <= dim for (a, b), dim in zip(bounds, shape, strict=True)):
+            valid = False
+            continue
+        covered[tuple(slice(a, b) for a, b in bounds)] += 1
+    if problem is None:
+        assert valid and np.all(covered == 1), (records, covered)
+    if intact:
+        assert problem is None, problem
+
+
+def test_each_shard_is_written_by_its_holder_of_lowest_process_and_id_at_consecutive_offsets(repl2d):
+    if repl2d.num_workers < 2:
+        pytest.skip("needs a mesh of 2 or more workers")
+    from replicator.training.checkpoint import shards as ckpt_shards
+
+    n = repl2d.cores_per_worker
+    x = jax.device_put(np.zeros((2 * n, 3), np.float32), NamedSharding(repl2d.mesh, P("cores")))  # on every worker
+    layout = ckpt_shards.plan([x], [ckpt_encoding.entry("['x']", x)])
+    holders: dict = {}
+    for device, index in x.sharding.devices_indices_map(x.shape).items():
+        holders.setdefault(ckpt_shards._bounds(index, x.shape), []).append(device)
+    records = layout[0]
+    assert [r.bounds for r in records] == sorted(holders)  # each distinct shard once, in order
+    for r in records:
+        assert len(holders[r.bounds]) == repl2d.num_workers
+        assert r.device == min(holders[r.bounds], key=lambda d: (d.process_index, d.id))
+        assert r.process == r.device.process_index and r.nbytes == 2 * 3 * 4
+    assert [r.offset for r in records] == [k * 2 * 3 * 4 for k in range(len(records))]
+
+
+def test_a_region_reads_only_the_records_that_overlap_it_each_once(tmp_path, multi, repl2d, monkeypatch):
+    from replicator.training.checkpoint import shards as ckpt_shards
+
+    n = repl2d.num_replicas
+    values = np.arange(2 * n * 3, dtype=np.float32).reshape(2 * n, 3)
+    x = jax.device_put(values, NamedSharding(repl2d.mesh, P(("workers", "cores"))))  # 2 rows per record
+    save_checkpoint(tmp_path, 1, {"x": x})
+    manifest = rp.CheckpointManager(tmp_path).read_manifest(1)
+    reader = ckpt_shards.LeafReader(manifest["path"], manifest["leaves"][0], ckpt_manifest.DamagedCheckpoint)
+    real_open = open
+    opened: list[str] = []
+
+    def counting_open(file, *args, **kwargs):
+        opened.append(os.path.basename(os.fspath(file)))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", counting_open)
+    np.testing.assert_array_equal(reader.region((slice(1, 3), slice(None))), values[1:3])  # records 0 and 1
+    assert opened == ["shards-p00000.bin"] * 2
+    np.testing.assert_array_equal(reader.region((slice(0, 4), slice(1, 2))), values[0:4, 1:2])  # the same two
+    assert len(opened) == 2  # each record is read (and its sha256 checked) once
+    monkeypatch.undo()
+
+
+def test_a_strided_shard_is_refused():
+    from replicator.training.checkpoint import shards as ckpt_shards
+
+    with pytest.raises(CheckpointError, match="a shard with a strided index .* cannot be saved; use a NamedSharding"):
+        ckpt_shards._bounds((slice(0, 4, 2),), (4,))
+
+
+def test_a_shard_file_shorter_than_its_records_is_refused(tmp_path):
+    from replicator.training.checkpoint import shards as ckpt_shards
+
+    records = [
+        ckpt_shards.Record(0, ((0, 4), (0, 3)), 0, None, 0, 48),
+        ckpt_shards.Record(0, ((4, 8), (0, 3)), 0, None, 48, 48),
+    ]
+    own = {(0, r.bounds): "0" * 64 for r in records}
+    (tmp_path / "shards-p00000.bin").write_bytes(bytes(90))
+    with pytest.raises(CheckpointError, match=r"shards-p00000.bin has 90 bytes, 96 expected; process 0 did not"):
+        ckpt_shards.collect(str(tmp_path), {0: records}, own)
+    (tmp_path / "shards-p00000.bin").write_bytes(bytes(96))
+    got = ckpt_shards.collect(str(tmp_path), {0: records}, own)
+    assert [(r["offset"], r["bytes"], r["index"]) for r in got[0]] == [
+        (0, 48, [[0, 4], [0, 3]]),
+        (48, 48, [[4, 8], [0, 3]]),
+    ]
+
+
+def _waiting(call) -> BaseException | None:
+    """What ``call()`` raised, run in a thread waited for at most 60 s (a wait that is not bounded fails)."""
+    raised: list[BaseException | None] = []
+
+    def run():
+        try:
+            call()
+            raised.append(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            raised.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "still waiting after 60 s"
+    return raised[0]
+
+
+def test_process_zero_waits_for_a_missing_sidecar_at_most_its_bound(tmp_path):
+    from replicator.training.checkpoint import shards as ckpt_shards
+
+    expected = [ckpt_shards.Record(0, ((4, 8), (0, 3)), 1, None, 0, 48)]
+    error = _waiting(lambda: ckpt_shards._take_sidecar(str(tmp_path), 1, expected, {}, wait_s=0.1))
+    assert isinstance(error, CheckpointError)
+    assert re.search(r"cannot see .*shards-p00001.json.* after 0.1 s\. .*shares", str(error)), error
+
+
+def test_a_failure_report_ends_the_wait_for_a_sidecar_with_that_process_error(tmp_path):
+    from replicator.training.checkpoint import shards as ckpt_shards
+
+    expected = [ckpt_shards.Record(0, ((4, 8), (0, 3)), 1, None, 0, 48)]
+    ckpt_shards.write_failure(str(tmp_path), 1, OSError("injected: disk full"))
+    error = _waiting(lambda: ckpt_shards._take_sidecar(str(tmp_path), 1, expected, {}, wait_s=5))
+    assert isinstance(error, CheckpointError)
+    assert str(error) == "process 1 failed to write its part of the checkpoint: OSError: injected: disk full"

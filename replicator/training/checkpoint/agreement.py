@@ -1,4 +1,27 @@
-"""Multi-process agreement: one writer tells everyone, readers check they read the same."""
+"""Multi-process agreement: one writer tells everyone, readers check they read the same.
+
+Promises:
+
+1. :func:`share_temporary`: process 0 gets its own temporary's name back, or raises its own exception (the same
+   object) (tests/test_checkpoint.py::test_process_zero_learns_its_own_temporary_and_raises_its_own_error).
+2. Every other process takes part in the collective and gets process 0's name, or a CheckpointError quoting
+   process 0's error
+   (tests/test_checkpoint.py::test_a_process_other_than_zero_learns_the_temporary_or_raises_process_zeros_error_quoted).
+3. :func:`agree_written`: a process that failed raises its own exception, every other one a CheckpointError
+   naming the first process that failed and its error; nothing is raised where all wrote theirs
+   (tests/test_checkpoint.py::test_a_process_that_wrote_its_part_names_the_first_process_that_did_not,
+   tests/test_checkpoint_sharded.py::test_a_process_that_fails_to_write_its_shards_fails_the_save_everywhere).
+4. An :class:`Attempt` raises as usual alone; in a multi-process job it keeps an ``Exception`` for the collective,
+   never a ``KeyboardInterrupt``
+   (tests/test_checkpoint.py::test_an_attempt_keeps_an_exception_only_in_a_multi_process_job_and_never_a_keyboard_interrupt).
+5. An error message reaches the other processes whole up to :data:`MESSAGE_BYTES` bytes, else cut there, and
+   packing it never raises (which would leave the others waiting in the collective), whatever it holds: a path's
+   undecodable byte (a lone surrogate) arrives as a ``\\udcxx`` escape
+   (tests/test_checkpoint.py::test_an_error_message_reaches_the_other_processes_whole_or_cut_at_its_bound).
+6. Processes that read different checkpoints get a CheckpointError (not a bare ValueError) that says to restore
+   the same directory and step on every process
+   (tests/test_checkpoint.py::test_processes_that_read_different_checkpoints_get_a_checkpoint_error).
+"""
 
 from __future__ import annotations
 
@@ -57,7 +80,7 @@ class Attempt:
 
 
 def _pack(text: str) -> np.ndarray:
-    raw = text.encode()[:MESSAGE_BYTES]
+    raw = text.encode(errors="backslashreplace")[:MESSAGE_BYTES]  # a lone surrogate (a path's undecodable byte)
     out = np.zeros(MESSAGE_BYTES, np.uint8)
     out[: len(raw)] = np.frombuffer(raw, np.uint8)
     return out
