@@ -1,4 +1,29 @@
-"""Leaves <-> stored arrays: manifest entries, dtypes, PRNG keys, host copies, placement."""
+"""Leaves <-> stored arrays: manifest entries, dtypes, PRNG keys, host copies, placement.
+
+Promises:
+
+1. A leaf of any dtype JAX holds (bool, int8 to uint32, float16, bfloat16, float32, complex64, float8) and any
+   shape, 0-d included, on a device or not, comes back from its stored array with its own dtype, shape and bits;
+   the stored array is of a numpy builtin dtype, which ``.npz`` holds without pickle
+   (tests/test_checkpoint.py::test_a_leaf_round_trips_through_its_stored_array_with_its_dtype_shape_and_bits,
+   tests/test_checkpoint.py::TestRoundTrip::test_pytrees_dtypes_and_extra).
+2. bfloat16, float8 and the other ``ml_dtypes`` are stored as the unsigned ints of their width, named by the
+   entry's ``stored_as`` (tests/test_checkpoint.py::TestRoundTrip::test_the_files_are_plain_npz_and_json).
+3. A Python number or a 64-bit leaf gets JAX's canonical dtype (float32, int32 without x64)
+   (tests/test_checkpoint.py::TestRoundTrip::test_python_numbers_get_jax_dtypes).
+4. A typed PRNG key is stored as its key data with its implementation and comes back a typed key that draws the
+   same numbers (tests/test_checkpoint.py::TestRoundTrip::test_prng_keys).
+5. A leaf that is not an array of numbers or booleans (a string, an array of strings) is a CheckpointError naming
+   its path, raised before anything is written (tests/test_checkpoint.py::TestManager::test_bad_arguments).
+6. A checkpoint whose tree paths differ from the target's is a CheckpointError naming the first missing and the
+   first unexpected leaf and the counts; a leaf of another shape or dtype is one naming the leaf and both specs
+   (tests/test_checkpoint.py::TestRestoreChecks::test_another_model,
+   tests/test_checkpoint.py::TestRestoreChecks::test_shape_mismatch_names_the_leaf,
+   tests/test_checkpoint.py::TestRestoreChecks::test_dtype_mismatch).
+7. A restored leaf is a numpy array where the target leaf has no sharding, else an array on the target's sharding
+   (tests/test_checkpoint.py::TestRoundTrip::test_target_of_shape_dtype_structs_gives_numpy,
+   tests/test_checkpoint.py::TestRoundTrip::test_target_arrays_give_arrays_on_their_sharding).
+"""
 
 from __future__ import annotations
 
