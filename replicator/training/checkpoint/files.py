@@ -1,4 +1,24 @@
-"""Durable file I/O for checkpoints: fsync, exclusive and atomic writes, sha256, removal."""
+"""Durable file I/O for checkpoints: fsync, exclusive and atomic writes, sha256, removal.
+
+Promises:
+
+1. :func:`write_arrays` makes a new file: an existing one is refused (``FileExistsError``) and left as it was
+   (tests/test_checkpoint_faults.py::test_a_data_file_is_never_written_over).
+2. The arrays file, the shard files and the manifest are fsynced before the step directory is renamed into place
+   (tests/test_checkpoint.py::test_every_data_file_is_fsynced_before_the_step_directory_is_renamed_into_place).
+3. A :func:`write_text` file appears whole or not at all: its name does not exist while the text is written, no
+   temporary is left, and an existing file raises ``FileExistsError`` and keeps its text
+   (tests/test_checkpoint_faults.py::test_a_polled_file_appears_whole_or_not_at_all).
+4. :func:`sha256` is the hex sha256 of the file's bytes, as ``hashlib`` computes it
+   (tests/test_checkpoint.py::TestRoundTrip::test_the_files_are_plain_npz_and_json).
+5. :meth:`DirectoryLock.acquire` never waits: it returns False while another holder, in this process or another,
+   holds the lock (tests/test_checkpoint_faults.py::TestLock::test_a_second_manager_saving_meanwhile_is_refused,
+   tests/test_checkpoint_faults.py::TestLock::test_another_process_holding_the_lock).
+6. :meth:`DirectoryLock.release` removes the lock file: none is left, and the next writer takes the lock
+   (tests/test_checkpoint_faults.py::TestLock::test_a_second_manager_saving_meanwhile_is_refused).
+7. A lock file replaced on every try is not taken, and nothing is left locked
+   (tests/test_checkpoint.py::test_a_lock_file_replaced_on_every_try_is_not_taken).
+"""
 
 from __future__ import annotations
 
