@@ -12,6 +12,46 @@ shards has ``shards``: per shard its ``file``, ``offset``, ``bytes``,
 ``index`` and ``sha256``) and :data:`DIGEST_FIELD`, the sha256 of all the
 rest (:func:`manifest_digest`). How a checkpoint is committed is
 :mod:`~replicator.training.checkpoint.manager`'s.
+
+Promises:
+
+1. A manifest reads back as it was written, every field (and ``path``)
+   (tests/test_checkpoint_faults.py::test_a_manifest_reads_back_as_written_and_any_edit_is_refused_in_every_version_with_a_digest).
+2. :data:`DIGEST_FIELD` is the sha256 of the canonical ASCII JSON of every field but itself and ``path``:
+   re-indenting the JSON is no change, a non-ASCII ``extra`` keeps its digest
+   (tests/test_checkpoint.py::test_the_manifest_digest_is_over_ascii_json_so_non_ascii_extras_keep_their_digest,
+   tests/test_checkpoint_faults.py::TestManifestDigest::test_reformatting_the_json_is_not_a_change).
+3. The digest is checked for every version that has one (2 and 3): an edited field (step, extra, a leaf's shape
+   or dtype, arrays_bytes, the version, a shard record) is a :class:`DamagedCheckpoint` "modified or
+   corrupted", and so is a removed digest
+   (tests/test_checkpoint_faults.py::test_a_manifest_reads_back_as_written_and_any_edit_is_refused_in_every_version_with_a_digest,
+   tests/test_checkpoint_faults.py::TestManifestDigest::test_an_edited_manifest_is_refused,
+   tests/test_checkpoint.py::test_an_edited_version_2_manifest_is_refused,
+   tests/test_checkpoint_faults.py::TestManifestDigest::test_a_removed_digest_is_refused,
+   tests/test_checkpoint_sharded.py::test_an_edited_shard_record_breaks_the_manifest_digest).
+4. Version 1 manifests (no digest) are still read; any other version (4, 3.0, "3", True) is a CheckpointError
+   naming the versions read (tests/test_checkpoint_faults.py::TestManifestDigest::test_version_1_checkpoints_still_restore,
+   tests/test_checkpoint_faults.py::TestManifestDigest::test_unknown_version).
+5. Every field is type-checked (``step`` a non-negative int, not a bool; ``extra`` an object; ``arrays_file`` a
+   bare file name; a sha256 64 lowercase hex digits; a leaf's path, shape, dtype and stored_as), a wrong one a
+   :class:`DamagedCheckpoint` naming it (tests/test_checkpoint_faults.py::TestStrictManifest::test_field_types,
+   tests/test_checkpoint_faults.py::TestStrictManifest::test_leaf_types).
+6. The manifest's step is its directory's (tests/test_checkpoint_faults.py::TestStrictManifest::test_step_must_match_the_directory).
+7. A stray file named like a checkpoint, a directory without a manifest, and a manifest that is not JSON, not an
+   object, of another format or unreadable are each a :class:`DamagedCheckpoint`
+   (tests/test_checkpoint_faults.py::TestStrictManifest::test_a_stray_file_named_like_a_checkpoint,
+   tests/test_checkpoint.py::TestRestoreChecks::test_foreign_or_damaged_manifest,
+   tests/test_checkpoint.py::TestRestoreChecks::test_missing_files,
+   tests/test_checkpoint_faults.py::TestStrictManifest::test_an_unreadable_manifest).
+8. Each shard record is an object of a bare file name, non-negative offset and bytes, an index of ``[start,
+   stop]`` within the shape per axis, and a sha256, its bytes its index's size
+   (tests/test_checkpoint_sharded.py::test_shard_records_are_checked,
+   tests/test_checkpoint.py::test_a_shard_index_that_is_not_start_stop_pairs_is_refused).
+9. The records a manifest is accepted with tile their leaf, every element in exactly one record (a repeated,
+   moved, grown or missing record is refused), and every grid of records, as a sharding makes, is accepted
+   (tests/test_checkpoint_sharded.py::test_shard_records_accepted_by_the_manifest_check_cover_every_element_exactly_once).
+10. Shards in a version 1 or 2 manifest are refused
+    (tests/test_checkpoint_sharded.py::test_shards_in_a_version_2_manifest_are_refused).
 """
 
 from __future__ import annotations
