@@ -1,4 +1,22 @@
-"""A checkpoint save running in a background thread: started once, waited for with a bound."""
+"""A checkpoint save running in a background thread: started once, waited for with a bound.
+
+Promises:
+
+1. The work runs in a new thread named ``replicator-checkpoint-<step>``, not a daemon, so an interpreter that
+   exits without waiting still lets it finish
+   (tests/test_checkpoint.py::test_join_returns_what_the_work_raised_even_a_base_exception).
+2. :meth:`BackgroundSave.join` returns what the work raised, any ``BaseException``, or None; it never raises it
+   (tests/test_checkpoint.py::test_join_returns_what_the_work_raised_even_a_base_exception,
+   tests/test_checkpoint_async.py::test_a_failed_async_save_raises_at_the_next_save_and_leaves_the_earlier_ones).
+3. :meth:`BackgroundSave.join` waits at most ``timeout_s``, then returns a CheckpointError saying the save is still
+   writing, and leaves the thread running
+   (tests/test_checkpoint.py::test_join_gives_up_on_a_stuck_save_after_its_timeout_not_a_second_later).
+4. Waiting in :meth:`BackgroundSave.join` counts as progress of the waiting thread; the background thread's own
+   writes never count (tests/test_checkpoint.py::test_waiting_for_a_background_save_counts_as_progress_of_the_waiting_thread,
+   tests/test_checkpoint.py::test_a_background_save_never_counts_as_progress_of_the_training_thread).
+5. :func:`lower_thread_priority` raises the niceness of the calling thread only, to at most 19 (Linux)
+   (tests/test_checkpoint_async.py::test_writer_nice_lowers_the_priority_of_the_writer_thread_only).
+"""
 
 from __future__ import annotations
 
