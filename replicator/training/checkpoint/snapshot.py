@@ -11,6 +11,22 @@ The background thread then fetches them (:meth:`Snapshot.shard`,
 :meth:`Snapshot.stored_whole`): nothing is gathered, each array comes from
 the device that holds it. PRNG keys split over processes (small) are gathered
 at capture, as that is a collective.
+
+Promises:
+
+1. An asynchronous save holds the values of the call: a host (numpy) leaf is copied at capture, so changing it
+   in place afterwards does not change the checkpoint
+   (tests/test_checkpoint_async.py::test_an_async_save_keeps_host_leaves_as_they_were_when_it_was_called).
+2. With ``copy_on_device=True`` the state's buffers may be deleted (donated) before the thread copies them; without
+   it a deleted leaf is a CheckpointError naming the leaf and ``copy_on_device=True``
+   (tests/test_checkpoint_async.py::test_a_deleted_state_is_reported_and_copy_on_device_keeps_it).
+3. A process holds the shards it writes, found by the value of its index, not its identity
+   (tests/test_checkpoint.py::test_a_snapshot_holds_this_process_shards_matched_by_value_not_identity).
+4. Only the writer (process 0) holds the leaves stored whole; what it holds becomes exactly the arrays a
+   synchronous save stores (bfloat16 as uint16, a key as its key data), and :meth:`Snapshot.release` drops all
+   (tests/test_checkpoint_async.py::test_only_the_writer_holds_the_leaves_stored_whole_and_they_are_what_a_save_stores).
+5. An asynchronous save writes what a synchronous one writes: the same entries, shards and sha256
+   (tests/test_checkpoint_async.py::test_an_async_save_writes_what_a_save_writes).
 """
 
 from __future__ import annotations
