@@ -15,6 +15,38 @@ it lists their sha256 in a sidecar ``shards-p<p>.json`` that process 0 reads
 each shard's file, offset, byte count, index (``[start, stop]`` per axis) and
 sha256. :class:`LeafReader` assembles any region of a leaf from the records
 that overlap it, checking each record's sha256 as it reads it.
+
+Promises:
+
+1. A leaf split over devices is stored as its distinct shards, each once, never gathered; replicated leaves,
+   host leaves and PRNG keys are stored whole
+   (tests/test_checkpoint_sharded.py::test_each_shard_is_written_once_at_its_size,
+   tests/test_checkpoint_sharded.py::test_a_split_leaf_is_never_gathered,
+   tests/test_checkpoint.py::TestRoundTrip::test_leaves_sharded_over_the_mesh).
+2. Each shard is written by its holder of lowest ``(process_index, id)``, at consecutive offsets of its process's
+   file in the order of the records
+   (tests/test_checkpoint_sharded.py::test_each_shard_is_written_by_its_holder_of_lowest_process_and_id_at_consecutive_offsets).
+3. A record's bytes are its values, little-endian in C order, with the sha256 the manifest records
+   (tests/test_checkpoint_sharded.py::test_each_shard_is_written_once_at_its_size).
+4. Every dtype (bool, int8, float16, bfloat16, complex64, uint32) comes back from shards with its dtype and values
+   (tests/test_checkpoint_sharded.py::test_every_dtype_round_trips_through_shards).
+5. A shard with a strided index is refused (tests/test_checkpoint_sharded.py::test_a_strided_shard_is_refused).
+6. :class:`LeafReader` reads, for a region, only the records that overlap it, each record read and checked once
+   (tests/test_checkpoint_sharded.py::test_a_region_reads_only_the_records_that_overlap_it_each_once,
+   tests/test_checkpoint_sharded.py::test_two_processes_restore_their_parts_and_write_their_own_shards).
+7. A flipped byte, a truncated or a missing shard file is a DamagedCheckpoint naming the file and the leaf
+   (tests/test_checkpoint_sharded.py::test_a_damaged_shard_is_detected_and_skipped_with_fallback).
+8. Process 0 takes another process's shards only as the layout expects them (the same records, offsets and
+   sizes), and a shard file only of their total size
+   (tests/test_checkpoint_sharded.py::test_a_sidecar_whose_offsets_or_sizes_differ_from_the_layout_is_refused,
+   tests/test_checkpoint_sharded.py::test_a_shard_file_shorter_than_its_records_is_refused).
+9. Process 0 waits for a sidecar at most ``wait_s``, then raises a CheckpointError about a shared file system; a
+   failure report ends the wait with that process's error
+   (tests/test_checkpoint_sharded.py::test_process_zero_waits_for_a_missing_sidecar_at_most_its_bound,
+   tests/test_checkpoint_sharded.py::test_a_failure_report_ends_the_wait_for_a_sidecar_with_that_process_error).
+10. A leaf restores onto any layout (another mesh, replica count or ZeRO stage, or the host) bit for bit as saved
+    (tests/test_checkpoint_sharded.py::test_restore_onto_another_layout_trains_on,
+    tests/test_checkpoint_sharded.py::test_restore_onto_the_host).
 """
 
 from __future__ import annotations
