@@ -5,6 +5,67 @@ place, moving aside a checkpoint being replaced, pruning) and reading a
 checkpoint back. What a checkpoint's files hold is
 :mod:`~replicator.training.checkpoint.manifest`'s. See
 ``docs/design/checkpoints.md`` for the format and the guarantees.
+
+Promises:
+
+1. A save is atomic: an exception, a crash or ``kill -9`` at any moment of it leaves the earlier checkpoints as
+   they were and no step directory of its own
+   (tests/test_checkpoint.py::TestAtomicity::test_failure_while_writing_arrays_keeps_the_last_checkpoint,
+   tests/test_checkpoint.py::TestAtomicity::test_failure_before_the_rename,
+   tests/test_checkpoint.py::TestAtomicity::test_sigkill_during_large_saves,
+   tests/test_checkpoint_async.py::test_kill_9_during_an_async_save_loses_nothing).
+2. Every file is fsynced before the rename that commits the step, and the directory after it
+   (tests/test_checkpoint.py::test_every_data_file_is_fsynced_before_the_step_directory_is_renamed_into_place,
+   tests/test_checkpoint.py::test_the_directory_is_fsynced_after_the_rename_that_commits_a_checkpoint).
+3. Without ``overwrite`` a step not newer than every checkpoint is refused and nothing changes; with it the step
+   is replaced and the later ones discarded, and a crash meanwhile keeps the old one
+   (tests/test_checkpoint.py::TestManager::test_same_or_earlier_step_needs_overwrite,
+   tests/test_checkpoint.py::TestAtomicity::test_crash_while_overwriting_keeps_the_old_checkpoint).
+4. After every save exactly the ``keep`` newest checkpoints are left (all with ``keep=None``), an overwrite too
+   (tests/test_checkpoint.py::test_pruning_keeps_exactly_the_keep_newest_checkpoints,
+   tests/test_checkpoint.py::TestManager::test_keeps_the_newest, tests/test_checkpoint.py::TestManager::test_keep_none_keeps_all).
+5. One writer at a time: a second writer meanwhile, in this process or another, gets a CheckpointError and changes
+   nothing; the lock is gone when a save returns or raises
+   (tests/test_checkpoint_faults.py::TestLock::test_a_second_manager_saving_meanwhile_is_refused,
+   tests/test_checkpoint_faults.py::TestLock::test_another_process_holding_the_lock,
+   tests/test_checkpoint.py::TestAtomicity::test_failure_while_writing_arrays_keeps_the_last_checkpoint).
+6. The next save removes what a dead save left (under the lock); temporaries carry their writer's token
+   (tests/test_checkpoint_faults.py::TestLock::test_a_dead_writers_temporary_is_removed_under_the_lock,
+   tests/test_checkpoint_faults.py::TestLock::test_temporaries_carry_the_writers_token).
+7. A negative step, an ``extra`` that is not JSON, a leaf that is not numeric, ``keep`` < 1 and ``writer_nice``
+   outside 0-19 are refused before anything is written
+   (tests/test_checkpoint.py::TestManager::test_bad_arguments,
+   tests/test_checkpoint_async.py::test_writer_nice_lowers_the_priority_of_the_writer_thread_only).
+8. A process other than 0 of a one-process view writes nothing and returns the path
+   (tests/test_checkpoint.py::TestManager::test_only_process_zero_writes).
+9. A restore checks the arrays file's sha256 (truncated, corrupt), each stored array's dtype against the
+   manifest, and never unpickles (tests/test_checkpoint.py::TestRestoreChecks::test_truncated_arrays,
+   tests/test_checkpoint.py::TestRestoreChecks::test_corrupt_byte,
+   tests/test_checkpoint.py::TestRestoreChecks::test_stored_dtype_differs_from_manifest,
+   tests/test_checkpoint.py::TestRestoreChecks::test_never_unpickles).
+10. ``fallback=True`` (without ``step=``) warns for each damaged newer checkpoint and restores the newest intact
+    one; it is off by default, never skips a checkpoint that is intact but does not fit the target, is ignored
+    with ``step=``, and with none intact raises
+    (tests/test_checkpoint_faults.py::TestFallback::test_off_by_default,
+    tests/test_checkpoint_faults.py::TestFallback::test_warns_and_restores_the_newest_intact,
+    tests/test_checkpoint.py::test_fallback_skips_only_damaged_checkpoints_not_one_that_does_not_fit_the_target,
+    tests/test_checkpoint_faults.py::TestFallback::test_an_explicit_step_does_not_fall_back,
+    tests/test_checkpoint_faults.py::TestFallback::test_all_broken).
+11. The restored state has the target's tree structure (dicts, lists, NamedTuples, None) and the saved ``extra``,
+    and training resumed from it is bit-identical (tests/test_checkpoint.py::TestRoundTrip::test_pytrees_dtypes_and_extra,
+    tests/test_checkpoint.py::test_resume_is_bit_identical).
+12. A restore onto leaves spanning processes asks every process to have read the same step and manifest digest,
+    and shares a read error so that the others fail too; onto host targets it is no collective
+    (tests/test_checkpoint.py::test_a_restore_spanning_processes_asks_them_all_to_have_read_the_same_step_and_digest,
+    tests/test_checkpoint.py::test_a_failed_read_on_a_spanning_restore_tells_the_others_and_raises_its_own_error,
+    tests/test_checkpoint.py::test_a_restore_onto_host_targets_in_a_multi_process_job_is_not_a_collective).
+13. :meth:`CheckpointManager.save_async` returns before the files are written, with at most one save in flight;
+    its failure is raised by the next save or wait, the earlier checkpoints unchanged and the lock released
+    (tests/test_checkpoint_async.py::test_the_save_returns_before_the_files_are_written,
+    tests/test_checkpoint_async.py::test_trainer_saves_every_step_of_a_donated_state_one_at_a_time,
+    tests/test_checkpoint_async.py::test_a_failed_async_save_raises_at_the_next_save_and_leaves_the_earlier_ones).
+14. A directory that is a file is a CheckpointError, on save and restore
+    (tests/test_checkpoint_faults.py::TestStrictManifest::test_restoring_from_a_file_path).
 """
 
 from __future__ import annotations
