@@ -30,6 +30,38 @@ with a target of the saved structure it restores it as that structure (a
 Nothing read is executed: orbax reads JSON metadata and arrays through
 tensorstore (zarr, OCDBT); its msgpack reader builds arrays with
 ``np.frombuffer``; no pickle.
+
+Promises:
+
+1. :func:`restore_orbax` matches leaves by tree path; a missing leaf, an unexpected one (without
+   ``partial=True``), another shape or dtype is a CheckpointError naming it, raised before any array is read
+   (tests/test_checkpoint_orbax.py::test_a_mismatch_names_the_leaf_before_reading,
+   tests/test_checkpoint_orbax.py::test_a_mismatch_is_raised_before_any_array_is_read).
+2. Restored leaves are the saved ones bit for bit, on the target's sharding (any layout or ZeRO stage), or numpy
+   (tests/test_checkpoint_orbax.py::test_an_orbax_train_state_restores_into_a_run,
+   tests/test_checkpoint_orbax.py::test_a_checkpoint_manager_step_or_its_item_directory).
+3. A Python number (stored as int64 or float64) takes the target's dtype, an int it cannot hold is refused; a
+   typed PRNG key comes back a typed key of its implementation
+   (tests/test_checkpoint_orbax.py::test_a_python_number_and_a_typed_key,
+   tests/test_checkpoint_orbax.py::test_a_python_int_too_large_for_its_target,
+   tests/test_checkpoint.py::test_export_orbax_writes_a_typed_key_that_orbax_and_restore_orbax_read_back).
+4. ``path`` is a checkpoint, a manager's step, or a manager's directory (its newest step, or ``step=``); one with
+   no such checkpoint, step or item is a CheckpointError
+   (tests/test_checkpoint_orbax.py::test_paths_that_hold_no_such_checkpoint,
+   tests/test_checkpoint_orbax.py::test_a_checkpoint_manager_step_or_its_item_directory).
+5. :func:`export_orbax` writes every leaf whole as a host array (a ZeRO-split one gathered), which plain orbax
+   restores, with a target as the saved structure
+   (tests/test_checkpoint_orbax.py::test_a_run_exports_what_orbax_restores,
+   tests/test_checkpoint_orbax.py::test_export_then_restore_into_another_layout).
+6. bfloat16, float16, int8, bool and 0-d leaves keep their dtype and shape through export and restore
+   (tests/test_checkpoint_orbax.py::test_narrow_dtypes_keep_their_dtype_through_export_and_restore).
+7. :func:`export_orbax` refuses an existing directory (without ``overwrite``), a leaf that is not numeric, and
+   one process of several (tests/test_checkpoint_orbax.py::test_export_refuses_an_existing_directory,
+   tests/test_checkpoint.py::test_export_orbax_refuses_one_process_of_two_and_names_the_fix).
+8. orbax is imported on first use, never by ``import replicator``; without it both functions raise a
+   CheckpointError that says how to install it
+   (tests/test_checkpoint_orbax.py::test_replicator_does_not_import_orbax,
+   tests/test_checkpoint.py::test_restore_and_export_orbax_without_orbax_say_how_to_install_it).
 """
 
 from __future__ import annotations
