@@ -1030,3 +1030,32 @@ def test_restore_and_export_orbax_without_orbax_say_how_to_install_it(tmp_path, 
         export_orbax(tmp_path / "e", {"w": np.zeros(2, np.float32)})
     assert not (tmp_path / "e").exists()
 
+
+# -- the promises themselves ----------------------------------------------------------------
+
+_MODULES = ["agreement", "background", "encoding", "files", "interop", "manager", "manifest", "shards", "snapshot"]
+
+
+@pytest.mark.parametrize("name", _MODULES)
+def test_every_promise_of_a_checkpoint_module_cites_tests_that_exist(name):
+    """Each module's docstring ends with "Promises:", a numbered list whose every item names its tests."""
+    import ast
+    import importlib
+    import re
+
+    module = importlib.import_module(f"replicator.training.checkpoint.{name}")
+    doc = module.__doc__
+    assert "\nPromises:\n" in doc, f"{name} has no Promises: section"
+    items = re.split(r"\n(?=\d+\. )", doc.split("\nPromises:\n", 1)[1].strip())
+    assert [int(item.split(".", 1)[0]) for item in items] == list(range(1, len(items) + 1))
+    root = Path(__file__).resolve().parent
+    for item in items:
+        cited = re.findall(r"(tests/[\w/]+\.py)::([\w:]+)", item)
+        assert cited, f"{name}: promise {item[:60]!r} cites no test"
+        for file, test in cited:
+            tree = ast.parse((root.parent / file).read_text())
+            scope = tree.body
+            for part in test.split("::"):
+                found = [n for n in scope if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part]
+                assert found, f"{name}: {file}::{test} does not exist"
+                scope = found[0].body
