@@ -21,7 +21,10 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -637,3 +640,165 @@ class TestTwoProcesses:
         assert re.search(
             r"\[launcher\] worker \d failed with exit code 1 after .*: ValueError: " + message, proc.stderr
         )
+
+
+# -- the promises of runtime/distributed/{__init__,agreement,outputs,status,startup}.py no other test checks -------
+
+
+def test_the_package_exports_every_name_it_lists_as_its_modules_define_them():
+    from replicator.runtime.distributed import agreement, outputs
+
+    for name in distributed.__all__:
+        assert hasattr(distributed, name), name
+    assert set(startup.__all__) <= set(distributed.__all__)
+    assert distributed.initialize is startup.initialize and distributed.WorkerInfo is startup.WorkerInfo
+    assert distributed.check_same_across_workers is agreement.check_same_across_workers
+    assert distributed.replica_invariant is outputs.replica_invariant
+    assert distributed.ENV_STATUS_DIR == status.ENV_STATUS_DIR == "REPLICATOR_STATUS_DIR"
+
+
+def _worker_1_sends(monkeypatch, values) -> np.ndarray:
+    """The digests worker 1 would send for ``values`` (one faked all-gather)."""
+    from jax.experimental import multihost_utils
+
+    sent = []
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda local: sent.append(local) or np.stack([local] * 2))
+    distributed.check_same_across_workers(values, [f"v{i}" for i in range(len(values))], what="x", fix="")
+    return sent[0]
+
+
+@pytest.mark.parametrize(
+    "mine, theirs",
+    [
+        (np.zeros(2, np.float32), np.zeros(2, np.int32)),  # the same bytes, another dtype
+        (np.zeros((2, 3), np.int8), np.zeros((3, 2), np.int8)),  # the same bytes, another shape
+        (np.zeros((), jnp.bfloat16), np.zeros((), np.float16)),  # 0-d, narrow
+        (np.array([True, False]), np.array([True, True])),
+    ],
+    ids=["dtype", "shape", "0d-narrow", "bool"],
+)
+def test_values_that_differ_in_dtype_or_shape_alone_are_not_the_same(monkeypatch, mine, theirs):
+    from jax.experimental import multihost_utils
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    other = _worker_1_sends(monkeypatch, [np.ones(3), theirs])
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda local: np.stack([local, other]))
+    with pytest.raises(ValueError, match=r"the state differs between workers: v1 on worker\(s\) \[1\]"):
+        distributed.check_same_across_workers([np.ones(3), mine], ["v0", "v1"], what="the state", fix="Fix it.")
+
+
+def test_more_than_five_values_that_differ_are_named_five_then_dots(monkeypatch):
+    from jax.experimental import multihost_utils
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    names = [f"v{i}" for i in range(7)]
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda local: np.stack([local, local ^ 1]))
+    with pytest.raises(ValueError, match=r"x differs between workers: v0, v1, v2, v3, v4 \.\.\. on worker\(s\) \[1\]"):
+        distributed.check_same_across_workers([np.full(1, i) for i in range(7)], names, what="x", fix="")
+
+
+def test_process_0s_values_come_back_numbers_as_python_numbers(monkeypatch):
+    from jax.experimental import multihost_utils
+
+    from replicator.runtime.distributed.agreement import from_process0
+
+    values = {"step": 3, "lr": 0.5, "w": np.zeros(2, np.float32), "s": np.array(2, np.int8)}
+    assert from_process0(values) is values  # one process: no collective, the values themselves
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda tree: jax.tree.map(lambda x: x + 1, tree))
+    got = from_process0(values)
+    assert type(got["step"]) is int and got["step"] == 4 and type(got["lr"]) is float and got["lr"] == 1.5
+    assert isinstance(got["w"], np.ndarray) and got["w"].dtype == np.float32 and got["w"].tolist() == [1, 1]
+    assert isinstance(got["s"], np.ndarray) and got["s"].dtype == np.int8 and got["s"].shape == ()
+
+
+_BITS_DTYPES = [np.bool_, np.int8, np.uint8, np.float16, jnp.bfloat16, np.float32]
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(
+    st.sampled_from(_BITS_DTYPES), st.integers(1, 5), st.integers(0, 3), st.integers(0, 4), st.integers(0, 255)
+)
+def test_replica_invariant_compares_narrow_rows_bit_for_bit_and_keeps_the_dtype(dtype, replicas, width, odd, byte):
+    row = np.arange(width, dtype=np.float32).astype(dtype)
+    rows = np.stack([row] * replicas)
+    got = distributed.replica_invariant({"y": rows})["y"]
+    assert got.dtype == rows.dtype and got.shape == row.shape and got.tobytes() == row.tobytes()
+    if width == 0 or replicas == 1:
+        return
+    r = 1 + odd % (replicas - 1)
+    raw = rows.view(np.uint8)
+    flipped = raw.copy()
+    flipped[r, 0] = 1 - raw[r, 0] if dtype == np.bool_ else byte if byte != raw[r, 0] else byte ^ 1
+    with pytest.raises(ValueError, match=rf"output 'y' is not the same on every replica: replica\(s\) \[{r}\]"):
+        distributed.replica_invariant({"y": flipped.view(rows.dtype)})
+
+
+@pytest.mark.parametrize("dtype", [np.float16, jnp.bfloat16])
+def test_replica_invariant_of_narrow_floats_tells_minus_zero_apart_and_takes_equal_nans(dtype):
+    nans = np.array([[np.nan, 1.0]] * 3).astype(dtype)  # equal bits, though nan != nan
+    assert distributed.replica_invariant({"y": nans})["y"].tobytes() == nans[0].tobytes()
+    zeros = np.array([[0.0], [-0.0], [0.0]]).astype(dtype)  # equal values, other bits
+    with pytest.raises(ValueError, match=r"output 'y' is not the same on every replica: replica\(s\) \[1\]"):
+        distributed.replica_invariant({"y": zeros})
+
+
+def test_replica_invariant_refuses_a_leaf_with_no_rows():
+    with pytest.raises(ValueError, match=r"output 'e' has no leading replica axis \(shape \(0, 3\)\)"):
+        distributed.replica_invariant({"e": np.zeros((0, 3), np.float32)})
+
+
+def test_a_status_file_missing_a_field_or_with_one_of_another_type_is_no_report(tmp_path):
+    d = str(tmp_path)
+    status.write_status(d, 0, kind="exception", message="m", exception_type=None)
+    good = json.loads(Path(status.status_path(d, 0)).read_text())
+    assert status.read_status(d, 0) == good  # a None exception type is a report
+    for field in ("worker_id", "kind", "exception_type", "message", "first_failure", "runtime_error"):
+        missing = {k: v for k, v in good.items() if k != field}
+        for record in ([missing] if field != "exception_type" else []) + [{**good, field: [1]}]:  # it may be absent
+            Path(status.status_path(d, 0)).write_text(json.dumps(record))
+            assert status.read_status(d, 0) is None, (field, record)
+
+
+class _UserError(Exception):
+    def __str__(self):
+        raise RuntimeError("a broken __str__")
+
+
+def test_a_reported_exception_is_named_as_a_traceback_names_it(tmp_path):
+    d = str(tmp_path)
+    status.report_exception(d, 0, ValueError, ValueError("bad"))
+    status.report_exception(d, 1, _UserError, _UserError())
+    error = jax.errors.JaxRuntimeError("INTERNAL: gone")
+    status.report_exception(d, 2, type(error), error)
+    first, second, third = (status.read_status(d, w) for w in range(3))
+    assert (first["exception_type"], first["message"], first["first_failure"]) == ("ValueError", "bad", True)
+    assert second["exception_type"] == f"{__name__}._UserError" and not second["first_failure"]
+    assert second["message"] == "<_UserError with an unprintable message>" and not second["runtime_error"]
+    assert third["runtime_error"] and third["exception_type"].startswith("jax")
+
+
+def test_a_setting_that_is_not_a_number_or_out_of_range_is_a_value_error_naming_it(fresh, monkeypatch):
+    monkeypatch.setenv(distributed.ENV_NUM_WORKERS, "two")
+    with pytest.raises(ValueError, match=r"environment variable REPLICATOR_NUM_WORKERS='two' is not an integer"):
+        distributed.initialize()
+    monkeypatch.delenv(distributed.ENV_NUM_WORKERS)
+    for raw in ("inf", "nan", "-1", "0"):
+        monkeypatch.setenv(distributed.ENV_START_TIMEOUT, raw)
+        with pytest.raises(ValueError, match="init_timeout_s must be a positive number of seconds"):
+            distributed.initialize()
+    monkeypatch.delenv(distributed.ENV_START_TIMEOUT)
+    with pytest.raises(ValueError, match="cores_per_worker must be a positive int, got 0"):
+        distributed.initialize(cores_per_worker=0)
+    with pytest.raises(ValueError, match=r"worker_id must be an int in \[0, 1\)"):
+        distributed.initialize("127.0.0.1:1234", 1, 1)  # a one-worker job has only worker 0
+    with pytest.raises(ValueError, match="num_workers must be a positive int, got 0"):
+        distributed.initialize("127.0.0.1:1234", 0, 0)
+    assert startup._INFO is None  # nothing initialized by a refused call
+
+
+def test_the_restart_count_and_the_first_worker_count_come_from_the_launcher(fresh, monkeypatch):
+    assert distributed.restart_count() == 0 and distributed.initial_num_workers() is None  # not launched
+    monkeypatch.setenv(distributed.ENV_RESTART_COUNT, "2")
+    monkeypatch.setenv(distributed.ENV_INITIAL_NUM_WORKERS, "4")
+    assert distributed.restart_count() == 2 and distributed.initial_num_workers() == 4

@@ -50,6 +50,17 @@ Modules: :mod:`~replicator.runtime.distributed.startup` (settings,
 :mod:`~replicator.runtime.distributed.agreement` (checking that workers hold
 the same values), :mod:`~replicator.runtime.distributed.outputs` (reading
 outputs on the host).
+
+Promises:
+
+1. Every name in ``__all__`` is importable from the package, the same object its module defines (startup's
+   public names, ``check_same_across_workers``, the output readers, ``ENV_STATUS_DIR``)
+   (tests/test_distributed.py::test_the_package_exports_every_name_it_lists_as_its_modules_define_them).
+2. A script written for several workers runs as a plain single process: ``initialize()`` without settings
+   returns a one-worker ``WorkerInfo`` and starts nothing
+   (tests/test_distributed.py::TestInitialize::test_single_process_without_settings).
+3. The same script under ``python -m replicator.launch`` with two workers trains to the numbers of one process
+   holding every device (tests/test_distributed.py::TestTwoProcesses::test_same_result_as_one_process).
 """
 
 from replicator.runtime.distributed import startup

@@ -3,6 +3,23 @@
 Used by the runtime before a compiled step first runs and by checkpoint
 restore: a worker that disagrees would otherwise hang in, or silently corrupt,
 the next collective.
+
+Promises:
+
+1. In a single process ``check_same_across_workers`` compares nothing and runs no collective
+   (tests/test_distributed.py::TestSameAcrossWorkers::test_one_process_compares_nothing).
+2. Values every worker holds alike pass; a worker whose value differs from worker 0's is a ``ValueError``
+   naming the value, the worker and the ``fix``, after one all-gather
+   (tests/test_distributed.py::TestSameAcrossWorkers::test_workers_are_compared_with_worker_0).
+3. Values that differ only in dtype or shape (the same bytes), 0-d values of narrow dtypes, and bool arrays are
+   told apart (tests/test_distributed.py::test_values_that_differ_in_dtype_or_shape_alone_are_not_the_same).
+4. More than five values that differ: the first five are named, then ``...``
+   (tests/test_distributed.py::test_more_than_five_values_that_differ_are_named_five_then_dots).
+5. ``from_process0`` returns the values themselves in a single process; with several, process 0's values,
+   numbers as Python numbers and arrays (0-d ones too) as NumPy arrays of their dtype
+   (tests/test_distributed.py::test_process_0s_values_come_back_numbers_as_python_numbers).
+6. A worker that compiled another program is refused before the first step runs
+   (tests/test_divergence.py::test_a_different_learning_rate_on_one_worker_is_an_error_before_step_one).
 """
 
 from __future__ import annotations

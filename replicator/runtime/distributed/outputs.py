@@ -5,6 +5,30 @@ job each process holds only its own replicas' rows. :func:`local_outputs`
 reads those, :func:`replica_invariant` reads one copy of a value that is equal
 on every replica (and checks that it is), :func:`gather_outputs` brings every
 replica's rows to every worker (a collective).
+
+Promises:
+
+1. ``local_outputs`` is NumPy: in one process every replica's rows
+   (tests/test_distributed.py::TestOutputsInOneProcess::test_local_outputs_replica_invariant_gather), with
+   several this worker's replicas' rows in replica order
+   (tests/test_distributed.py::TestTwoProcesses::test_same_result_as_one_process).
+2. ``gather_outputs`` gives every replica's rows, in one process and on every worker of a job
+   (tests/test_distributed.py::TestOutputsInOneProcess::test_local_outputs_replica_invariant_gather,
+   tests/test_distributed.py::TestTwoProcesses::test_same_result_as_one_process).
+3. ``replica_invariant`` returns one row of a leaf whose rows are identical bit for bit; otherwise a
+   ``ValueError`` names the leaf and the replicas that differ (the first eight, then ``...``), with their ids in
+   the job (tests/test_distributed.py::TestOutputsInOneProcess::test_local_outputs_replica_invariant_gather,
+   tests/test_distributed.py::TestTwoProcesses::test_same_result_as_one_process).
+4. Bit for bit means equal NaNs pass and ``-0.0`` differs from ``0.0``, in narrow floats too; a row of any dtype
+   (bool, int8, float16, bfloat16) comes back with its dtype
+   (tests/test_distributed.py::TestOutputsInOneProcess::test_replica_invariant_compares_bits,
+   tests/test_distributed.py::test_replica_invariant_of_narrow_floats_tells_minus_zero_apart_and_takes_equal_nans,
+   tests/test_distributed.py::test_replica_invariant_compares_narrow_rows_bit_for_bit_and_keeps_the_dtype).
+5. A state leaf replicated on every device comes back whole, not as rows
+   (tests/test_distributed.py::TestOutputsInOneProcess::test_replica_invariant_returns_a_replicated_state_leaf_whole).
+6. A 0-d leaf, or one with no rows, is a ``ValueError``: it has no replica axis to read
+   (tests/test_distributed.py::TestOutputsInOneProcess::test_replica_invariant_compares_bits,
+   tests/test_distributed.py::test_replica_invariant_refuses_a_leaf_with_no_rows).
 """
 
 from __future__ import annotations

@@ -9,6 +9,40 @@ that dies is noticed by the others within the heartbeat timeout (JAX then
 aborts them); an uncaught exception ends its worker at once (exit code 1)
 rather than after JAX's shutdown barrier, and is reported to the launcher
 (see :mod:`replicator.runtime.distributed.status`).
+
+Promises:
+
+1. Without settings ``initialize()`` is a single process: ``WorkerInfo(0, 1, None, None, 'single-process')``,
+   returned again by a later call; a later call with other settings is a ``RuntimeError``
+   (tests/test_distributed.py::TestInitialize::test_single_process_without_settings).
+2. A one-worker job from the launcher needs no distributed runtime
+   (tests/test_distributed.py::TestInitialize::test_one_worker_from_the_launcher_needs_no_runtime).
+3. Incomplete or malformed settings are a ``ValueError`` naming what to set: a missing worker id or
+   coordinator, an address that is not ``HOST:PORT``, a worker id out of range
+   (tests/test_distributed.py::TestInitialize::test_bad_settings_say_what_to_set), a timeout that is not a
+   positive number (tests/test_distributed.py::TestInitialize::test_bad_timeout), a variable that is not an
+   integer, a timeout of ``inf`` or ``nan`` from the environment, ``cores_per_worker=0``, worker 1 of a
+   one-worker job, 0 workers; a refused call initializes nothing
+   (tests/test_distributed.py::test_a_setting_that_is_not_a_number_or_out_of_range_is_a_value_error_naming_it).
+4. Called after JAX started its backend it is a ``RuntimeError`` that says to call it first
+   (tests/test_distributed.py::TestInitialize::test_after_jax_started_says_to_call_it_first).
+5. Under the launcher an uncaught exception is reported (first failure, JAX runtime error) and handed to the
+   previous hook; without it the hook is left alone
+   (tests/test_distributed.py::TestInitialize::test_uncaught_exceptions_are_reported_to_the_launcher,
+   tests/test_distributed.py::TestInitialize::test_no_report_without_the_launcher).
+6. SLURM and Open MPI are detected only with all their variables, and the rank read from them
+   (tests/test_distributed.py::TestInitialize::test_cluster_detection,
+   tests/test_launch.py::TestOtherModes::test_under_slurm_one_worker_reads_the_cluster).
+7. A worker that never starts makes the others exit with ``START_TIMEOUT_EXIT_CODE`` after the start-up
+   timeout (tests/test_distributed.py::TestTwoProcesses::test_a_worker_that_never_starts); a worker that fails
+   or hangs ends the job, the survivors exiting on their own
+   (tests/test_distributed.py::TestTwoProcesses::test_a_failed_worker_stops_the_job,
+   tests/test_distributed.py::TestTwoProcesses::test_a_hung_worker_is_dropped_after_the_heartbeat_timeout,
+   tests/test_distributed.py::TestTwoProcesses::test_survivors_exit_on_their_own).
+8. A script the launcher started as one of several workers that never called ``initialize()`` is told to
+   (tests/test_faults.py::test_a_script_that_forgot_initialize_is_told_to_call_it).
+9. ``restart_count()`` is 0 and ``initial_num_workers()`` None outside the launcher, else its variables
+   (tests/test_distributed.py::test_the_restart_count_and_the_first_worker_count_come_from_the_launcher).
 """
 
 from __future__ import annotations

@@ -17,6 +17,26 @@ failure. The launcher reads these files, with the exit codes, to say which
 worker failed and why. JSON only; nothing is written without the variable.
 This module imports only the standard library (the launcher's tests load it
 without JAX).
+
+Promises:
+
+1. ``write_status`` writes ``worker-<id>.json`` atomically, leaving no temporary file, and ``read_status`` reads
+   it back (tests/test_launch.py::TestStatusFiles::test_write_and_read).
+2. ``write_status`` never raises: where it cannot write (a directory gone) it returns None
+   (tests/test_launch.py::TestStatusFiles::test_unreadable_files_are_no_report).
+3. ``claim_first_failure`` is true for the first caller of a directory only
+   (tests/test_launch.py::TestStatusFiles::test_write_and_read), so only the first reported exception is
+   marked ``first_failure`` (tests/test_distributed.py::test_a_reported_exception_is_named_as_a_traceback_names_it).
+4. ``read_status`` is None for no file, a file that is not JSON, and a record missing a field or holding one of
+   another type (``exception_type`` may be None or absent)
+   (tests/test_launch.py::TestStatusFiles::test_unreadable_files_are_no_report,
+   tests/test_distributed.py::test_a_status_file_missing_a_field_or_with_one_of_another_type_is_no_report).
+5. ``report_exception`` names the type as a traceback does (builtins bare, others with their module), puts a
+   placeholder for a message whose ``__str__`` fails, and marks JAX runtime errors ``runtime_error``
+   (tests/test_distributed.py::test_a_reported_exception_is_named_as_a_traceback_names_it,
+   tests/test_distributed.py::TestInitialize::test_uncaught_exceptions_are_reported_to_the_launcher).
+6. A worker that fails before ``initialize()`` is reported too, by the bootstrap
+   (tests/test_watchdog.py::TestBootstrap::test_an_exception_before_initialize_is_reported_to_the_launcher).
 """
 
 from __future__ import annotations
