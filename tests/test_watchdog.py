@@ -14,6 +14,8 @@ import sys
 import textwrap
 import time
 
+import hypothesis
+import hypothesis.strategies as st
 import pytest
 
 from replicator import launch
@@ -303,3 +305,39 @@ class TestPortCheck:
 
     def test_an_address_of_another_machine_is_not_checked(self):
         launch.check_port_free("192.0.2.1:29500")  # TEST-NET-1: never this machine's
+
+
+# -- the promises of runtime/distributed/{progress,bootstrap}.py no other test checks ----------------------------
+
+
+def test_a_phase_block_goes_back_to_where_the_worker_was_even_when_it_raises(monkeypatch):
+    state = progress._State()
+    monkeypatch.setattr(progress, "_STATE", state)
+    monkeypatch.setattr(progress, "_PATH", None)
+    progress.begin_step()
+    progress.end_step()  # between steps: own-code of step 1
+    with pytest.raises(OSError):
+        with progress.phase("checkpoint-write", "step 1"):
+            assert (state.phase, state.step, state.detail) == ("checkpoint-write", 1, "step 1")
+            raise OSError("disk full")
+    assert (state.phase, state.step, state.detail) == ("own-code", 1, "")
+
+
+def test_reporting_is_off_without_a_file(monkeypatch):
+    monkeypatch.delenv(progress.ENV_PROGRESS_FILE, raising=False)
+    monkeypatch.setattr(progress, "_WRITER", None)
+    monkeypatch.setattr(progress, "_PATH", None)
+    assert progress.start_reporting() is False and progress.start_reporting("") is False
+    assert progress._WRITER is None and progress._PATH is None
+
+
+def test_bootstrap_without_a_script_is_a_usage_error(capsys):
+    assert bootstrap.run([]) == 2 and bootstrap.run(["-m"]) == 2
+    assert capsys.readouterr().err.count("usage: bootstrap.py (script.py | -m module)") == 2
+
+
+@hypothesis.settings(max_examples=100, deadline=None)
+@hypothesis.given(st.one_of(st.none(), st.integers(-1000, 1000), st.text(max_size=5), st.booleans()))
+def test_an_exit_code_is_what_python_would_exit_with(code):
+    want = 0 if code is None else (code & 0xFF if isinstance(code, int) else 1)  # bool is an int, as in Python
+    assert bootstrap._exit_code(SystemExit(code)) == want

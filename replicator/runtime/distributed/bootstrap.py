@@ -26,6 +26,27 @@ included) is imported before the script: only the standard library and
 ``progress.py`` (and ``status.py`` to report an exception raised before
 ``initialize()``), registered under their package names so that the
 library, once the script imports it, updates the same record.
+
+Promises:
+
+1. The script runs as ``python script.py`` would: ``__main__``, its ``sys.argv`` and ``sys.path[0]``, nothing
+   imported first (tests/test_watchdog.py::TestBootstrap::test_runs_the_script_as_main_with_its_argv_and_path);
+   ``-m module`` too (tests/test_watchdog.py::TestBootstrap::test_a_module_runs_with_dash_m).
+2. The worker's exit code is the script's, and is in its progress record: ``sys.exit(n)``, ``raise SystemExit``
+   (0), a message (1), an exception (1)
+   (tests/test_watchdog.py::TestBootstrap::test_the_exit_code_is_the_scripts_and_is_recorded), computed as
+   Python does (``n & 0xFF``, None is 0, a bool is an int)
+   (tests/test_watchdog.py::test_an_exit_code_is_what_python_would_exit_with).
+3. Without a script it prints its usage and returns 2
+   (tests/test_watchdog.py::test_bootstrap_without_a_script_is_a_usage_error).
+4. An exception raised before ``initialize()`` is written to the launcher's status directory
+   (tests/test_watchdog.py::TestBootstrap::test_an_exception_before_initialize_is_reported_to_the_launcher).
+5. ``SIGUSR1`` prints every thread's stack (tests/test_watchdog.py::TestBootstrap::test_sigusr1_prints_the_stacks).
+6. The worker dies with its launcher, ``kill -9`` included
+   (tests/test_watchdog.py::TestBootstrap::test_the_worker_dies_with_its_launcher,
+   tests/test_faults.py::test_workers_die_when_the_launcher_is_killed).
+7. A worker of a multi-process job that ends with a non-zero code exits at once with it
+   (tests/test_faults.py::test_sys_exit_gives_the_workers_own_code_at_once).
 """
 
 from __future__ import annotations

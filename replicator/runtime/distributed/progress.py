@@ -29,6 +29,25 @@ phase (wall-clock seconds). Phases, in the order a worker passes them:
 :func:`position` orders records along that path, so the worker furthest
 behind is the one the others wait for. This module imports only the
 standard library: the worker bootstrap loads it before JAX.
+
+Promises:
+
+1. ``position`` orders records along the path every worker takes; an exit stands where the worker stopped,
+   before everything if it never joined
+   (tests/test_watchdog.py::TestPosition::test_the_path_every_worker_takes_is_ordered,
+   tests/test_watchdog.py::TestPosition::test_an_exit_stands_where_the_worker_stopped).
+2. ``begin_step``, ``end_step``, ``phase`` and ``touch`` move the record as documented, the first step's end and
+   the exit written at once (tests/test_watchdog.py::TestProgressRecord::test_steps_phases_and_the_file).
+3. A ``phase`` block goes back to the phase, step and detail the worker was in, even when the block raises
+   (tests/test_watchdog.py::test_a_phase_block_goes_back_to_where_the_worker_was_even_when_it_raises).
+4. An older snapshot never replaces the exit record
+   (tests/test_watchdog.py::TestProgressRecord::test_a_slow_periodic_write_never_replaces_the_exit_record).
+5. ``read_progress`` is None for a missing, unreadable or partial record
+   (tests/test_watchdog.py::TestProgressRecord::test_unreadable_records_are_none).
+6. Without a file (no argument, no ``REPLICATOR_PROGRESS_FILE``) reporting is off: no thread, nothing written
+   (tests/test_watchdog.py::test_reporting_is_off_without_a_file).
+7. Loading it imports no JAX
+   (tests/test_watchdog.py::TestBootstrap::test_runs_the_script_as_main_with_its_argv_and_path).
 """
 
 from __future__ import annotations
