@@ -245,3 +245,36 @@ def test_a_step_may_close_over_an_earlier_runs_output_on_the_mesh(repl: rp.Repli
     assert w.sharding.mesh == repl.mesh and len(w.sharding.device_set) == n
     out = repl.run(lambda b: {"y": b["x"][0] * w}, batch)
     np.testing.assert_array_equal(np.asarray(out["y"]), np.ones((n, 3)))
+
+
+# -- the promises of every runtime module ---------------------------------------------------------------------
+
+_RUNTIME_MODULES = [
+    *("consistency", "execution", "gc_pause", "inputs", "memory", "mesh", "state", "steady"),
+    *(f"distributed.{m}" for m in ("agreement", "bootstrap", "outputs", "progress", "startup", "status")),
+    "distributed",
+]
+
+
+@pytest.mark.parametrize("name", _RUNTIME_MODULES)
+def test_every_promise_of_a_runtime_module_cites_tests_that_exist(name: str) -> None:
+    """Each module's docstring ends with "Promises:", a numbered list whose every item names its tests."""
+    import ast
+    import importlib
+    import re
+    from pathlib import Path
+
+    doc = importlib.import_module(f"replicator.runtime.{name}").__doc__
+    assert "\nPromises:\n" in doc, f"{name} has no Promises: section"
+    items = re.split(r"\n(?=\d+\. )", doc.split("\nPromises:\n", 1)[1].strip())
+    assert [int(item.split(".", 1)[0]) for item in items] == list(range(1, len(items) + 1))
+    root = Path(__file__).resolve().parent.parent
+    for item in items:
+        cited = re.findall(r"(tests/[\w/]+\.py)::([\w:]+)", item)
+        assert cited, f"{name}: promise {item[:60]!r} cites no test"
+        for file, test in cited:
+            scope = ast.parse((root / file).read_text()).body
+            for part in test.split("::"):
+                found = [n for n in scope if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part]
+                assert found, f"{name}: {file}::{test} does not exist"
+                scope = found[0].body

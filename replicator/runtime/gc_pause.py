@@ -22,7 +22,8 @@ Promises:
 1. Inside ``gc_paused()`` the cyclic collector is off, and a step is traced inside it (once: a later call
    reuses the compiled step)
    (tests/test_gc_pause.py::test_paused_while_the_step_is_traced_and_back_after).
-2. After the block the collector is on again (same test).
+2. After the block the collector is on again
+   (tests/test_gc_pause.py::test_paused_while_the_step_is_traced_and_back_after).
 3. It is on again after a block that raised, e.g. a step that fails to trace
    (tests/test_gc_pause.py::test_back_on_after_a_step_that_fails_to_trace).
 4. A collector the user disabled stays disabled, during and after the block
