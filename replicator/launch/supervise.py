@@ -10,6 +10,41 @@ and the job stopped); it also bounds how long workers may outlive one that
 finished, the whole job (``--max-time``), and stops on an interrupt.
 :func:`launch` starts the workers and, with ``max_restarts``, starts them
 again after a failure (see :mod:`~replicator.launch.restarts`).
+
+Promises:
+
+1. The first failure stops every other worker; the job's outcome is the
+   blamed worker's exit code, restartable, naming it
+   (tests/test_supervise_promises.py::test_the_first_failure_is_blamed_restartable_and_every_other_worker_stopped,
+   tests/test_launch.py::TestLocalJobs::test_first_failure_stops_the_others_and_gives_its_exit_code);
+   a worker killed by a signal gives ``128 + signal``
+   (tests/test_launch.py::TestLocalJobs::test_killed_worker_gives_128_plus_signal).
+2. Stopping escalates ``SIGTERM`` to ``SIGKILL`` after ``--kill-grace``, so a
+   job that fails ends within about the grace
+   (tests/test_launch.py::TestLocalJobs::test_sigterm_is_escalated_to_sigkill).
+3. ``--max-time`` ends the job with 124, not restartable
+   (tests/test_supervise_promises.py::test_max_time_ends_the_job_with_124_not_restartable,
+   tests/test_launch.py::TestLocalJobs::test_max_time_bounds_the_job), also under a second
+   (tests/test_launch.py::test_a_max_time_under_a_second_is_accepted).
+4. Workers still running ``finish_timeout_s`` after one finished are stopped
+   (tests/test_launch.py::TestLocalJobs::test_workers_stuck_after_another_finished_are_stopped).
+5. An interrupt (``SIGINT``, ``SIGTERM`` to the launcher) ends the job with
+   ``128 + signal``, not restartable
+   (tests/test_supervise_promises.py::test_an_interrupt_ends_the_job_with_128_plus_the_signal_not_restartable,
+   tests/test_launch.py::test_sigterm_to_the_launcher_stops_the_job).
+6. Another reason to stop (``stop_when``: the rendezvous) ends the start with
+   its outcome, the workers stopped
+   (tests/test_supervise_promises.py::test_another_reason_to_stop_stops_the_workers_with_its_outcome).
+7. A stalled job is named with the workers' stacks and stopped with code 76
+   (tests/test_faults.py::test_a_worker_stuck_in_its_own_python_code_is_named_with_its_stack);
+   a worker that leaves early too, at once
+   (tests/test_faults.py::test_a_worker_that_leaves_the_loop_early_with_code_0_is_named_at_once).
+8. Nothing the workers started outlives the job, when it succeeds too
+   (tests/test_launch.py::test_a_job_that_succeeds_leaves_no_child_behind); the status
+   directory is private to the job and removed
+   (tests/test_launch.py::TestLocalJobs::test_the_status_directory_is_private_to_the_job_and_removed);
+   an error in the launcher stops the workers before it propagates
+   (tests/test_launch.py::test_an_error_in_the_launcher_stops_the_workers_before_it_propagates).
 """
 
 from __future__ import annotations
