@@ -111,14 +111,23 @@ def _elementwise(eqn: JaxprEqn, ins: Sequence[Placement], size: int) -> Decision
     return Decision(wants, tuple(target for _ in eqn.outvars))
 
 
-def _all_partial_or(rule: Rule) -> Rule:
-    """Linear in every operand together (``add``): partial sums stay partial."""
+def _all_partial_or(rule: Rule, *, absorb: bool = False) -> Rule:
+    """Linear in every operand together (``add``): partial sums stay partial.
+
+    A partial sum meeting a replicated term is summed there (as DTensor does) in the forward's
+    ``add``: kept partial, the all-reduce would move later, onto values the backward reads again.
+    ``add_any`` (``absorb``), JAX's accumulation of one value's cotangents, takes a replicated term in
+    for free instead (one device keeps it, the others add zero): the cotangents of a value read in
+    several places (a layer norm's input, read by the query, key and value projections) are added
+    one by one, and summing at each addition would cost an all-reduce per reader instead of one.
+    """
 
     def linear(eqn: JaxprEqn, ins: Sequence[Placement], size: int) -> Decision:
         if all(isinstance(p, Partial) for p in ins):
             return Decision(tuple(ins), tuple(PARTIAL for _ in eqn.outvars))
-        # A partial sum meeting a replicated term is summed there (as DTensor does): keeping the sum
-        # partial would move the all-reduce later, onto values the backward reads again.
+        mixed = any(isinstance(p, Partial) for p in ins) and all(isinstance(p, Partial | Replicated) for p in ins)
+        if absorb and mixed:
+            return Decision(tuple(PARTIAL for _ in ins), tuple(PARTIAL for _ in eqn.outvars))
         return rule(eqn, [_whole(p) for p in ins], size)
 
     return linear
@@ -149,8 +158,9 @@ gt ge shift_left shift_right_logical shift_right_arithmetic population_count red
 stop_gradient""".split()
 for _name in ELEMENTWISE:
     RULES[_name] = _nonlinear
-for _name in ("add", "sub", "add_any"):
+for _name in ("add", "sub"):
     RULES[_name] = _all_partial_or(_elementwise)
+RULES["add_any"] = _all_partial_or(_elementwise, absorb=True)
 for _name in ("mul", "div"):
     RULES[_name] = _first_partial_or(_elementwise)
 
