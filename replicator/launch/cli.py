@@ -19,6 +19,42 @@ may stand for a dash in any option (``--max_restarts``), and an unknown
 option is answered with the closest known ones. A script that does not exist
 or cannot be read, or a module that cannot be found, is refused before any
 worker starts too.
+
+Promises:
+
+1. The launcher's options end at the script, ``--`` or ``-m MODULE``; what
+   follows is the worker's command line as given, even what looks like a
+   launcher option
+   (tests/test_cli_promises.py::test_whatever_follows_the_script_or_dash_dash_is_the_workers_verbatim,
+   tests/test_launch.py::TestCommandLine::test_options_end_at_the_script).
+2. torchrun's spellings that mean ours are aliases, underscores read as dashes
+   (tests/test_launch_cli.py::TestTorchrunSpellings::test_aliases_of_ours,
+   tests/test_launch_cli.py::TestTorchrunSpellings::test_underscores_and_module); the others,
+   and an unknown option, are refused (exit 2) saying what to pass or the
+   closest known option
+   (tests/test_launch_cli.py::TestTorchrunSpellings::test_refused_with_what_to_pass).
+3. A script that does not exist or cannot be read, or a module that cannot be
+   found, is refused before any worker starts
+   (tests/test_launch_cli.py::TestRefusedBeforeAnyWorkerStarts::test_a_script_or_module_that_cannot_run,
+   tests/test_launch_cli.py::TestRefusedBeforeAnyWorkerStarts::test_an_unreadable_script); no
+   script at all is a usage error
+   (tests/test_launch.py::TestCommandLine::test_no_script).
+4. A bad setting is a usage error (exit 2) naming it, found by the parser or
+   by the job (tests/test_cli_promises.py::test_a_bad_setting_found_by_the_job_is_a_usage_error,
+   tests/test_launch_cli.py::test_rdzv_rejoin_timeout_must_be_below_the_join_timeout,
+   tests/test_launch_cli.py::test_rdzv_last_call_0_is_allowed_and_a_negative_one_refused).
+5. ``--nnodes`` with ``--rdzv-endpoint`` runs the rendezvous mode, single
+   launcher modes unchanged
+   (tests/test_launch_cli.py::TestAcrossHosts::test_rendezvous_mode,
+   tests/test_launch_cli.py::TestAcrossHosts::test_single_launcher_modes_are_unchanged); an
+   endpoint other machines reach needs a secret, and a bad secret file is
+   refused (tests/test_launch_cli.py::TestAcrossHosts::test_a_non_loopback_endpoint_needs_a_secret_and_a_bad_secret_file_is_refused).
+6. ``SIGINT`` and ``SIGTERM`` to the launcher stop the job, which exits
+   with ``128 + signal``; the previous handlers are back once :func:`main`
+   returns (tests/test_cli_promises.py::test_a_signal_to_the_launcher_becomes_stopping_the_job_and_the_handlers_are_restored,
+   tests/test_launch.py::test_sigterm_to_the_launcher_stops_the_job).
+7. ``--help`` lists the exit codes and every option's default
+   (tests/test_launch_cli.py::test_help_lists_the_exit_codes_and_every_default).
 """
 
 from __future__ import annotations
