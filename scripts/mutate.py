@@ -110,6 +110,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "replicator/stages/stack_update.py",
         "replicator/stages/schedule.py",
     ),
+    "tensor/": ("replicator/tensor/",),
 }
 
 # Least score per group (killed and timed out, of the sampled mutants that are not equivalent).
@@ -148,6 +149,11 @@ TESTS: dict[str, tuple[str, ...]] = {
         "tests/passes/test_invariance.py",
         "tests/passes/test_soundness.py",
         "tests/test_bad_input.py",
+    ),
+    "replicator/tensor/": (
+        "tests/tensor/test_rules.py",
+        "tests/tensor/test_parallelize.py",
+        "tests/tensor/test_plan.py",
     ),
     "replicator/analysis/records.py": (
         "tests/passes/test_records.py",
