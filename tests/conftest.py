@@ -104,6 +104,7 @@ ONE_LEG_MODULES = {
     "test_restarts.py",
     "test_watchdog.py",
     "test_blame_promises.py",
+    "test_launch_promises.py",
     "test_cli_promises.py",
     "test_supervise_promises.py",
     "test_hosts_promises.py",

@@ -21,6 +21,14 @@ launcher's own output with a ``[worker I] `` prefix, except:
 stdout is never held: what a script prints there, training logs included,
 shows at once.
 
+>>> strip_chatter("[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3") is None
+True
+>>> strip_chatter("step 3 loss 0.25")
+'step 3 loss 0.25'
+>>> summarize(["Traceback (most recent call last):", '  File "train.py", line 3, in <module>',
+...            "jax.errors.JaxRuntimeError: UNKNOWN: Gloo all-reduce failed", "replicator: worker 0 stopped"])
+'jax.errors.JaxRuntimeError: UNKNOWN: Gloo all-reduce failed'
+
 Promises:
 
 1. Every line goes to the worker's log file as printed, chatter included;
@@ -50,14 +58,6 @@ Promises:
    restart ``R`` (tests/test_relay_promises.py::test_log_files_are_named_by_worker_and_start).
 8. A log file that cannot be written (a full disk) does not stop the lines
    shown (tests/test_relay_promises.py::test_a_log_file_that_cannot_be_written_does_not_stop_the_output).
-
->>> strip_chatter("[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3") is None
-True
->>> strip_chatter("step 3 loss 0.25")
-'step 3 loss 0.25'
->>> summarize(["Traceback (most recent call last):", '  File "train.py", line 3, in <module>',
-...            "jax.errors.JaxRuntimeError: UNKNOWN: Gloo all-reduce failed", "replicator: worker 0 stopped"])
-'jax.errors.JaxRuntimeError: UNKNOWN: Gloo all-reduce failed'
 """
 
 from __future__ import annotations

@@ -29,6 +29,16 @@ Every restart is logged with its cause, and its recovery with how long it took
 (:class:`Recovery`): from the failure's detection to the end of the first step
 that every restarted worker ran, read from their progress records, in stages.
 
+>>> r = Recovery(number=1, cause="worker 1 was killed by SIGKILL", detected=100.0)
+>>> r.stopped = 101.0
+>>> r.observe([{"joined": True, "phase": "compiling", "steps_started": 1}], now=104.0)
+False
+>>> r.observe([{"joined": True, "phase": "own-code", "steps_started": 1}], now=106.5)
+True
+>>> print(r.line())
+restart 1 recovered in 6.5 s (failure detected -> first step done on every worker): stopping 1.0 s, \
+starting and joining 3.0 s, restoring, compiling and running the first step 2.5 s
+
 Promises:
 
 1. Restarts are counted exactly: a job is started at most ``N + 1`` times,
@@ -63,16 +73,6 @@ Promises:
    (tests/test_restarts.py::TestRecovery::test_recovery_waits_for_every_worker,
    tests/test_restarts_promises.py::test_a_recovery_is_timed_once_and_in_order,
    tests/test_restarts.py::TestRecovery::test_first_step_done).
-
->>> r = Recovery(number=1, cause="worker 1 was killed by SIGKILL", detected=100.0)
->>> r.stopped = 101.0
->>> r.observe([{"joined": True, "phase": "compiling", "steps_started": 1}], now=104.0)
-False
->>> r.observe([{"joined": True, "phase": "own-code", "steps_started": 1}], now=106.5)
-True
->>> print(r.line())
-restart 1 recovered in 6.5 s (failure detected -> first step done on every worker): stopping 1.0 s, \
-starting and joining 3.0 s, restoring, compiling and running the first step 2.5 s
 """
 
 from __future__ import annotations

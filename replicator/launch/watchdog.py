@@ -21,6 +21,16 @@ longer finish:
 It only reads the records (files the workers write); the launcher calls it
 every :data:`DIAGNOSE_INTERVAL_S` seconds.
 
+>>> import time
+>>> now = time.time()
+>>> records = {
+...     0: {"phase": "step", "step": 31, "steps_started": 32, "since": now - 25, "detail": ""},
+...     1: {"phase": "own-code", "step": 31, "steps_started": 31, "since": now - 26, "detail": ""},
+... }
+>>> verdict = diagnose(records, now, step_timeout_s=20)
+>>> verdict.kind, verdict.blame
+('stalled', [1])
+
 Promises:
 
 1. A stall is judged exactly when the newest record is the timeout old,
@@ -54,16 +64,6 @@ Promises:
    tests/test_watchdog.py::TestDiagnose::test_no_verdict_without_every_record_or_with_the_watchdog_off).
 7. A duration in a verdict is never negative (a record from a clock ahead)
    (tests/test_watchdog_promises.py::test_where_a_worker_is_never_reads_a_negative_time).
-
->>> import time
->>> now = time.time()
->>> records = {
-...     0: {"phase": "step", "step": 31, "steps_started": 32, "since": now - 25, "detail": ""},
-...     1: {"phase": "own-code", "step": 31, "steps_started": 31, "since": now - 26, "detail": ""},
-... }
->>> verdict = diagnose(records, now, step_timeout_s=20)
->>> verdict.kind, verdict.blame
-('stalled', [1])
 """
 
 from __future__ import annotations
