@@ -155,7 +155,8 @@ ELEMENTWISE = """abs acos acosh asin asinh atan atan2 atanh cbrt ceil clamp cos 
 erfc exp exp2 expm1 floor igamma igammac imag integer_pow is_finite lgamma log log1p logistic max min
 nextafter not and or xor pow real rem round rsqrt select_n sign sin sinh sqrt square tan tanh eq ne lt le
 gt ge shift_left shift_right_logical shift_right_arithmetic population_count reduce_precision
-stop_gradient""".split()
+stop_gradient clz complex eq_to le_to lt_to mulhi log2 one_minus_square bessel_i0e bessel_i1e polygamma
+zeta igamma_grad_a random_gamma_grad regularized_incomplete_beta""".split()
 for _name in ELEMENTWISE:
     RULES[_name] = _nonlinear
 for _name in ("add", "sub"):
