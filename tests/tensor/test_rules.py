@@ -110,3 +110,62 @@ def test_a_reshape_of_a_split_value_computes_one_devices_numbers(shape, split, n
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     assert "all-gather" not in [e.kind for e in tp.collectives(p, jnp.float32(2))]
+
+
+# Each: a function of a (4, 8) value split on dimension 1, and the placement of its result.
+ZOO = {
+    "concatenate other dim": (lambda w: jnp.concatenate([w, w * 2], axis=0), Shard(1)),
+    "concatenate split dim": (lambda w: jnp.concatenate([w, w], axis=1), R),
+    "pad other dim": (lambda w: jnp.pad(w, ((1, 2), (0, 0))), Shard(1)),
+    "pad split dim": (lambda w: jnp.pad(w, ((0, 0), (1, 0))), R),
+    "dynamic_slice other dim": (lambda w: lax.dynamic_slice_in_dim(w, 1, 2, 0), Shard(1)),
+    "dynamic_slice split dim": (lambda w: lax.dynamic_slice_in_dim(w, 2, 4, 1), R),
+    "dynamic_update_slice": (lambda w: lax.dynamic_update_slice_in_dim(w, w[:1] * 3, 2, 0), Shard(1)),
+    "dynamic_update_slice split dim": (lambda w: lax.dynamic_update_slice_in_dim(w, w[:, :2], 2, 1), R),
+    "argmax other dim": (lambda w: jnp.argmax(w, axis=0), Shard(0)),
+    "argmax split dim": (lambda w: jnp.argmax(w, axis=1), R),
+    "cumsum other dim": (lambda w: jnp.cumsum(w, axis=0), Shard(1)),
+    "cumsum split dim": (lambda w: jnp.cumsum(w, axis=1), R),
+    "cumprod other dim": (lambda w: jnp.cumprod(w, axis=0), Shard(1)),
+    "rev": (lambda w: w[::-1], Shard(1)),
+    "squeeze": (lambda w: w[None][0], Shard(1)),
+    "squeeze before the split dim": (lambda w: w.reshape(1, 4, 8).squeeze(0) + 1, Shard(1)),
+    "select_n": (lambda w: jnp.where(w > 0.5, w, -w), Shard(1)),
+    "clamp": (lambda w: jnp.clip(w, 0.2, 0.7), Shard(1)),
+    "broadcast size-1 operand": (lambda w: w - w.mean(1, keepdims=True), Shard(1)),
+    "min over split dim": (lambda w: w.min(1), R),
+    "max over other dim": (lambda w: w.max(0), Shard(0)),
+    "integer_pow": (lambda w: w**3, Shard(1)),
+    "convert to int": (lambda w: (w * 10).astype(jnp.int32), Shard(1)),
+    "sum then broadcast": (lambda w: w.sum(1, keepdims=True) * jnp.ones((4, 8)), P),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_primitive_zoo_placements_and_numbers(name):
+    fn, want = ZOO[name]
+    assert _analyze(fn, [(4, 8)], [Shard(1)]) == [want]
+
+    def step(p, x):
+        out = fn(p["w"] * x)
+        return p, jnp.asarray(out, jnp.float32)
+
+    p = {"w": jnp.sin(jnp.arange(32, dtype=jnp.float32).reshape(4, 8))}
+    tp = TensorParallel(step, {"w": 1}, size=2, allow_gather=True)
+    got = tp(tp.shard(p, jnp.float32(1.5)), jnp.float32(1.5))
+    np.testing.assert_allclose(got[1], jax.jit(step)(p, jnp.float32(1.5))[1], rtol=1e-6, atol=1e-6)
+    # What comes out whole was gathered once, at the end, or summed: nothing more.
+    gathers = [e for e in tp.collectives(p, jnp.float32(1.5)) if e.kind == "all-gather"]
+    assert len(gathers) <= 1
+    assert (len(gathers) == 1) == (isinstance(want, Shard) or name in ZOO_GATHERED_INSIDE)
+
+
+# Results that are whole because their input was gathered whole first (the split dimension is used).
+ZOO_GATHERED_INSIDE = {
+    "concatenate split dim",
+    "pad split dim",
+    "dynamic_slice split dim",
+    "dynamic_update_slice split dim",
+    "argmax split dim",
+    "cumsum split dim",
+}
