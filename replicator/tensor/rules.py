@@ -203,20 +203,14 @@ def _dot_general(eqn: JaxprEqn, ins: Sequence[Placement], size: int) -> Decision
     if isinstance(lp, Partial) and isinstance(rp, Replicated) or isinstance(rp, Partial) and isinstance(lp, Replicated):
         return Decision((lp, rp), (PARTIAL,))
     lp, rp = _whole(lp), _whole(rp)
-    if isinstance(lp, Shard) and isinstance(rp, Shard) and not _paired(lp.dim, rp.dim, lc, rc, lb, rb):
-        rp = REPLICATED  # sharded on unrelated dimensions: one of them whole (a gather)
+    # The left operand's split decides what the right one must be (split on the paired dimension, or
+    # whole: a gather if it is split on another).
     if isinstance(lp, Shard):
         return _dot_from(lp.dim, lc, rc, lb, rb, lfree, len(lb), lambda p: (lp, p), rp)
     if isinstance(rp, Shard):
         offset = len(lb) + len(lfree)
         return _dot_from(rp.dim, rc, lc, rb, lb, rfree, offset, lambda p: (p, rp), lp)
     return Decision((REPLICATED, REPLICATED), (REPLICATED,))
-
-
-def _paired(ld: int, rd: int, lc: Sequence[int], rc: Sequence[int], lb: Sequence[int], rb: Sequence[int]) -> bool:
-    return any(ld == a and rd == b for a, b in zip(lc, rc, strict=True)) or any(
-        ld == a and rd == b for a, b in zip(lb, rb, strict=True)
-    )
 
 
 def _dot_from(

@@ -226,3 +226,29 @@ def test_a_softmax_over_a_split_dimension_is_a_max_and_a_sum_over_the_tensor_axi
     _close(tp(tp.shard(p, batch), batch), jax.jit(step)(p, batch))
     kinds = {e.kind for e in tp.collectives(p, batch)}
     assert "all-reduce-max" in kinds and "all-gather" not in kinds
+
+
+def test_a_partial_sum_carried_into_a_split_carry_is_reduce_scattered():
+    """A scan whose carry enters split (column) and comes out of each layer a partial sum (row)."""
+
+    def step(p, x):
+        def layer(c, _):
+            return jnp.tanh(c) @ p["w2"], None
+
+        c, _ = lax.scan(layer, x @ p["w1"], None, length=3)
+        return p, jnp.sum(jnp.tanh(c))
+
+    ks = jax.random.split(jax.random.PRNGKey(6), 3)
+    p = {"w1": jax.random.normal(ks[0], (4, 8)), "w2": jax.random.normal(ks[1], (8, 8)) / 3}
+    x = jax.random.normal(ks[2], (2, 4))
+    for size in DEGREES:
+        tp = TensorParallel(step, {"w1": "column", "w2": "row"}, size=size)
+        _close(tp(tp.shard(p, x), x), jax.jit(step)(p, x))
+        assert "reduce-scatter" in [e.kind for e in tp.collectives(p, x)]
+
+
+def test_shard_without_a_batch_places_the_plans_leaves_and_replicates_the_rest():
+    tp = TensorParallel(lambda p, x: (p, x), {"w": "column"}, size=2)
+    placed = tp.shard({"w": jnp.ones((4, 8)), "b": jnp.ones(8)})
+    assert {s.data.shape for s in placed["w"].addressable_shards} == {(4, 4)}
+    assert {s.data.shape for s in placed["b"].addressable_shards} == {(8,)}

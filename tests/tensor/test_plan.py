@@ -61,3 +61,12 @@ def test_an_unknown_style_is_refused_when_the_plan_is_made():
         TensorPlan({"embed": "colum"})
     with pytest.raises(TensorPlacementError, match="style True"):
         TensorPlan({"embed": True})
+
+
+def test_the_list_of_paths_in_the_error_is_cut_after_12_with_dots():
+    twelve = {f"w{i:02d}": np.zeros(2) for i in range(12)}
+    with pytest.raises(TensorPlacementError) as info:
+        TensorPlan({"nope": 0}).placements(twelve, size=2)
+    assert "w11." in str(info.value) and "..." not in str(info.value)
+    with pytest.raises(TensorPlacementError, match=r"w11, \.\.\."):
+        TensorPlan({"nope": 0}).placements({**twelve, "w12": np.zeros(2)}, size=2)

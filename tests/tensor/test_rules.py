@@ -67,11 +67,27 @@ def test_shape_primitives_move_the_split_dimension():
     assert _analyze(lambda x: x.T, [(4, 8)], [Shard(1)]) == [Shard(0)]
     assert _analyze(lambda x: x.reshape(2, 3, 4, 2), [(2, 3, 8)], [Shard(2)]) == [Shard(2)]
     assert _analyze(lambda x: x.reshape(2, 24), [(2, 3, 8)], [Shard(1)]) == [Shard(1)]
+    assert _analyze(lambda x: x.reshape(2, 1, 8), [(2, 8)], [Shard(1)]) == [Shard(2)]  # not the new 1
     assert _analyze(lambda x: x.reshape(2, 24), [(2, 4, 6)], [Shard(2)]) == [R]  # not the leading factor
     assert _analyze(lambda x: x.reshape(2, 2, 2), [(8,)], [Shard(0)], size=4) == [R]  # 2 blocks of 4 devices
     assert _analyze(lambda x: jnp.broadcast_to(x, (3, 8)), [(8,)], [Shard(0)]) == [Shard(1)]
     assert _analyze(lambda x: x[:, :4], [(4, 8)], [Shard(1)]) == [R]
     assert _analyze(lambda x: x[:2], [(4, 8)], [Shard(1)]) == [Shard(1)]
+
+
+def test_an_update_of_a_partial_sum_by_a_whole_value_is_summed_first():
+    def fn(x, u):
+        return lax.dynamic_update_slice_in_dim(x, u, 1, 0)
+
+    assert _analyze(fn, [(4, 8), (1, 8)], [P, R]) == [R]
+    assert _analyze(fn, [(4, 8), (1, 8)], [P, P]) == [P]
+    assert _analyze(fn, [(4, 8), (4, 4)], [R, Shard(1)]) == [R]  # the update spans part of the dimension
+    assert _analyze(fn, [(4, 8), (1, 8)], [R, Shard(1)]) == [Shard(1)]
+
+
+def test_the_left_operands_split_decides_and_the_right_one_follows():
+    assert _analyze(jnp.matmul, [(4, 8), (8, 6)], [Shard(1), Shard(1)]) == [P]  # right re-split on 0
+    assert _analyze(jnp.matmul, [(4, 8), (8, 6)], [Shard(0), Shard(0)]) == [Shard(0)]  # right whole
 
 
 def test_a_primitive_without_a_rule_gets_the_worst_case():
