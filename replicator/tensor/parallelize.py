@@ -48,7 +48,14 @@ from replicator.tensor.placement import (
 )
 from replicator.tensor.plan import TensorPlan, leaf_paths
 
-__all__ = ["TensorParallel", "infer_state_placements"]
+__all__ = ["TensorParallel", "infer_state_placements", "sent_bytes"]
+
+
+def sent_bytes(c: Collective, size: int) -> float:
+    """Bytes one device sends for ``c`` by the ring algorithm: an all-reduce 2(T-1)/T of the value,
+    a reduce-scatter or an all-gather (T-1)/T of the whole value (Megatron's count)."""
+    share = (size - 1) / size
+    return (2 * share if c.kind.startswith("all-reduce") else share) * c.nbytes
 
 
 def _spec(p: Placement, ndim: int, axis: str) -> PartitionSpec:
@@ -178,6 +185,37 @@ class TensorParallel:
         """The step lowered for these shapes (``jax.stages.Lowered``: ``.as_text()``, ``.compile()``)."""
         fn = self._build(state, batch)[0]
         return fn.lower(*jax.tree_util.tree_leaves((state, batch)))
+
+    def explain(self, state: Any, batch: Any) -> str:
+        """What the plan does to this step: each leaf's placement, every collective over the tensor
+        axis with its source line, reason and bytes a device sends, and XLA's memory per device.
+
+        >>> import jax.numpy as jnp
+        >>> tp = TensorParallel(lambda p, x: (p, jnp.sum(x @ p["w"])), {"w": "column"}, size=2)
+        >>> print(tp.explain({"w": jnp.ones((4, 8))}, jnp.ones((2, 4))))  # doctest: +ELLIPSIS
+        tensor parallelism over 'tensor' (T = 2)
+        leaves split: w S(1)
+        collectives (per step, in program order; bytes a device sends, ring algorithm):
+          all-reduce    float32[]  4 B  the step's outputs  returning it in its placement
+        memory per device (XLA): arguments ...
+        """
+        placements = self.placements(state, batch)
+        split = [f"{path} {p!r}" for path, p in placements.items() if isinstance(p, Shard)]
+        lines = [
+            f"tensor parallelism over '{self.axis}' (T = {self.size})",
+            "leaves split: " + ", ".join(split or ["none"]),
+        ]
+        lines.append("collectives (per step, in program order; bytes a device sends, ring algorithm):")
+        for c in self.collectives(state, batch):
+            shape = ",".join(map(str, c.shape))
+            lines.append(f"  {c.kind:<13} {c.dtype}[{shape}]  {sent_bytes(c, self.size):.0f} B  {c.line}  {c.reason}")
+        memory = self.lower(state, batch).compile().memory_analysis()
+        if memory is not None:
+            lines.append(
+                f"memory per device (XLA): arguments {memory.argument_size_in_bytes} B, outputs "
+                f"{memory.output_size_in_bytes} B, temporaries {memory.temp_size_in_bytes} B"
+            )
+        return "\n".join(lines)
 
     def collectives(self, state: Any, batch: Any) -> list[Collective]:
         """Every collective over the tensor axis the rewrite inserts (traced once, in program order)."""

@@ -17,6 +17,7 @@ import pytest
 from jax import lax
 
 from replicator.tensor import REPLICATED, Shard, TensorParallel, TensorPlacementError, TensorPlan
+from replicator.tensor.parallelize import sent_bytes
 
 DEGREES = [2, 4]
 
@@ -113,6 +114,11 @@ def test_megatrons_all_reduces_fall_out_of_the_rules():
     events = tp.collectives(params, batch)
     activations = [e for e in events if e.shape == (8, 16)]
     assert [e.kind for e in activations] == ["all-reduce"] * 3, events
+    # Megatron's count: 2(T-1)/T of b x h elements per all-reduce, 4 bytes each.
+    assert sum(sent_bytes(e, 2) for e in activations) == 3 * (2 * 1 / 2) * 8 * 16 * 4
+    report = tp.explain(params, batch)
+    assert report.count("all-reduce") == len(events) and "0/fc1/kernel S(1)" in report
+    assert "test_parallelize.py" in report and "temporaries" in report
     assert not [e for e in events if e.kind == "all-gather"]
     assert all(e.kind == "all-reduce" for e in events)
     _close(tp(tp.shard(params, batch), batch), jax.jit(step)(params, batch))
