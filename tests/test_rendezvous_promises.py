@@ -44,4 +44,4 @@ def test_a_message_over_the_limit_is_refused_before_it_is_sent_and_the_connectio
             c.set("big", "x" * rendezvous.MAX_MESSAGE_BYTES)
         c.set("small", "fine")  # the same connection: nothing was sent
         assert c.get("small") == "fine" and c.get("big") is None
-    assert not server.dropped
+        assert not server.dropped  # while the client is connected (its closing may be recorded)

@@ -31,6 +31,19 @@ time.sleep(600)
 _FAILS = "import sys; sys.exit(4)"
 
 
+_STARTED: list[processes.Worker] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_worker_outlives_its_test():
+    """Whatever a test (failing, or run against a broken module) leaves running is killed at its end."""
+    yield
+    while _STARTED:
+        w = _STARTED.pop()
+        if w.ended is None:
+            processes.signal_group(w, signal.SIGKILL)
+
+
 def _start(tmp_path: Path, codes: list[str]) -> tuple[list[processes.Worker], processes.Output]:
     output = processes.Output(io.StringIO(), io.StringIO())
     workers = []
@@ -38,6 +51,7 @@ def _start(tmp_path: Path, codes: list[str]) -> tuple[list[processes.Worker], pr
         ready = tmp_path / f"ready.{i}"
         command = [sys.executable, "-c", code, str(ready)]
         workers.append(processes.start(i, command, {}, output, str(tmp_path), str(tmp_path / f"progress.{i}")))
+        _STARTED.append(workers[-1])
     deadline = time.monotonic() + 120
     for i, code in enumerate(codes):
         while code == _SLEEPS and not (tmp_path / f"ready.{i}").exists():
