@@ -258,3 +258,14 @@ def test_shard_without_a_batch_places_the_plans_leaves_and_replicates_the_rest()
     placed = tp.shard({"w": jnp.ones((4, 8)), "b": jnp.ones(8)})
     assert {s.data.shape for s in placed["w"].addressable_shards} == {(4, 4)}
     assert {s.data.shape for s in placed["b"].addressable_shards} == {(8,)}
+
+
+def test_on_one_device_nothing_is_inserted():
+    opt = optax.adamw(1e-2)
+    params = _mlp_params(jax.random.PRNGKey(0), blocks=1)
+    state = (params, opt.init(params))
+    batch = (jnp.ones((8, 16)), jnp.zeros((8, 16)))
+    step = _train_step(_mlp_loss, opt)
+    tp = TensorParallel(step, MLP_PLAN, size=1)
+    _close(tp(state, batch), jax.jit(step)(state, batch))
+    assert tp.collectives(state, batch) == []
