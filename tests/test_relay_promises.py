@@ -111,11 +111,6 @@ def test_a_log_file_that_cannot_be_written_does_not_stop_the_output():
     assert shown == [(False, "[worker 2] step 1\n"), (False, "[worker 2] step 2\n")] and log.lines == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=OSError,
-    reason="found while listing relay's promises: WorkerLog.close() lets the file's last flush raise on a full disk",
-)
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a file every write to fails)")
 def test_closing_a_log_file_that_cannot_be_written_is_no_error():
     log, _ = _log("/dev/full")

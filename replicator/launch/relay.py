@@ -57,7 +57,8 @@ Promises:
 7. A worker's log is ``worker-I.log``, and ``worker-I.restart-R.log`` after
    restart ``R`` (tests/test_relay_promises.py::test_log_files_are_named_by_worker_and_start).
 8. A log file that cannot be written (a full disk) does not stop the lines
-   shown (tests/test_relay_promises.py::test_a_log_file_that_cannot_be_written_does_not_stop_the_output).
+   shown, nor the log's closing (tests/test_relay_promises.py::test_a_log_file_that_cannot_be_written_does_not_stop_the_output,
+   tests/test_relay_promises.py::test_closing_a_log_file_that_cannot_be_written_is_no_error).
 """
 
 from __future__ import annotations
@@ -223,7 +224,10 @@ class WorkerLog:
                 else:
                     self._release()
             if self._file is not None:
-                self._file.close()
+                try:
+                    self._file.close()  # its last flush: may fail on a full disk, like any write to it
+                except OSError:
+                    pass
                 self._file = None
 
     def _release(self) -> None:
