@@ -14,7 +14,7 @@ rm -f .cache/flake-stop
 yes > /dev/null & busy1=$!
 yes > /dev/null & busy2=$!
 trap 'kill $busy1 $busy2' EXIT
-light=(tests/test_rendezvous.py tests/test_membership.py tests/test_launch*.py tests/test_watchdog.py)
+light=(tests/test_rendezvous.py tests/test_membership.py tests/test_launch*.py tests/test_*_promises.py tests/test_watchdog.py)
 heavy=(tests/test_hosts.py tests/test_restarts.py tests/test_faults.py tests/test_distributed.py)
 for i in $(seq 1 "$rounds"); do
   for kind in light heavy; do
