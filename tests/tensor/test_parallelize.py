@@ -269,3 +269,25 @@ def test_on_one_device_nothing_is_inserted():
     tp = TensorParallel(step, MLP_PLAN, size=1)
     _close(tp(state, batch), jax.jit(step)(state, batch))
     assert tp.collectives(state, batch) == []
+
+
+def test_bfloat16_parameters_keep_their_dtype_and_match_one_device_within_bfloat16s_precision():
+    def step(p, batch):
+        x, y = batch
+        loss, g = jax.value_and_grad(lambda p: _mlp_loss(p, x, y))(p)
+        return jax.tree.map(lambda a, b: (a - 0.1 * b).astype(a.dtype), p, g), loss
+
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), _mlp_params(jax.random.PRNGKey(7), blocks=1))
+    batch = (jnp.ones((8, 16), jnp.bfloat16), jnp.zeros((8, 16), jnp.bfloat16))
+    tp = TensorParallel(step, {"*/fc1/kernel": "column", "*/fc2/kernel": "row"}, size=2)
+    got, want = tp(tp.shard(params, batch), batch), jax.jit(step)(params, batch)
+    assert {a.dtype for a in jax.tree.leaves(got[0])} == {jnp.dtype(jnp.bfloat16)}
+    _close(got, want, tol=2e-2)  # a partial sum of bfloat16 rounds each summand: 2^-7 relative
+
+
+def test_the_step_and_the_machine_are_checked_with_clear_errors():
+    with pytest.raises(TensorPlacementError, match="needs 64 devices; there are"):
+        TensorParallel(lambda p, x: (p, x), {}, size=64)
+    tp = TensorParallel(lambda p, x: ({"other": p["w"]}, x), {"w": 0}, size=2)
+    with pytest.raises(TensorPlacementError, match="new_state of the state's structure"):
+        tp({"w": jnp.ones(4)}, jnp.ones(2))
