@@ -802,3 +802,19 @@ def test_the_restart_count_and_the_first_worker_count_come_from_the_launcher(fre
     monkeypatch.setenv(distributed.ENV_RESTART_COUNT, "2")
     monkeypatch.setenv(distributed.ENV_INITIAL_NUM_WORKERS, "4")
     assert distributed.restart_count() == 2 and distributed.initial_num_workers() == 4
+
+
+@pytest.mark.parametrize(
+    ("field", "other"),
+    [("num_workers", 4), ("worker_id", 1), ("cores_per_worker", 2), ("coordinator_address", "10.0.0.1:1234")],
+)
+def test_initialize_again_with_any_setting_changed_is_refused_naming_it(field, other):
+    info = startup.WorkerInfo(0, 2, 4, "127.0.0.1:5555", "arguments")
+    same = {"num_workers": 2, "worker_id": 0, "cores_per_worker": 4, "coordinator_address": "127.0.0.1:5555"}
+    startup._check_same(
+        info, **{k: same[k] for k in ("coordinator_address", "num_workers", "worker_id", "cores_per_worker")}
+    )
+    startup._check_same(info, None, None, None, None)  # nothing asked: nothing to compare
+    changed = {**same, field: other}
+    with pytest.raises(RuntimeError, match=f"already ran in this process with {field}="):
+        startup._check_same(info, **changed)
