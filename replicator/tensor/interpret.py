@@ -43,6 +43,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 
@@ -164,6 +165,8 @@ class _Walker:
     def bind(self, eqn: JaxprEqn, ins: list, ins_pl: list[Placement], decision: Decision) -> list:
         local = self.convert_all(eqn, ins, ins_pl, decision.wants)
         params = _local_params(eqn, decision, self.ctx.size)
+        if decision.then == "masked-gather":
+            return [_masked_gather(self.ctx, eqn, local, decision.wants[0], params)]
         out = eqn.primitive.bind(*local, **params)
         outs = list(out) if eqn.primitive.multiple_results else [out]
         if decision.then is not None:
@@ -281,6 +284,26 @@ def _stack(p: Placement) -> Placement:
     return Shard(p.dim + 1) if isinstance(p, Shard) else p
 
 
+def _masked_gather(ctx: TensorContext, eqn: JaxprEqn, local: list, split: Shard, params: dict) -> Any:
+    """This device's rows of a lookup in a table split on the looked-up dimension; zeros elsewhere.
+
+    The looked-up indices are moved to this device's block; those outside it look up row 0 and
+    are zeroed, so the lookups summed over the tensor axis are the whole lookup (Megatron's
+    vocabulary-parallel embedding).
+    """
+    table, indices = local
+    dn = params["dimension_numbers"]
+    rows = table.shape[split.dim]
+    k = list(dn.start_index_map).index(split.dim)
+    mine = indices[..., k] - lax.axis_index(ctx.axis).astype(indices.dtype) * rows
+    inside = (mine >= 0) & (mine < rows)
+    moved = indices.at[..., k].set(jnp.where(inside, mine, 0))
+    out = eqn.primitive.bind(table, moved, **params)
+    batch_dims = [i for i in range(out.ndim) if i not in dn.offset_dims]
+    mask = lax.broadcast_in_dim(inside, out.shape, batch_dims)
+    return jnp.where(mask, out, jnp.zeros((), out.dtype))
+
+
 def _local_params(eqn: JaxprEqn, decision: Decision, size: int) -> dict:
     """The equation's params with the shapes they name made local."""
     params = dict(eqn.params)
@@ -297,6 +320,8 @@ def _local_params(eqn: JaxprEqn, decision: Decision, size: int) -> dict:
         limit = list(params["limit_indices"])
         limit[out.dim] //= size
         params["limit_indices"] = tuple(limit)
+    elif name == "gather" and isinstance(decision.wants[0], Shard) and decision.then is None:
+        params["slice_sizes"] = local_shape(tuple(params["slice_sizes"]), decision.wants[0], size)
     elif name == "dynamic_slice" and isinstance(decision.wants[0], Shard):
         params["slice_sizes"] = local_shape(tuple(params["slice_sizes"]), decision.wants[0], size)
     return params

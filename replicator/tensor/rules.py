@@ -391,6 +391,41 @@ def _pad(eqn: JaxprEqn, ins: Sequence[Placement], size: int) -> Decision:
     return Decision((p, REPLICATED), (p,))
 
 
+def _gather(eqn: JaxprEqn, ins: Sequence[Placement], size: int) -> Decision:
+    """A lookup in a table split on the looked-up dimension (a vocabulary-split embedding) is a masked
+    local lookup, a partial sum; a table split on a dimension each lookup takes whole keeps the split."""
+    table = _whole(ins[0])
+    dn = eqn.params["dimension_numbers"]
+    sizes = eqn.params["slice_sizes"]
+    if isinstance(table, Shard) and table.dim not in dn.operand_batching_dims:
+        d = table.dim
+        if d in dn.collapsed_slice_dims and d in dn.start_index_map and sizes[d] == 1:
+            return Decision((table, REPLICATED), (PARTIAL,), then="masked-gather")
+        if d not in dn.start_index_map and sizes[d] == _shape(eqn.invars[0])[d]:
+            dropped = set(dn.collapsed_slice_dims) | set(dn.operand_batching_dims)
+            kept = [i for i in range(_ndim(eqn.invars[0])) if i not in dropped]
+            return Decision((table, REPLICATED), (Shard(dn.offset_dims[kept.index(d)]),))
+    return unknown_rule(eqn, ins, size)
+
+
+def _scatter_add(eqn: JaxprEqn, ins: Sequence[Placement], size: int) -> Decision:
+    """The transpose of a lookup that keeps a table's split: updates split on a window dimension that
+    spans the table's dimension are added into the table split there, locally."""
+    operand, indices, updates = eqn.invars
+    up = ins[2]
+    dn = eqn.params["dimension_numbers"]
+    if isinstance(up, Shard) and up.dim in dn.update_window_dims:
+        dropped = set(dn.inserted_window_dims) | set(dn.operand_batching_dims)
+        windows = [i for i in range(_ndim(operand)) if i not in dropped]
+        d = windows[list(dn.update_window_dims).index(up.dim)]
+        spans = _shape(updates)[up.dim] == _shape(operand)[d] and d not in dn.scatter_dims_to_operand_dims
+        if spans and not isinstance(ins[0], Partial):
+            return Decision((Shard(d), REPLICATED, up), (Shard(d),))
+    return unknown_rule(eqn, ins, size)
+
+
+RULES["gather"] = _gather
+RULES["scatter-add"] = _scatter_add
 RULES["slice"] = _slice
 RULES["dynamic_slice"] = _dynamic_slice
 RULES["dynamic_update_slice"] = _dynamic_update_slice
