@@ -55,6 +55,7 @@ from replicator.tensor.placement import (
     Replicated,
     Shard,
     TensorContext,
+    TensorPlacementError,
     convert,
     local_shape,
 )
@@ -100,15 +101,27 @@ class _Walker:
         # (id(value), wanted placement) -> (value, converted): a value one consumer summed or
         # gathered is not summed again for the next. The value is held so that its id stays its own.
         self._converted: dict[tuple[int, Placement], tuple[Any, Any]] = {}
+        # What the values of the equation being run come from (state leaves' paths, "the batch"): named
+        # in a refused gather. A sub-graph's inputs come from everything its equation reads.
+        self.sources: frozenset[str] = frozenset()
 
     # -- the walk ------------------------------------------------------------------
 
     def walk(
-        self, jaxpr: Jaxpr, consts: Sequence[Any] | None, args: Sequence[Any] | None, in_pl: Sequence[Placement]
+        self,
+        jaxpr: Jaxpr,
+        consts: Sequence[Any] | None,
+        args: Sequence[Any] | None,
+        in_pl: Sequence[Placement],
+        in_sources: Sequence[frozenset[str]] | None = None,
     ) -> tuple[list[Any] | None, list[Placement]]:
         values = args is not None
         env_pl: dict[Any, Placement] = {}
         env: dict[Any, Any] = {}
+        outer = self.sources
+        env_src: dict[Any, frozenset[str]] = dict(
+            zip(jaxpr.invars, in_sources or [outer] * len(jaxpr.invars), strict=True)
+        )
         for v in jaxpr.constvars:
             env_pl[v] = REPLICATED
         if values:
@@ -125,10 +138,15 @@ class _Walker:
         for eqn in jaxpr.eqns:
             ins_pl = [read_pl(a) for a in eqn.invars]
             ins = [read(a) for a in eqn.invars] if values else None
+            self.sources = frozenset().union(
+                *(env_src.get(a, frozenset()) for a in eqn.invars if not isinstance(a, Literal))
+            )
             outs, outs_pl = self.eqn(eqn, ins, ins_pl)
+            env_src.update((v, self.sources) for v in eqn.outvars)
             env_pl.update(zip(eqn.outvars, outs_pl, strict=True))
             if values:
                 env.update(zip(eqn.outvars, outs, strict=True))
+        self.sources = outer
         out_pl = [read_pl(a) for a in jaxpr.outvars]
         return ([read(a) for a in jaxpr.outvars] if values else None), out_pl
 
@@ -158,7 +176,14 @@ class _Walker:
                 continue
             key = (id(x), w)
             if key not in self._converted:
-                self._converted[key] = (x, convert(self.ctx, x, h, w, line, reason))
+                try:
+                    self._converted[key] = (x, convert(self.ctx, x, h, w, line, reason))
+                except TensorPlacementError as e:
+                    if not self.sources:
+                        raise
+                    named = sorted(self.sources)
+                    shown = ", ".join(named[:8]) + (", ..." if len(named) > 8 else "")
+                    raise TensorPlacementError(f"{e}\nIts operands are computed from: {shown}.") from None
             out.append(self._converted[key][1])
         return out
 
@@ -333,9 +358,17 @@ def analyze(jaxpr: Jaxpr, in_placements: Sequence[Placement], *, size: int, axis
 
 
 def run(
-    ctx: TensorContext, closed: ClosedJaxpr, args: Sequence[Any], in_placements: Sequence[Placement]
+    ctx: TensorContext,
+    closed: ClosedJaxpr,
+    args: Sequence[Any],
+    in_placements: Sequence[Placement],
+    in_names: Sequence[str] | None = None,
 ) -> tuple[list[Any], list[Placement]]:
-    """Evaluate ``closed`` on this device's parts ``args`` (under ``shard_map`` over ``ctx.axis``)."""
-    outs, pl = _Walker(ctx).walk(closed.jaxpr, closed.consts, list(args), in_placements)
+    """Evaluate ``closed`` on this device's parts ``args`` (under ``shard_map`` over ``ctx.axis``).
+
+    ``in_names`` name the inputs (state paths) in a refused gather's message.
+    """
+    sources = [frozenset([n]) for n in in_names] if in_names is not None else None
+    outs, pl = _Walker(ctx).walk(closed.jaxpr, closed.consts, list(args), in_placements, sources)
     assert outs is not None
     return outs, pl

@@ -135,9 +135,11 @@ class TensorParallel:
         n_out = len(closed.jaxpr.outvars)
         out_pl = pl + [REPLICATED] * (n_out - n_state)
 
+        names = leaf_paths(state) + ["the batch"] * n_batch
+
         def local_step(*args: Any) -> list:
             ctx.events.clear()
-            outs, got = run(ctx, closed, args, pl + [REPLICATED] * n_batch)
+            outs, got = run(ctx, closed, args, pl + [REPLICATED] * n_batch, names)
             return [
                 convert(ctx, o, g, w, "the step's outputs", "returning it in its placement")
                 for o, g, w in zip(outs, got, out_pl, strict=True)

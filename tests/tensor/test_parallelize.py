@@ -346,5 +346,6 @@ def test_a_plan_whose_splits_disagree_is_refused_at_trace_time_naming_the_line()
         return p, _tied_lm_loss(p, *batch)
 
     tp = TensorParallel(step, {"embed": 1, "fc1": "column"}, size=2)
-    with pytest.raises(TensorPlacementError, match=r"test_parallelize.py:\d+ \(_tied_lm_loss\): 'dot_general'"):
+    with pytest.raises(TensorPlacementError, match=r"test_parallelize.py:\d+ \(_tied_lm_loss\): 'dot_general'") as e:
         tp(params, (ids, ids))
+    assert "Its operands are computed from: embed, fc1, pos, the batch." in str(e.value)
