@@ -165,7 +165,14 @@ class _Walker:
             return None, list(decision.outs)
         return self.bind(eqn, ins, ins_pl, decision), list(decision.outs)
 
-    def convert_all(self, eqn: JaxprEqn, xs: Sequence[Any], have: Sequence[Placement], want: Sequence[Placement]):
+    def convert_all(
+        self,
+        eqn: JaxprEqn,
+        xs: Sequence[Any],
+        have: Sequence[Placement],
+        want: Sequence[Placement],
+        note: str | None = None,
+    ):
         line = _line(eqn)
         reason = f"'{eqn.primitive.name}'"
         out = []
@@ -179,16 +186,17 @@ class _Walker:
                 try:
                     self._converted[key] = (x, convert(self.ctx, x, h, w, line, reason))
                 except TensorPlacementError as e:
-                    if not self.sources:
-                        raise
-                    named = sorted(self.sources)
-                    shown = ", ".join(named[:8]) + (", ..." if len(named) > 8 else "")
-                    raise TensorPlacementError(f"{e}\nIts operands are computed from: {shown}.") from None
+                    text = f"{e}" + (f"\n{note}" if note else "")
+                    if self.sources:
+                        named = sorted(self.sources)
+                        shown = ", ".join(named[:8]) + (", ..." if len(named) > 8 else "")
+                        text += f"\nIts operands are computed from: {shown}."
+                    raise TensorPlacementError(text) from None
             out.append(self._converted[key][1])
         return out
 
     def bind(self, eqn: JaxprEqn, ins: list, ins_pl: list[Placement], decision: Decision) -> list:
-        local = self.convert_all(eqn, ins, ins_pl, decision.wants)
+        local = self.convert_all(eqn, ins, ins_pl, decision.wants, decision.note)
         params = _local_params(eqn, decision, self.ctx.size)
         if decision.then == "masked-gather":
             return [_masked_gather(self.ctx, eqn, local, decision.wants[0], params)]

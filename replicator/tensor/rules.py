@@ -54,6 +54,8 @@ class Decision:
     outs: tuple[Placement, ...]
     # Reduce over the tensor axis after the local primitive: "max" or "min" (reduce_max/min).
     then: str | None = None
+    # Why an input must be whole, said with a refused gather (e.g. heads the degree does not divide).
+    note: str | None = None
 
 
 Rule = Callable[[JaxprEqn, Sequence[Placement], int], Decision]
@@ -269,9 +271,15 @@ def _reshape(eqn: JaxprEqn, ins: Sequence[Placement], size: int) -> Decision:
     p = ins[0]
     extra = tuple(REPLICATED for _ in eqn.invars[1:])
     if isinstance(p, Shard):
-        o = _reshape_target(_shape(eqn.invars[0]), eqn.params["new_sizes"], p.dim, size)
+        src, dst = _shape(eqn.invars[0]), tuple(eqn.params["new_sizes"])
+        o = _reshape_target(src, dst, p.dim, size)
         if o is None:
-            return Decision((REPLICATED,) + extra, (REPLICATED,))
+            note = (
+                f"The reshape {src} -> {dst} turns the split dimension (size {src[p.dim]}) into dimensions whose "
+                f"first the tensor degree {size} does not divide (e.g. a head count): choose a degree that "
+                f"divides it, or split another dimension."
+            )
+            return Decision((REPLICATED,) + extra, (REPLICATED,), note=note)
         return Decision((p,) + extra, (Shard(o),))
     return Decision((p,) + extra, (p,))
 

@@ -349,3 +349,16 @@ def test_a_plan_whose_splits_disagree_is_refused_at_trace_time_naming_the_line()
     with pytest.raises(TensorPlacementError, match=r"test_parallelize.py:\d+ \(_tied_lm_loss\): 'dot_general'") as e:
         tp(params, (ids, ids))
     assert "Its operands are computed from: embed, fc1, pos, the batch." in str(e.value)
+
+
+def test_heads_the_degree_does_not_divide_are_refused_saying_so():
+    h = 12  # 6 heads of 2: a column split over 4 devices splits the hidden dimension, not whole heads
+
+    def step(p, x):
+        q = (x @ p["wq"]).reshape(2, 3, 6, 2)
+        return p, jnp.sum(jnp.tanh(q))
+
+    tp = TensorParallel(step, {"wq": "column"}, size=4)
+    with pytest.raises(TensorPlacementError, match=r"\(2, 3, 12\) -> \(2, 3, 6, 2\).*degree 4 does not divide") as e:
+        tp({"wq": jnp.ones((h, h))}, jnp.ones((2, 3, h)))
+    assert "computed from: the batch, wq." in str(e.value)
