@@ -80,3 +80,38 @@ def test_a_flax_transformer_block_split_over_heads_and_hidden_equals_one_device(
     # projections' three partial input gradients are added before their one all-reduce.
     activations = [e for e in events if e.shape == (2, 8, 16)]
     assert len(activations) == 3, events
+
+
+def test_an_equinox_mlp_split_by_its_own_paths_equals_one_device():
+    eqx = pytest.importorskip("equinox")
+    keys = jax.random.split(jax.random.PRNGKey(3), 3)
+    model = eqx.nn.MLP(16, 16, width_size=64, depth=2, activation=jax.nn.gelu, key=keys[0])
+    params, static = eqx.partition(model, eqx.is_array)
+    opt = optax.adamw(1e-2, eps=1e-4)
+    state = (params, opt.init(params))
+    x = jax.random.normal(keys[1], (8, 16))
+    y = jax.random.normal(keys[2], (8, 16))
+
+    def step(state, batch):
+        params, opt_state = state
+        x, y = batch
+
+        def loss(p):
+            return jnp.mean((jax.vmap(eqx.combine(p, static))(x) - y) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), value
+
+    # Equinox's Linear keeps its weight as (out, in): splitting the outputs is dimension 0.
+    plan = {"0/layers/0/weight": 0, "0/layers/1/weight": 1}
+    tp = TensorParallel(step, plan, size=2)
+    got, want = tp.shard(state, (x, y)), state
+    for _ in range(2):
+        got, got_loss = tp(got, (x, y))
+        want, want_loss = jax.jit(step)(want, (x, y))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * max(1.0, float(jnp.max(jnp.abs(b)))))
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    assert tp.placements(state, (x, y))["0/layers/0/bias"] == Shard(0)
+    assert "all-gather" not in {e.kind for e in tp.collectives(state, (x, y))}
