@@ -40,7 +40,8 @@ Promises:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -104,6 +105,18 @@ class _Walker:
         # What the values of the equation being run come from (state leaves' paths, "the batch"): named
         # in a refused gather. A sub-graph's inputs come from everything its equation reads.
         self.sources: frozenset[str] = frozenset()
+
+    @contextlib.contextmanager
+    def new_trace(self) -> Iterator[None]:
+        """Inside a body JAX traces apart (``scan``, ``while``, ``cond``): conversions made there are
+        values of that trace, never reused outside it (nor an outer one's reused inside, where it
+        would be a constant closed over instead of the body's own input)."""
+        outer = self._converted
+        self._converted = {}
+        try:
+            yield
+        finally:
+            self._converted = outer
 
     # -- the walk ------------------------------------------------------------------
 
@@ -246,8 +259,9 @@ class _Walker:
         carry_in = [_plain(c) for c in carry_pl]
 
         def step(carry: list, x: list) -> tuple[list, list]:
-            outs, got = self._closed(body, list(consts) + list(carry) + list(x), consts_pl + carry_in + xs_pl)
-            carry = self.convert_all(eqn, outs[:n_carry], got[:n_carry], carry_in)
+            with self.new_trace():
+                outs, got = self._closed(body, list(consts) + list(carry) + list(x), consts_pl + carry_in + xs_pl)
+                carry = self.convert_all(eqn, outs[:n_carry], got[:n_carry], carry_in)
             return carry, outs[n_carry:]
 
         carry, ys = lax.scan(step, init, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
@@ -273,12 +287,14 @@ class _Walker:
         init = self.convert_all(eqn, ins[nc + nb :], ins_pl[nc + nb :], carry_pl)
 
         def cond_fun(carry: list) -> Any:
-            (pred,), (pred_pl,) = self._closed(cond_j, list(cond_consts) + list(carry), cond_pl + carry_in)
-            return convert(self.ctx, pred, pred_pl, REPLICATED, _line(eqn), "the predicate of a 'while'")
+            with self.new_trace():
+                (pred,), (pred_pl,) = self._closed(cond_j, list(cond_consts) + list(carry), cond_pl + carry_in)
+                return convert(self.ctx, pred, pred_pl, REPLICATED, _line(eqn), "the predicate of a 'while'")
 
         def body_fun(carry: list) -> list:
-            outs, got = self._closed(body_j, list(body_consts) + list(carry), body_pl + carry_in)
-            return self.convert_all(eqn, outs, got, carry_in)
+            with self.new_trace():
+                outs, got = self._closed(body_j, list(body_consts) + list(carry), body_pl + carry_in)
+                return self.convert_all(eqn, outs, got, carry_in)
 
         return list(lax.while_loop(cond_fun, body_fun, init)), carry_in
 
@@ -296,8 +312,9 @@ class _Walker:
 
         def branch_fn(b: ClosedJaxpr):
             def fn(*ops: Any) -> list:
-                outs, got = self._closed(b, list(ops), ops_pl)
-                return self.convert_all(eqn, outs, got, outs_pl)
+                with self.new_trace():
+                    outs, got = self._closed(b, list(ops), ops_pl)
+                    return self.convert_all(eqn, outs, got, outs_pl)
 
             return fn
 

@@ -102,3 +102,16 @@ def test_random_programs_over_split_parameters_equal_one_device(size):
             np.testing.assert_allclose(a, b, rtol=0, atol=2e-5 * scale, err_msg=f"{ops} {plan}")
 
     check()
+
+
+def test_two_scans_over_the_same_split_parameter():
+    """Found by the random programs: a conversion made inside the first scan's body was reused by the
+    second (a tracer of the first body's trace, leaked)."""
+    step = _program(["scan", "scan"])
+    params = {"w1": jax.random.normal(jax.random.PRNGKey(0), (K, K)) / 3, "w2": jnp.eye(K)}
+    x = jax.random.normal(jax.random.PRNGKey(2), (N, K))
+    tp = TensorParallel(step, {"w1": 0}, size=2, allow_gather=True)
+    for a, b in zip(
+        jax.tree.leaves(tp(tp.shard(params, x), x)), jax.tree.leaves(jax.jit(step)(params, x)), strict=True
+    ):
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-5 * max(1.0, float(np.max(np.abs(b)))))
