@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import hypothesis
 import hypothesis.strategies as st
+import pytest
 
 from replicator.launch import blame
 from replicator.launch.processes import Worker
@@ -67,3 +68,14 @@ def test_the_error_summary_is_the_first_line_cut_at_500_characters(tmp_path):
     assert blame.error_summary(_worker(tmp_path, 1, 1, 1.0)) is None  # no status file: no summary
     first, line = blame.blame([w])
     assert line.endswith(": pkg.Err: " + "x" * 500 + " ...") and "second line" not in line
+
+
+@pytest.mark.parametrize("echo_rc", [-signal.SIGABRT, START_TIMEOUT_EXIT_CODE])
+def test_a_worker_that_only_echoes_a_peer_is_blamed_after_the_one_that_failed_even_if_it_ended_first(
+    tmp_path, echo_rc
+):
+    """JAX's abort (a peer died) and giving up at start-up (a peer never came) come after a plain failure."""
+    echo = _worker(tmp_path, 0, echo_rc, 1.0)
+    failed = _worker(tmp_path, 1, 1, 2.0)
+    assert min([echo, failed], key=blame.blame_order).worker_id == 1
+    assert blame.blame([echo, failed])[0].worker_id == 1
