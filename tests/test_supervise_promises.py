@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 
 from replicator.launch import processes
+from replicator.launch import supervise as supervise_module
 from replicator.launch.restarts import Outcome
 from replicator.launch.supervise import supervise
+from replicator.launch.watchdog import Verdict
 
 pytestmark = pytest.mark.multiprocess
 
@@ -119,4 +121,17 @@ def test_max_time_ends_the_job_with_124_not_restartable(tmp_path):
     outcome = _supervise(workers, output, max_time_s=0.5, job_start=time.monotonic() - 1.0)
     assert (outcome.code, outcome.restartable) == (124, False)
     assert "the job ran longer than --max-time 0.5 s" in output.stderr.getvalue()
+    assert _all_ended(workers)
+
+
+@pytest.mark.parametrize(("blamed", "want"), [([1], 1), ([0, 1], None)])
+def test_a_watchdog_verdict_blames_its_one_worker_or_none_of_several(tmp_path, monkeypatch, blamed, want):
+    """A stall behind several workers blames none of them: --min-workers must not count it as one
+    worker failing again (and shrink the job)."""
+    verdict = Verdict("left-early", blamed, "worker(s) ahead left", 76)
+    monkeypatch.setattr(supervise_module, "DIAGNOSE_INTERVAL_S", 0.0)
+    monkeypatch.setattr(supervise_module, "_watch", lambda *args: verdict)
+    workers, output = _start(tmp_path, [_SLEEPS, _SLEEPS])
+    outcome = _supervise(workers, output)
+    assert (outcome.code, outcome.blamed, outcome.restartable) == (76, want, True)
     assert _all_ended(workers)
