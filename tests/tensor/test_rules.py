@@ -56,6 +56,25 @@ def test_reductions_over_a_split_dimension():
     assert _analyze(lambda x: jnp.exp(x).sum(), [(4, 8)], [P]) == [R]  # exp of a partial sum: summed first
 
 
+def test_a_partial_sum_is_summed_before_a_max_and_kept_through_a_sum_or_a_cumulative_sum():
+    assert _analyze(lambda x: x.max(1), [(4, 8)], [P]) == [R]
+    assert _analyze(lambda x: x.sum(1), [(4, 8)], [P]) == [P]
+    assert _analyze(lambda x: jnp.cumsum(x, 1), [(4, 8)], [P]) == [P]
+    assert _analyze(lambda x: jnp.cumprod(x, 1), [(4, 8)], [P]) == [R]
+
+
+def test_cotangents_of_a_replicated_value_stay_replicated():
+    # jax.grad of a value read twice accumulates two cotangents with add_any.
+    assert _analyze(jax.grad(lambda x: jnp.sum(x * x)), [(4,)], [R]) == [R]
+
+
+def test_a_while_carry_that_enters_whole_and_comes_out_split_is_carried_split():
+    def fn(w):  # a traced condition: a while loop (static bounds make fori_loop a scan)
+        return lax.while_loop(lambda c: c[0] < w[0] + 2, lambda c: (c[0] + 1, c[1] + w), (0.0, jnp.zeros(8)))[1]
+
+    assert _analyze(fn, [(8,)], [Shard(0)]) == [Shard(0)]
+
+
 def test_linear_primitives_keep_a_partial_sum_and_others_sum_it():
     assert _analyze(lambda x, y: -(x + y) * 3.0, [(4,), (4,)], [P, P]) == [P]
     assert _analyze(lambda x, y: x + y, [(4,), (4,)], [P, R]) == [R]
@@ -136,6 +155,20 @@ ZOO = {
     "pad split dim": (lambda w: jnp.pad(w, ((0, 0), (1, 0))), R),
     "dynamic_slice other dim": (lambda w: lax.dynamic_slice_in_dim(w, 1, 2, 0), Shard(1)),
     "dynamic_slice split dim": (lambda w: lax.dynamic_slice_in_dim(w, 2, 4, 1), R),
+    "dynamic_slice traced start": (
+        lambda w: lax.dynamic_slice_in_dim(w, jnp.sum(w > 100).astype(jnp.int32) + 1, 2, 0),
+        Shard(1),
+    ),
+    "gather part of the split dim": (
+        lambda w: lax.gather(
+            w,
+            jnp.array([[0], [2]]),
+            lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0,)),
+            slice_sizes=(1, 4),
+        ),
+        R,
+    ),
+    "gather whole rows": (lambda w: w[jnp.array([0, 2])], Shard(1)),
     "dynamic_update_slice": (lambda w: lax.dynamic_update_slice_in_dim(w, w[:1] * 3, 2, 0), Shard(1)),
     "dynamic_update_slice split dim": (lambda w: lax.dynamic_update_slice_in_dim(w, w[:, :2], 2, 1), R),
     "argmax other dim": (lambda w: jnp.argmax(w, axis=0), Shard(0)),
@@ -183,5 +216,6 @@ ZOO_GATHERED_INSIDE = {
     "dynamic_slice split dim",
     "dynamic_update_slice split dim",
     "argmax split dim",
+    "gather part of the split dim",
     "cumsum split dim",
 }
