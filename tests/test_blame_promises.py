@@ -71,9 +71,7 @@ def test_the_error_summary_is_the_first_line_cut_at_500_characters(tmp_path):
 
 
 @pytest.mark.parametrize("echo_rc", [-signal.SIGABRT, START_TIMEOUT_EXIT_CODE])
-def test_a_worker_that_only_echoes_a_peer_is_blamed_after_the_one_that_failed_even_if_it_ended_first(
-    tmp_path, echo_rc
-):
+def test_a_worker_that_only_echoes_a_peer_is_blamed_after_the_one_that_failed_even_if_it_ended_first(tmp_path, echo_rc):
     """JAX's abort (a peer died) and giving up at start-up (a peer never came) come after a plain failure."""
     echo = _worker(tmp_path, 0, echo_rc, 1.0)
     failed = _worker(tmp_path, 1, 1, 2.0)
