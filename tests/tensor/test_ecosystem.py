@@ -19,6 +19,17 @@ from replicator.tensor import Shard, TensorParallel
 nn = pytest.importorskip("flax.linen")
 
 
+def _two_steps_equal_one_device(tp, step, state, batch):
+    """Two steps of ``tp`` and of ``jax.jit(step)``: every leaf within 1e-5 of its largest value, the loss too."""
+    got, want = tp.shard(state, batch), state
+    for _ in range(2):
+        got, got_loss = tp(got, batch)
+        want, want_loss = jax.jit(step)(want, batch)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * max(1.0, float(jnp.max(jnp.abs(b)))))
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+
+
 class Block(nn.Module):
     heads: int = 4
 
@@ -62,13 +73,7 @@ def test_a_flax_transformer_block_split_over_heads_and_hidden_equals_one_device(
         return (optax.apply_updates(params, updates), opt_state), loss
 
     tp = TensorParallel(step, PLAN, size=size)
-    got, want = tp.shard(state, (x, y)), state
-    for _ in range(2):
-        got, got_loss = tp(got, (x, y))
-        want, want_loss = jax.jit(step)(want, (x, y))
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * max(1.0, float(jnp.max(jnp.abs(b)))))
-    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    _two_steps_equal_one_device(tp, step, state, (x, y))
     pl = tp.placements(state, (x, y))
     assert pl["0/params/attn/query/bias"] == Shard(0)  # (heads, head_dim): follows its kernel
     assert pl["0/params/fc1/bias"] == Shard(0)
@@ -106,12 +111,6 @@ def test_an_equinox_mlp_split_by_its_own_paths_equals_one_device():
     # Equinox's Linear keeps its weight as (out, in): splitting the outputs is dimension 0.
     plan = {"0/layers/0/weight": 0, "0/layers/1/weight": 1}
     tp = TensorParallel(step, plan, size=2)
-    got, want = tp.shard(state, (x, y)), state
-    for _ in range(2):
-        got, got_loss = tp(got, (x, y))
-        want, want_loss = jax.jit(step)(want, (x, y))
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * max(1.0, float(jnp.max(jnp.abs(b)))))
-    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    _two_steps_equal_one_device(tp, step, state, (x, y))
     assert tp.placements(state, (x, y))["0/layers/0/bias"] == Shard(0)
     assert "all-gather" not in {e.kind for e in tp.collectives(state, (x, y))}
