@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from utils import kill_left_running
 
 from replicator.launch import processes
 
@@ -43,10 +44,7 @@ _STARTED: list[processes.Worker] = []
 def _no_worker_outlives_its_test():
     """Whatever a test (failing, or run against a broken module) leaves running is killed at its end."""
     yield
-    while _STARTED:
-        w = _STARTED.pop()
-        if w.ended is None:
-            processes.signal_group(w, signal.SIGKILL)
+    kill_left_running(_STARTED)
 
 
 def _start(tmp_path: Path, code: str, worker_id: int = 0) -> tuple[processes.Worker, io.StringIO]:

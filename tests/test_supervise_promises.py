@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from utils import kill_left_running
 
 from replicator.launch import processes
 from replicator.launch import supervise as supervise_module
@@ -40,10 +41,7 @@ _STARTED: list[processes.Worker] = []
 def _no_worker_outlives_its_test():
     """Whatever a test (failing, or run against a broken module) leaves running is killed at its end."""
     yield
-    while _STARTED:
-        w = _STARTED.pop()
-        if w.ended is None:
-            processes.signal_group(w, signal.SIGKILL)
+    kill_left_running(_STARTED)
 
 
 def _start(tmp_path: Path, codes: list[str]) -> tuple[list[processes.Worker], processes.Output]:

@@ -673,3 +673,19 @@ def kill_leftovers(pids: list[int]) -> None:
     for pid in pids:
         if running(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def kill_left_running(workers: list) -> None:
+    """SIGKILL the process group of every launcher ``Worker`` in ``workers`` still running, emptying the list.
+
+    For a test's autouse fixture: what a test (failing, or run against a broken module) leaves running
+    is killed at its end.
+    """
+    import signal
+
+    from replicator.launch import processes
+
+    while workers:
+        w = workers.pop()
+        if w.ended is None:
+            processes.signal_group(w, signal.SIGKILL)
