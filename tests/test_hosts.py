@@ -130,7 +130,10 @@ def test_a_lost_host_under_min_max_and_the_job_finishes_on_the_other(tmp_path):
     assert rc0 == 0, out0[-4000:]
     assert "[launcher] round 1: host rank 0 of 1" in out0, out0
     assert "host rank 1 lost (launcher " in out0 and "going on with 1 of 2 hosts" in out0, out0
-    assert "worker 0: start 1, 1 of 2 workers, from step 10" in out0, out0  # REPLICATOR_INITIAL_NUM_WORKERS=2
+    # From the last checkpoint both hosts wrote (every 10 steps): step 10, or step 20 where this test read
+    # host 0's "step 15" late, the worker already past step 20 when host 1 was killed (a loaded machine,
+    # in the loop of benchmarks/results/flakes.md: worker 0 failed at step 29). REPLICATOR_INITIAL_NUM_WORKERS=2.
+    assert re.search(r"worker 0: start 1, 1 of 2 workers, from step (10|20)\n", out0), out0
     assert "keep_batch='global': the global batch of 64 rows is kept" in out0, out0
     assert time.monotonic() - killed < 120
     got = _params(tmp_path / "out", 0)
