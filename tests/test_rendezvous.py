@@ -424,6 +424,31 @@ def test_a_full_store_evicts_its_oldest_unauthenticated_connection_for_a_new_one
             h.close()
 
 
+def test_a_client_told_ok_is_never_evicted_by_a_newcomer():
+    """Found by a full run under load: the server told a client "ok" and only then counted it authenticated,
+    so a newcomer arriving in between evicted a client that had already been let in. A server slow after
+    each handshake widens that window to half a second."""
+
+    class SlowAfterHandshake(StoreServer):
+        def _handshake(self, conn):
+            super()._handshake(conn)
+            time.sleep(0.5)
+
+    with SlowAfterHandshake(max_connections=2) as s:
+        first, second = StoreClient(s.address), StoreClient(s.address)  # both told "ok"
+        newcomer = _raw(s.address)
+        deadline = time.monotonic() + 10
+        while not s.dropped and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [d for d in s.dropped if "over 2 connections" in d], list(s.dropped)  # turned away
+        assert not [d for d in s.dropped if "evicted" in d], list(s.dropped)
+        first.set("k", "v")
+        assert second.get("k") == "v"
+        newcomer.close()
+        first.close()
+        second.close()
+
+
 def test_a_full_store_of_authenticated_clients_turns_a_newcomer_away_until_one_leaves():
     """Authenticated connections are never evicted: a newcomer's connection is closed at once ("over N
     connections"), and the client tries again within its connect timeout, getting in when a slot frees."""

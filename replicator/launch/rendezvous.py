@@ -65,7 +65,9 @@ Promises:
    so a flood of idle connections does not keep a launcher out
    (tests/test_rendezvous.py::test_a_full_store_evicts_its_oldest_unauthenticated_connection_for_a_new_one,
    tests/test_rendezvous.py::test_a_full_store_of_authenticated_clients_turns_a_newcomer_away_until_one_leaves,
-   tests/test_rendezvous.py::test_a_flood_of_idle_connections_does_not_keep_a_launcher_out).
+   tests/test_rendezvous.py::test_a_flood_of_idle_connections_does_not_keep_a_launcher_out); a
+   connection counts as authenticated before its client is told "ok"
+   (tests/test_rendezvous.py::test_a_client_told_ok_is_never_evicted_by_a_newcomer).
 9. Every drop is recorded before any refusal is sent
    (tests/test_rendezvous.py::test_a_refusal_is_recorded_before_the_client_reads_it).
 10. Nothing hangs: every client call answers within its timeout (10 s by
@@ -378,10 +380,6 @@ class StoreServer:
     def _serve(self, conn: socket.socket, peer: object) -> None:
         try:
             self._handshake(conn)
-            with self._cond:
-                proven = self._unproven.pop(conn, None) is not None
-            if not proven:  # evicted while it finished its handshake
-                raise _Drop("evicted unauthenticated (the store was full)")
             while not self._closed.is_set():
                 request = _recv(conn, time.monotonic() + self.idle_timeout_s, self.frame_timeout_s)
                 answer = self._answer(request)
@@ -418,9 +416,18 @@ class StoreServer:
                 raise _Drop(
                     "wrong or missing secret", {"ok": False, "error": "wrong or missing secret", "refused": True}
                 )
+            self._prove(conn)
             _send(conn, {"ok": True, "mac": _mac(self.secret, "server", theirs, nonce)}, deadline)
         else:
+            self._prove(conn)
             _send(conn, {"ok": True}, deadline)
+
+    def _prove(self, conn: socket.socket) -> None:
+        """Count ``conn`` authenticated (never evicted for room) before telling its client so: a client
+        told "ok" may act at once, and a newcomer must not evict it in between."""
+        with self._cond:
+            if self._unproven.pop(conn, None) is None:  # evicted while it finished its handshake
+                raise _Drop("evicted unauthenticated (the store was full)")
 
     def _now(self) -> float:
         return time.monotonic() - self._t0
