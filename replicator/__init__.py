@@ -40,6 +40,7 @@ from replicator.loop import EvalHook as EvalHook
 from replicator.loop import Hook as Hook
 from replicator.loop import LoggingHook as LoggingHook
 from replicator.loop import Trainer as Trainer
+from replicator.parallelism import Parallelism as Parallelism
 from replicator.passes import Pipeline as Pipeline
 from replicator.runtime import distributed as distributed
 from replicator.runtime.distributed import gather_outputs as gather_outputs
@@ -85,6 +86,7 @@ __all__ = [
     "LoggingHook",
     "MiscompileError",
     "MixedPrecision",
+    "Parallelism",
     "PassError",
     "Pipeline",
     "ReplicaContext",

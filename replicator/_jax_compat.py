@@ -95,6 +95,13 @@ def user_code_line(source_info: Any) -> str:
     return user_source_line(source_info)
 
 
+def source_of(eqn: Any) -> Any:
+    """A context in which new equations carry ``eqn``'s source (its traceback and name stack), so that
+    a graph traced again from another keeps the user's lines (``replicator.tensor.split_graph``)."""
+    info = eqn.source_info
+    return _source_info_util.user_context(info.traceback, name_stack=info.name_stack)
+
+
 def extend_axis_env(axis_env: list[tuple[str, int]]) -> Any:
     """Bind named mesh axes, as ``shard_map`` does, for checking a jaxpr."""
     from jax._src import core as _core

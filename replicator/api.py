@@ -50,6 +50,7 @@ from replicator.cost.compute import equation_time
 from replicator.cost.report import CommunicationReport, communication_report
 from replicator.cost.topology import PRESETS
 from replicator.errors import InputExhausted
+from replicator.parallelism import Parallelism, check_tensor_supported, older_keywords
 from replicator.passes.fold import fold_lowered
 from replicator.pipeline.pipeline import Lowered, Pipeline
 from replicator.runtime.consistency import check_copies_agree, check_replicas_agree
@@ -87,6 +88,7 @@ from replicator.runtime.state import (
 )
 from replicator.runtime.steady import SteadyStep, _deref
 from replicator.stages.replicas import PipelinedReplicas
+from replicator.tensor.axis import TensorAxis
 
 __all__ = ["CompiledStep", "Replicator"]
 
@@ -384,10 +386,35 @@ class Replicator:
         microbatches: int | None = None,
         schedule: str | None = None,
         pipeline_recompute: bool = False,
+        parallelism: Parallelism | None = None,
     ):
         axis_names = normalize_axis_names(axis_name)
         check_initialized_under_launcher()
-        if replicas_per_device == 1:
+        older = older_keywords(
+            parallelism,
+            replicas_per_device=replicas_per_device,
+            pipeline_stages=pipeline_stages,
+            microbatches=microbatches,
+            schedule=schedule,
+            pipeline_recompute=pipeline_recompute,
+        )
+        replicas_per_device, pipeline_stages = older["replicas_per_device"], older["pipeline_stages"]
+        microbatches, schedule, pipeline_recompute = (
+            older["microbatches"],
+            older["schedule"],
+            older["pipeline_recompute"],
+        )
+        #: The tensor axis (``Parallelism(tensor=T)``), or None.
+        self.tensor: TensorAxis | None = None
+        if parallelism is not None and parallelism.tensor > 1:
+            check_tensor_supported(parallelism, check_state_every)
+            self.tensor = TensorAxis(
+                parallelism.tensor, parallelism.tensor_plan, parallelism.allow_gather, parallelism.sequence_parallel
+            )
+            self.mesh = self.tensor.mesh(build_mesh(num_workers, cores_per_worker, devices=devices))
+            self.num_workers, self.cores_per_worker = self.mesh.devices.shape[:2]
+            self.fold = FoldLayout(self.num_workers, self.cores_per_worker)
+        elif replicas_per_device == 1:
             self.mesh = build_mesh(num_workers, cores_per_worker, devices=devices)
             self.num_workers, self.cores_per_worker = self.mesh.devices.shape
             self.fold = FoldLayout(self.num_workers, self.cores_per_worker)
@@ -456,7 +483,7 @@ class Replicator:
         """Workers whose devices belong to this process, in order."""
         me = jax.process_index()
         rows = self.fold.workers_fold
-        return [w for w in range(self.num_workers) if self.mesh.devices[w // rows, 0].process_index == me]
+        return [w for w in range(self.num_workers) if self.mesh.devices[w // rows].flat[0].process_index == me]
 
     def input_context(self, worker_id: int) -> InputContext:
         return InputContext(self.num_workers, worker_id, self.cores_per_worker)
@@ -526,7 +553,8 @@ class Replicator:
             if any(flags):
                 traced = dataclasses.replace(traced, graph=per_replica_graph(traced.graph, flags, traced.static_state))
             self.trace_count += 1
-            lowered = self.pipeline.run(traced.graph, fold=self.fold)
+            graph = traced.graph if self.tensor is None else self.tensor.split(traced.graph, state_specs)
+            lowered = self.pipeline.run(graph, fold=self.fold)
             if self.fold.replicas_per_device > 1:
                 lowered = fold_lowered(lowered, self.fold)
             executable = build_executable(lowered.final, self.mesh, donate_state=self.donate_state, fold=self.fold)
@@ -946,7 +974,9 @@ class Replicator:
         if not same_step:
             sharded_state = compiled.lowered.final.sharded_state
             if placed_state is None or returned.sharded_state != sharded_state:
-                placed_state = place_state(_array_leaves(leaves, traced.static_state), self.mesh, sharded_state)
+                placed_state = place_state(
+                    _array_leaves(leaves, traced.static_state), self.mesh, sharded_state, compiled.lowered.final.tensor
+                )
         if batch.placed is None:
             # Without prefetch, host leaves go to the compiled step as they are: its own dispatch places them
             # (faster than a device_put of ours). With prefetch every batch is placed here, as the prefetched
@@ -964,7 +994,12 @@ class Replicator:
         if compiled.runs == 0 and new_state:  # would place_state take the new state as it is?
             sharded_state = compiled.lowered.final.sharded_state
             compiled.state_reusable = not any(getattr(a, "weak_type", False) for a in new_state) and all(
-                a is b for a, b in zip(place_state(new_state, self.mesh, sharded_state), new_state, strict=True)
+                a is b
+                for a, b in zip(
+                    place_state(new_state, self.mesh, sharded_state, compiled.lowered.final.tensor),
+                    new_state,
+                    strict=True,
+                )
             )
         compiled.runs += 1
         if self.max_in_flight and (new_state or outputs):

@@ -41,7 +41,7 @@ if os.environ.get("REPLICATOR_FUZZ_XLA_DEFAULTS") != "1":
     os.environ["XLA_FLAGS"] = with_fast_compile_flags(os.environ.get("XLA_FLAGS", ""))
 rp.force_cpu_devices(8)
 
-from tests.fuzz.differential import MESHES, VARIANTS, run_program  # noqa: E402
+from tests.fuzz.differential import MESHES, TENSOR_MESHES, VARIANTS, run_program  # noqa: E402
 from tests.fuzz.pipelines import PIPE_MESHES, PIPE_VARIANTS  # noqa: E402
 from tests.fuzz.pipelines import run_program as run_pipeline_program  # noqa: E402
 
@@ -84,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     # Ctrl-C or SIGTERM ends a long run after the program under way, with the summary so far.
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    where = PIPE_MESHES if args.pipelines else MESHES
+    where: object = PIPE_MESHES if args.pipelines else MESHES
+    if not args.pipelines and any("tensor" in VARIANTS[v] for v in variants):
+        where = f"{MESHES}, the tensor variants on data meshes {TENSOR_MESHES} (T devices per replica)"
     print(f"fuzzing {len(seeds)} programs from seed {seeds[0]}, variants {variants}, meshes {where}", flush=True)
     try:
         for n, seed in enumerate(seeds, 1):

@@ -48,6 +48,7 @@ from jax.extend.core import primitives as jax_primitives
 from replicator._jax_compat import (
     UNKNOWN_LOCATION,
     callback_function,
+    named_axis_effect_type,
     scan_operand_counts,
     user_source_line,
 )
@@ -144,15 +145,21 @@ class VarianceAnalysis:
         for eqn in jaxpr.eqns:
             ins = [variance_of(env, a) for a in eqn.invars]
             outs = rule_for(eqn.primitive)(self, eqn, ins)
-            if eqn.effects or eqn.primitive.name in OPAQUE_PRIMITIVES:
+            # A NamedAxisEffect only says the equation talks over a mesh axis (a collective over the
+            # tensor axis, replicator.tensor.split_graph): its rule above says what that does.
+            effects = [e for e in eqn.effects if not isinstance(e, _NAMED_AXIS_EFFECT)]
+            if effects or eqn.primitive.name in OPAQUE_PRIMITIVES:
                 # Host callbacks and effectful code may return per-replica data, unless the user
                 # declared a pure callback a function of its inputs (rp.invariant_callback).
-                declared = not eqn.effects and eqn.primitive.name == "pure_callback"
+                declared = not effects and eqn.primitive.name == "pure_callback"
                 declared = declared and is_invariant_callback(callback_function(eqn.params))
                 outs = [_union(ins) if declared else self.live_axes] * len(eqn.outvars)
             for var, v in zip(eqn.outvars, outs, strict=True):
                 env[var] = v
         return [variance_of(env, a) for a in jaxpr.outvars], env
+
+
+_NAMED_AXIS_EFFECT = named_axis_effect_type()
 
 
 def _placeholders_in(jaxprs: Sequence[Jaxpr]) -> list[JaxprEqn]:

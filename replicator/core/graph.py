@@ -14,7 +14,7 @@ from jax.extend.core import ClosedJaxpr, Var
 
 from replicator.core.context import ReplicaContext
 
-__all__ = ["CollectiveRecord", "Origin", "ShardedState", "StepGraph", "shard_axis"]
+__all__ = ["CollectiveRecord", "Origin", "ShardedState", "StepGraph", "TensorLayout", "shard_axis"]
 
 
 class ShardedState(frozenset):
@@ -81,6 +81,25 @@ def shard_axis(sharded: frozenset[int], index: int) -> int | None:
 
 
 @dataclasses.dataclass(frozen=True)
+class TensorLayout:
+    """How a step graph is split over a tensor (model-parallel) mesh axis
+    (:mod:`replicator.tensor.split_graph`): the graph is then one device's program, on local shapes.
+
+    Attributes:
+      axis: the mesh axis's name (``'tensor'``).
+      size: ``T``, the devices a replica's tensors are split over.
+      state_dims: per state leaf, the dimension split over the axis, or ``None`` (whole on every device).
+      collectives: what the split inserted over the axis, in program order
+        (:class:`replicator.tensor.placement.Collective`: kind, global shape, dtype, line, reason).
+    """
+
+    axis: str
+    size: int
+    state_dims: tuple[int | None, ...]
+    collectives: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class StepGraph:
     """The per-replica program of one step and the meaning of its slots.
 
@@ -124,6 +143,9 @@ class StepGraph:
     #: ``sharded_state``, split along axis 0: their global value has a leading axis of size
     #: ``num_replicas`` and the jaxpr's input and output are this replica's row, of size 1.
     per_replica_state: frozenset[int] = frozenset()
+    #: Set when the graph is split over a tensor axis: it is then one device's program (its shapes
+    #: local, ``1/T`` of a split leaf), with the collectives over that axis in it.
+    tensor: TensorLayout | None = None
 
     @property
     def num_state(self) -> int:

@@ -54,7 +54,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from replicator.core.graph import CollectiveRecord
+from replicator.core.graph import CollectiveRecord, TensorLayout
 from replicator.cost.collectives import Prediction
 from replicator.cost.collectives import predict as _predict
 from replicator.cost.memory import (
@@ -68,6 +68,7 @@ from replicator.cost.table import format_table
 from replicator.cost.topology import Topology
 from replicator.passes.shard_optimizer import DEFAULT_MIN_TENSOR_BYTES
 from replicator.pipeline.pipeline import Lowered
+from replicator.tensor.parallelize import sent_bytes
 
 __all__ = ["CommunicationReport", "communication_report"]
 
@@ -95,6 +96,9 @@ class CommunicationReport:
     #: With a ZeRO stage: every state leaf, sharded or replicated and why
     #: (:func:`~replicator.cost.memory.zero_account`); ``None`` without one.
     zero: ZeroAccount | None = None
+    #: With a tensor axis: its size and what the split inserted over it
+    #: (:class:`~replicator.tensor.placement.Collective`, program order); ``None`` without one.
+    tensor: TensorLayout | None = None
 
     def memory(self) -> Any:
         """Per-device memory of the compiled step (XLA's analysis; compiles it), or ``None`` if unknown."""
@@ -149,7 +153,7 @@ class CommunicationReport:
             f"{self.num_collectives} collective(s) on {self.num_replicas} replicas; estimated "
             f"{human_bytes(self.total_sent_bytes)} sent per replica per step. Passes: {', '.join(self.passes)}."
         )
-        memory = []
+        memory = [*self._tensor_lines()]
         if self.state_bytes is not None:
             memory.append(f"state per device (predicted from the graph): {human_bytes(self.state_bytes)}")
         if self.state_bytes_by_stage:
@@ -163,6 +167,32 @@ class CommunicationReport:
         if self.memory_fn is not None:
             memory.append(str(self.memory()))
         return "\n".join([format_table(header, lines), summary, *memory, *self.notes])
+
+    def _tensor_lines(self) -> list[str]:
+        """The collectives over the tensor axis, each with the user's line and why, and bytes a device sends."""
+        t = self.tensor
+        if t is None:
+            return []
+        rows = [
+            (
+                str(i),
+                c.kind,
+                c.dtype,
+                "x".join(map(str, c.shape)) or "()",
+                human_bytes(c.nbytes),
+                human_bytes(sent_bytes(c, t.size)),
+                c.line,
+                c.reason,
+            )
+            for i, c in enumerate(t.collectives)
+        ]
+        header = ("#", "kind", "dtype", "shape", "bytes", "sent/device", "source", "reason")
+        total = sum(sent_bytes(c, t.size) for c in t.collectives)
+        return [
+            f"over the tensor axis '{t.axis}' (T = {t.size}), inserted by the plan:",
+            format_table(header, rows) if rows else "  none",
+            f"{len(rows)} collective(s) over '{t.axis}'; {human_bytes(total)} sent per device per step (ring).",
+        ]
 
 
 def communication_report(lowered: Lowered) -> CommunicationReport:
@@ -185,6 +215,7 @@ def communication_report(lowered: Lowered) -> CommunicationReport:
         memory_fn=lowered.memory_fn,
         state_bytes_by_stage=_by_stage(lowered, DEFAULT_MIN_TENSOR_BYTES if zero is None else zero.min_tensor_bytes),
         zero=zero,
+        tensor=final.tensor,
     )
 
 

@@ -95,8 +95,13 @@ class CaptureCollectives(Pass):
                 raise _fail(eqn, str(e)) from None
             return group, context.group_size(group)
 
+        tensor_axis = graph.tensor.axis if graph.tensor is not None else None
+
         def rule(eqn: JaxprEqn) -> tuple[list[JaxprEqn], list] | None:
             prim, params = eqn.primitive, eqn.params
+            names = axis_names(params.get("axes", params.get("axis_name", ())))
+            if tensor_axis is not None and names and all(n == tensor_axis for n in names):
+                return None  # put there by the tensor split (replicator.tensor.split_graph), over its own axis
             if prim in _REDUCE_OPS:
                 # Inside jax.vmap(axis_name=...), JAX turns the vmapped name into a positional axis:
                 # a local reduction over that array dimension, then the collective over the rest.

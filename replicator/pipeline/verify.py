@@ -88,13 +88,15 @@ def verify_graph(graph: StepGraph, *, lowered: bool) -> None:
     """Raise :class:`GraphInvariantError` if ``graph`` breaks an invariant."""
     check_defined(graph)
     jaxpr = graph.jaxpr.jaxpr
+    tensor = [(graph.tensor.axis, graph.tensor.size)] if graph.tensor is not None else []
     try:
-        with extend_axis_env(graph.context.axis_env):
+        with extend_axis_env([*graph.context.axis_env, *tensor]):
             check_jaxpr(jaxpr)
     except Exception as e:  # noqa: BLE001 - re-raised with context
         raise GraphInvariantError(f"the jaxpr does not type-check: {e}") from e
     # Before capture-collectives, raw collectives may use the user's axis names.
     allowed = set(REPLICA_AXES) | ({name for name, _ in graph.context.axis_names} if not lowered else set())
+    allowed |= {name for name, _ in tensor}
     for eqn in iter_eqns(jaxpr):
         if lowered and eqn.primitive in PLACEHOLDERS:
             raise GraphInvariantError(f"placeholder '{eqn.primitive.name}' left after lowering")

@@ -78,7 +78,7 @@ from jax.sharding import PartitionSpec as P
 
 from replicator._jax_compat import stage_as_one_call, with_leading_inputs
 from replicator.core.context import REPLICA_AXES
-from replicator.core.graph import StepGraph, shard_axis
+from replicator.core.graph import StepGraph, TensorLayout, shard_axis
 from replicator.core.layout import FoldLayout
 
 __all__ = ["StepExecutable", "build_executable", "place_batch", "place_state", "sharded", "spans_processes"]
@@ -240,7 +240,7 @@ def build_executable(
         return call(*constants, *embedded_values, *args)
 
     n_state = graph.num_state
-    state_specs = [state_spec(i, graph.sharded_state) for i in range(n_state)]
+    state_specs = [state_spec(i, graph.sharded_state, graph.tensor) for i in range(n_state)]
 
     def per_replica(state: list, batch: list, constants: Sequence[Any] = ()) -> tuple[list, list]:
         # A rewrite may leave a constant (a literal) as an output: make it an array.
@@ -366,13 +366,33 @@ def _is_laid_out(leaf: jax.Array, target: NamedSharding) -> bool:
     return sharding.is_equivalent_to(target, leaf.ndim)
 
 
-def state_spec(index: int, sharded_state: frozenset[int]) -> P:
-    """Replicated, or (ZeRO state) split along its axis (:func:`~replicator.core.graph.shard_axis`) over every replica."""
+def state_spec(index: int, sharded_state: frozenset[int], tensor: TensorLayout | None = None) -> P:
+    """Replicated, or (ZeRO state) split along its axis (:func:`~replicator.core.graph.shard_axis`) over every
+    replica; with ``tensor``, a split leaf's dimension also over the tensor axis (its blocks outermost: ZeRO
+    splits a device's tensor block).
+
+    >>> from replicator.core.graph import ShardedState, TensorLayout
+    >>> tuple(state_spec(0, ShardedState({0: 0}), TensorLayout("tensor", 2, (0,))))
+    (('tensor', 'workers', 'cores'),)
+    >>> tuple(state_spec(0, ShardedState({0: 0}), TensorLayout("tensor", 2, (1,))))
+    (('workers', 'cores'), 'tensor')
+    """
     axis = shard_axis(sharded_state, index)
-    return P() if axis is None else P(*[None] * axis, REPLICA_AXES)
+    dim = tensor.state_dims[index] if tensor is not None else None
+    entries: list[Any] = [None] * (max(-1 if axis is None else axis, -1 if dim is None else dim) + 1)
+    if axis is not None:
+        entries[axis] = REPLICA_AXES
+    if dim is not None:
+        entries[dim] = (tensor.axis, *REPLICA_AXES) if dim == axis else tensor.axis
+    return P(*entries)
 
 
-def place_state(leaves: Sequence[Any], mesh: Mesh, sharded_state: frozenset[int] = frozenset()) -> list[jax.Array]:
+def place_state(
+    leaves: Sequence[Any],
+    mesh: Mesh,
+    sharded_state: frozenset[int] = frozenset(),
+    tensor: TensorLayout | None = None,
+) -> list[jax.Array]:
     """Put state leaves on the mesh, replicated or sharded (no copy if already there).
 
     On a mesh that spans processes, leaves that come from the host (or from
@@ -380,7 +400,7 @@ def place_state(leaves: Sequence[Any], mesh: Mesh, sharded_state: frozenset[int]
     process 0's values (one collective for all of them), then each process
     fills its own devices.
     """
-    targets = [NamedSharding(mesh, state_spec(i, sharded_state)) for i in range(len(leaves))]
+    targets = [NamedSharding(mesh, state_spec(i, sharded_state, tensor)) for i in range(len(leaves))]
     out: list[Any] = [None] * len(leaves)
     from_host: list[int] = []
     multi = spans_processes(mesh)

@@ -87,7 +87,7 @@ def compiled_memory(executable: Callable, traced: StepGraph, final: StepGraph, m
         jax.ShapeDtypeStruct(
             (replicas * a.shape[0], *a.shape[1:]) if i in traced.per_replica_state else a.shape,  # one row each
             a.dtype,
-            sharding=NamedSharding(mesh, state_spec(i, final.sharded_state)),
+            sharding=NamedSharding(mesh, state_spec(i, final.sharded_state, final.tensor)),
         )
         for i, a in enumerate(avals[:n_state])
     ]

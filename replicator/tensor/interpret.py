@@ -45,13 +45,15 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 
-from replicator._jax_compat import scan_operand_counts, user_source_line
+from replicator._jax_compat import UNKNOWN_LOCATION, scan_operand_counts, source_of, user_code_line
 from replicator.core.jaxprs import CALL_PARAMS
 from replicator.tensor.placement import (
     REPLICATED,
+    Partial,
     Placement,
     Replicated,
     Shard,
@@ -61,6 +63,10 @@ from replicator.tensor.placement import (
     local_shape,
 )
 from replicator.tensor.rules import Decision, rule_for
+
+#: The source name of every batch input: a value computed from one is an activation (under sequence
+#: parallelism it may be gathered; a weight, computed from state alone, never is).
+BATCH = "the batch"
 
 __all__ = ["analyze", "run"]
 
@@ -90,10 +96,6 @@ def _plain(p: Placement) -> Placement:
     return REPLICATED if isinstance(p, _Gathered) else p
 
 
-def _line(eqn: JaxprEqn) -> str:
-    return user_source_line(eqn.source_info)
-
-
 class _Walker:
     """One walk, on placements only (``values`` None) or on this device's values too."""
 
@@ -105,6 +107,16 @@ class _Walker:
         # What the values of the equation being run come from (state leaves' paths, "the batch"): named
         # in a refused gather. A sub-graph's inputs come from everything its equation reads.
         self.sources: frozenset[str] = frozenset()
+        # The user's line of the equation whose body is being walked (a jnp function JAX jits, a scan):
+        # its equations' own lines are inside JAX.
+        self.enclosing: str = UNKNOWN_LOCATION
+        # What each operand of the equation being walked comes from (is it an activation?).
+        self.operand_sources: list[frozenset[str]] = []
+
+    def line(self, eqn: JaxprEqn) -> str:
+        """The user's source line of ``eqn``, or of the call or loop it is inside."""
+        own = user_code_line(eqn.source_info)
+        return self.enclosing if own == UNKNOWN_LOCATION else own
 
     @contextlib.contextmanager
     def new_trace(self) -> Iterator[None]:
@@ -151,10 +163,12 @@ class _Walker:
         for eqn in jaxpr.eqns:
             ins_pl = [read_pl(a) for a in eqn.invars]
             ins = [read(a) for a in eqn.invars] if values else None
-            self.sources = frozenset().union(
-                *(env_src.get(a, frozenset()) for a in eqn.invars if not isinstance(a, Literal))
-            )
-            outs, outs_pl = self.eqn(eqn, ins, ins_pl)
+            self.operand_sources = [
+                frozenset() if isinstance(a, Literal) else env_src.get(a, frozenset()) for a in eqn.invars
+            ]
+            self.sources = frozenset().union(*self.operand_sources)
+            with source_of(eqn):  # what it binds keeps the user's line
+                outs, outs_pl = self.eqn(eqn, ins, ins_pl)
             env_src.update((v, self.sources) for v in eqn.outvars)
             env_pl.update(zip(eqn.outvars, outs_pl, strict=True))
             if values:
@@ -165,18 +179,78 @@ class _Walker:
 
     def eqn(self, eqn: JaxprEqn, ins: list | None, ins_pl: list[Placement]) -> tuple[list | None, list[Placement]]:
         name = eqn.primitive.name
-        if name in CALL_PARAMS:
-            return self.call(eqn, ins, ins_pl)
-        if name == "scan":
-            return self.scan(eqn, ins, ins_pl)
-        if name == "while":
-            return self.while_(eqn, ins, ins_pl)
-        if name == "cond":
-            return self.cond(eqn, ins, ins_pl)
-        decision = rule_for(name)(eqn, ins_pl, self.ctx.size)
+        higher = {"scan": self.scan, "while": self.while_, "cond": self.cond}
+        if name in CALL_PARAMS or name in higher:
+            outer, self.enclosing = self.enclosing, self.line(eqn)
+            try:
+                return (self.call if name in CALL_PARAMS else higher[name])(eqn, ins, ins_pl)
+            finally:
+                self.enclosing = outer
+        decision = self.decide(eqn, ins_pl)
         if ins is None:
             return None, list(decision.outs)
         return self.bind(eqn, ins, ins_pl, decision), list(decision.outs)
+
+    # -- choosing between the ways a rule allows ------------------------------------------
+
+    def is_activation(self, i: int) -> bool:
+        """Whether operand ``i`` of the equation being walked is computed from the batch."""
+        return BATCH in self.operand_sources[i] if i < len(self.operand_sources) else False
+
+    def decide(self, eqn: JaxprEqn, ins_pl: list[Placement]) -> Decision:
+        """The rule's decision; of two ways, the one that gathers no weight, else fewer bytes; under
+        sequence parallelism, a partial sum the rule would sum whole reduce-scattered on the sequence instead."""
+        decision = rule_for(eqn.primitive.name)(eqn, ins_pl, self.ctx.size)
+        if decision.alternative is not None:
+            first, other = self.gather_cost(eqn, ins_pl, decision), self.gather_cost(eqn, ins_pl, decision.alternative)
+            decision = decision.alternative if other < first else decision
+        if self.ctx.sequence_dim is not None:
+            decision = self.prefer_sequence(eqn, ins_pl, decision)
+        return decision
+
+    def gather_cost(self, eqn: JaxprEqn, ins_pl: Sequence[Placement], decision: Decision) -> float:
+        """Bytes gathered by ``decision``'s conversions, and those of a partial sum it makes (summed later);
+        infinite if it gathers a weight (a value computed from the state alone)."""
+        total = sum(
+            float(np.prod(v.aval.shape)) * v.aval.dtype.itemsize
+            for v, p in zip(eqn.outvars, decision.outs, strict=True)
+            if isinstance(p, Partial)
+        )
+        for i, (a, have, want) in enumerate(zip(eqn.invars, ins_pl, decision.wants, strict=True)):
+            if isinstance(have, Shard) and _plain(want) != have:
+                if not self.is_activation(i):
+                    return float("inf")
+                total += float(np.prod(a.aval.shape)) * a.aval.dtype.itemsize
+        return total
+
+    def prefer_sequence(self, eqn: JaxprEqn, ins_pl: list[Placement], decision: Decision) -> Decision:
+        """Sequence parallelism: partial sums the rule sums whole (all-reduces) are reduce-scattered on
+        the sequence dimension instead, where it divides, and the rule asked again with them split there."""
+        d, size = self.ctx.sequence_dim, self.ctx.size
+        assert d is not None
+        swap = [
+            i
+            for i, (a, have, want) in enumerate(zip(eqn.invars, ins_pl, decision.wants, strict=True))
+            if isinstance(have, Partial)
+            and isinstance(_plain(want), Replicated)
+            and not isinstance(a, Literal)
+            and len(a.aval.shape) > d
+            and a.aval.shape[d] % size == 0
+        ]
+        if not swap:
+            return decision
+        split = [Shard(d) if i in swap else p for i, p in enumerate(ins_pl)]
+        alternative = rule_for(eqn.primitive.name)(eqn, split, size)
+        if alternative.alternative is not None:
+            first = self.gather_cost(eqn, split, alternative)
+            alternative = (
+                alternative.alternative
+                if self.gather_cost(eqn, split, alternative.alternative) < first
+                else alternative
+            )
+        if any(_plain(alternative.wants[i]) != Shard(d) for i in swap):
+            return decision  # the rule needs them whole anyway
+        return alternative
 
     def convert_all(
         self,
@@ -185,11 +259,14 @@ class _Walker:
         have: Sequence[Placement],
         want: Sequence[Placement],
         note: str | None = None,
+        operands: bool = False,
     ):
-        line = _line(eqn)
+        """``xs`` converted from ``have`` to ``want``; ``operands``: ``xs`` are the equation's operands, in
+        order (whether each is an activation is known; otherwise it is the equation's as a whole)."""
+        line = self.line(eqn)
         reason = f"'{eqn.primitive.name}'"
         out = []
-        for x, h, w in zip(xs, have, want, strict=True):
+        for i, (x, h, w) in enumerate(zip(xs, have, want, strict=True)):
             w = _plain(w)
             if h == w:
                 out.append(x)
@@ -197,7 +274,8 @@ class _Walker:
             key = (id(x), w)
             if key not in self._converted:
                 try:
-                    self._converted[key] = (x, convert(self.ctx, x, h, w, line, reason))
+                    activation = self.is_activation(i) if operands else BATCH in self.sources
+                    self._converted[key] = (x, convert(self.ctx, x, h, w, line, reason, activation))
                 except TensorPlacementError as e:
                     text = f"{e}" + (f"\n{note}" if note else "")
                     if self.sources:
@@ -209,7 +287,7 @@ class _Walker:
         return out
 
     def bind(self, eqn: JaxprEqn, ins: list, ins_pl: list[Placement], decision: Decision) -> list:
-        local = self.convert_all(eqn, ins, ins_pl, decision.wants, decision.note)
+        local = self.convert_all(eqn, ins, ins_pl, decision.wants, decision.note, operands=True)
         params = _local_params(eqn, decision, self.ctx.size)
         if decision.then == "masked-gather":
             return [_masked_gather(self.ctx, eqn, local, decision.wants[0], params)]
@@ -217,7 +295,7 @@ class _Walker:
         outs = list(out) if eqn.primitive.multiple_results else [out]
         if decision.then is not None:
             kind = {"max": lax.pmax, "min": lax.pmin}[decision.then]
-            self.ctx.record(f"all-reduce-{decision.then}", outs[0], _line(eqn), f"'{eqn.primitive.name}'")
+            self.ctx.record(f"all-reduce-{decision.then}", outs[0], self.line(eqn), f"'{eqn.primitive.name}'")
             outs = [kind(o, self.ctx.axis) for o in outs]
         return outs
 
@@ -289,7 +367,7 @@ class _Walker:
         def cond_fun(carry: list) -> Any:
             with self.new_trace():
                 (pred,), (pred_pl,) = self._closed(cond_j, list(cond_consts) + list(carry), cond_pl + carry_in)
-                return convert(self.ctx, pred, pred_pl, REPLICATED, _line(eqn), "the predicate of a 'while'")
+                return convert(self.ctx, pred, pred_pl, REPLICATED, self.line(eqn), "the predicate of a 'while'")
 
         def body_fun(carry: list) -> list:
             with self.new_trace():
@@ -308,7 +386,7 @@ class _Walker:
         outs_pl = [_plain(p) for p in outs_pl or []]
         if ins is None:
             return None, outs_pl
-        index = convert(self.ctx, ins[0], ins_pl[0], REPLICATED, _line(eqn), "the index of a 'cond'")
+        index = convert(self.ctx, ins[0], ins_pl[0], REPLICATED, self.line(eqn), "the index of a 'cond'")
 
         def branch_fn(b: ClosedJaxpr):
             def fn(*ops: Any) -> list:
@@ -377,9 +455,20 @@ def _local_params(eqn: JaxprEqn, decision: Decision, size: int) -> dict:
     return params
 
 
-def analyze(jaxpr: Jaxpr, in_placements: Sequence[Placement], *, size: int, axis: str = "tensor") -> list[Placement]:
-    """The placement of each output of ``jaxpr`` given its inputs'."""
-    return _Walker(TensorContext(axis, size, allow_gather=True)).walk(jaxpr, None, None, in_placements)[1]
+def analyze(
+    jaxpr: Jaxpr,
+    in_placements: Sequence[Placement],
+    *,
+    size: int,
+    axis: str = "tensor",
+    sequence_dim: int | None = None,
+    in_names: Sequence[str] | None = None,
+) -> list[Placement]:
+    """The placement of each output of ``jaxpr`` given its inputs' (``in_names`` as for :func:`run`: the
+    batch's inputs named :data:`BATCH` make what is computed from them activations)."""
+    ctx = TensorContext(axis, size, allow_gather=True, sequence_dim=sequence_dim)
+    sources = [frozenset([n]) for n in in_names] if in_names is not None else None
+    return _Walker(ctx).walk(jaxpr, None, None, in_placements, sources)[1]
 
 
 def run(

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from replicator.tensor.interpret import analyze, run
+from replicator.tensor.interpret import BATCH, analyze, run
 from replicator.tensor.placement import (
     REPLICATED,
     Collective,
@@ -65,12 +65,18 @@ def _spec(p: Placement, ndim: int, axis: str) -> PartitionSpec:
 
 
 def infer_state_placements(
-    jaxpr: Any, named: Sequence[Placement | None], shapes: Sequence[tuple[int, ...]], n_batch: int, size: int
+    jaxpr: Any,
+    named: Sequence[Placement | None],
+    shapes: Sequence[tuple[int, ...]],
+    n_batch: int,
+    size: int,
+    sequence_dim: int | None = None,
 ) -> list[Placement]:
     """The plan's placements, and for unnamed leaves the one their update comes out in (a fixed point)."""
     current: list[Placement] = [p if p is not None else REPLICATED for p in named]
+    names = ["the state"] * len(current) + [BATCH] * n_batch
     for _ in range(len(current) + 1):
-        outs = analyze(jaxpr, current + [REPLICATED] * n_batch, size=size)
+        outs = analyze(jaxpr, current + [REPLICATED] * n_batch, size=size, sequence_dim=sequence_dim, in_names=names)
         changed = False
         for i, (p, out) in enumerate(zip(current, outs[: len(current)], strict=False)):
             free = named[i] is None and isinstance(p, Replicated)
@@ -83,7 +89,14 @@ def infer_state_placements(
 
 
 class TensorParallel:
-    """``step(state, batch) -> (new_state, aux)`` run split over a tensor axis of ``size`` devices."""
+    """``step(state, batch) -> (new_state, aux)`` run split over a tensor axis of ``size`` devices.
+
+    ``allow_gather``: let the rewrite gather a split value whole where a consumer needs it.
+    ``sequence_parallel``: the dimension of the activations that is their sequence (``1`` for
+    ``(batch, sequence, hidden)``): between the tensor-parallel regions activations are split on it
+    (Megatron's sequence parallelism: each all-reduce becomes a reduce-scatter there and an all-gather
+    before the next column-parallel matmul); ``None``: off.
+    """
 
     def __init__(
         self,
@@ -94,8 +107,10 @@ class TensorParallel:
         devices: Sequence[Any] | None = None,
         axis: str = "tensor",
         allow_gather: bool = False,
+        sequence_parallel: int | None = None,
     ):
         self.step = step
+        self.sequence_parallel = sequence_parallel
         self.plan = plan if isinstance(plan, TensorPlan) else TensorPlan(plan)
         self.size = size
         devices = list(devices if devices is not None else jax.devices())
@@ -130,12 +145,13 @@ class TensorParallel:
                 f"returned {new_state_tree} for {state_tree}."
             )
         shapes = [np.shape(x) for x in state_leaves]
-        pl = infer_state_placements(closed.jaxpr, self.plan.placements(state, self.size), shapes, n_batch, self.size)
-        ctx = TensorContext(self.axis, self.size, allow_gather=self.allow_gather)
+        named = self.plan.placements(state, self.size)
+        pl = infer_state_placements(closed.jaxpr, named, shapes, n_batch, self.size, self.sequence_parallel)
+        ctx = TensorContext(self.axis, self.size, allow_gather=self.allow_gather, sequence_dim=self.sequence_parallel)
         n_out = len(closed.jaxpr.outvars)
         out_pl = pl + [REPLICATED] * (n_out - n_state)
 
-        names = leaf_paths(state) + ["the batch"] * n_batch
+        names = leaf_paths(state) + [BATCH] * n_batch
 
         def local_step(*args: Any) -> list:
             ctx.events.clear()

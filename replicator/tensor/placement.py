@@ -26,7 +26,8 @@ Promises:
 1. :func:`convert` returns the value of the wanted placement, equal on every
    device to the reference's (``tests/tensor/test_placement.py``).
 2. A gather of a sharded value is refused with :class:`TensorPlacementError`
-   naming the user's line, unless ``allow_gather`` was given; every collective
+   naming the user's line, unless ``allow_gather`` was given (or, under sequence
+   parallelism, the value is an activation); every collective
    made is recorded in ``context.events`` with its line and reason.
 """
 
@@ -114,6 +115,10 @@ class TensorContext:
     size: int
     allow_gather: bool = False
     events: list[Collective] = dataclasses.field(default_factory=list)
+    #: Sequence parallelism: the dimension of activations split between the tensor-parallel regions
+    #: (a partial sum met by a consumer that needs it whole is reduce-scattered on it instead of summed),
+    #: and activations (values computed from the batch) may be gathered; weights never are. ``None``: off.
+    sequence_dim: int | None = None
 
     def record(self, kind: str, x: Any, line: str, reason: str, shape: tuple[int, ...] | None = None) -> None:
         self.events.append(Collective(kind, tuple(shape or x.shape), str(x.dtype), line, reason))
@@ -135,8 +140,8 @@ def _global(shape: tuple[int, ...], placement: Placement, size: int) -> tuple[in
     return tuple(out)
 
 
-def _gather(ctx: TensorContext, x: Any, dim: int, line: str, reason: str) -> Any:
-    if not ctx.allow_gather:
+def _gather(ctx: TensorContext, x: Any, dim: int, line: str, reason: str, activation: bool = False) -> Any:
+    if not ctx.allow_gather and not (activation and ctx.sequence_dim is not None):
         raise TensorPlacementError(
             f"at {line}: {reason} needs the whole of a value held sharded over '{ctx.axis}' "
             f"(shape {_global(x.shape, Shard(dim), ctx.size)}, split on dimension {dim}), which would "
@@ -153,8 +158,13 @@ def _local_slice(ctx: TensorContext, x: Any, dim: int) -> Any:
     return lax.dynamic_slice_in_dim(x, lax.axis_index(ctx.axis) * n, n, dim)
 
 
-def convert(ctx: TensorContext, x: Any, have: Placement, want: Placement, line: str, reason: str) -> Any:
-    """``x`` (this device's part of a value in placement ``have``) in placement ``want``."""
+def convert(
+    ctx: TensorContext, x: Any, have: Placement, want: Placement, line: str, reason: str, activation: bool = False
+) -> Any:
+    """``x`` (this device's part of a value in placement ``have``) in placement ``want``.
+
+    ``activation``: ``x`` is computed from the batch (under sequence parallelism it may be gathered).
+    """
     if have == want or ctx.size == 1:
         return x  # on one device every placement is the whole value
     if isinstance(have, Partial):
@@ -170,5 +180,5 @@ def convert(ctx: TensorContext, x: Any, have: Placement, want: Placement, line: 
         # replicated -> partial: one device keeps the value, the others hold zeros.
         keep = lax.axis_index(ctx.axis) == 0
         return lax.select(lax.broadcast(keep, np.shape(x)), x, lax.full_like(x, 0))
-    whole = _gather(ctx, x, have.dim, line, reason)
+    whole = _gather(ctx, x, have.dim, line, reason, activation)
     return convert(ctx, whole, REPLICATED, want, line, reason)

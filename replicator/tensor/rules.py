@@ -56,6 +56,10 @@ class Decision:
     then: str | None = None
     # Why an input must be whole, said with a refused gather (e.g. heads the degree does not divide).
     note: str | None = None
+    # Another way to the same result, converting other inputs (``dot_general`` with both operands split
+    # on dimensions that do not pair: keep the left one's split or the right one's). The interpreter
+    # takes the one that gathers no weight, else the one that moves fewer bytes.
+    alternative: Decision | None = None
 
 
 Rule = Callable[[JaxprEqn, Sequence[Placement], int], Decision]
@@ -205,14 +209,14 @@ def _dot_general(eqn: JaxprEqn, ins: Sequence[Placement], size: int) -> Decision
     if isinstance(lp, Partial) and isinstance(rp, Replicated) or isinstance(rp, Partial) and isinstance(lp, Replicated):
         return Decision((lp, rp), (PARTIAL,))
     lp, rp = _whole(lp), _whole(rp)
-    # The left operand's split decides what the right one must be (split on the paired dimension, or
-    # whole: a gather if it is split on another).
-    if isinstance(lp, Shard):
-        return _dot_from(lp.dim, lc, rc, lb, rb, lfree, len(lb), lambda p: (lp, p), rp)
-    if isinstance(rp, Shard):
-        offset = len(lb) + len(lfree)
-        return _dot_from(rp.dim, rc, lc, rb, lb, rfree, offset, lambda p: (p, rp), lp)
-    return Decision((REPLICATED, REPLICATED), (REPLICATED,))
+    # One operand's split decides what the other must be (split on the paired dimension, or whole: a
+    # gather if it is split on another). With both split, either may decide: the other is the alternative.
+    offset = len(lb) + len(lfree)
+    left = _dot_from(lp.dim, lc, rc, lb, rb, lfree, len(lb), lambda p: (lp, p), rp) if isinstance(lp, Shard) else None
+    right = _dot_from(rp.dim, rc, lc, rb, lb, rfree, offset, lambda p: (p, rp), lp) if isinstance(rp, Shard) else None
+    if left is not None and right is not None and left.wants != right.wants:
+        return dataclasses.replace(left, alternative=right)
+    return left or right or Decision((REPLICATED, REPLICATED), (REPLICATED,))
 
 
 def _dot_from(
@@ -462,3 +466,44 @@ RULES["ppermute"] = _passthrough
 for _name in ("pmax", "pmin"):
     RULES[_name] = lambda eqn, ins, size: Decision(tuple(_whole(p) for p in ins), tuple(_whole(p) for p in ins))
 RULES["axis_index"] = _constant
+
+
+# -- the cross-replica placeholders (collectives over the data axes, before lowering) -------------
+# They act on each replica's value as a whole and element by element across replicas, so a
+# placement over the tensor axis goes through them; a sum or a mean is linear (a partial sum stays
+# one), a max or a min is not.
+
+
+def _all_reduce(eqn: JaxprEqn, ins: Sequence[Placement], size: int) -> Decision:
+    if eqn.params["op"] in ("sum", "mean"):
+        return _passthrough(eqn, ins, size)
+    whole = tuple(_whole(p) for p in ins)
+    return Decision(whole, whole)
+
+
+def _all_gather(eqn: JaxprEqn, ins: Sequence[Placement], size: int) -> Decision:
+    """Replicas' values stacked (a new axis) or concatenated along ``axis``."""
+    (p,) = ins
+    axis, tiled = eqn.params["axis"], eqn.params["tiled"]
+    if not isinstance(p, Shard):
+        return Decision((p,), (p,))
+    if tiled:
+        if p.dim == axis:  # the replicas' blocks interleave with the tensor axis's: whole first
+            return Decision((REPLICATED,), (REPLICATED,), note="it is concatenated across replicas on that dimension")
+        return Decision((p,), (p,))
+    return Decision((p,), (Shard(p.dim + 1 if p.dim >= axis else p.dim),))
+
+
+def _reduce_scatter(eqn: JaxprEqn, ins: Sequence[Placement], size: int) -> Decision:
+    """A sum over replicas, each keeping one chunk along ``axis``."""
+    (p,) = ins
+    if isinstance(p, Shard) and p.dim == eqn.params["axis"]:
+        return Decision((REPLICATED,), (REPLICATED,), note="it is cut into replicas' chunks on that dimension")
+    return Decision((p,), (p,))
+
+
+RULES["rp.all_reduce"] = _all_reduce
+RULES["rp.broadcast"] = _passthrough
+RULES["rp.all_gather"] = _all_gather
+RULES["rp.reduce_scatter"] = _reduce_scatter
+RULES["rp.replica_id"] = _constant

@@ -44,6 +44,15 @@ VARIANTS: dict[str, dict] = {
     "fold8": {"replicas_per_device": 8},
     "fold4-zero": {"replicas_per_device": 4, "shard_optimizer": True, "shard_optimizer_min_bytes": 0},
     "fold2-zero3": {"replicas_per_device": 2, "zero_stage": 3, "shard_optimizer_min_bytes": 0},
+    # A tensor axis of T devices under each replica (Replicator(parallelism=Parallelism(tensor=T))):
+    # the program's matrices split column-wise (w's outputs, the bias, a stack's outputs) or row-wise
+    # (w's inputs, a stack's inputs) where T divides them (tensor_plan), gathers allowed so that every
+    # conversion the placement rules ask for runs. The mesh is the data replicas; each has T devices.
+    "tensor2": {"tensor": 2, "split": "column"},
+    "tensor2-row": {"tensor": 2, "split": "row"},
+    "tensor4": {"tensor": 4, "split": "column"},
+    "tensor2-zero3": {"tensor": 2, "split": "column", "zero_stage": 3, "shard_optimizer_min_bytes": 0},
+    "tensor4-row-zero3": {"tensor": 4, "split": "row", "zero_stage": 3, "shard_optimizer_min_bytes": 0},
 }
 RAW_VARIANTS = {"lax"}
 MESHES = ((2, 4), (1, 8))
@@ -52,12 +61,31 @@ MESHES = ((2, 4), (1, 8))
 SQUARE_MESHES = ((2, 2), (4, 4))
 
 
+#: The data-replica meshes of the tensor variants, by T: each replica's T devices, 8 in all.
+TENSOR_MESHES = {2: ((2, 2), (1, 4)), 4: ((1, 2), (2, 1))}
+
+
 def runs_on(variant: str, mesh: tuple[int, int]) -> bool:
     """Whether ``variant`` can run on ``mesh``: ``replicas_per_device`` must divide the cores, or be a multiple
-    of them that divides the replicas (fold8 needs 8 replicas)."""
+    of them that divides the replicas (fold8 needs 8 replicas); a tensor variant runs on its own meshes."""
     workers, cores = mesh
+    tensor = VARIANTS[variant].get("tensor")
+    if tensor is not None:
+        return mesh in TENSOR_MESHES[tensor]
     f = VARIANTS[variant].get("replicas_per_device", 1)
     return cores % f == 0 or (f % cores == 0 and workers % (f // cores) == 0)
+
+
+def tensor_plan(spec: Spec, size: int, split: str) -> dict[str, Any]:
+    """The program's matrices split column-wise (outputs) or row-wise (inputs) over ``size`` devices, where
+    ``size`` divides them; a plan that splits nothing names ``w`` replicated."""
+    hidden, features = spec.hidden % size == 0, spec.features % size == 0
+    plan: dict[str, Any] = {}
+    if split == "column" and hidden:
+        plan = {"params/w": 1, "params/b": 0, **({"params/stack": 2} if spec.stack else {})}
+    elif split == "row":
+        plan = {**({"params/w": 0} if features else {}), **({"params/stack": 1} if spec.stack and hidden else {})}
+    return plan or {"params/w": "replicated"}
 
 
 STEPS = 2
@@ -118,6 +146,7 @@ def graph_key(final: StepGraph, fold: Any = None) -> str:
     for const in final.jaxpr.consts:
         digest.update(np.asarray(const).tobytes())
     digest.update(repr(sorted(final.sharded_state)).encode())
+    digest.update(repr(final.tensor and final.tensor.state_dims).encode())
     return digest.hexdigest()
 
 
@@ -133,13 +162,19 @@ def replicated(
     """
     options = dict(VARIANTS[variant])
     replicas_per_device = options.pop("replicas_per_device", 1)
+    tensor, split = options.pop("tensor", 1), options.pop("split", None)
+    parallelism = None
+    if tensor > 1:
+        plan = tensor_plan(spec, tensor, split)
+        parallelism = rp.Parallelism(tensor=tensor, tensor_plan=plan, allow_gather=True)
     raw = variant in RAW_VARIANTS
     repl = rp.Replicator(
         workers,
-        cores,
+        cores * tensor,
         passes=rp.Pipeline.default(verify=True, **options),
         axis_name="batch" if raw else None,
         replicas_per_device=replicas_per_device,
+        parallelism=parallelism,
     )
     R = workers * cores
     batches = global_batches(spec, R, STEPS)
@@ -322,14 +357,20 @@ def check(
 def run_program(
     seed: int, variants: list[str], meshes=MESHES, stats: collections.Counter | None = None
 ) -> list[Outcome]:
-    """One random program under every variant and mesh (the reference computed once per mesh).
+    """One random program under every variant and mesh (the reference computed once per mesh); the tensor
+    variants on their own meshes (:data:`TENSOR_MESHES`).
 
     Variants whose final graphs are identical share one execution; ``stats``
     counts ``runs`` (variant x mesh) and distinct ``graphs`` executed.
     """
     stats = collections.Counter() if stats is None else stats
     outcomes = []
-    for mesh in meshes:
+    tensor_meshes = sorted({m for t, ms in TENSOR_MESHES.items() for m in ms})
+    all_variants = variants
+    for mesh in [*meshes, *(m for m in tensor_meshes if m not in meshes)]:
+        variants = [v for v in all_variants if runs_on(v, mesh) and (mesh in meshes or "tensor" in VARIANTS[v])]
+        if not variants:
+            continue
         spec = random_spec(seed, mesh[0] * mesh[1])
         try:
             ref = reference(spec, *mesh)

@@ -3,7 +3,8 @@
 Each program runs replicated under one pipeline variant and mesh and is
 compared with every replica simulated at once on one device. The sample runs
 every variant on 2 x 4 and 1 x 8, and on the square meshes (2 x 2; 4 x 4 with
-``REPLICATOR_TEST_DEVICES=16``) where the two groups have one size. The long run is
+``REPLICATOR_TEST_DEVICES=16``) where the two groups have one size; the tensor variants on
+their own data meshes, each replica over T devices. The long run is
 ``python scripts/fuzz.py --programs 2000``.
 """
 
@@ -20,6 +21,7 @@ import replicator as rp
 from .differential import (
     MESHES,
     SQUARE_MESHES,
+    TENSOR_MESHES,
     VARIANTS,
     check,
     first_mismatch,
@@ -30,8 +32,15 @@ from .differential import (
 from .programs import PerReplica, Stacked, global_batches, initial_state, make_step, random_spec
 
 # (seed, variant, mesh): every variant on both meshes, a different program each.
-SAMPLE = [(100 + i, v, MESHES[i % 2]) for i, v in enumerate(VARIANTS)]
-SAMPLE += [(200 + i, v, MESHES[(i + 1) % 2]) for i, v in enumerate(VARIANTS)]
+SAMPLE = [(100 + i, v, MESHES[i % 2]) for i, v in enumerate(VARIANTS) if runs_on(v, MESHES[i % 2])]
+SAMPLE += [(200 + i, v, MESHES[(i + 1) % 2]) for i, v in enumerate(VARIANTS) if runs_on(v, MESHES[(i + 1) % 2])]
+# The tensor variants on each of their data meshes (T devices per replica, 8 in all).
+SAMPLE += [
+    (400 + 10 * i + k, v, m)
+    for i, v in enumerate(VARIANTS)
+    if "tensor" in VARIANTS[v]
+    for k, m in enumerate(TENSOR_MESHES[VARIANTS[v]["tensor"]])
+]
 # Square meshes: every variant that fits, a different program each.
 SAMPLE += [
     (300 + 100 * k + i, v, m) for k, m in enumerate(SQUARE_MESHES) for i, v in enumerate(VARIANTS) if runs_on(v, m)
@@ -40,9 +49,10 @@ SAMPLE += [
 
 def _sample_param(seed: int, variant: str, mesh: tuple[int, int]):
     workers, cores = mesh
+    devices = workers * cores * VARIANTS[variant].get("tensor", 1)
     needs = pytest.mark.skipif(
-        jax.device_count() < workers * cores,
-        reason=f"a {workers}x{cores} mesh needs {workers * cores} devices (REPLICATOR_TEST_DEVICES)",
+        jax.device_count() < devices,
+        reason=f"{variant} on a {workers}x{cores} mesh needs {devices} devices (REPLICATOR_TEST_DEVICES)",
     )
     return pytest.param(seed, variant, mesh, id=f"{seed}-{variant}-{workers}x{cores}", marks=needs)
 

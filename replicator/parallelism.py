@@ -1,0 +1,160 @@
+"""How a :class:`~replicator.Replicator` splits its devices between the axes of parallelism.
+
+One value instead of a growing list of constructor keywords: the tensor axis (a model's matrices
+split over ``T`` devices, :mod:`replicator.tensor`), pipeline stages (:mod:`replicator.stages`)
+and folding (several replicas per device). The data-parallel replicas are what is left:
+``num_workers * cores_per_worker / (stages * tensor)``.
+
+>>> par = Parallelism(tensor=2, tensor_plan={"*/fc1/kernel": "column", "*/fc2/kernel": "row"})
+>>> par.tensor, par.stages
+(2, 1)
+>>> Parallelism(tensor=0)
+Traceback (most recent call last):
+...
+ValueError: Parallelism(tensor=0): the tensor degree must be a positive int (1: no tensor axis).
+
+Promises:
+
+1. Every field is checked when the value is made: a degree that is not a positive int, a tensor
+   degree above 1 without a plan, a plan given without a tensor degree, and an unknown schedule
+   are each a ``ValueError`` naming the field and the fix
+   (``tests/tensor/test_replicator.py::test_a_parallelism_value_is_checked_when_made``).
+2. ``Replicator(..., parallelism=p)`` runs as the old keywords with the same values would
+   (``pipeline_stages``, ``microbatches``, ``schedule``, ``pipeline_recompute``,
+   ``replicas_per_device``); giving both is a ``ValueError``
+   (``tests/tensor/test_replicator.py::test_the_old_keywords_and_parallelism_are_one_setting``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from replicator.tensor.plan import TensorPlan
+
+__all__ = ["Parallelism", "check_tensor_supported", "older_keywords"]
+
+SCHEDULES = ("1f1b", "gpipe", "1f1b-fused")
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallelism:
+    """The axes a Replicator's devices are split between (the data axis takes the rest).
+
+    Attributes:
+      tensor: ``T``, the devices each replica's planned matrices are split over (the ``'tensor'``
+        mesh axis, innermost: ``T`` consecutive devices of one worker). ``1``: none.
+      tensor_plan: which state leaves are split and how: a :class:`~replicator.tensor.TensorPlan`
+        or its mapping of path globs to ``"column"``, ``"row"``, ``"replicated"`` or a dimension
+        (``"blocks/*/mlp/fc1/kernel": "column"``). Leaves it does not name are whole on every
+        device, except an optimizer's moments, which follow their parameter.
+      allow_gather: let the rewrite gather a split value whole where a consumer needs it (each
+        gather is listed by ``explain``); otherwise such a plan is refused at trace time.
+      sequence_parallel: Megatron's sequence parallelism: the dimension of the activations that is
+        their sequence (``1`` for ``(batch, sequence, hidden)``). Between the tensor-parallel
+        regions activations are split on it: each all-reduce of a block becomes a reduce-scatter
+        there, and an all-gather of the activation before the next column-parallel matmul (weights
+        are never gathered). ``None``: off.
+      stages: pipeline stages, cut at ``rp.stage_boundary`` markers (docs/guide/pipeline.md).
+      microbatches: the micro-batches of a pipelined step (default: ``stages``).
+      schedule: ``'1f1b'`` (default), ``'gpipe'`` or ``'1f1b-fused'``.
+      recompute: run each stage's forward again before its backward instead of keeping it.
+      replicas_per_device: fold this many consecutive replicas onto each device.
+    """
+
+    tensor: int = 1
+    tensor_plan: TensorPlan | Mapping[str, Any] | None = None
+    allow_gather: bool = False
+    sequence_parallel: int | None = None
+    stages: int = 1
+    microbatches: int | None = None
+    schedule: str | None = None
+    recompute: bool = False
+    replicas_per_device: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tensor", "stages", "replicas_per_device"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(
+                    f"Parallelism({name}={value!r}): the {name.replace('_', ' ')} degree must be a positive "
+                    f"int (1: no {'tensor axis' if name == 'tensor' else 'split'})."
+                    if name != "replicas_per_device"
+                    else f"Parallelism(replicas_per_device={value!r}): must be a positive int (1: no folding)."
+                )
+        if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
+            raise ValueError(f"Parallelism(microbatches={self.microbatches!r}): must be a positive int or None.")
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise ValueError(f"Parallelism(schedule={self.schedule!r}): must be one of {', '.join(SCHEDULES)}.")
+        if self.tensor > 1 and self.tensor_plan is None:
+            raise ValueError(
+                f"Parallelism(tensor={self.tensor}) needs a tensor_plan: which parameters to split, e.g. "
+                "tensor_plan={'*/fc1/kernel': 'column', '*/fc2/kernel': 'row'} (docs/guide/tensor.md)."
+            )
+        if self.sequence_parallel is not None and (
+            isinstance(self.sequence_parallel, bool) or not isinstance(self.sequence_parallel, int)
+        ):
+            raise ValueError(
+                f"Parallelism(sequence_parallel={self.sequence_parallel!r}): give the activations' sequence "
+                "dimension (1 for (batch, sequence, hidden)), or None for off."
+            )
+        if self.tensor == 1 and self.sequence_parallel is not None:
+            raise ValueError(
+                "Parallelism(sequence_parallel=...) splits activations over the tensor axis: give tensor=T."
+            )
+        if self.tensor == 1 and self.tensor_plan is not None:
+            raise ValueError(
+                "Parallelism(tensor_plan=...) without tensor=T: give the degree the plan splits over, e.g. tensor=2."
+            )
+        if self.tensor_plan is not None and not isinstance(self.tensor_plan, TensorPlan):
+            object.__setattr__(self, "tensor_plan", TensorPlan(self.tensor_plan))
+
+
+def older_keywords(parallelism: Parallelism | None, **given: Any) -> dict[str, Any]:
+    """The values of ``Replicator``'s older keywords (``pipeline_stages``, ``microbatches``, ``schedule``,
+    ``pipeline_recompute``, ``replicas_per_device``): ``given`` as they are without ``parallelism``, else
+    ``parallelism``'s, refusing a keyword given beside it."""
+    if parallelism is None:
+        return given
+    if not isinstance(parallelism, Parallelism):
+        raise TypeError(f"parallelism= must be a replicator.Parallelism, got {type(parallelism).__name__}.")
+    defaults = {
+        "replicas_per_device": 1,
+        "pipeline_stages": 1,
+        "microbatches": None,
+        "schedule": None,
+        "pipeline_recompute": False,
+    }
+    both = [name for name, value in given.items() if value != defaults[name]]
+    if both:
+        raise ValueError(
+            f"Replicator: {', '.join(both)} and parallelism= both say how to split the devices: put everything in "
+            "parallelism= (Parallelism(stages=..., microbatches=..., schedule=..., recompute=..., "
+            "replicas_per_device=...))."
+        )
+    return {
+        "replicas_per_device": parallelism.replicas_per_device,
+        "pipeline_stages": parallelism.stages,
+        "microbatches": parallelism.microbatches,
+        "schedule": parallelism.schedule,
+        "pipeline_recompute": parallelism.recompute,
+    }
+
+
+def check_tensor_supported(parallelism: Parallelism, check_state_every: int | None) -> None:
+    """Refuse, with what to do instead, what the tensor axis does not combine with yet."""
+    not_yet = [
+        name
+        for name, on in (
+            (f"stages={parallelism.stages}", parallelism.stages > 1 or parallelism.microbatches is not None),
+            (f"replicas_per_device={parallelism.replicas_per_device}", parallelism.replicas_per_device > 1),
+            (f"check_state_every={check_state_every}", check_state_every is not None),
+        )
+        if on
+    ]
+    if not_yet:
+        raise ValueError(
+            f"Parallelism(tensor={parallelism.tensor}) does not combine with {' and '.join(not_yet)} yet.\n"
+            "Fix: leave it out, or run without the tensor axis (docs/guide/tensor.md says what combines today)."
+        )

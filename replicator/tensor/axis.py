@@ -1,0 +1,62 @@
+"""The tensor axis of a :class:`~replicator.Replicator`'s mesh: where it goes and what it does to a step.
+
+The mesh becomes ``('workers', 'cores', 'tensor')``: each worker's devices are cut into groups of
+``T`` consecutive devices (the tensor axis innermost, so a group shares a host), and the data-parallel
+replicas are the groups. The per-replica graph the Replicator traced is split for one device of a
+group (:func:`~replicator.tensor.split_graph.split_step_graph`) before the passes run.
+
+>>> import jax
+>>> axis = TensorAxis(2, TensorPlan({"w": "column"}))
+>>> dict(axis.mesh(rp.build_mesh(1, 4)).shape)
+{'workers': 1, 'cores': 2, 'tensor': 2}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jax.sharding import Mesh
+
+from replicator.core.context import REPLICA_AXES
+from replicator.core.graph import StepGraph
+from replicator.tensor.plan import TensorPlan
+from replicator.tensor.split_graph import split_step_graph
+
+__all__ = ["TensorAxis"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorAxis:
+    """``T`` devices per replica, the plan of what is split over them, and the axis's name."""
+
+    size: int
+    plan: TensorPlan
+    allow_gather: bool = False
+    sequence_parallel: int | None = None
+    name: str = "tensor"
+
+    def mesh(self, replicas: Mesh) -> Mesh:
+        """``replicas``' ``('workers', 'cores')`` devices with each worker's cut into groups of ``size``."""
+        workers, cores = replicas.devices.shape
+        if cores % self.size:
+            raise ValueError(
+                f"Parallelism(tensor={self.size}) cuts each worker's devices into groups of {self.size}, and a "
+                f"worker has {cores} (cores_per_worker={cores}), not a multiple of {self.size}.\n"
+                f"Fix: a tensor degree that divides cores_per_worker (the tensor axis stays within a worker)."
+            )
+        devices = replicas.devices.reshape(workers, cores // self.size, self.size)
+        return Mesh(devices, (*REPLICA_AXES, self.name))
+
+    def split(self, graph: StepGraph, state: Any) -> StepGraph:
+        """``graph`` (per replica) as one device of a tensor group runs it; ``state``: the state's
+        pytree of arrays or shapes (the plan's paths), or None."""
+        named = self.plan.placements(state, self.size) if state is not None else []
+        return split_step_graph(
+            graph,
+            named,
+            size=self.size,
+            axis=self.name,
+            allow_gather=self.allow_gather,
+            sequence_parallel=self.sequence_parallel,
+        )
