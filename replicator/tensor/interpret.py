@@ -234,7 +234,8 @@ class _Walker:
             if isinstance(have, Partial)
             and isinstance(_plain(want), Replicated)
             and not isinstance(a, Literal)
-            and len(a.aval.shape) > d
+            and len(a.aval.shape) >= max(3, d + 1)
+            and a.aval.shape[d] in self.ctx.sequence_lengths
             and a.aval.shape[d] % size == 0
         ]
         if not swap:
@@ -467,8 +468,17 @@ def analyze(
     """The placement of each output of ``jaxpr`` given its inputs' (``in_names`` as for :func:`run`: the
     batch's inputs named :data:`BATCH` make what is computed from them activations)."""
     ctx = TensorContext(axis, size, allow_gather=True, sequence_dim=sequence_dim)
+    if sequence_dim is not None and in_names is not None:
+        ctx.sequence_lengths = sequence_lengths(jaxpr.invars, in_names, sequence_dim)
     sources = [frozenset([n]) for n in in_names] if in_names is not None else None
     return _Walker(ctx).walk(jaxpr, None, None, in_placements, sources)[1]
+
+
+def sequence_lengths(invars: Sequence[Any], names: Sequence[str], dim: int) -> frozenset[int]:
+    """The sizes on ``dim`` of the batch's inputs (those named :data:`BATCH`) that have it."""
+    return frozenset(
+        v.aval.shape[dim] for v, n in zip(invars, names, strict=True) if n == BATCH and len(v.aval.shape) > dim
+    )
 
 
 def run(
@@ -483,6 +493,8 @@ def run(
     ``in_names`` name the inputs (state paths) in a refused gather's message.
     """
     sources = [frozenset([n]) for n in in_names] if in_names is not None else None
+    if ctx.sequence_dim is not None and in_names is not None:
+        ctx.sequence_lengths = sequence_lengths(closed.jaxpr.invars, in_names, ctx.sequence_dim)
     outs, pl = _Walker(ctx).walk(closed.jaxpr, closed.consts, list(args), in_placements, sources)
     assert outs is not None
     return outs, pl

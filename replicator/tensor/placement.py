@@ -119,6 +119,10 @@ class TensorContext:
     #: (a partial sum met by a consumer that needs it whole is reduce-scattered on it instead of summed),
     #: and activations (values computed from the batch) may be gathered; weights never are. ``None``: off.
     sequence_dim: int | None = None
+    #: The batch's sequence lengths (its leaves' sizes on ``sequence_dim``): a value is an activation
+    #: split on the sequence only if it has rank >= 3 and one of these sizes there (a weight's gradient,
+    #: a partial sum too, is summed whole).
+    sequence_lengths: frozenset[int] = frozenset()
 
     def record(self, kind: str, x: Any, line: str, reason: str, shape: tuple[int, ...] | None = None) -> None:
         self.events.append(Collective(kind, tuple(shape or x.shape), str(x.dtype), line, reason))
