@@ -407,7 +407,7 @@ class Replicator:
         #: The tensor axis (``Parallelism(tensor=T)``), or None.
         self.tensor: TensorAxis | None = None
         if parallelism is not None and parallelism.tensor > 1:
-            check_tensor_supported(parallelism, check_state_every)
+            check_tensor_supported(parallelism)
             self.tensor = TensorAxis(
                 parallelism.tensor, parallelism.tensor_plan, parallelism.allow_gather, parallelism.sequence_parallel
             )

@@ -142,14 +142,13 @@ def older_keywords(parallelism: Parallelism | None, **given: Any) -> dict[str, A
     }
 
 
-def check_tensor_supported(parallelism: Parallelism, check_state_every: int | None) -> None:
+def check_tensor_supported(parallelism: Parallelism) -> None:
     """Refuse, with what to do instead, what the tensor axis does not combine with yet."""
     not_yet = [
         name
         for name, on in (
             (f"stages={parallelism.stages}", parallelism.stages > 1 or parallelism.microbatches is not None),
             (f"replicas_per_device={parallelism.replicas_per_device}", parallelism.replicas_per_device > 1),
-            (f"check_state_every={check_state_every}", check_state_every is not None),
         )
         if on
     ]

@@ -189,8 +189,6 @@ def test_a_parallelism_value_is_checked_when_made():
         rp.Replicator(1, 3, parallelism=rp.Parallelism(tensor=2, tensor_plan=PLAN))
     with pytest.raises(ValueError, match="does not combine with stages=2"):
         rp.Replicator(1, 8, parallelism=rp.Parallelism(tensor=2, tensor_plan=PLAN, stages=2))
-    with pytest.raises(ValueError, match="check_state_every"):
-        rp.Replicator(1, 8, check_state_every=1, parallelism=rp.Parallelism(tensor=2, tensor_plan=PLAN))
 
 
 def test_the_old_keywords_and_parallelism_are_one_setting():
@@ -251,3 +249,20 @@ def test_explain_lists_the_collectives_over_the_tensor_axis_with_the_users_lines
     assert "216 B sent per device per step" in text
     # The data axes' collectives still name the user's lines after the split.
     assert "<unknown location>" not in text
+
+
+def test_per_replica_state_and_the_state_check_run_beside_the_tensor_axis():
+    """A per-replica leaf (a running mean of each replica's batch) stays per replica; the state check
+    compares the leaves stored whole on every device (split ones differ between devices by design)."""
+
+    def step(state, b):
+        inner, stats = state
+        inner, loss = _step(inner, b)
+        return (inner, 0.9 * stats + 0.1 * jnp.mean(b["x"], 0)), loss
+
+    plan = {"0/0/fc1": "column", "0/0/b1": 0, "0/0/fc2": "row"}
+    repl = rp.Replicator(2, 4, check_state_every=1, parallelism=rp.Parallelism(tensor=2, tensor_plan=plan))
+    b = _batches(8)[0]
+    (inner, stats), _ = repl.run(step, b, (_state(), jnp.zeros((4, 6))), per_replica_state=(False, True))
+    np.testing.assert_allclose(stats, 0.1 * np.asarray(b["x"]).reshape(4, 2, 6).mean(1), rtol=1e-6)
+    _close(inner, _reference([b], _state())[0])
