@@ -154,6 +154,8 @@ TESTS: dict[str, tuple[str, ...]] = {
         "tests/tensor/test_rules.py",
         "tests/tensor/test_parallelize.py",
         "tests/tensor/test_plan.py",
+        "tests/tensor/test_replicator.py",
+        "tests/tensor/test_sequence.py",
     ),
     "replicator/analysis/records.py": (
         "tests/passes/test_records.py",
