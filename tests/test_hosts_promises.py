@@ -114,6 +114,28 @@ def test_a_round_is_stopped_by_a_gone_host_a_lost_rendezvous_or_the_jobs_end(sta
     assert _said(output) == f"[launcher] {said}\n"
 
 
+def test_a_round_is_done_only_when_every_host_has_finished():
+    """Found by the third hidden mutant set: with one host of two finished, the round goes on (the other
+    host's workers are still running); with both, it is done, code 0, on every host."""
+
+    class _Finished(_Polled):
+        def __init__(self, done: int) -> None:
+            super().__init__(Status(1, True, (), (), None))
+            self.client = self
+            self.done = done
+
+        def get(self, key: str) -> str:
+            assert key == "hosts/done/1"
+            return str(self.done)
+
+    assert hosts._Watch(_Finished(1), A, _output(), done_key="hosts/done/1")(now=10.0) is None  # type: ignore[arg-type]
+    output = _output()
+    watch = hosts._Watch(_Finished(2), A, output, done_key="hosts/done/1")  # type: ignore[arg-type]
+    outcome = watch(now=10.0)
+    assert outcome is not None and outcome.code == 0 and watch.event[0] == "done"
+    assert "every host's workers finished (round 1)" in _said(output)
+
+
 def test_the_rendezvous_is_read_at_most_once_per_heartbeat_interval():
     polled = _Polled(Status(1, True, (), (), None))
     watch = hosts._Watch(polled, A, _output())  # type: ignore[arg-type]

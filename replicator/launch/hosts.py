@@ -34,9 +34,10 @@ Promises:
 1. A worker's failure on one host restarts the workers of every host, each
    start with the round number in ``REPLICATOR_RESTART_COUNT`` and the job's
    worker count in ``REPLICATOR_NUM_WORKERS``, and a job whose hosts' workers
-   all finish ends with 0 on every host
+   all finish ends with 0 on every host, and not before the last host's finish
    (tests/test_rendezvous.py::test_a_worker_failure_on_one_host_restarts_every_host,
-   tests/test_hosts.py::test_a_worker_killed_on_host_1_restarts_every_host_and_the_job_ends_as_if_uninterrupted).
+   tests/test_hosts.py::test_a_worker_killed_on_host_1_restarts_every_host_and_the_job_ends_as_if_uninterrupted,
+   tests/test_hosts_promises.py::test_a_round_is_done_only_when_every_host_has_finished).
 2. Restarts are counted exactly: rounds ``1 .. max_restarts`` are restarts,
    and a failure in round ``max_restarts`` ends the job with that failure's
    code for every host
