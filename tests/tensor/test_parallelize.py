@@ -362,3 +362,25 @@ def test_heads_the_degree_does_not_divide_are_refused_saying_so():
     with pytest.raises(TensorPlacementError, match=r"\(2, 3, 12\) -> \(2, 3, 6, 2\).*degree 4 does not divide") as e:
         tp({"wq": jnp.ones((h, h))}, jnp.ones((2, 3, h)))
     assert "computed from: the batch, wq." in str(e.value)
+
+
+def test_a_scan_carry_split_on_another_dimension_by_each_iteration_is_carried_whole():
+    """The carry enters split on its columns and each iteration transposes it (split on its rows): the
+    iterations disagree, so it is carried whole (a fixed point that must settle; a mutation sample showed
+    no test had one)."""
+    k = 8
+
+    def step(p, x):
+        c = x @ p["w"]  # (k, k), split on its columns
+
+        def body(c, _):
+            return jnp.tanh(c.T) * 0.9, None
+
+        out, _ = jax.lax.scan(body, c, None, length=3)
+        return p, jnp.sum(out * jnp.arange(k * k, dtype=out.dtype).reshape(k, k))
+
+    p = {"w": jax.random.normal(jax.random.PRNGKey(3), (k, k)) / 3}
+    x = jax.random.normal(jax.random.PRNGKey(4), (k, k))
+    for size in DEGREES:
+        tp = TensorParallel(step, {"w": "column"}, size=size, allow_gather=True)
+        np.testing.assert_allclose(tp(tp.shard(p, x), x)[1], jax.jit(step)(p, x)[1], rtol=1e-5)

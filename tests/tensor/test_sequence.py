@@ -151,3 +151,18 @@ def test_sequence_parallelism_inside_a_replicator_equals_one_device():
         rp.Parallelism(sequence_parallel=1)
     with pytest.raises(ValueError, match="sequence dimension"):
         rp.Parallelism(tensor=2, tensor_plan=PLAN, sequence_parallel=True)
+
+
+def test_an_output_computed_from_a_split_weight_alone_is_not_gathered_under_sequence_parallelism():
+    """Sequence parallelism lets activations be gathered, not weights: returning a split weight's column
+    sums whole would gather the weight (a mutation sample: the conversion of the step's outputs taken as
+    an activation's)."""
+
+    def step(p, x):
+        return p, jnp.sum(p["w"], 0) + jnp.sum(x)
+
+    p = {"w": jnp.ones((H, F))}
+    with pytest.raises(TensorPlacementError, match="the step's outputs"):
+        TensorParallel(step, {"w": "column"}, size=2, sequence_parallel=1)(
+            TensorParallel(step, {"w": "column"}, size=2).shard(p), X
+        )
