@@ -151,6 +151,25 @@ def collective_time(record: CollectiveRecord, topology: Topology | str, *, num_w
     )
 
 
+def tensor_collective_time(kind: str, nbytes: float, size: int, topology: Topology | str) -> float:
+    """Predicted seconds of one collective over the tensor axis (``T = size`` neighbours of a worker: the
+    ``cores`` link) of a value of ``nbytes`` in all: ``'all-reduce'`` (also ``-max``/``-min``), ``'reduce-scatter'``
+    or ``'all-gather'`` (each device starts with ``nbytes / size``)."""
+    topology = get_topology(topology)
+    if size <= 1:
+        return 0.0
+    link, one = topology.cores, topology.native_latency == "one"
+    if kind.startswith("all-reduce"):
+        if one:
+            return link.alpha_s + 2 * (size - 1) / size * nbytes * link.beta_s_per_byte
+        return ring_allreduce_time(size, nbytes, link)
+    if kind == "reduce-scatter":
+        return reduce_scatter_time(size, nbytes, link) - ((size - 2) * link.alpha_s if one else 0.0)
+    if kind == "all-gather":
+        return all_gather_time(size, nbytes / size, link) - ((size - 2) * link.alpha_s if one else 0.0)
+    raise ValueError(f"tensor_collective_time: no cost formula for {kind!r}.")
+
+
 # ----------------------------------------------------------------------------
 # Predictions
 # ----------------------------------------------------------------------------
@@ -165,11 +184,15 @@ class Prediction:
     seconds: tuple[float, ...]
     num_replicas: int
     num_workers: int | None = None
+    #: With a tensor axis: its collectives (kind, dtype, shape, line, reason: ``tensor.placement.Collective``)
+    #: and their predicted seconds, over the ``cores`` link.
+    tensor_rows: tuple[Any, ...] = ()
+    tensor_seconds: tuple[float, ...] = ()
 
     @property
     def total_s(self) -> float:
         """Predicted communication time of one step, collectives one after another (no overlap)."""
-        return math.fsum(self.seconds)
+        return math.fsum(self.seconds) + math.fsum(self.tensor_seconds)
 
     def __str__(self) -> str:
         header = ("#", "kind", "group", "algorithm", "N", "bytes", "link", "predicted", "share")
@@ -189,6 +212,11 @@ class Prediction:
                     _seconds(t),
                     f"{100 * t / total:.0f}%" if total > 0 else "-",
                 )
+            )
+        for j, (c, t) in enumerate(zip(self.tensor_rows, self.tensor_seconds, strict=True)):
+            share = f"{100 * t / total:.0f}%" if total > 0 else "-"
+            lines.append(
+                (str(len(self.rows) + j), c.kind, "tensor", "native", "", str(c.nbytes), "cores", _seconds(t), share)
             )
         summary = (
             f"predicted communication per step: {_seconds(total)} on {self.num_replicas} replicas, "
@@ -227,13 +255,16 @@ def predict(
       num_replicas, num_workers: the mesh (taken from a report when one is given);
         ``num_workers`` picks the link of a collective over all replicas.
     """
+    tensor = getattr(records, "tensor", None)  # a report's tensor axis (TensorLayout), if any
     if hasattr(records, "rows"):  # a CommunicationReport
         records, num_replicas, num_workers = records.rows, records.num_replicas, records.num_workers
     if num_replicas is None:
         raise TypeError("predict(records, topology): pass num_replicas= with a sequence of records.")
     topology = get_topology(topology)
     seconds = tuple(collective_time(r, topology, num_workers=num_workers) for r in records)
-    return Prediction(topology, tuple(records), seconds, num_replicas, num_workers)
+    tensor_rows = tuple(tensor.collectives) if tensor is not None else ()
+    tensor_seconds = tuple(tensor_collective_time(c.kind, c.nbytes, tensor.size, topology) for c in tensor_rows)
+    return Prediction(topology, tuple(records), seconds, num_replicas, num_workers, tensor_rows, tensor_seconds)
 
 
 # ----------------------------------------------------------------------------

@@ -249,6 +249,14 @@ def test_explain_lists_the_collectives_over_the_tensor_axis_with_the_users_lines
     assert "216 B sent per device per step" in text
     # The data axes' collectives still name the user's lines after the split.
     assert "<unknown location>" not in text
+    # Predicted time: each over the link inside a worker (alpha-beta, the preset's numbers, by hand).
+    for preset in ("cpu-emulated", "gpu-nvlink-8"):
+        prediction = report.predict(preset)
+        link, one = prediction.topology.cores, prediction.topology.native_latency == "one"
+        by_hand = [(1 if one else 2) * link.alpha_s + 2 * (2 - 1) / 2 * c.nbytes * link.beta_s_per_byte for c in rows]
+        np.testing.assert_allclose(prediction.tensor_seconds, by_hand, rtol=1e-12)
+        assert prediction.total_s == pytest.approx(sum(prediction.seconds) + sum(by_hand))
+        assert str(prediction).count(" tensor ") == 2
 
 
 def test_per_replica_state_and_the_state_check_run_beside_the_tensor_axis():
