@@ -126,8 +126,11 @@ def reference(
     over replicas add them one by one in that order (:class:`Stacked`).
     """
     R = workers * cores
-    step = jax.jit(make_step(spec, Stacked(workers, cores, wire_dtype, order)))
-    state = jax.tree.map(lambda a: np.broadcast_to(a, (R, *np.shape(a))), initial_state(spec))
+    step = jax.jit(make_step(spec, Stacked(workers, cores, wire_dtype, None if order == "state" else order)))
+    start = initial_state(spec)
+    if order == "state":  # every float of the initial state moved by about 2 ulps, alternately up and down
+        start = jax.tree.map(_moved_by_ulps, start)
+    state = jax.tree.map(lambda a: np.broadcast_to(a, (R, *np.shape(a))), start)
     outputs = []
     for batch in global_batches(spec, R, STEPS):
         stacked = jax.tree.map(lambda a: a.reshape(R, spec.rows, *a.shape[1:]), batch)
@@ -137,6 +140,14 @@ def reference(
     for leaf in jax.tree.leaves(rows):
         np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[:1], leaf.shape))  # state stays identical
     return jax.tree.map(lambda a: a[0], rows), outputs
+
+
+def _moved_by_ulps(a: Any) -> Any:
+    a = np.asarray(a)
+    if not np.issubdtype(a.dtype, np.floating):
+        return a
+    signs = np.where(np.arange(a.size) % 2 == 0, 1.0, -1.0).reshape(a.shape)
+    return (a * (1.0 + signs * 2.0**-22)).astype(a.dtype)
 
 
 def graph_key(final: StepGraph, fold: Any = None) -> str:
@@ -218,7 +229,7 @@ def claimed_identical_but_differs(outputs: list[Any], variance: tuple, workers: 
     return None
 
 
-def order_sensitivity(spec: Spec, workers: int, cores: int) -> tuple[Any, list[Any]]:
+def order_sensitivity(spec: Spec, workers: int, cores: int, moved_state: bool = False) -> tuple[Any, list[Any]]:
     """Per element, how far the reference moves when its replica sums add in another order.
 
     The largest ``|reference - reference(order)|`` over a forward and a reverse
@@ -243,7 +254,10 @@ def order_sensitivity(spec: Spec, workers: int, cores: int) -> tuple[Any, list[A
             other,
         )
 
-    for order in ("forward", "reverse", "jitter"):
+    # With ``moved_state`` (the tensor variants: a split matmul adds its products in another order than one
+    # device's, inside the replica), also the initial state moved by about 2 ulps ('state'): how much the
+    # program amplifies rounding anywhere, not only in the sums over replicas.
+    for order in ("forward", "reverse", "jitter", *(("state",) if moved_state else ())):
         other_state, other_outputs = reference(spec, workers, cores, order=order)
         state = widen(state, base_state, other_state)
         outputs = [widen(a, b, o) for a, b, o in zip(outputs, base_outputs, other_outputs, strict=True)]
@@ -345,9 +359,10 @@ def check(
     if outcome.mismatch is not None:  # is the reference itself that sensitive to rounding there?
         if sensitivity_cache is None:
             sensitivity_cache = {}
-        if "order" not in sensitivity_cache:
-            sensitivity_cache["order"] = order_sensitivity(spec, workers, cores)
-        if compare(sensitivity_cache["order"]) is None:
+        key = "order+state" if "tensor" in VARIANTS[variant] else "order"
+        if key not in sensitivity_cache:
+            sensitivity_cache[key] = order_sensitivity(spec, workers, cores, moved_state=key == "order+state")
+        if compare(sensitivity_cache[key]) is None:
             outcome.order_sensitive, outcome.mismatch = outcome.mismatch, None
     if outcome.mismatch is None:
         outcome.mismatch = claimed_identical_but_differs(got_outputs, variance, workers, cores)

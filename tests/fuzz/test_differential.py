@@ -173,3 +173,23 @@ def test_a_sum_that_cancels_widens_the_tolerance_only_where_the_reference_is_tha
     got["params"]["w"][0, 0] += 1e-3
     found = first_mismatch("default", got, want, sensitivity=state_e)
     assert found is not None and "element (0, 0)" in found, found
+
+
+def test_the_tensor_variants_sensitivity_adds_a_moved_state_and_still_catches_an_error():
+    """A tensor-split matmul adds its products in another order than one device's, inside the replica: the
+    tensor variants' tolerance is also widened by how far the reference moves when its initial state moves
+    by about 2 ulps (seed 1018, found by `scripts/fuzz.py --variants tensor4`: Adam's update of a weight
+    whose gradient is rounding noise). The widening only adds to the other orders', and an error where
+    the reference is not that sensitive is still caught."""
+    spec = random_spec(1018, 2)
+    plain, _ = order_sensitivity(spec, 2, 1)
+    moved, _ = order_sensitivity(spec, 2, 1, moved_state=True)
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(moved), strict=True):
+        assert np.all(np.asarray(b) >= np.asarray(a))
+    want, _ = reference(spec, 2, 1)
+    w = np.asarray(moved["params"]["w"])
+    quiet = np.unravel_index(np.argmin(w), w.shape)
+    got = jax.tree.map(np.array, want)
+    got["params"]["w"][quiet] += 1e-2
+    found = first_mismatch("tensor4", got, want, sensitivity=moved)
+    assert found is not None and f"element {tuple(int(i) for i in quiet)}" in found, found
