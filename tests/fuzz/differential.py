@@ -357,7 +357,10 @@ def check(
     element by element, by the reference's own sensitivity to the order of its sums
     (:func:`order_sensitivity`, computed once per program and mesh in
     ``sensitivity_cache``); if it agrees then, the outcome passes and records the
-    first comparison in ``order_sensitive``.
+    first comparison in ``order_sensitive``. A tensor variant's sensitivity also moves the
+    initial state by 2 ulps, and a tensor variant still beyond it is run again with the
+    program in float64 (:func:`equal_in_float64`): equal there within 1e-9, it passes the
+    same way.
     """
     workers, cores = mesh
     outcome = Outcome(spec, variant, mesh)
