@@ -73,8 +73,15 @@ class TracedStep:
         return self.state_treedef.unflatten(_merge(arrays, self.static_state, self.state_treedef.num_leaves))
 
 
-@functools.cache
 def canonical_dtype(dtype: Any) -> Any:
+    """``dtype`` as JAX stores it now: float64 is float32 unless 64-bit mode is on (also in a
+    ``with jax.enable_x64(True)`` block: the mode is part of the cache's key)."""
+    return _canonical_dtype(dtype, jax.dtypes.canonicalize_dtype(np.float64) == np.float64)
+
+
+@functools.cache
+def _canonical_dtype(dtype: Any, x64: bool) -> Any:
+    del x64  # the key: the same dtype is canonicalized apart with 64-bit mode on and off
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # e.g. typed PRNG keys
         return dtype
     return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
