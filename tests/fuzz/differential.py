@@ -12,6 +12,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import json
+import os
+import subprocess
+import sys
 from typing import Any
 
 import jax
@@ -149,15 +153,40 @@ def _widened(tree: Any, wide: bool) -> Any:
     return jax.tree.map(lambda a: np.asarray(a, np.float64) if np.asarray(a).dtype == np.float32 else a, tree)
 
 
-def equal_in_float64(spec: Spec, variant: str, mesh: tuple[int, int]) -> str | None:
+def equal_in_float64(spec: Spec, variant: str, mesh: tuple[int, int], offset: float = 0.0) -> str | None:
     """The run and the reference again with every float32 of the program's state and batches in float64:
     None if they agree within 1e-9 of each leaf's scale (the float32 difference was rounding the program
     amplifies), else the first leaf that differs. A tensor variant's split matmuls add in another order
     than one device's inside the replica, which the reference's other orders of its replica sums do not
-    reproduce."""
-    with jax.enable_x64(True):
-        want_state, _ = reference(spec, *mesh, wide=True)
-        got_state, _, _ = replicated(spec, *mesh, variant, wide=True)
+    reproduce.
+
+    It runs in a process of its own (``python -m tests.fuzz.differential``, at most 10 minutes): JAX's
+    64-bit mode, once on, changes what later steps of this process trace. ``offset`` is added to the
+    run's first weight there (to show that the judge tells a difference).
+    """
+    payload = json.dumps({"spec": dataclasses.asdict(spec), "variant": variant, "mesh": list(mesh), "offset": offset})
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.fuzz.differential", payload],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=root,
+        env={**os.environ, "REPLICATOR_FUZZ_DEVICES": str(jax.device_count())},
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"the float64 judge failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _judge_in_float64(payload: dict) -> str | None:
+    """:func:`equal_in_float64`'s work, in its own process with 64-bit mode on."""
+    fields = dict(payload["spec"])
+    fields["extra"] = tuple(tuple(e) for e in fields["extra"])
+    spec, mesh = Spec(**fields), tuple(payload["mesh"])
+    want_state, _ = reference(spec, *mesh, wide=True)
+    got_state, _, _ = replicated(spec, *mesh, payload["variant"], wide=True)
+    got_state["params"]["w"] = got_state["params"]["w"] + payload["offset"]
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got_state), jax.tree.leaves(want_state), strict=True):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         if a.shape != b.shape or (a.size and np.max(np.abs(a - b)) > 1e-9 * max(1.0, float(np.max(np.abs(b))))):
@@ -430,3 +459,9 @@ def run_program(
         stats["graphs"] += len(executed)
         stats["runs"] += len(variants)
     return outcomes
+
+
+if __name__ == "__main__":  # equal_in_float64's own process
+    jax.config.update("jax_enable_x64", True)
+    rp.force_cpu_devices(int(os.environ.get("REPLICATOR_FUZZ_DEVICES", "8")))
+    print(json.dumps(_judge_in_float64(json.loads(sys.argv[1]))))
