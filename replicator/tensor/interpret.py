@@ -200,12 +200,17 @@ class _Walker:
     def decide(self, eqn: JaxprEqn, ins_pl: list[Placement]) -> Decision:
         """The rule's decision; of two ways, the one that gathers no weight, else fewer bytes; under
         sequence parallelism, a partial sum the rule would sum whole reduce-scattered on the sequence instead."""
-        decision = rule_for(eqn.primitive.name)(eqn, ins_pl, self.ctx.size)
-        if decision.alternative is not None:
-            first, other = self.gather_cost(eqn, ins_pl, decision), self.gather_cost(eqn, ins_pl, decision.alternative)
-            decision = decision.alternative if other < first else decision
+        decision = self.ask_rule(eqn, ins_pl)
         if self.ctx.sequence_dim is not None:
             decision = self.prefer_sequence(eqn, ins_pl, decision)
+        return decision
+
+    def ask_rule(self, eqn: JaxprEqn, ins_pl: Sequence[Placement]) -> Decision:
+        """The rule's decision for these placements, or its alternative where that costs less."""
+        decision = rule_for(eqn.primitive.name)(eqn, ins_pl, self.ctx.size)
+        other = decision.alternative
+        if other is not None and self.gather_cost(eqn, ins_pl, other) < self.gather_cost(eqn, ins_pl, decision):
+            return other
         return decision
 
     def gather_cost(self, eqn: JaxprEqn, ins_pl: Sequence[Placement], decision: Decision) -> float:
@@ -241,14 +246,7 @@ class _Walker:
         if not swap:
             return decision
         split = [Shard(d) if i in swap else p for i, p in enumerate(ins_pl)]
-        alternative = rule_for(eqn.primitive.name)(eqn, split, size)
-        if alternative.alternative is not None:
-            first = self.gather_cost(eqn, split, alternative)
-            alternative = (
-                alternative.alternative
-                if self.gather_cost(eqn, split, alternative.alternative) < first
-                else alternative
-            )
+        alternative = self.ask_rule(eqn, split)
         if any(_plain(alternative.wants[i]) != Shard(d) for i in swap):
             return decision  # the rule needs them whole anyway
         return alternative
