@@ -20,6 +20,10 @@ import os
 import re
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -33,17 +37,8 @@ def _parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-ARGS = _parse() if __name__ == "__main__" else None
-if ARGS is not None:
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={ARGS.devices}"
-    ).strip()
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import replicator as rp  # noqa: E402
 from replicator.tensor import TensorParallel  # noqa: E402
 
 PLAN = {"*/wq": "column", "*/wk": "column", "*/wv": "column", "*/wo": "row", "*/fc1": "column", "*/fc2": "row"}
@@ -94,7 +89,8 @@ def collectives(text: str) -> dict[str, int]:
 
 
 def main() -> None:
-    args = ARGS
+    args = _parse()
+    rp.force_cpu_devices(args.devices)  # before JAX starts its backend
     step, params = make(args.blocks, args.hidden, args.heads)
     x = jax.random.normal(jax.random.key(99), (args.batch, args.seq, args.hidden))
     want = jax.jit(step)(params, x)

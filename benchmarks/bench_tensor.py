@@ -32,6 +32,13 @@ import statistics
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
 
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -45,20 +52,8 @@ def _parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-ARGS = _parse() if __name__ == "__main__" else None
-if ARGS is not None:
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={ARGS.devices}"
-    ).strip()
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import replicator as rp  # noqa: E402
 from replicator.tensor import Shard, TensorParallel  # noqa: E402
 
 # eps well above rounding: Adam divides each gradient by its own size, so with the default eps a
@@ -181,7 +176,8 @@ def time_steps(fn, state, batch, steps: int) -> float:
 
 
 def main() -> None:
-    args = ARGS
+    args = _parse()
+    rp.force_cpu_devices(args.devices)  # before JAX starts its backend
     degrees = [int(d) for d in args.degrees.split(",")]
     params = make_params(args.blocks, args.hidden)
     state = (params, OPT.init(params))
