@@ -68,7 +68,7 @@ from replicator.tensor.rules import Decision, rule_for
 #: parallelism it may be gathered; a weight, computed from state alone, never is).
 BATCH = "the batch"
 
-__all__ = ["analyze", "run"]
+__all__ = ["analyze", "run", "run_step"]
 
 
 class _Gathered(Replicated):
@@ -496,3 +496,21 @@ def run(
     outs, pl = _Walker(ctx).walk(closed.jaxpr, closed.consts, list(args), in_placements, sources)
     assert outs is not None
     return outs, pl
+
+
+def run_step(
+    ctx: TensorContext,
+    closed: ClosedJaxpr,
+    args: Sequence[Any],
+    in_placements: Sequence[Placement],
+    out_placements: Sequence[Placement],
+    in_names: Sequence[str] | None = None,
+) -> list[Any]:
+    """:func:`run` of a step, each output then brought to the placement it is returned in (the collectives
+    recorded afresh in ``ctx.events``)."""
+    ctx.events.clear()
+    outs, got = run(ctx, closed, args, in_placements, in_names)
+    return [
+        convert(ctx, o, g, w, "the step's outputs", "returning it in its placement")
+        for o, g, w in zip(outs, got, out_placements, strict=True)
+    ]

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from replicator.tensor.interpret import BATCH, analyze, run
+from replicator.tensor.interpret import BATCH, analyze, run_step
 from replicator.tensor.placement import (
     REPLICATED,
     Collective,
@@ -44,7 +44,6 @@ from replicator.tensor.placement import (
     Shard,
     TensorContext,
     TensorPlacementError,
-    convert,
 )
 from replicator.tensor.plan import TensorPlan, leaf_paths
 
@@ -154,12 +153,7 @@ class TensorParallel:
         names = leaf_paths(state) + [BATCH] * n_batch
 
         def local_step(*args: Any) -> list:
-            ctx.events.clear()
-            outs, got = run(ctx, closed, args, pl + [REPLICATED] * n_batch, names)
-            return [
-                convert(ctx, o, g, w, "the step's outputs", "returning it in its placement")
-                for o, g, w in zip(outs, got, out_pl, strict=True)
-            ]
+            return run_step(ctx, closed, args, pl + [REPLICATED] * n_batch, out_pl, names)
 
         in_specs = [_spec(p, len(s), self.axis) for p, s in zip(pl, shapes, strict=True)]
         in_specs += [PartitionSpec()] * n_batch

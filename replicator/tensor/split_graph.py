@@ -42,9 +42,9 @@ from collections.abc import Sequence
 import jax
 
 from replicator.core.graph import StepGraph, TensorLayout
-from replicator.tensor.interpret import BATCH, run
+from replicator.tensor.interpret import BATCH, run_step
 from replicator.tensor.parallelize import infer_state_placements
-from replicator.tensor.placement import REPLICATED, Placement, Shard, TensorContext, convert, local_shape
+from replicator.tensor.placement import REPLICATED, Placement, Shard, TensorContext, local_shape
 
 __all__ = ["split_step_graph"]
 
@@ -75,12 +75,7 @@ def split_step_graph(
     ctx = TensorContext(axis, size, allow_gather=allow_gather, sequence_dim=sequence_parallel)
 
     def one_device(*args: jax.Array) -> list[jax.Array]:
-        ctx.events.clear()
-        outs, got = run(ctx, closed, args, in_pl, names)
-        return [
-            convert(ctx, o, g, w, "the step's outputs", "returning it in its placement")
-            for o, g, w in zip(outs, got, out_pl, strict=True)
-        ]
+        return run_step(ctx, closed, args, in_pl, out_pl, names)
 
     local = [
         jax.ShapeDtypeStruct(local_shape(tuple(v.aval.shape), p, size), v.aval.dtype)
