@@ -1,26 +1,29 @@
-"""Train a small GPT (Flax linen, tied embeddings) over data x tensor parallelism, then check it against one device.
+"""Train a small GPT (Flax linen, tied embeddings) over data x pipeline stages x tensor parallelism, then check it
+against one device.
 
 The model is a GPT-2-style decoder at a size two CPU cores train in a minute: token and position
 embeddings, ``--depth`` pre-LayerNorm blocks (causal multi-head self-attention, an MLP), a final
 LayerNorm, and logits from the token embedding itself (tied: ``nn.Embed.attend``). The loss is optax's
 cross-entropy; the step is the one written for data parallelism (``jax.value_and_grad``,
-``rp.all_mean(grads)``, AdamW). Nothing in the model knows about tensor parallelism: a plan of six
+``rp.all_mean(grads)``, AdamW). Nothing in the model knows about tensor parallelism: a plan of seven
 lines over Flax's parameter paths splits the attention's query/key/value projections and the MLP's
 first matrix by columns (the heads split with them), the attention's output projection and the MLP's
 second matrix by rows, and the embedding table by vocabulary rows (Megatron's vocabulary-parallel
 embedding and cross-entropy fall out of the rules). ``--sequence-parallel`` also splits the activations
-on the sequence between the tensor-parallel regions.
+on the sequence between the tensor-parallel regions. The model marks one ``rp.stage_boundary`` between its
+two blocks (the identity on one device): with ``--stages 2`` (the default) the step is cut there into two
+pipeline stages, the embedding tied across them.
 
-``rp.Trainer`` runs the step on ``Replicator(W, C, parallelism=rp.Parallelism(tensor=T, ...))``:
-``W x C`` devices, ``W x C / T`` data-parallel replicas, each over ``T`` devices. At the end the same
-steps run on one device with plain ``jax.jit`` on the same global batches, and the parameters, Adam's
-state and the losses are compared.
+``rp.Trainer`` runs the step on ``Replicator(W, C, parallelism=rp.Parallelism(tensor=T, stages=S, ...))``:
+``W x C`` devices, ``W x C / (S x T)`` data-parallel replicas. At the end the same steps run on one device
+with plain ``jax.jit`` on the same global batches, and the parameters, Adam's state and the losses are
+compared.
 
-Run it (8 emulated CPU devices by default: 4 replicas x tensor 2)::
+Run it (8 emulated CPU devices by default: 2 replicas x 2 stages x tensor 2)::
 
     python examples/gpt_tensor.py
-    python examples/gpt_tensor.py --tensor 4 --sequence-parallel --steps 5
-    python examples/gpt_tensor.py --zero 3 --sequence-parallel
+    python examples/gpt_tensor.py --schedule gpipe --zero 3 --sequence-parallel
+    python examples/gpt_tensor.py --stages 1 --tensor 4 --sequence-parallel --steps 5
 """
 
 from __future__ import annotations
@@ -109,6 +112,7 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     depth: int = DEPTH
+    stages: int = 1  # pipeline stages: an rp.stage_boundary after every depth/stages blocks
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -117,6 +121,8 @@ class GPT(nn.Module):
         x = embed(tokens) + position[: tokens.shape[1]]
         for i in range(self.depth):
             x = Block(HEADS, name=f"block_{i}")(x)
+            if (i + 1) % (self.depth // self.stages) == 0 and i + 1 < self.depth:
+                x = rp.stage_boundary(x)  # the identity except where a pipeline cuts the step here
         return embed.attend(nn.LayerNorm(name="ln_f")(x))  # tied: the logits read the token table
 
 
@@ -150,6 +156,16 @@ def initial_state() -> tuple:
     return params, OPTIMIZER.init(params)
 
 
+def tensor_lines(report) -> list[str]:
+    """The activation-sized collectives over 'tensor' of ``repl.explain``'s report (either kind), and a count
+    of the small ones."""
+    over_tensor = report.tensor.collectives
+    big = [c for c in over_tensor if len(c.shape) == 3]  # activations: (rows, sequence, width or vocabulary)
+    lines = [f"  {c.kind:<14} {c.dtype}{list(c.shape)}  {c.line.rsplit('/', 1)[-1]}  {c.reason}" for c in big]
+    small = len(over_tensor) - len(big)
+    return [*lines, f"  and {small} of small gradients (layer norms' and biases', shared by the devices)"]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--devices", type=int, default=8)
@@ -157,21 +173,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tensor", type=int, default=2, help="T: the devices each replica's matrices are split over")
     p.add_argument("--sequence-parallel", action="store_true", help="split activations on the sequence too")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage over the data replicas")
+    p.add_argument("--stages", type=int, default=2, choices=(1, 2), help="pipeline stages (2: the blocks cut in two)")
+    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "1f1b-fused"))
+    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (with --stages 2)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--log-every", type=int, default=5)
     args = p.parse_args(argv)
     rp.force_cpu_devices(args.devices)
 
+    global MODEL
+    MODEL = GPT(DEPTH, args.stages)  # the same model for the one-device reference: the boundary is the identity
+    pipeline = {"stages": 2, "microbatches": args.microbatches, "schedule": args.schedule} if args.stages > 1 else {}
     parallelism = rp.Parallelism(
-        tensor=args.tensor, tensor_plan=PLAN, sequence_parallel=1 if args.sequence_parallel else None
+        tensor=args.tensor, tensor_plan=PLAN, sequence_parallel=1 if args.sequence_parallel else None, **pipeline
     )
     passes = rp.Pipeline.default(zero_stage=args.zero, shard_optimizer_min_bytes=0)
     repl = rp.Replicator(args.workers, args.devices // args.workers, passes=passes, parallelism=parallelism)
-    replicas = repl.num_replicas
+    replicas = repl.num_replicas if repl.pipelined is None else repl.pipelined.replicas
     rows = GLOBAL_BATCH // repl.num_workers  # each worker's share of a global batch
     print(
         f"GPT: vocabulary {VOCAB}, width {WIDTH}, {HEADS} heads, {DEPTH} blocks, sequences of {SEQ}; "
-        f"{args.devices} devices: {replicas} data-parallel replicas x tensor {args.tensor}"
+        f"{args.devices} devices: {replicas} data-parallel replicas x "
+        + (f"{args.stages} stages ({args.schedule}, {args.microbatches} micro-batches) x " if args.stages > 1 else "")
+        + f"tensor {args.tensor}"
         + (" with sequence parallelism" if args.sequence_parallel else "")
         + (f", ZeRO stage {args.zero} over the replicas" if args.zero else "")
     )
@@ -183,12 +207,9 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.time()
     report = repl.explain(train_step, next(iter(input_fn(repl.input_context(0)))), initial_state())
-    over_tensor = report.tensor.collectives
-    print(f"the plan inserts {len(over_tensor)} collectives over 'tensor' per step:")
-    big = [c for c in over_tensor if len(c.shape) == 3]  # activations: (rows, sequence, width or vocabulary)
-    for c in big:
-        print(f"  {c.kind:<14} {c.dtype}{list(c.shape)}  {c.line.rsplit('/', 1)[-1]}  {c.reason}")
-    print(f"  and {len(over_tensor) - len(big)} of small gradients (layer norms' and biases', shared by the devices)")
+    per = "step" if args.stages == 1 else "micro-batch"
+    print(f"the plan inserts {len(report.tensor.collectives)} collectives over 'tensor' per {per}:")
+    print("\n".join(tensor_lines(report)))
     losses: list[float] = []
 
     class Record(rp.Hook):
@@ -219,13 +240,28 @@ def main(argv: list[str] | None = None) -> int:
     print(f"max |replicated - one device| loss over {args.steps} steps: {loss_diff:.2e}")
     if not loss_diff <= LOSS_TOLERANCE:
         failures.append(f"losses differ by {loss_diff:.2e} > {LOSS_TOLERANCE}")
-    split = got[0]["params"]["block_0"]["fc1"]["kernel"]
-    share = split.addressable_shards[0].data.size / split.size
-    # ZeRO-3 also splits each device's block of a parameter over the data replicas (stages 1-2: its Adam state).
-    bound = 1 / args.tensor / (replicas if args.zero == 3 else 1)
-    print(f"a split parameter held per device: {share:.4f} of it (bound {bound:.4f})")
-    if share > 1.1 * bound:
-        failures.append(f"a split parameter is held {share:.4f} per device, more than 1.1 x {bound:.4f}")
+    if repl.pipelined is None:
+        split = got[0]["params"]["block_0"]["fc1"]["kernel"]
+        share = split.addressable_shards[0].data.size / split.size
+        # ZeRO-3 also splits each device's block of a parameter over the data replicas (stages 1-2: its Adam state).
+        bound = 1 / args.tensor / (replicas if args.zero == 3 else 1)
+        print(f"a split parameter held per device: {share:.4f} of it (bound {bound:.4f})")
+        if share > 1.1 * bound:
+            failures.append(f"a split parameter is held {share:.4f} per device, more than 1.1 x {bound:.4f}")
+    else:
+        # Each device holds its stage's packed row: its tensor blocks of the split leaves, the others whole.
+        held = sum(v.addressable_shards[0].data.nbytes for v in repl.pipelined.last_rows.values())  # device 0
+        built = repl.pipelined.user_step(train_step, synthetic_batch(0), initial_state())
+        split = [getattr(p, "dim", None) is not None for p in built.tensor_split.placements]
+        mine = [(x.nbytes, split[i]) for i, x in enumerate(jax.tree.leaves(got)) if 0 in built.held[i]]
+        whole = sum(n for n, _ in mine)
+        # The bound: a split leaf 1/T, the others whole; ZeRO-3 then 1/D of each (stages 1-2 hold less still).
+        bound = sum(n / args.tensor if s else n for n, s in mine) / (replicas if args.zero == 3 else 1)
+        print(
+            f"stage 0's state held per device: {held} bytes of its {whole} whole ({held / whole:.3f}; bound {bound:.0f})"
+        )
+        if held > 1.1 * bound:
+            failures.append(f"a device of stage 0 holds {held} bytes, more than 1.1 x {bound:.0f}")
     if not losses[-1] < losses[0]:
         failures.append(f"the loss did not go down ({losses[0]:.4f} -> {losses[-1]:.4f})")
     for f in failures:

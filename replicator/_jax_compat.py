@@ -97,9 +97,17 @@ def user_code_line(source_info: Any) -> str:
 
 def source_of(eqn: Any) -> Any:
     """A context in which new equations carry ``eqn``'s source (its traceback and name stack), so that
-    a graph traced again from another keeps the user's lines (``replicator.tensor.split_graph``)."""
-    info = eqn.source_info
-    return _source_info_util.user_context(info.traceback, name_stack=info.name_stack)
+    a graph traced again from another keeps the user's lines (``replicator.tensor.split_graph``).
+
+    Nested in the context of the call that holds ``eqn`` (a ``jit``'s body walked inline), the name stack
+    is the call's and then ``eqn``'s own, which is relative to it: the ``transpose`` of a jitted function's
+    backward stays on its equations (what a pipeline's stage split reads, ``stages/split.py``); and an
+    equation whose traceback has no frame of the user's (a cached body of ``jnp.where``) keeps the call's."""
+    info, current = eqn.source_info, _source_info_util.current()
+    traceback = info.traceback
+    if _source_info_util.user_frame(traceback) is None and current.traceback is not None:
+        traceback = current.traceback
+    return _source_info_util.user_context(traceback, name_stack=current.name_stack + info.name_stack)
 
 
 def extend_axis_env(axis_env: list[tuple[str, int]]) -> Any:

@@ -47,7 +47,7 @@ from replicator.core.tracing import (
     trace_step,
 )
 from replicator.cost.compute import equation_time
-from replicator.cost.report import CommunicationReport, communication_report
+from replicator.cost.report import CommunicationReport, communication_report, tensor_lines
 from replicator.cost.topology import PRESETS
 from replicator.errors import InputExhausted
 from replicator.parallelism import Parallelism, check_tensor_supported, older_keywords
@@ -444,6 +444,7 @@ class Replicator:
                 pipeline_recompute,
                 zero_stage=_pipelined_zero_stage(passes),
                 fold_axes=self.fold.folded_axes,
+                tensor=self.tensor,
             )
         self.pipeline = passes if passes is not None else Pipeline.default()
         if not isinstance(self.pipeline, Pipeline):
@@ -640,9 +641,10 @@ class Replicator:
                 except StopIteration:
                     raise ValueError("explain: input_fn yielded no batch to trace the step with.") from None
                 input_fn_or_batch = _in_worker_order(parts)
-            return self.pipelined.describe_step(
+            report = self.pipelined.describe_step(
                 step_fn, input_fn_or_batch, state, stage_cost=self._stage_cost(), memory=True
             )
+            return dataclasses.replace(report, tensor_lines=tuple(tensor_lines(report.tensor, "micro-batch")))
         batch = input_fn_or_batch
         if callable(input_fn_or_batch):
             try:

@@ -147,7 +147,6 @@ def check_tensor_supported(parallelism: Parallelism) -> None:
     not_yet = [
         name
         for name, on in (
-            (f"stages={parallelism.stages}", parallelism.stages > 1 or parallelism.microbatches is not None),
             (f"replicas_per_device={parallelism.replicas_per_device}", parallelism.replicas_per_device > 1),
         )
         if on

@@ -185,14 +185,23 @@ def test_vit_pipeline_matches_single_device(n_devices):
 
 @pytest.mark.parametrize(
     "extra",
-    [(), ("--tensor", "4", "--sequence-parallel"), ("--zero", "3", "--sequence-parallel")],
-    ids=["tensor2", "tensor4-sp", "tensor2-sp-zero3"],
+    [
+        ("--stages", "1"),
+        ("--stages", "1", "--tensor", "4", "--sequence-parallel"),
+        ("--stages", "1", "--zero", "3", "--sequence-parallel"),
+        (),
+        ("--schedule", "gpipe", "--zero", "3", "--sequence-parallel"),
+        ("--schedule", "1f1b-fused", "--sequence-parallel"),
+    ],
+    ids=["tensor2", "tensor4-sp", "tensor2-sp-zero3", "stages2-tensor2", "gpipe-zero3-sp", "fused-sp"],
 )
 def test_gpt_over_data_and_tensor_matches_single_device(n_devices, extra):
     out = run_example("--devices", "8", "--steps", "3", "--log-every", "1", *extra, script="gpt_tensor.py")
     assert out.splitlines()[-1] == "PASS", out
     diff = float(re.search(r"^max \|replicated - one device\| over parameters.*: ([0-9.e+-]+)", out, re.M)[1])
     assert diff < 5e-5, out
+    if "--stages" not in extra:  # the default: 2 replicas x 2 stages x tensor 2, the embedding tied across stages
+        assert "2 data-parallel replicas x 2 stages" in out and "x tensor 2" in out, out
     kinds = re.findall(r"^  (all-reduce|reduce-scatter|all-gather) +float32\[\d+, 16, 32\]", out, re.M)
     if (
         "--sequence-parallel" in extra

@@ -70,7 +70,7 @@ from replicator.passes.shard_optimizer import DEFAULT_MIN_TENSOR_BYTES
 from replicator.pipeline.pipeline import Lowered
 from replicator.tensor.parallelize import sent_bytes
 
-__all__ = ["CommunicationReport", "communication_report"]
+__all__ = ["CommunicationReport", "communication_report", "tensor_lines"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +153,7 @@ class CommunicationReport:
             f"{self.num_collectives} collective(s) on {self.num_replicas} replicas; estimated "
             f"{human_bytes(self.total_sent_bytes)} sent per replica per step. Passes: {', '.join(self.passes)}."
         )
-        memory = [*self._tensor_lines()]
+        memory = [*tensor_lines(self.tensor)]
         if self.state_bytes is not None:
             memory.append(f"state per device (predicted from the graph): {human_bytes(self.state_bytes)}")
         if self.state_bytes_by_stage:
@@ -168,31 +168,32 @@ class CommunicationReport:
             memory.append(str(self.memory()))
         return "\n".join([format_table(header, lines), summary, *memory, *self.notes])
 
-    def _tensor_lines(self) -> list[str]:
-        """The collectives over the tensor axis, each with the user's line and why, and bytes a device sends."""
-        t = self.tensor
-        if t is None:
-            return []
-        rows = [
-            (
-                str(i),
-                c.kind,
-                c.dtype,
-                "x".join(map(str, c.shape)) or "()",
-                human_bytes(c.nbytes),
-                human_bytes(sent_bytes(c, t.size)),
-                c.line,
-                c.reason,
-            )
-            for i, c in enumerate(t.collectives)
-        ]
-        header = ("#", "kind", "dtype", "shape", "bytes", "sent/device", "source", "reason")
-        total = sum(sent_bytes(c, t.size) for c in t.collectives)
-        return [
-            f"over the tensor axis '{t.axis}' (T = {t.size}), inserted by the plan:",
-            format_table(header, rows) if rows else "  none",
-            f"{len(rows)} collective(s) over '{t.axis}'; {human_bytes(total)} sent per device per step (ring).",
-        ]
+
+def tensor_lines(t: TensorLayout | None, per: str = "step") -> list[str]:
+    """The collectives over the tensor axis, each with the user's line and why, and bytes a device sends
+    (none without a tensor axis); ``per``: what one pass of the split graph is (a step, a micro-batch)."""
+    if t is None:
+        return []
+    rows = [
+        (
+            str(i),
+            c.kind,
+            c.dtype,
+            "x".join(map(str, c.shape)) or "()",
+            human_bytes(c.nbytes),
+            human_bytes(sent_bytes(c, t.size)),
+            c.line,
+            c.reason,
+        )
+        for i, c in enumerate(t.collectives)
+    ]
+    header = ("#", "kind", "dtype", "shape", "bytes", "sent/device", "source", "reason")
+    total = sum(sent_bytes(c, t.size) for c in t.collectives)
+    return [
+        f"over the tensor axis '{t.axis}' (T = {t.size}), inserted by the plan:",
+        format_table(header, rows) if rows else "  none",
+        f"{len(rows)} collective(s) over '{t.axis}'; {human_bytes(total)} sent per device per {per} (ring).",
+    ]
 
 
 def communication_report(lowered: Lowered) -> CommunicationReport:

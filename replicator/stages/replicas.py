@@ -39,6 +39,7 @@ from jax.extend.core import JaxprEqn
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from replicator.core.graph import TensorLayout
 from replicator.stages.lower import STAGE_AXIS, ring_slots
 from replicator.stages.schedule import SCHEDULES as schedule_tables
 from replicator.stages.schedule import schedule_stats, table_span
@@ -72,15 +73,19 @@ def pipeline_mesh(grid: np.ndarray, stages: int, replicas_per_device: int = 1) -
     array of devices (a ``Replicator``'s ``mesh.devices``); see the module docstring for the layout.
     ``replicas_per_device``: the replicas each device hosts (only for the error's words)."""
     grid = np.asarray(grid)
-    if grid.ndim != 2:
-        raise ValueError(f"pipeline_mesh: grid must be a (workers, cores) array of devices, got shape {grid.shape}.")
-    w, c = grid.shape
+    if grid.ndim not in (2, 3):
+        raise ValueError(
+            "pipeline_mesh: grid must be a (workers, cores) array of devices, or (workers, cores, tensor), "
+            f"got shape {grid.shape}."
+        )
+    tensor = grid.shape[2:]  # the tensor axis, innermost, goes along with each (worker, core) group
+    w, c = grid.shape[:2]
     if not isinstance(stages, int) or stages < 1:
         raise ValueError(f"pipeline_stages must be a positive int, got {stages!r}.")
     if c % stages == 0:  # within a worker: the cores of each worker split into S groups
-        devices = grid.reshape(w, stages, c // stages).transpose(1, 0, 2)
+        devices = grid.reshape(w, stages, c // stages, *tensor).transpose(1, 0, 2, *range(3, 3 + len(tensor)))
     elif w % stages == 0:  # across workers: consecutive workers form a stage
-        devices = grid.reshape(stages, w // stages, c)
+        devices = grid.reshape(stages, w // stages, c, *tensor)
     elif replicas_per_device > 1:
         raise ValueError(
             f"pipeline_stages={stages} does not cut the {w} x {c} device grid (replicas_per_device="
@@ -94,7 +99,7 @@ def pipeline_mesh(grid: np.ndarray, stages: int, replicas_per_device: int = 1) -
             f"num_workers={w} (stages across workers), so the {w} x {c} devices do not form {stages} stages of "
             "data-parallel replicas; pick a pipeline_stages that divides one of them."
         )
-    return Mesh(devices, (STAGE_AXIS, *DATA_AXES))
+    return Mesh(devices, (STAGE_AXIS, *DATA_AXES, *(["tensor"] if tensor else [])))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +181,10 @@ class PipelineReport:
     device_memory: DeviceMemory | None = None
     zero_stage: int = 0
     replicas_per_device: int = 1
+    #: With a tensor axis: how the step is split over it (the collectives it inserts per micro-batch).
+    tensor: TensorLayout | None = None
+    #: Lines that describe those collectives (filled by ``Replicator.explain``).
+    tensor_lines: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         s, m, d, k = self.stages, self.microbatches, self.replicas, self.replicas_per_device
@@ -229,6 +238,7 @@ class PipelineReport:
                 + (f" - aliased {_bytes(mem.aliased)}" if mem.aliased else "")
                 + " (every buffer as if alive at once: an upper bound, not XLA's peak)"
             )
+        lines.extend(self.tensor_lines)
         lines.append("schedule (F: forward, B: backward of micro-batch m):")
         lines.append(str(self.schedule))
         return "\n".join(lines)
@@ -426,6 +436,7 @@ def describe_user_step(
         ),
         device_memory=device_memory,
         zero_stage=step.zero_stage,
+        tensor=None if step.tensor_split is None else step.tensor_split.layout(*step.tensor_axis),
         replicas_per_device=step.replicas_per_device,
     )
 
@@ -447,6 +458,7 @@ class PipelinedReplicas:
         recompute: bool = False,
         zero_stage: int = 0,
         fold_axes: Sequence[tuple[str, int]] = (),
+        tensor: Any = None,
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}.")
@@ -463,6 +475,8 @@ class PipelinedReplicas:
         self.recompute = recompute
         self.zero_stage = check_zero_stage(zero_stage)
         self.fold_axes = check_fold_axes(fold_axes, self.mesh)
+        #: The tensor axis (:class:`~replicator.tensor.axis.TensorAxis`, innermost in the mesh), or None.
+        self.tensor = tensor
         self.replicas_per_device = int(np.prod([k for _, k in self.fold_axes], dtype=int))
         #: ``D``: the logical data-parallel replicas (``replicas_per_device`` per device of a stage).
         self.replicas = int(np.prod([self.mesh.shape[a] for a in DATA_AXES])) * self.replicas_per_device
@@ -485,6 +499,13 @@ class PipelinedReplicas:
 
     def step_for(self, loss_fn: Callable, optimizer: optax.GradientTransformation) -> PipelineTrainStep:
         """The pipelined training step of ``loss_fn`` with ``optimizer`` on this mesh (built once)."""
+        if self.tensor is not None:
+            raise ValueError(
+                f"run_pipelined (a loss and an optimizer) does not take the tensor axis (tensor={self.tensor.size}) "
+                "yet.\nFix: write the step (its gradient, rp.all_mean of it, the optimizer's update) and call "
+                "Replicator.run(step_fn, batch, state): the pipeline cuts it at its rp.stage_boundary markers and "
+                "splits it over the tensor axis."
+            )
         key = (id(loss_fn), id(optimizer))
         if key not in self._steps:  # the functions are kept alive with their step, so ids stay theirs
             step = PipelineTrainStep(
@@ -552,6 +573,7 @@ class PipelinedReplicas:
                 self.recompute,
                 self.zero_stage,
                 self.fold_axes,
+                tensor=self.tensor,
             )
             self._user_steps[key] = (step_fn, built)
         return self._user_steps[key][1]

@@ -87,6 +87,7 @@ from replicator.stages.scan_split import traced_in_stages
 from replicator.stages.schedule import make_schedule
 from replicator.stages.split import UPDATE, StageSplitError, split_stages
 from replicator.stages.stack_update import SlicePlan, plan_slices
+from replicator.stages.tensor_rows import TensorRows
 from replicator.stages.train import (
     _micro_batches,
     _user_stacklevel,
@@ -148,6 +149,7 @@ class PipelinedStep:
         recompute: bool = False,
         zero_stage: int = 0,
         fold_axes: Sequence[tuple[str, int]] = (),
+        tensor: Any = None,
     ) -> None:
         #: ZeRO on each stage's data-parallel replicas (:mod:`replicator.stages.chunks`): 0 off, 1, 2 or 3.
         self.zero_stage = zero = check_zero_stage(zero_stage)
@@ -179,6 +181,14 @@ class PipelinedStep:
 
         # An unmarked step's scanned stack is cut into the mesh's stages (split_scan).
         closed, out_shape = traced_in_stages(trace, step_fn, mesh.shape[STAGE_AXIS])
+        paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+        #: With a tensor axis (a :class:`~replicator.tensor.axis.TensorAxis`): the step as one device of a
+        #: tensor group runs it, split before the stages are (its shapes local, its collectives over the axis).
+        self.tensor_split = None
+        self.tensor_axis = (tensor.name, tensor.size) if tensor is not None else None
+        if tensor is not None:
+            self.tensor_split = tensor.split_jaxpr(closed, state, paths + ["the batch"] * len(batch_leaves))
+            closed = self.tensor_split.jaxpr
         if not (isinstance(out_shape, tuple) and len(out_shape) == 2):
             raise TypeError(f"step_fn must return (new_state, outputs); {SUPPORTED}.")
         if jax.tree.structure(out_shape[0]) != state_def:
@@ -244,7 +254,6 @@ class PipelinedStep:
         self.held = [(state_stages[i] | fb_split.input_stages[i]) or everyone for i in range(n)]
         self.avals = [v.aval for v in flat.invars[:n]]
         self.stages, self.mesh, self.recompute = stages, mesh, recompute
-        paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
 
         # The update per stage: every equation but the micro-batch part, pruned to the leaves the stage keeps.
         rest = [e for e in flat.eqns if not any(isinstance(v, Var) and v in late for v in e.outvars)]
@@ -443,13 +452,17 @@ class PipelinedStep:
             )
             if packing.buffers()
         ]
-        #: How each buffer ``(S, n)`` lies on the mesh.
+        #: How each buffer ``(S, n)`` lies on the mesh (``(S, T * n)`` with a tensor axis: TensorRows).
         self.row_spec = row_spec = {k: spec for packing, _, spec in self._stores for k in packing.buffers()}
 
         def pieces(layout: Sequence[Sequence[int]]) -> dict:
             """The sliced leaves among a store's (only the whole rows: a sliced leaf is never chunked)."""
             return {i: p for i, p in self.slices.leaves.items() if any(i in lay for lay in layout)}
 
+        self._tensor_rows = None
+        if self.tensor_split is not None:
+            self._tensor_rows = TensorRows(self._stores, mesh, self.tensor_split.placements, owners, pieces)
+            self.row_spec = row_spec = self._tensor_rows.specs
         self._packers = [RowPacker(p, lay, mesh, spec, pieces=pieces(lay)) for p, lay, spec in self._stores]
         self._unpackers = [(list(p.buffers()), RowUnpacker(p, lay, owners, pieces(lay))) for p, lay, _ in self._stores]
         self._last = LastRows()
@@ -528,6 +541,8 @@ class PipelinedStep:
 
     def zeros(self) -> dict:
         """The packed state's buffers, zeros, global shapes ``(S, n)``."""
+        if self._tensor_rows is not None:
+            return dict(sorted(self._tensor_rows.zeros().items()))
         out = {}
         for packing, _, _ in self._stores:
             out.update(packing.zeros((self.stages,)))
@@ -536,6 +551,8 @@ class PipelinedStep:
     def pack(self, state: Any) -> dict:
         """The state, global shapes, as one row per stage placed on its devices (ZeRO: its chunks split)."""
         leaves = self.state_def.flatten_up_to(state)
+        if self._tensor_rows is not None:
+            return dict(sorted(self._tensor_rows.pack(leaves).items()))
         out = {}
         for packer in self._packers:
             out.update(packer(leaves))
@@ -543,6 +560,8 @@ class PipelinedStep:
 
     def unpack(self, packed: dict) -> Any:
         """Back to global shapes: each leaf from the first stage that keeps it."""
+        if self._tensor_rows is not None:
+            return self.state_def.unflatten(self._tensor_rows.unpack(packed))
         leaves: list[Any] = [None] * len(self.avals)
         for keys, unpacker in self._unpackers:
             for i, value in enumerate(unpacker({k: packed[k] for k in keys})):

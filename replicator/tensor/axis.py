@@ -5,7 +5,6 @@ The mesh becomes ``('workers', 'cores', 'tensor')``: each worker's devices are c
 replicas are the groups. The per-replica graph the Replicator traced is split for one device of a
 group (:func:`~replicator.tensor.split_graph.split_step_graph`) before the passes run.
 
->>> import jax
 >>> axis = TensorAxis(2, TensorPlan({"w": "column"}))
 >>> dict(axis.mesh(rp.build_mesh(1, 4)).shape)
 {'workers': 1, 'cores': 2, 'tensor': 2}
@@ -14,14 +13,17 @@ group (:func:`~replicator.tensor.split_graph.split_step_graph`) before the passe
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
+import jax
+from jax.extend.core import ClosedJaxpr
 from jax.sharding import Mesh
 
 from replicator.core.context import REPLICA_AXES
 from replicator.core.graph import StepGraph
 from replicator.tensor.plan import TensorPlan
-from replicator.tensor.split_graph import split_step_graph
+from replicator.tensor.split_graph import SplitJaxpr, split_jaxpr, split_step_graph
 
 __all__ = ["TensorAxis"]
 
@@ -47,6 +49,20 @@ class TensorAxis:
             )
         devices = replicas.devices.reshape(workers, cores // self.size, self.size)
         return Mesh(devices, (*REPLICA_AXES, self.name))
+
+    def split_jaxpr(self, closed: ClosedJaxpr, state: Any, names: Sequence[str]) -> SplitJaxpr:
+        """``closed(state..., batch...)`` as one device of a tensor group runs it (a pipeline's step, before
+        its stage split); ``state``: the state's pytree (the plan's paths); ``names``: each input's name."""
+        return split_jaxpr(
+            closed,
+            self.plan.placements(state, self.size),
+            names,
+            num_state=len(jax.tree.leaves(state)),
+            size=self.size,
+            axis=self.name,
+            allow_gather=self.allow_gather,
+            sequence_parallel=self.sequence_parallel,
+        )
 
     def split(self, graph: StepGraph, state: Any) -> StepGraph:
         """``graph`` (per replica) as one device of a tensor group runs it; ``state``: the state's

@@ -507,3 +507,6 @@ RULES["rp.broadcast"] = _passthrough
 RULES["rp.all_gather"] = _all_gather
 RULES["rp.reduce_scatter"] = _reduce_scatter
 RULES["rp.replica_id"] = _constant
+# A pipeline's stage boundary carries each device's block as it is (a boundary's messages are local):
+# a split activation crosses as its 1/T, a partial sum as each device's part.
+RULES["rp.stage_boundary"] = _passthrough

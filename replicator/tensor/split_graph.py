@@ -40,13 +40,63 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
+from jax.extend.core import ClosedJaxpr
 
 from replicator.core.graph import StepGraph, TensorLayout
 from replicator.tensor.interpret import BATCH, run_step
 from replicator.tensor.parallelize import infer_state_placements
 from replicator.tensor.placement import REPLICATED, Placement, Shard, TensorContext, local_shape
 
-__all__ = ["split_step_graph"]
+__all__ = ["SplitJaxpr", "split_jaxpr", "split_step_graph"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitJaxpr:
+    """A closed jaxpr split for one device of a tensor group: the jaxpr on local shapes, the state leaves'
+    placements (the same in and out), and the collectives over the tensor axis it holds."""
+
+    jaxpr: ClosedJaxpr
+    placements: tuple[Placement, ...]
+    collectives: tuple
+
+    def layout(self, axis: str, size: int) -> TensorLayout:
+        """The :class:`~replicator.core.graph.TensorLayout` a step graph records of this split."""
+        dims = tuple(p.dim if isinstance(p, Shard) else None for p in self.placements)
+        return TensorLayout(axis, size, dims, self.collectives)
+
+
+def split_jaxpr(
+    closed: ClosedJaxpr,
+    named: Sequence[Placement | None],
+    names: Sequence[str],
+    *,
+    num_state: int,
+    size: int,
+    axis: str = "tensor",
+    allow_gather: bool = False,
+    sequence_parallel: int | None = None,
+) -> SplitJaxpr:
+    """``closed(state..., batch...) -> (new_state..., outputs...)`` as one device of a tensor group of
+    ``size`` runs it. ``named``: per state leaf, the plan's placement, or ``None`` to take the placement its
+    update comes out in (an optimizer's moments follow their parameter), else replicated. ``names``: each
+    input's name for errors (a state leaf's path, or the batch)."""
+    invars, outvars = closed.jaxpr.invars, closed.jaxpr.outvars
+    n_batch = len(invars) - num_state
+    shapes = [tuple(v.aval.shape) for v in invars[:num_state]]
+    placements = infer_state_placements(closed.jaxpr, named, shapes, n_batch, size, sequence_parallel)
+    in_pl = placements + [REPLICATED] * n_batch
+    out_pl = placements + [REPLICATED] * (len(outvars) - num_state)
+    ctx = TensorContext(axis, size, allow_gather=allow_gather, sequence_dim=sequence_parallel)
+
+    def one_device(*args: jax.Array) -> list[jax.Array]:
+        return run_step(ctx, closed, args, in_pl, out_pl, list(names))
+
+    local = [
+        jax.ShapeDtypeStruct(local_shape(tuple(v.aval.shape), p, size), v.aval.dtype)
+        for v, p in zip(invars, in_pl, strict=True)
+    ]
+    split = jax.make_jaxpr(one_device, axis_env=[(axis, size)])(*local)
+    return SplitJaxpr(split, tuple(placements), tuple(ctx.events))
 
 
 def split_step_graph(
@@ -58,34 +108,20 @@ def split_step_graph(
     allow_gather: bool = False,
     sequence_parallel: int | None = None,
 ) -> StepGraph:
-    """``graph`` as one device of a tensor group of ``size`` runs it.
+    """``graph`` as one device of a tensor group of ``size`` runs it (:func:`split_jaxpr` of its jaxpr).
 
-    ``named``: per state leaf, the plan's placement, or ``None`` to take the placement its update
-    comes out in (an optimizer's moments follow their parameter), else replicated.
+    ``named``: per state leaf, the plan's placement, or ``None`` (see :func:`split_jaxpr`).
     ``sequence_parallel``: as for :class:`~replicator.tensor.TensorParallel`.
     """
-    closed = graph.jaxpr
-    invars, outvars = closed.jaxpr.invars, closed.jaxpr.outvars
-    n_state, n_batch = graph.num_state, graph.num_batch
-    shapes = [tuple(v.aval.shape) for v in invars[:n_state]]
-    placements = infer_state_placements(closed.jaxpr, named, shapes, n_batch, size, sequence_parallel)
-    in_pl = placements + [REPLICATED] * n_batch
-    out_pl = placements + [REPLICATED] * (len(outvars) - n_state)
-    names = list(graph.state_paths) + [BATCH] * n_batch
-    ctx = TensorContext(axis, size, allow_gather=allow_gather, sequence_dim=sequence_parallel)
-
-    def one_device(*args: jax.Array) -> list[jax.Array]:
-        return run_step(ctx, closed, args, in_pl, out_pl, names)
-
-    local = [
-        jax.ShapeDtypeStruct(local_shape(tuple(v.aval.shape), p, size), v.aval.dtype)
-        for v, p in zip(invars, in_pl, strict=True)
-    ]
-    split = jax.make_jaxpr(one_device, axis_env=[(axis, size)])(*local)
-    layout = TensorLayout(
-        axis,
-        size,
-        tuple(p.dim if isinstance(p, Shard) else None for p in placements),
-        tuple(ctx.events),
+    names = list(graph.state_paths) + [BATCH] * graph.num_batch
+    split = split_jaxpr(
+        graph.jaxpr,
+        named,
+        names,
+        num_state=graph.num_state,
+        size=size,
+        axis=axis,
+        allow_gather=allow_gather,
+        sequence_parallel=sequence_parallel,
     )
-    return dataclasses.replace(graph, jaxpr=split, tensor=layout)
+    return dataclasses.replace(graph, jaxpr=split.jaxpr, tensor=split.layout(axis, size))
