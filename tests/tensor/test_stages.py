@@ -234,3 +234,29 @@ def test_a_sequence_parallel_pipeline_equals_one_device():
     np.testing.assert_allclose(np.asarray(value), float(want_value), rtol=1e-5)
     kinds = {c.kind for c in repl.explain(step, batch, state).tensor.collectives}
     assert "reduce-scatter" in kinds and "all-gather" in kinds
+
+
+def test_a_checkpoint_saved_on_stages_by_tensor_restores_at_another_layout_and_trains_on(tmp_path):
+    """Saved at stages 2 x tensor 2 (the state comes back whole), restored at tensor 4 without stages, on plain
+    data parallelism with ZeRO-3 and on a pipeline without the tensor axis; and saved on plain data parallelism,
+    restored onto stages x tensor: the next steps equal an uninterrupted run on one device."""
+    batches = _batches(8, n=4)
+    want, _ = _reference(batches, _state())
+    manager = rp.CheckpointManager(tmp_path / "a")
+    state, _ = _train(_repl(1, 8, 2), batches[:2], _state())
+    manager.save(2, state)
+    for later in (
+        rp.Replicator(1, 8, parallelism=rp.Parallelism(tensor=4, tensor_plan=PLAN)),
+        rp.Replicator(2, 4, passes=rp.Pipeline.default(zero_stage=3, shard_optimizer_min_bytes=0)),
+        rp.Replicator(1, 8, parallelism=rp.Parallelism(stages=2, microbatches=2)),
+    ):
+        step, restored, _ = manager.restore(_state())
+        assert step == 2
+        got, _ = _train(later, batches[2:], restored)
+        _close(got, want)
+    plain = rp.CheckpointManager(tmp_path / "b")
+    state, _ = _train(rp.Replicator(1, 8), batches[:2], _state())
+    plain.save(2, state)
+    _, restored, _ = plain.restore(_state())
+    got, _ = _train(_repl(1, 8, 2, zero=3, schedule="gpipe"), batches[2:], restored)
+    _close(got, want)
