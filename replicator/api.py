@@ -40,9 +40,6 @@ from replicator.core.context import ReplicaContext, normalize_axis_names
 from replicator.core.layout import FoldLayout, fold_layout
 from replicator.core.tracing import (
     TracedStep,
-    is_array_leaf,
-    leaf_paths,
-    leaf_signature,
     signature_spec,
     trace_step,
 )
@@ -86,7 +83,16 @@ from replicator.runtime.state import (
     per_replica_step,
     with_per_replica,
 )
-from replicator.runtime.steady import SteadyStep, _deref
+from replicator.runtime.state_key import (
+    NO_STATE,
+    ReturnedState,
+    StateKey,
+    array_leaves,
+    merge_static,
+    state_key_of,
+    state_spec,
+)
+from replicator.runtime.steady import SteadyStep
 from replicator.stages.replicas import PipelinedReplicas
 from replicator.tensor.axis import TensorAxis
 
@@ -130,102 +136,6 @@ def _code_of(fn: Any) -> Any:
     return getattr(fn, "__code__", None) or getattr(getattr(fn, "func", None), "__code__", None)
 
 
-class _Static(tuple):
-    """The cache-key entry of a non-array state leaf: the object itself."""
-
-
-def _state_signature(leaf: Any, treedef: Any, index: int) -> Any:
-    """Shape and dtype of an array leaf; a non-array leaf (an Equinox module's function) is static."""
-    if is_array_leaf(leaf):
-        signature = leaf_signature(leaf)
-        if isinstance(leaf, int):  # a Python int becomes the default integer dtype (int32 without x64)
-            info = np.iinfo(signature[1])
-            if not info.min <= leaf <= info.max:
-                raise OverflowError(
-                    f"{_leaf_path(treedef, index)} is the Python int {leaf}, which does not fit in "
-                    f"{signature[1]} (the integer dtype JAX uses here; it would wrap around silently). Pass "
-                    f"an array of a wide enough dtype with jax_enable_x64, or keep it outside the state."
-                )
-        return signature
-    try:
-        hash(leaf)
-    except TypeError:
-        raise TypeError(
-            f"{_leaf_path(treedef, index)} is a {type(leaf).__name__}, neither an array nor a hashable static value. State leaves are "
-            "arrays (sent to every replica) or hashable Python objects compiled into the step (functions, "
-            "strings); convert it to an array, or keep it out of the state (eqx.partition(model, eqx.is_array))."
-        ) from None
-    return _Static((leaf,))
-
-
-class _StateKey:
-    """The compile-cache key of a step's state: ``(has_state, treedef, leaf signatures)``, hashed once."""
-
-    __slots__ = ("_hash", "value")
-
-    def __init__(self, has_state: bool, treedef: Any, signatures: tuple):
-        self.value = (has_state, treedef, signatures)
-        self._hash = hash(self.value)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return self is other or (
-            isinstance(other, _StateKey) and self._hash == other._hash and self.value == other.value
-        )
-
-
-_NO_STATE = _StateKey(False, None, ())
-
-
-def _state_key(state: PyTree | None) -> tuple[_StateKey, list, Any]:
-    """``(key, leaves, treedef)`` of a step's state; the checks of each leaf raise here."""
-    if state is None:
-        return _NO_STATE, [], None
-    leaves, treedef = jax.tree.flatten(state)
-    return (
-        _StateKey(True, treedef, tuple(_state_signature(leaf, treedef, i) for i, leaf in enumerate(leaves))),
-        leaves,
-        treedef,
-    )
-
-
-class _ReturnedState:
-    """The state the last ``run`` returned (arrays held weakly), recognized when it comes back as the next
-    call's state: its arrays are then on the mesh already and its key is known, so neither is worked out
-    again for every leaf."""
-
-    __slots__ = ("arrays", "compiled", "key", "n", "sharded_state", "statics", "treedef")
-
-    def __init__(
-        self,
-        key: _StateKey,
-        treedef: Any,
-        arrays: list,
-        statics: tuple,
-        n: int,
-        sharded_state: frozenset[int],
-        compiled: CompiledStep | None = None,
-    ):
-        self.key, self.treedef, self.statics, self.n, self.sharded_state = key, treedef, statics, n, sharded_state
-        self.compiled = compiled  # the step that returned it
-        self.arrays = list(map(weakref.ref, arrays))
-
-    def match(self, leaves: list, treedef: Any) -> list | None:
-        """The array leaves of ``leaves`` if they are this state's, else None."""
-        if treedef != self.treedef or len(leaves) != self.n:
-            return None
-        if self.statics:
-            if any(leaves[i] is not value for i, value in self.statics):
-                return None
-            static = dict(self.statics)
-            leaves = [leaf for i, leaf in enumerate(leaves) if i not in static]
-        if len(leaves) != len(self.arrays) or not all(map(operator.is_, map(_deref, self.arrays), leaves)):
-            return None
-        return leaves
-
-
 def _in_worker_order(batches: Sequence[PyTree]) -> PyTree:
     """One batch of every local worker as the global batch of a pipelined step: each leaf concatenated in
     worker order."""
@@ -252,23 +162,6 @@ def _gathered_in_worker_order(local: PyTree, workers: list[int]) -> PyTree:
             "every worker's input_fn must yield batches of the same shapes at each step."
         )
     return treedef.unflatten([np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in leaves])
-
-
-def _merge_static(arrays: list, statics: tuple, n: int) -> list:
-    """All of the state's leaves: the step's new arrays with the static leaves at their places."""
-    if not statics:
-        return arrays
-    by_index = dict(statics)
-    it = iter(arrays)
-    return [by_index[i] if i in by_index else next(it) for i in range(n)]
-
-
-def _leaf_path(treedef: Any, index: int) -> str:
-    return leaf_paths(treedef.unflatten(range(treedef.num_leaves)), "state")[index]
-
-
-def _state_spec(signature: Any) -> Any:
-    return signature[0] if isinstance(signature, _Static) else signature_spec(signature)
 
 
 def _pipelined_zero_stage(passes: Pipeline | None) -> int:
@@ -468,7 +361,7 @@ class Replicator:
         self._contexts: list[InputContext] | None = None
         self._compiled: collections.OrderedDict[Any, CompiledStep] = collections.OrderedDict()
         self._checker = BatchChecker(self.cores_per_worker)
-        self._returned: _ReturnedState | None = None
+        self._returned: ReturnedState | None = None
         self._steady: SteadyStep | None = None  # the last call, if the next one may run as it did
         self._warned_retrace: set[str] = set()
         self.trace_count = 0
@@ -509,7 +402,7 @@ class Replicator:
         self, step_fn: Callable, state: PyTree | None, batch: PyTree, per_replica_state: Any = None
     ) -> CompiledStep:
         """Trace + rewrite ``step_fn`` for a worker batch like ``batch`` (cached)."""
-        state_key, _, _ = _state_key(state)
+        state_key, _, _ = state_key_of(state)
         state_key = self._per_replica_key(state_key, state, per_replica_state)
         return self._lookup(step_fn, state_key, BatchSignature.of(batch, self.cores_per_worker), batch)
 
@@ -518,7 +411,7 @@ class Replicator:
     _last_lookup: tuple | None = None
 
     def _lookup(
-        self, step_fn: Callable, state_key: _StateKey, batch_key: BatchSignature, batch: PyTree | None = None
+        self, step_fn: Callable, state_key: StateKey, batch_key: BatchSignature, batch: PyTree | None = None
     ) -> CompiledStep:
         """The compiled step for a state and batch signature: from the cache, or traced and rewritten now.
 
@@ -543,7 +436,7 @@ class Replicator:
             if batch is not None:
                 check_worker_batch(batch, self.cores_per_worker, 0)
             has_state, state_def, state_sigs = state_key.value
-            state_specs = state_def.unflatten([_state_spec(s) for s in state_sigs]) if has_state else None
+            state_specs = state_def.unflatten([state_spec(s) for s in state_sigs]) if has_state else None
             batch_specs = batch_key.treedef.unflatten([signature_spec(s) for s in batch_key.replica_leaves])
             flags = tuple(type(s) is PerReplicaSignature for s in state_sigs)
             if any(flags):  # traced with one row of each per-replica leaf, stored one row per replica
@@ -945,7 +838,7 @@ class Replicator:
             batch.signature, batch.leaves = self._checker.check(batch.batches, contexts)
         placed_state = returned = None
         if state is None:
-            state_key, leaves, state_def = _NO_STATE, [], None
+            state_key, leaves, state_def = NO_STATE, [], None
         else:
             leaves, state_def = jax.tree_util.tree_flatten(state)
             returned = self._returned
@@ -953,7 +846,7 @@ class Replicator:
                 state_key = returned.key
             else:
                 returned = None
-                state_key, leaves, state_def = _state_key(state)
+                state_key, leaves, state_def = state_key_of(state)
             if per_replica_state is not None:
                 state_key = self._per_replica_key(state_key, state, per_replica_state)
         last = self._last_lookup
@@ -977,7 +870,7 @@ class Replicator:
             sharded_state = compiled.lowered.final.sharded_state
             if placed_state is None or returned.sharded_state != sharded_state:
                 placed_state = place_state(
-                    _array_leaves(leaves, traced.static_state), self.mesh, sharded_state, compiled.lowered.final.tensor
+                    array_leaves(leaves, traced.static_state), self.mesh, sharded_state, compiled.lowered.final.tensor
                 )
         if batch.placed is None:
             # Without prefetch, host leaves go to the compiled step as they are: its own dispatch places them
@@ -1015,11 +908,11 @@ class Replicator:
         if state is None:
             return outputs
         statics = traced.static_state
-        new_leaves = _merge_static(new_state, statics, traced.state_treedef.num_leaves) if statics else new_state
+        new_leaves = merge_static(new_state, statics, traced.state_treedef.num_leaves) if statics else new_state
         if same_step and compiled.state_reusable:
             returned.arrays = list(map(weakref.ref, new_state))  # its key, structure and layout are the same
         elif compiled.state_reusable and per_replica_state is None:
-            self._returned = _ReturnedState(
+            self._returned = ReturnedState(
                 state_key,
                 state_def,
                 new_state,
@@ -1051,13 +944,13 @@ class Replicator:
             )
         return traced.state_treedef.unflatten(new_leaves), outputs
 
-    def _per_replica_key(self, state_key: _StateKey, state: PyTree, per_replica_state: Any) -> _StateKey:
+    def _per_replica_key(self, state_key: StateKey, state: PyTree, per_replica_state: Any) -> StateKey:
         """``state_key`` with the leaves ``per_replica_state`` declares kept per replica marked (see :meth:`run`)."""
         if per_replica_state is None or state is None:
             return state_key
         has_state, treedef, signatures = state_key.value
         flags = per_replica_flags(state, per_replica_state, self.num_replicas)
-        return _StateKey(has_state, treedef, with_per_replica(signatures, flags))
+        return StateKey(has_state, treedef, with_per_replica(signatures, flags))
 
     def _prefetch(self, inputs: WorkerInputs, depth: int) -> None:
         """Draw, check and place batches of ``inputs`` until ``depth`` wait for their steps.
@@ -1082,14 +975,6 @@ class Replicator:
             batch.placed = place_batch(batch.leaves, self.mesh, self.num_workers, nbytes=batch.signature.nbytes)
         except Exception:  # noqa: BLE001 - done again when the batch's step takes it, which raises it there
             batch.signature = batch.leaves = batch.placed = None
-
-
-def _array_leaves(leaves: list, statics: tuple) -> list:
-    """The state's array leaves (its static leaves left out)."""
-    if not statics:
-        return leaves
-    static = dict(statics)
-    return [leaf for i, leaf in enumerate(leaves) if i not in static]
 
 
 def _check_prefetch(prefetch: Any) -> int:
