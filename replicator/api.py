@@ -28,13 +28,11 @@ import os
 import sys
 import warnings
 import weakref
-import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from replicator.core.context import ReplicaContext, normalize_axis_names
 from replicator.core.layout import FoldLayout, fold_layout
@@ -43,14 +41,12 @@ from replicator.core.tracing import (
     signature_spec,
     trace_step,
 )
-from replicator.cost.compute import equation_time
-from replicator.cost.report import CommunicationReport, communication_report, tensor_lines
-from replicator.cost.topology import PRESETS
+from replicator.cost.report import CommunicationReport, communication_report
 from replicator.errors import InputExhausted
 from replicator.parallelism import Parallelism, check_tensor_supported, older_keywords
 from replicator.passes.fold import fold_lowered
 from replicator.pipeline.pipeline import Lowered, Pipeline
-from replicator.runtime.consistency import check_copies_agree, check_replicas_agree
+from replicator.runtime.consistency import check_replicas_agree
 from replicator.runtime.distributed import progress
 from replicator.runtime.distributed.startup import check_initialized_under_launcher
 from replicator.runtime.execution import (
@@ -74,6 +70,7 @@ from replicator.runtime.inputs import (
 )
 from replicator.runtime.memory import compiled_memory
 from replicator.runtime.mesh import build_mesh
+from replicator.runtime.pipelined import PipelineFront, first_batches, zero_stage_of
 from replicator.runtime.state import (
     PerReplicaSignature,
     broadcast_state,
@@ -134,56 +131,6 @@ def _caller_stacklevel() -> int:
 
 def _code_of(fn: Any) -> Any:
     return getattr(fn, "__code__", None) or getattr(getattr(fn, "func", None), "__code__", None)
-
-
-def _in_worker_order(batches: Sequence[PyTree]) -> PyTree:
-    """One batch of every local worker as the global batch of a pipelined step: each leaf concatenated in
-    worker order."""
-    return jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *batches)
-
-
-def _gathered_in_worker_order(local: PyTree, workers: list[int]) -> PyTree:
-    """The global batch of a pipelined step in a job of several processes: this process's workers' batch
-    (``local``, theirs in order) joined with every other process's, in worker order, on every process. A
-    collective: every process calls it once per step."""
-    me, count = jax.process_index(), len(workers)
-    if workers != list(range(me * count, (me + 1) * count)):
-        raise ValueError(
-            f"process {me} runs workers {workers}; a pipelined Replicator joins the processes' batches in "
-            "process order, which needs each process to run the same number of consecutive workers (one "
-            "each: python -m replicator.launch)."
-        )
-    leaves, treedef = jax.tree.flatten(local)
-    shapes = [(*np.shape(x), str(np.asarray(x).dtype)) for x in leaves]
-    every = multihost_utils.process_allgather(np.array([zlib.crc32(repr(shapes).encode())], np.int64))
-    if len(set(np.ravel(every).tolist())) > 1:
-        raise ValueError(
-            f"the workers' batches differ in shape or dtype between the processes (process {me}: {shapes}); "
-            "every worker's input_fn must yield batches of the same shapes at each step."
-        )
-    return treedef.unflatten([np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in leaves])
-
-
-def _pipelined_zero_stage(passes: Pipeline | None) -> int:
-    """The ZeRO stage a pipelined Replicator takes from ``passes=``: ``k`` of ``rp.Pipeline.default(zero_stage=k)``
-    (ZeRO on each pipeline stage's data-parallel replicas, :func:`~replicator.stages.train.pipeline_train_step`).
-    Any other pass pipeline is refused: a pipelined step runs the schedule's loop, not the passes. The threshold
-    ``shard_optimizer_min_bytes`` is taken and has nothing to do: a stage's leaves are packed into one row, cut
-    in ``D`` chunks whole."""
-    if not isinstance(passes, Pipeline):
-        return 0  # None; anything else is refused by the constructor's TypeError
-    zero = [p for p in passes.passes if p.name == "shard-optimizer-update"]
-    stage = zero[0].stage if zero else 0
-    threshold = {"shard_optimizer_min_bytes": zero[0].min_tensor_bytes} if zero else {}
-    if passes.key() != Pipeline.default(zero_stage=stage, **threshold).key():
-        raise ValueError(
-            "passes= on a pipelined Replicator takes rp.Pipeline.default(zero_stage=k) only (k = 0..3: ZeRO on each "
-            "pipeline stage's data-parallel replicas): its stages run their own program (the schedule's loop), not "
-            "the pass pipeline, so other options (fusion, compression, hierarchical all-reduce, disabled passes) "
-            f"would be ignored; got {passes!r}. Leave them out, or drop pipeline_stages to run the step data "
-            "parallel with them."
-        )
-    return stage
 
 
 class Replicator:
@@ -335,7 +282,7 @@ class Replicator:
                 microbatches,
                 schedule or "1f1b",
                 pipeline_recompute,
-                zero_stage=_pipelined_zero_stage(passes),
+                zero_stage=zero_stage_of(passes),
                 fold_axes=self.fold.folded_axes,
                 tensor=self.tensor,
             )
@@ -351,6 +298,8 @@ class Replicator:
         if check_state_every is not None and (not isinstance(check_state_every, int) or check_state_every < 1):
             raise ValueError(f"check_state_every must be a positive int or None, got {check_state_every!r}.")
         self.check_state_every = check_state_every
+        #: A pipelined Replicator's calls around its pipeline (the batch, the count, the state check).
+        self._front = None if self.pipelined is None else PipelineFront(self.pipelined, check_state_every)
         if prefetch is None:
             prefetch = 0 if spans_processes(self.mesh) or self.mesh.devices.flat[0].platform == "cpu" else 1
         self.prefetch = _check_prefetch(prefetch)
@@ -529,15 +478,10 @@ class Replicator:
             if per_replica_state is not None:
                 raise ValueError("a pipelined Replicator keeps no per-replica state; leave per_replica_state out.")
             if callable(input_fn_or_batch):  # fresh iterators, as below: run's are not touched
-                try:
-                    parts = [next(iter(input_fn_or_batch(self.input_context(w)))) for w in self.local_workers]
-                except StopIteration:
-                    raise ValueError("explain: input_fn yielded no batch to trace the step with.") from None
-                input_fn_or_batch = _in_worker_order(parts)
-            report = self.pipelined.describe_step(
-                step_fn, input_fn_or_batch, state, stage_cost=self._stage_cost(), memory=True
-            )
-            return dataclasses.replace(report, tensor_lines=tuple(tensor_lines(report.tensor, "micro-batch")))
+                input_fn_or_batch = first_batches(
+                    input_fn_or_batch, [self.input_context(w) for w in self.local_workers]
+                )
+            return self._front.explain(step_fn, input_fn_or_batch, state)
         batch = input_fn_or_batch
         if callable(input_fn_or_batch):
             try:
@@ -566,30 +510,11 @@ class Replicator:
         """
         if self.pipelined is None:
             raise ValueError("run_pipelined needs Replicator(..., pipeline_stages=S, microbatches=M).")
-        out = self.pipelined.run(loss_fn, optimizer, self._pipelined_batch(batch), state)
-        self._pipelined_step_ran()
-        return out
-
-    def _pipelined_step_ran(self) -> None:
-        """Count a pipelined step; every ``check_state_every`` steps, check that each stage's replicas hold the
-        same copy of its rows."""
-        self._steps_run += 1
-        if self.check_state_every and self._steps_run % self.check_state_every == 0:
-            rows = jax.tree_util.tree_leaves_with_path(self.pipelined.last_rows)
-            check_copies_agree([x for _, x in rows], [f"the packed state{jax.tree_util.keystr(k)}" for k, _ in rows])
+        return self._front.run(loss_fn, optimizer, self._pipelined_batch(batch), state)
 
     def _pipelined_batch(self, data: Any) -> PyTree:
-        """The global batch of a pipelined step: ``data`` itself, the next of an iterator, or an ``input_fn``'s
-        next batch of every worker, concatenated in worker order (across processes: every process gets it)."""
-        if isinstance(data, Iterator):
-            return next(data)
-        if not callable(data):
-            return data
-        batches = self._worker_inputs(data).take().batches
-        assert batches is not None
-        if jax.process_count() > 1:
-            return _gathered_in_worker_order(_in_worker_order(batches), self.local_workers)
-        return _in_worker_order(batches)
+        """The global batch of a pipelined step (:meth:`~replicator.runtime.pipelined.PipelineFront.global_batch`)."""
+        return self._front.global_batch(data, lambda fn: self._worker_inputs(fn).take().batches, self.local_workers)
 
     def describe_pipeline(
         self, loss_fn: Callable, optimizer: Any, batch: PyTree, state: tuple, *, memory: bool = False
@@ -599,18 +524,7 @@ class Replicator:
         ``memory=True`` also compiles the step and adds XLA's memory analysis per device. ``print()`` it."""
         if self.pipelined is None:
             raise ValueError("describe_pipeline needs Replicator(..., pipeline_stages=S, microbatches=M).")
-        return self.pipelined.describe(loss_fn, optimizer, batch, state, stage_cost=self._stage_cost(), memory=memory)
-
-    @staticmethod
-    def _stage_cost() -> Callable[[list], float]:
-        """Seconds of a stage's equations by the cost model (the emulated-CPU figures)."""
-        compute = PRESETS["cpu-emulated"].compute
-        assert compute is not None
-
-        def stage_cost(eqns: list) -> float:
-            return sum(equation_time(eqn, compute) for eqn in eqns)
-
-        return stage_cost
+        return self._front.describe(loss_fn, optimizer, batch, state, memory)
 
     def broadcast_state(self, state: PyTree) -> PyTree:
         """Replica 0's (process 0's) ``state`` on every replica, placed on the mesh.
@@ -773,10 +687,8 @@ class Replicator:
                     "needs a state, without per_replica_state; or call run_pipelined(loss_fn, optimizer, batch, "
                     "(params, opt_state)) (docs/guide/pipeline.md)."
                 )
-            built = self.pipelined.user_steps_built
-            out = self.pipelined.run_step(step_fn, self._pipelined_batch(input_fn), state)
-            self.trace_count += self.pipelined.user_steps_built - built  # a new shape traced and compiled
-            self._pipelined_step_ran()
+            out, compiled = self._front.run_step(step_fn, self._pipelined_batch(input_fn), state)
+            self.trace_count += compiled  # a new shape traced and compiled
             return out
         depth = self.prefetch if prefetch is None else _check_prefetch(prefetch)
         step = progress.begin_step()
