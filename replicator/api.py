@@ -21,12 +21,7 @@ Example (``rp.force_cpu_devices(8)`` emulates 8 CPU devices; call it before JAX 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import functools
 import operator
-import os
-import sys
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -36,22 +31,16 @@ import numpy as np
 
 from replicator.core.context import ReplicaContext, normalize_axis_names
 from replicator.core.layout import FoldLayout, fold_layout
-from replicator.core.tracing import (
-    TracedStep,
-    signature_spec,
-    trace_step,
-)
 from replicator.cost.report import CommunicationReport, communication_report
 from replicator.errors import InputExhausted
 from replicator.parallelism import Parallelism, check_tensor_supported, older_keywords
-from replicator.passes.fold import fold_lowered
 from replicator.pipeline.pipeline import Lowered, Pipeline
+from replicator.runtime.build import CompiledStep, StepCache, build_step
 from replicator.runtime.consistency import check_replicas_agree
 from replicator.runtime.distributed import progress
 from replicator.runtime.distributed.startup import check_initialized_under_launcher
 from replicator.runtime.execution import (
     MEMORY_CHECK_BYTES,
-    build_executable,
     place_batch,
     place_state,
     spans_processes,
@@ -68,16 +57,12 @@ from replicator.runtime.inputs import (
     check_worker_batch,
     split_process_batch,
 )
-from replicator.runtime.memory import compiled_memory
 from replicator.runtime.mesh import build_mesh
 from replicator.runtime.pipelined import PipelineFront, first_batches, zero_stage_of
+from replicator.runtime.retrace import NEW_INPUT_WARNING_AFTER, warn_if_retracing, warn_new_input_fn
 from replicator.runtime.state import (
-    PerReplicaSignature,
     broadcast_state,
     per_replica_flags,
-    per_replica_graph,
-    per_replica_specs,
-    per_replica_step,
     with_per_replica,
 )
 from replicator.runtime.state_key import (
@@ -87,7 +72,6 @@ from replicator.runtime.state_key import (
     array_leaves,
     merge_static,
     state_key_of,
-    state_spec,
 )
 from replicator.runtime.steady import SteadyStep
 from replicator.stages.replicas import PipelinedReplicas
@@ -96,41 +80,6 @@ from replicator.tensor.axis import TensorAxis
 __all__ = ["CompiledStep", "Replicator"]
 
 PyTree = Any
-
-
-@dataclasses.dataclass(eq=False)
-class CompiledStep:
-    """A step traced, rewritten and wrapped for one input signature."""
-
-    traced: TracedStep
-    lowered: Lowered
-    executable: Callable
-    runs: int = 0  # the first run compiles it (XLA), as part of the call
-    #: Whether the new state it returns is laid out as ``place_state`` would place it (checked on the
-    #: first run), so that the next call may pass those arrays back as they are.
-    state_reusable: bool = False
-
-
-#: Compiled steps kept per Replicator (least recently used dropped first).
-MAX_COMPILED_STEPS = 64
-#: Warn when a step has been compiled this many times already for one cause.
-RETRACE_WARNING_AFTER = 8
-#: Warn when this many new input functions of the same code in a row each ran one step before the next.
-NEW_INPUT_WARNING_AFTER = 2
-
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
-
-def _caller_stacklevel() -> int:
-    """``warnings.warn``'s ``stacklevel`` naming the first caller outside this package (the user's line)."""
-    frame, level = sys._getframe(1), 1  # the function that calls warnings.warn
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def _code_of(fn: Any) -> Any:
-    return getattr(fn, "__code__", None) or getattr(getattr(fn, "func", None), "__code__", None)
 
 
 class Replicator:
@@ -308,7 +257,7 @@ class Replicator:
         self._in_flight: collections.deque = collections.deque()
         self._inputs = InputRegistry()
         self._contexts: list[InputContext] | None = None
-        self._compiled: collections.OrderedDict[Any, CompiledStep] = collections.OrderedDict()
+        self._compiled = StepCache()
         self._checker = BatchChecker(self.cores_per_worker)
         self._returned: ReturnedState | None = None
         self._steady: SteadyStep | None = None  # the last call, if the next one may run as it did
@@ -375,67 +324,27 @@ class Replicator:
                 "bubble, per-stage compute and memory)."
             )
         key = (step_fn, state_key, batch_key, self._pipeline_key())
-        compiled = self._compiled.get(key)
-        if compiled is not None:
-            self._compiled.move_to_end(key)
-            self._last_lookup = (step_fn, state_key, batch_key, self.pipeline, compiled)
-            return compiled
-        with progress.phase("compiling"), gc_paused():
-            self._warn_if_retracing(key)
-            if batch is not None:
-                check_worker_batch(batch, self.cores_per_worker, 0)
-            has_state, state_def, state_sigs = state_key.value
-            state_specs = state_def.unflatten([state_spec(s) for s in state_sigs]) if has_state else None
-            batch_specs = batch_key.treedef.unflatten([signature_spec(s) for s in batch_key.replica_leaves])
-            flags = tuple(type(s) is PerReplicaSignature for s in state_sigs)
-            if any(flags):  # traced with one row of each per-replica leaf, stored one row per replica
-                state_specs = per_replica_specs(state_specs, flags)
-            traced = trace_step(
-                per_replica_step(step_fn, flags) if any(flags) else step_fn, state_specs, batch_specs, self.context
-            )
-            if any(flags):
-                traced = dataclasses.replace(traced, graph=per_replica_graph(traced.graph, flags, traced.static_state))
-            self.trace_count += 1
-            graph = traced.graph if self.tensor is None else self.tensor.split(traced.graph, state_specs)
-            lowered = self.pipeline.run(graph, fold=self.fold)
-            if self.fold.replicas_per_device > 1:
-                lowered = fold_lowered(lowered, self.fold)
-            executable = build_executable(lowered.final, self.mesh, donate_state=self.donate_state, fold=self.fold)
-            memory = functools.cache(
-                functools.partial(compiled_memory, executable, traced.graph, lowered.final, self.mesh)
-            )
-            lowered = dataclasses.replace(lowered, memory_fn=memory)
-            compiled = CompiledStep(traced, lowered, executable)
-            self._compiled[key] = compiled
-            while len(self._compiled) > MAX_COMPILED_STEPS:
-                self._compiled.popitem(last=False)  # the least recently used
+        compiled = self._compiled.lookup(key)
+        if compiled is None:
+            with progress.phase("compiling"), gc_paused():
+                warn_if_retracing(step_fn, self._compiled, self._warned_retrace)
+                if batch is not None:
+                    check_worker_batch(batch, self.cores_per_worker, 0)
+                compiled = build_step(
+                    step_fn,
+                    state_key,
+                    batch_key,
+                    context=self.context,
+                    passes=self.pipeline,
+                    mesh=self.mesh,
+                    fold=self.fold,
+                    tensor=self.tensor,
+                    donate_state=self.donate_state,
+                )
+                self.trace_count += 1
+                self._compiled.add(key, compiled)
         self._last_lookup = (step_fn, state_key, batch_key, self.pipeline, compiled)
         return compiled
-
-    def _warn_if_retracing(self, key: tuple) -> None:
-        """Warn once per cause when a step keeps being compiled again (JAX's explain_cache_misses)."""
-        step_fn = key[0]
-        code = _code_of(step_fn)
-        same_code = [k for k in self._compiled if k[0] is not step_fn and _code_of(k[0]) is code and code]
-        same_fn = [k for k in self._compiled if k[0] is step_fn]
-        if len(same_code) >= RETRACE_WARNING_AFTER and "new-function" not in self._warned_retrace:
-            self._warned_retrace.add("new-function")
-            warnings.warn(
-                f"Replicator.run: step_fn {getattr(code, 'co_name', step_fn)!r} is a new function object on every "
-                f"call ({len(same_code) + 1} so far: a lambda or functools.partial made inside the loop), so every "
-                "step is traced and compiled again. Define it once, outside the loop.",
-                RuntimeWarning,
-                stacklevel=_caller_stacklevel(),
-            )
-        elif len(same_fn) >= RETRACE_WARNING_AFTER and "new-shapes" not in self._warned_retrace:
-            self._warned_retrace.add("new-shapes")
-            warnings.warn(
-                f"Replicator.run: step_fn has been compiled for {len(same_fn) + 1} different state/batch shapes or "
-                "dtypes; each new one compiles again. Pad batches to a fixed size (drop_last, or pad and mask) "
-                "and keep the state's shapes fixed.",
-                RuntimeWarning,
-                stacklevel=_caller_stacklevel(),
-            )
 
     def lower(
         self, step_fn: Callable, batch: PyTree, state: PyTree | None = None, *, per_replica_state: Any = None
@@ -575,26 +484,8 @@ class Replicator:
             check_input_fn(input_fn)
             inputs, in_a_row = self._inputs.start(input_fn, self._local_contexts())
             if in_a_row >= NEW_INPUT_WARNING_AFTER:
-                self._warn_new_input_fn(input_fn, in_a_row + 1)
+                warn_new_input_fn(input_fn, in_a_row + 1, self._warned_retrace)
         return inputs
-
-    def _warn_new_input_fn(self, input_fn: Callable, count: int) -> None:
-        """Warn once: ``input_fn`` is a new function on every call, so its data starts over at every step."""
-        if "new-input-function" in self._warned_retrace:
-            return
-        self._warned_retrace.add("new-input-function")
-        code = _code_of(input_fn)
-        where = f" (made at {code.co_filename}:{code.co_firstlineno})" if code is not None else ""
-        warnings.warn(
-            f"Replicator.run: input_fn {getattr(code, 'co_name', input_fn)!r}{where} is a new function object on "
-            f"every call ({count} in a row, each used for one step: a lambda or function made inside the loop), "
-            "so every step starts a new iterator and reads its first batch: the data starts over at every step. "
-            "Define input_fn once, outside the loop (one iterator, continued from call to call), or pass the "
-            "step's batch itself, repl.run(step_fn, batch, state), or an iterator of batches, "
-            "repl.run(step_fn, batches, state), which run continues.",
-            RuntimeWarning,
-            stacklevel=_caller_stacklevel(),
-        )
 
     def _given_batch(self, data: Any) -> Batch:
         """The batch of a ``run`` given a batch or an iterator of batches instead of an ``input_fn``."""

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import replicator as rp
-from replicator import api
+from replicator.runtime import build, retrace
 
 
 def _input(x):
@@ -38,7 +38,7 @@ def test_a_new_step_function_every_call_warns_once(n_devices):
     inp = _input(np.ones((n_devices, 2), np.float32))
 
     def loop():
-        for _ in range(api.RETRACE_WARNING_AFTER + 4):
+        for _ in range(retrace.RETRACE_WARNING_AFTER + 4):
             repl.run(lambda b: {"y": b["x"] * 2}, inp)
 
     messages = _recorded(loop)
@@ -52,7 +52,7 @@ def test_new_shapes_every_call_warn_once(n_devices):
         return {"y": b["x"]}
 
     def loop():
-        for n in range(1, api.RETRACE_WARNING_AFTER + 4):
+        for n in range(1, retrace.RETRACE_WARNING_AFTER + 4):
             repl.run(step, {"x": np.ones((n_devices * n, 2), np.float32)})  # the batch itself, new shapes each call
 
     messages = _recorded(loop)
@@ -60,7 +60,7 @@ def test_new_shapes_every_call_warn_once(n_devices):
 
 
 def test_the_compile_cache_is_bounded(n_devices, monkeypatch):
-    monkeypatch.setattr(api, "MAX_COMPILED_STEPS", 3)
+    monkeypatch.setattr(build, "MAX_COMPILED_STEPS", 3)
     repl = rp.Replicator(1, n_devices)
     inp = _input(np.ones((n_devices, 2), np.float32))
     steps = [lambda b, k=k: {"y": b["x"] * k} for k in range(5)]
