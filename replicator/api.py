@@ -29,11 +29,11 @@ from typing import Any
 import jax
 import numpy as np
 
+from replicator.axes import place_axes
 from replicator.core.context import ReplicaContext, normalize_axis_names
-from replicator.core.layout import FoldLayout, fold_layout
 from replicator.cost.report import CommunicationReport, communication_report
 from replicator.errors import InputExhausted
-from replicator.parallelism import Parallelism, check_tensor_supported, older_keywords
+from replicator.parallelism import Parallelism, older_keywords
 from replicator.pipeline.pipeline import Lowered, Pipeline
 from replicator.runtime.build import CompiledStep, StepCache, build_step
 from replicator.runtime.consistency import check_replicas_agree
@@ -57,8 +57,7 @@ from replicator.runtime.inputs import (
     check_worker_batch,
     split_process_batch,
 )
-from replicator.runtime.mesh import build_mesh
-from replicator.runtime.pipelined import PipelineFront, first_batches, zero_stage_of
+from replicator.runtime.pipelined import PipelineFront, first_batches
 from replicator.runtime.retrace import NEW_INPUT_WARNING_AFTER, warn_if_retracing, warn_new_input_fn
 from replicator.runtime.state import (
     broadcast_state,
@@ -74,8 +73,6 @@ from replicator.runtime.state_key import (
     state_key_of,
 )
 from replicator.runtime.steady import SteadyStep
-from replicator.stages.replicas import PipelinedReplicas
-from replicator.tensor.axis import TensorAxis
 
 __all__ = ["CompiledStep", "Replicator"]
 
@@ -102,14 +99,6 @@ class Replicator:
         ``BatchNorm(axis_name='batch')`` then trace unchanged and become the
         same placeholders as ``rp.all_mean``. The mesh names ``'workers'`` and
         ``'cores'`` are always bound.
-      replicas_per_device: run this many consecutive replicas on each device
-        (``jax.vmap`` over them inside the device's program), so that
-        ``num_workers x cores_per_worker`` replicas need only ``1 /
-        replicas_per_device`` as many devices; it must divide
-        ``cores_per_worker`` or be a multiple of it that divides the replica
-        count. Results are those of one replica per device (up to float
-        rounding); replica-invariant work runs once per device
-        (:mod:`replicator.passes.fold`).
       check_state_every: every this many steps, check that every replica still
         holds the same state (a host fingerprint of each device's copy, compared
         across processes with one small all-gather); the first differing leaf
@@ -138,24 +127,13 @@ class Replicator:
         more batch. Errors of ``input_fn`` are raised by the step whose batch
         it was drawing, and :meth:`input_position` counts only batches steps
         have taken.
-      pipeline_stages: cut the model into this many stages at its
-        ``rp.stage_boundary`` markers and run ``num_workers x cores_per_worker
-        / pipeline_stages`` data-parallel replicas of that pipeline
-        (:mod:`replicator.stages.replicas`); such a Replicator runs
-        :meth:`run` (the update cut from ``step_fn``) and :meth:`run_pipelined`. Guide: docs/guide/pipeline.md.
-        With ``replicas_per_device=k`` the stages cut the device grid and each
-        device of a stage runs ``k`` consecutive replicas of the pipeline.
-      microbatches: ``M``, the micro-batches each replica's share of the batch
-        is cut into (default: ``pipeline_stages``).
-      schedule: ``'1f1b'`` (the default: at most ``S`` micro-batches'
-        activations alive per stage), ``'gpipe'`` (all ``M``; the same bubble)
-        or ``'1f1b-fused'`` (every tick runs a forward and a backward on each
-        stage: the fastest where the stages' devices wait for each other every
-        tick, at up to ``2S-1`` micro-batches alive on the first stage).
-      pipeline_recompute: keep only each stage's boundary inputs between a
-        micro-batch's forward and backward, and run the stage's forward again
-        before its backward (GPipe's recomputation: less memory, one more
-        forward of compute).
+      pipeline_stages, microbatches, schedule, pipeline_recompute: the older
+        spellings of ``parallelism=rp.Parallelism(stages=..., microbatches=...,
+        schedule=..., recompute=...)``; ``replicas_per_device`` too.
+      parallelism: how the devices are split between the axes (pipeline
+        stages, the tensor axis, folding; the data-parallel replicas take the
+        rest): a :class:`~replicator.Parallelism` (its fields say what each
+        does; ``replicator/axes.py`` places them on the devices).
     """
 
     def __init__(
@@ -187,54 +165,10 @@ class Replicator:
             schedule=schedule,
             pipeline_recompute=pipeline_recompute,
         )
-        replicas_per_device, pipeline_stages = older["replicas_per_device"], older["pipeline_stages"]
-        microbatches, schedule, pipeline_recompute = (
-            older["microbatches"],
-            older["schedule"],
-            older["pipeline_recompute"],
-        )
-        #: The tensor axis (``Parallelism(tensor=T)``), or None.
-        self.tensor: TensorAxis | None = None
-        if parallelism is not None and parallelism.tensor > 1:
-            check_tensor_supported(parallelism)
-            self.tensor = TensorAxis(
-                parallelism.tensor, parallelism.tensor_plan, parallelism.allow_gather, parallelism.sequence_parallel
-            )
-            self.mesh = self.tensor.mesh(build_mesh(num_workers, cores_per_worker, devices=devices))
-            self.num_workers, self.cores_per_worker = self.mesh.devices.shape[:2]
-            self.fold = FoldLayout(self.num_workers, self.cores_per_worker)
-        elif replicas_per_device == 1:
-            self.mesh = build_mesh(num_workers, cores_per_worker, devices=devices)
-            self.num_workers, self.cores_per_worker = self.mesh.devices.shape
-            self.fold = FoldLayout(self.num_workers, self.cores_per_worker)
-        else:
-            if cores_per_worker is None:
-                raise ValueError("replicas_per_device needs an explicit cores_per_worker (the logical replicas).")
-            self.fold = fold_layout(num_workers, cores_per_worker, replicas_per_device=replicas_per_device)
-            self.mesh = build_mesh(*self.fold.device_mesh, devices=devices)
-            self.num_workers, self.cores_per_worker = num_workers, cores_per_worker
+        axes = place_axes(num_workers, cores_per_worker, devices, parallelism, older, passes)
+        self.mesh, self.fold, self.tensor, self.pipelined = axes.mesh, axes.fold, axes.tensor, axes.pipelined
+        self.num_workers, self.cores_per_worker = axes.num_workers, axes.cores_per_worker
         self.context = ReplicaContext(self.num_workers, self.cores_per_worker, axis_names)
-        self.pipelined: PipelinedReplicas | None = None  # pipeline parallelism: see run_pipelined
-        if pipeline_stages == 1 and microbatches is None and (schedule is not None or pipeline_recompute):
-            given = ", ".join(
-                name for name, value in (("schedule", schedule), ("pipeline_recompute", pipeline_recompute)) if value
-            )
-            raise ValueError(
-                f"{given} only applies to a pipelined Replicator, and this one has pipeline_stages=1: pass "
-                "pipeline_stages=S (the stages cut at rp.stage_boundary markers) or leave these options out."
-            )
-        if pipeline_stages != 1 or microbatches is not None:
-            # With replicas_per_device=k the stages cut the device grid; each device hosts k replicas.
-            self.pipelined = PipelinedReplicas(
-                self.mesh.devices,
-                pipeline_stages,
-                microbatches,
-                schedule or "1f1b",
-                pipeline_recompute,
-                zero_stage=zero_stage_of(passes),
-                fold_axes=self.fold.folded_axes,
-                tensor=self.tensor,
-            )
         self.pipeline = passes if passes is not None else Pipeline.default()
         if not isinstance(self.pipeline, Pipeline):
             raise TypeError(f"passes= must be a replicator.passes.Pipeline, got {type(self.pipeline).__name__}.")

@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("replicator.tools",),
     ("replicator.launch",),  # the supervisor of a multi-process job
     ("replicator.training",),  # optim, nn, precision (used inside steps), checkpoint
-    ("replicator.api", "replicator.parallelism"),
+    ("replicator.api", "replicator.parallelism", "replicator.axes"),
     ("replicator.loop",),  # the Trainer drives a Replicator (its own folder, above api.py)
     ("replicator", "replicator.bisect", "replicator.__main__"),  # the public surface and command lines
 ]
