@@ -260,3 +260,34 @@ def test_a_checkpoint_saved_on_stages_by_tensor_restores_at_another_layout_and_t
     _, restored, _ = plain.restore(_state())
     got, _ = _train(_repl(1, 8, 2, zero=3, schedule="gpipe"), batches[2:], restored)
     _close(got, want)
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_no_weight_is_gathered_over_the_tensor_axis_in_the_compiled_step(zero):
+    """The compiled pipelined program's all-gathers: none without ZeRO-3; with it, only ZeRO's gathers of each
+    device's chunks over the data axes (replica groups that never join two devices of a tensor group)."""
+    import re
+
+    repl = _repl(1, 8, 2, zero=zero)
+    state, batch = _state(), _batches(8, n=1)[0]
+    built = repl.pipelined.user_step(_step, batch, state)
+    text = built.step.lower(built.pack(state), built.micro_leaves(batch)).compile().as_text()
+    lines = [line for line in text.splitlines() if re.search(r"all-gather(-start)?\(", line)]
+    if zero == 0:
+        assert not lines, lines
+        return
+    assert lines, "ZeRO-3 gathers its chunks"
+    mesh = repl.pipelined.mesh
+    position = {d: i for i, d in enumerate(mesh.devices.flat)}  # the HLO's device numbers: the mesh's order
+    groups = mesh.devices.reshape(-1, 2)  # each row: the two devices of a tensor group (the axis innermost)
+    pairs = [frozenset(position[d] for d in row) for row in groups]
+    for line in lines:
+        named = re.search(r"replica_groups=mesh\[[^\]]*\] \{([^}]*)\}", line)
+        if named:  # newer XLA names the mesh axes a collective spans
+            assert "tensor" not in named[1], line
+            continue
+        explicit = re.search(r"replica_groups=\{(\{[\d,]+\}(?:,\{[\d,]+\})*)\}", line)
+        assert explicit, line
+        for group in re.findall(r"\{([\d,]+)\}", explicit[1]):
+            ids = {int(i) for i in group.split(",")}
+            assert not any(len(ids & pair) > 1 for pair in pairs), (line, pairs)
