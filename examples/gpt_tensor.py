@@ -40,6 +40,7 @@ import numpy as np
 import optax
 
 import replicator as rp
+from replicator.tensor.parallelize import sent_bytes
 
 VOCAB = 64
 SEQ = 16
@@ -210,6 +211,16 @@ def main(argv: list[str] | None = None) -> int:
     per = "step" if args.stages == 1 else "micro-batch"
     print(f"the plan inserts {len(report.tensor.collectives)} collectives over 'tensor' per {per}:")
     print("\n".join(tensor_lines(report)))
+    # Megatron's count (Narayanan et al., SC'21): per block and micro-batch, 8bsh(t-1)/t elements sent by each
+    # device (forward and backward); the collectives of the blocks' lines, from the report.
+    t = args.tensor
+    in_blocks = [  # the blocks' activations (b, s, h), not the embedding's nor the loss's
+        c for c in report.tensor.collectives if len(c.shape) == 3 and c.shape[-1] == WIDTH and "GPT." not in c.line
+    ]
+    b, seq, h = in_blocks[0].shape if in_blocks else (0, SEQ, WIDTH)
+    sent = sum(sent_bytes(c, t) for c in in_blocks) / DEPTH
+    megatron = 8 * b * seq * h * (t - 1) / t * 4  # float32
+    print(f"bytes over 'tensor' per block and {per}: {sent:.0f} (Megatron's 8bsh(t-1)/t x 4 B: {megatron:.0f})")
     losses: list[float] = []
 
     class Record(rp.Hook):
@@ -262,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if held > 1.1 * bound:
             failures.append(f"a device of stage 0 holds {held} bytes, more than 1.1 x {bound:.0f}")
+    if not args.sequence_parallel and sent != megatron:
+        failures.append(f"{sent:.0f} bytes over 'tensor' per block, Megatron's count is {megatron:.0f}")
     if not losses[-1] < losses[0]:
         failures.append(f"the loss did not go down ({losses[0]:.4f} -> {losses[-1]:.4f})")
     for f in failures:
