@@ -23,16 +23,14 @@ from __future__ import annotations
 import collections
 import operator
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
-import numpy as np
 
 from replicator.axes import place_axes
 from replicator.core.context import ReplicaContext, normalize_axis_names
 from replicator.cost.report import CommunicationReport, communication_report
-from replicator.errors import InputExhausted
 from replicator.parallelism import Parallelism, older_keywords
 from replicator.pipeline.pipeline import Lowered, Pipeline
 from replicator.runtime.build import CompiledStep, StepCache, build_step
@@ -47,18 +45,13 @@ from replicator.runtime.execution import (
 )
 from replicator.runtime.gc_pause import gc_paused
 from replicator.runtime.inputs import (
-    Batch,
-    BatchChecker,
     BatchSignature,
     InputContext,
-    InputRegistry,
     WorkerInputs,
-    check_input_fn,
     check_worker_batch,
-    split_process_batch,
 )
 from replicator.runtime.pipelined import PipelineFront, first_batches
-from replicator.runtime.retrace import NEW_INPUT_WARNING_AFTER, warn_if_retracing, warn_new_input_fn
+from replicator.runtime.retrace import warn_if_retracing
 from replicator.runtime.state import (
     broadcast_state,
     per_replica_flags,
@@ -73,6 +66,7 @@ from replicator.runtime.state_key import (
     state_key_of,
 )
 from replicator.runtime.steady import SteadyStep
+from replicator.runtime.step_inputs import StepInputs, check_prefetch
 
 __all__ = ["CompiledStep", "Replicator"]
 
@@ -185,17 +179,16 @@ class Replicator:
         self._front = None if self.pipelined is None else PipelineFront(self.pipelined, check_state_every)
         if prefetch is None:
             prefetch = 0 if spans_processes(self.mesh) or self.mesh.devices.flat[0].platform == "cpu" else 1
-        self.prefetch = _check_prefetch(prefetch)
+        self.prefetch = check_prefetch(prefetch)
         self._steps_run = 0
         self._cached_pipeline_key: tuple[Pipeline, tuple] | None = None
         self._in_flight: collections.deque = collections.deque()
-        self._inputs = InputRegistry()
-        self._contexts: list[InputContext] | None = None
         self._compiled = StepCache()
-        self._checker = BatchChecker(self.cores_per_worker)
         self._returned: ReturnedState | None = None
         self._steady: SteadyStep | None = None  # the last call, if the next one may run as it did
         self._warned_retrace: set[str] = set()
+        self._batches = StepInputs(self, self._warned_retrace)
+        self._inputs = self._batches.registry
         self.trace_count = 0
 
     # -- shape of the job ---------------------------------------------------
@@ -357,7 +350,9 @@ class Replicator:
 
     def _pipelined_batch(self, data: Any) -> PyTree:
         """The global batch of a pipelined step (:meth:`~replicator.runtime.pipelined.PipelineFront.global_batch`)."""
-        return self._front.global_batch(data, lambda fn: self._worker_inputs(fn).take().batches, self.local_workers)
+        return self._front.global_batch(
+            data, lambda fn: self._batches.worker_inputs(fn).take().batches, self.local_workers
+        )
 
     def describe_pipeline(
         self, loss_fn: Callable, optimizer: Any, batch: PyTree, state: tuple, *, memory: bool = False
@@ -406,46 +401,6 @@ class Replicator:
         or since :meth:`forget_input`); batches prefetched for later steps are not counted."""
         inputs = self._inputs.get(input_fn)
         return inputs.taken if inputs is not None else 0
-
-    def _local_contexts(self) -> list[InputContext]:
-        if self._contexts is None:
-            self._contexts = [self.input_context(w) for w in self.local_workers]
-        return self._contexts
-
-    def _worker_inputs(self, input_fn: Callable) -> WorkerInputs:
-        inputs = self._inputs.get(input_fn)
-        if inputs is None:
-            check_input_fn(input_fn)
-            inputs, in_a_row = self._inputs.start(input_fn, self._local_contexts())
-            if in_a_row >= NEW_INPUT_WARNING_AFTER:
-                warn_new_input_fn(input_fn, in_a_row + 1, self._warned_retrace)
-        return inputs
-
-    def _given_batch(self, data: Any) -> Batch:
-        """The batch of a ``run`` given a batch or an iterator of batches instead of an ``input_fn``."""
-        if type(data) not in (dict, list, tuple) and not isinstance(data, (np.ndarray, jax.Array)):
-            if data is None:
-                raise TypeError(
-                    "Replicator.run takes an input_fn (a callable taking an InputContext and returning an iterable "
-                    "of batches), an iterator of batches, or one batch (a pytree of arrays); got None."
-                )
-            if isinstance(data, Iterator):
-                try:
-                    data = next(data)
-                except StopIteration:
-                    raise InputExhausted(
-                        "the iterator of batches given to run is exhausted. Stop the loop there (catch "
-                        "replicator.InputExhausted) or give it more batches (e.g. loop over epochs)."
-                    ) from None
-            elif isinstance(data, Iterable) and not hasattr(data, "__array__") and jax.tree_util.all_leaves([data]):
-                raise TypeError(
-                    f"Replicator.run was given a {type(data).__name__}, an iterable that is not an iterator: pass "
-                    f"iter(it) once, outside the loop (run then draws one batch from it per call), a batch, or an "
-                    f"input_fn."
-                )
-        return Batch(
-            split_process_batch(data, self._contexts if self._contexts is not None else self._local_contexts())
-        )
 
     def run(
         self,
@@ -515,7 +470,7 @@ class Replicator:
             out, compiled = self._front.run_step(step_fn, self._pipelined_batch(input_fn), state)
             self.trace_count += compiled  # a new shape traced and compiled
             return out
-        depth = self.prefetch if prefetch is None else _check_prefetch(prefetch)
+        depth = self.prefetch if prefetch is None else check_prefetch(prefetch)
         step = progress.begin_step()
         try:
             steady = self._steady  # a call like the last one: replicator/runtime/steady.py
@@ -565,14 +520,12 @@ class Replicator:
         # returned by the last call, batch structure) is found by identity, with few Python calls.
         self._steady = None
         if callable(data):
-            inputs: WorkerInputs | None = self._inputs.get(data) or self._worker_inputs(data)
+            inputs: WorkerInputs | None = self._inputs.get(data) or self._batches.worker_inputs(data)
             batch = inputs.take()
         else:
             inputs, depth = None, 0
-            batch = self._given_batch(data)
-        if batch.signature is None:
-            contexts = self._contexts if self._contexts is not None else self._local_contexts()
-            batch.signature, batch.leaves = self._checker.check(batch.batches, contexts)
+            batch = self._batches.given(data)
+        self._batches.check(batch)
         placed_state = returned = None
         if state is None:
             state_key, leaves, state_def = NO_STATE, [], None
@@ -638,7 +591,7 @@ class Replicator:
             self._in_flight.append((new_state or outputs)[0])
         self._steps_run += 1
         if depth:
-            self._prefetch(inputs, depth)
+            self._batches.prefetch(inputs, depth)
         if self.check_state_every and self._steps_run % self.check_state_every == 0 and new_state:
             check_replicas_agree(new_state, compiled.lowered.final.state_paths)
         outputs = traced.output_treedef.unflatten(outputs)
@@ -688,33 +641,3 @@ class Replicator:
         has_state, treedef, signatures = state_key.value
         flags = per_replica_flags(state, per_replica_state, self.num_replicas)
         return StateKey(has_state, treedef, with_per_replica(signatures, flags))
-
-    def _prefetch(self, inputs: WorkerInputs, depth: int) -> None:
-        """Draw, check and place batches of ``inputs`` until ``depth`` wait for their steps.
-
-        A draw that fails is kept, and raised by the step that takes it; a batch that fails its checks or
-        its placement is checked and placed again by its step (which raises the error there, in order).
-        """
-        step = progress.current_step()
-        drew = False
-        while len(inputs.pending) < depth and not (inputs.pending and inputs.pending[-1].error is not None):
-            progress.set_phase("input", step + 1)
-            drew = True
-            batch = inputs.draw_ahead()
-            if batch.error is None:
-                self._prepare(batch, inputs)
-        if drew:
-            progress.set_phase("step", step)
-
-    def _prepare(self, batch: Batch, inputs: WorkerInputs) -> None:
-        try:
-            batch.signature, batch.leaves = self._checker.check(batch.batches, inputs.contexts)
-            batch.placed = place_batch(batch.leaves, self.mesh, self.num_workers, nbytes=batch.signature.nbytes)
-        except Exception:  # noqa: BLE001 - done again when the batch's step takes it, which raises it there
-            batch.signature = batch.leaves = batch.placed = None
-
-
-def _check_prefetch(prefetch: Any) -> int:
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"prefetch must be a non-negative int (0: off), got {prefetch!r}.")
-    return prefetch
