@@ -7,6 +7,8 @@ rule also on numbers, over shape pairs that split and merge dimensions, under
 
 from __future__ import annotations
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,6 +126,72 @@ def test_a_scan_carry_that_comes_out_split_is_carried_split():
     assert _analyze(fn, [(4, 8), (4, 4, 8)], [R, Shard(0)]) == [R]
 
 
+def _settled(fn, *args, seconds=60.0):
+    """``fn(*args)``, failing (instead of hanging the run) when it does not return within ``seconds``:
+    a fixed point over a loop's carries that never settles."""
+    out: list = []
+
+    def target():
+        try:
+            out.append((True, fn(*args)))
+        except BaseException as e:  # raised again in the test's thread
+            out.append((False, e))
+
+    worker = threading.Thread(target=target, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert not worker.is_alive(), f"no result after {seconds:.0f} s: the carries' fixed point did not settle"
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
+
+
+@pytest.mark.parametrize("order", ["ABA", "AAB", "BAA"])
+def test_branches_that_disagree_on_the_split_dimension_give_a_whole_value_in_any_order(order):
+    """A ``switch`` whose branches return a value split on its columns (A) or, transposed, on its rows (B):
+    two branches disagree, so the result is whole, whichever branch comes last (a branch that agrees with
+    one of them does not split it again)."""
+    branches = {"A": lambda w: w * 2.0, "B": lambda w: w.T}
+
+    def fn(i, w):
+        return lax.switch(i, [branches[c] for c in order], w)
+
+    closed = jax.make_jaxpr(fn)(jnp.int32(0), jnp.ones((8, 8)))
+    assert analyze(closed.jaxpr, [R, Shard(1)], size=2) == [R]
+
+    def step(p, i):
+        return p, fn(i, p["w"])
+
+    p = {"w": jnp.sin(jnp.arange(64, dtype=jnp.float32).reshape(8, 8))}
+    tp = TensorParallel(step, {"w": 1}, size=2, allow_gather=True)
+    for i in range(3):
+        got = tp(tp.shard(p, jnp.int32(i)), jnp.int32(i))[1]
+        np.testing.assert_allclose(got, jax.jit(step)(p, jnp.int32(i))[1], rtol=1e-6)
+
+
+def test_a_carry_held_whole_stays_whole_when_an_iteration_on_it_whole_would_split_it():
+    """``c -> tanh(c @ w).T`` with ``w`` split on its columns: a whole carry comes out split on its rows,
+    one split on its rows comes out split on its columns (the matmul keeps its left operand's split
+    rather than gather the weight). The iterations disagree, so the carry is held whole; the next
+    iteration, given it whole, splits it on its rows again, which must not undo that: the fixed point
+    then cycles forever (rows, disagreement, rows, ...)."""
+
+    def fn(w):
+        return lax.scan(lambda c, _: (jnp.tanh(c @ w).T, None), jnp.zeros((8, 8)), None, length=3)[0]
+
+    closed = jax.make_jaxpr(fn)(jnp.ones((8, 8)))
+    assert _settled(lambda: analyze(closed.jaxpr, [Shard(1)], size=2)) == [R]
+
+    def step(p, x):  # the carry does not come from the batch: an activation would be gathered instead
+        return p, fn(p["w"] + 1.0) * x
+
+    p = {"w": jnp.cos(jnp.arange(64, dtype=jnp.float32).reshape(8, 8)) / 4}
+    tp = TensorParallel(step, {"w": 1}, size=2, allow_gather=True)
+    got = _settled(tp, tp.shard(p, jnp.float32(1.5)), jnp.float32(1.5))[1]
+    np.testing.assert_allclose(got, jax.jit(step)(p, jnp.float32(1.5))[1], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     ("shape", "split", "new"),
     [((2, 8, 3), 1, (2, 4, 2, 3)), ((2, 4, 2, 3), 1, (2, 8, 3)), ((4, 6), 0, (24,)), ((16,), 0, (4, 2, 2))],
@@ -169,6 +237,27 @@ ZOO = {
         R,
     ),
     "gather whole rows": (lambda w: w[jnp.array([0, 2])], Shard(1)),
+    # Collapses the split dimension without indexing it (each lookup takes its element 0): not a
+    # vocabulary lookup, whose masked local form needs the indices to address the split dimension.
+    "gather collapsing the split dim it does not index": (
+        lambda w: lax.gather(
+            w,
+            jnp.array([[1], [3]]),
+            lax.GatherDimensionNumbers(offset_dims=(), collapsed_slice_dims=(0, 1), start_index_map=(0,)),
+            slice_sizes=(1, 1),
+        ),
+        R,
+    ),
+    # A window of one element of the split dimension, neither indexed nor collapsed.
+    "gather a size-1 window of the split dim": (
+        lambda w: lax.gather(
+            w,
+            jnp.array([[1], [3]]),
+            lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0,)),
+            slice_sizes=(1, 1),
+        ),
+        R,
+    ),
     "dynamic_update_slice": (lambda w: lax.dynamic_update_slice_in_dim(w, w[:1] * 3, 2, 0), Shard(1)),
     "dynamic_update_slice split dim": (lambda w: lax.dynamic_update_slice_in_dim(w, w[:, :2], 2, 1), R),
     "argmax other dim": (lambda w: jnp.argmax(w, axis=0), Shard(0)),
@@ -217,5 +306,7 @@ ZOO_GATHERED_INSIDE = {
     "dynamic_update_slice split dim",
     "argmax split dim",
     "gather part of the split dim",
+    "gather collapsing the split dim it does not index",
+    "gather a size-1 window of the split dim",
     "cumsum split dim",
 }
