@@ -45,7 +45,8 @@ and the pass checks each:
   one, ``COLLECTIVES``): the buffers the library packs. Slices the user
   wrote are left as written (XLA may fold a static slice into the operand
   of a matmul, which a dynamic one could prevent);
-* every start fits the index dtype (int32).
+* every start fits the index dtype (int32): the offsets and the starts kept as
+  literals are int32 in JAX's 64-bit mode too.
 
 ``dynamic_slice`` clamps its start to ``[0, dim - size]``; a static slice's
 start already lies there, so each piece holds exactly the elements it held.
@@ -201,7 +202,9 @@ def _dynamic_slices(
     def fn(x: Any, *dynamic: Any) -> list:
         pieces = []
         for m, start in enumerate(starts):
-            index: list[Any] = list(start)
+            # The literal starts in the offsets' dtype: a Python int is int64 under ``jax.enable_x64`` and
+            # ``dynamic_slice`` takes indices of one dtype.
+            index: list[Any] = [INDEX_DTYPE.type(s) for s in start]
             for k, axis in enumerate(varying):
                 index[axis] = dynamic[m * len(varying) + k]
             # Starts are never negative: no wrap-around code in every reader (JAX adds it by default).

@@ -8,7 +8,11 @@ one-device ``jax.jit`` on the global batch; the compile check reads XLA's
 compiled program.
 """
 
+import json
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -201,6 +205,56 @@ class TestNumbers:
         for x in batches:
             state, _ = repl.run(step, x, state)
         assert_trees_close(jax.tree.map(np.asarray, rp.gather_outputs(state)[0]), want[0], atol=5e-6, rtol=5e-5)
+
+
+# Run by test_in_64_bit_mode in a process of its own: JAX's 64-bit mode, once on, changes what later steps
+# of a process trace (and the library caches compiled steps by dtype). argv[1]: the device count.
+_X64_CHILD = """
+import json, sys
+import numpy as np
+import replicator as rp
+rp.force_cpu_devices(int(sys.argv[1]))
+import jax
+from replicator.passes import count_primitives
+
+def step(state, batch):
+    s = rp.all_sum(batch.sum(0))  # (4, 3): three (2, 3) pieces, at rows 0, 2 and 1 (column 0: a literal start)
+    return state + s[:2] * s[2:], s[1:3].sum()
+
+with jax.enable_x64(True):
+    n = jax.device_count()
+    batch = np.arange(n * 2 * 4 * 3, dtype=np.float64).reshape(n * 2, 4, 3) / 7
+    state = np.full((2, 3), 1 / 3)
+    repl = rp.Replicator(1, n)
+    final = repl.lower(step, batch, state).final
+    new, out = repl.run(step, batch, state)
+    print(json.dumps({
+        "dynamic_slices": count_primitives(final.jaxpr, ["dynamic_slice"]).get("dynamic_slice", 0),
+        "offsets": sorted(str(v.aval.dtype) for v in final.runtime_constants),
+        "dtypes": [str(new.dtype), str(out.dtype)],
+        "state": np.asarray(new).tolist(),
+        "out": np.asarray(out).tolist(),
+    }))
+"""
+
+
+def test_in_64_bit_mode(n_devices):
+    """Under ``jax.enable_x64(True)`` a piece's literal starts (here its column, the same for every piece)
+    are int64 and its runtime offsets int32: ``dynamic_slice`` refused the mix. Run in a process of its
+    own; float64 numbers equal NumPy's on the global batch to 1e-12 (float32 would be 1e-7 off)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(
+        [sys.executable, "-c", _X64_CHILD, str(n_devices)], capture_output=True, text=True, timeout=600, cwd=root
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["dynamic_slices"] == 3  # the pass fired: the three pieces start at runtime offsets
+    assert got["offsets"] == ["int32"] * 3
+    assert got["dtypes"] == ["float64", "float64"]
+    batch = np.arange(n_devices * 2 * 4 * 3, dtype=np.float64).reshape(n_devices * 2, 4, 3) / 7
+    s = batch.sum(0)
+    np.testing.assert_allclose(got["state"], np.full((2, 3), 1 / 3) + s[:2] * s[2:], rtol=1e-12)
+    np.testing.assert_allclose(got["out"], np.full(n_devices, s[1:3].sum()), rtol=1e-12)
 
 
 def _distinct_fusions(hlo: str) -> int:
