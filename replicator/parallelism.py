@@ -31,6 +31,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from replicator.tensor.auto import Auto, as_plan
 from replicator.tensor.plan import TensorPlan
 
 __all__ = ["Parallelism", "check_tensor_supported", "older_keywords"]
@@ -48,7 +49,10 @@ class Parallelism:
       tensor_plan: which state leaves are split and how: a :class:`~replicator.tensor.TensorPlan`
         or its mapping of path globs to ``"column"``, ``"row"``, ``"replicated"`` or a dimension
         (``"blocks/*/mlp/fc1/kernel": "column"``). Leaves it does not name are whole on every
-        device, except an optimizer's moments, which follow their parameter.
+        device, except an optimizer's moments, which follow their parameter. ``"auto"`` (or a
+        :class:`replicator.tensor.auto.Auto`): chosen by the cost model when the step is first traced.
+      memory_budget: with ``tensor_plan="auto"``, the bytes of state (parameters and optimizer state,
+        not activations) one device may hold; ``None``: no budget (the least predicted step time).
       allow_gather: let the rewrite gather a split value whole where a consumer needs it (each
         gather is listed by ``explain``); otherwise such a plan is refused at trace time.
       sequence_parallel: Megatron's sequence parallelism: the dimension of the activations that is
@@ -64,7 +68,7 @@ class Parallelism:
     """
 
     tensor: int = 1
-    tensor_plan: TensorPlan | Mapping[str, Any] | None = None
+    tensor_plan: TensorPlan | Auto | Mapping[str, Any] | str | None = None
     allow_gather: bool = False
     sequence_parallel: int | None = None
     stages: int = 1
@@ -72,6 +76,7 @@ class Parallelism:
     schedule: str | None = None
     recompute: bool = False
     replicas_per_device: int = 1
+    memory_budget: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor", "stages", "replicas_per_device"):
@@ -107,8 +112,10 @@ class Parallelism:
             raise ValueError(
                 "Parallelism(tensor_plan=...) without tensor=T: give the degree the plan splits over, e.g. tensor=2."
             )
-        if self.tensor_plan is not None and not isinstance(self.tensor_plan, TensorPlan):
-            object.__setattr__(self, "tensor_plan", TensorPlan(self.tensor_plan))
+        if self.tensor_plan is not None:
+            object.__setattr__(self, "tensor_plan", as_plan(self.tensor_plan, self.memory_budget))
+        elif self.memory_budget is not None:
+            raise ValueError("Parallelism(memory_budget=...) is the budget of tensor_plan='auto': give tensor=T too.")
 
 
 def older_keywords(parallelism: Parallelism | None, **given: Any) -> dict[str, Any]:

@@ -22,7 +22,9 @@ from jax.sharding import Mesh
 
 from replicator.core.context import REPLICA_AXES
 from replicator.core.graph import StepGraph
-from replicator.tensor.plan import TensorPlan
+from replicator.tensor.auto import Auto, resolve_plan
+from replicator.tensor.interpret import BATCH
+from replicator.tensor.plan import TensorPlan, leaf_paths
 from replicator.tensor.split_graph import SplitJaxpr, split_jaxpr, split_step_graph
 
 __all__ = ["TensorAxis"]
@@ -33,7 +35,7 @@ class TensorAxis:
     """``T`` devices per replica, the plan of what is split over them, and the axis's name."""
 
     size: int
-    plan: TensorPlan
+    plan: TensorPlan | Auto
     allow_gather: bool = False
     sequence_parallel: int | None = None
     name: str = "tensor"
@@ -53,26 +55,45 @@ class TensorAxis:
     def split_jaxpr(self, closed: ClosedJaxpr, state: Any, names: Sequence[str]) -> SplitJaxpr:
         """``closed(state..., batch...)`` as one device of a tensor group runs it (a pipeline's step, before
         its stage split); ``state``: the state's pytree (the plan's paths); ``names``: each input's name."""
+        num_state = len(jax.tree.leaves(state))
+        plan, sequence_parallel = self.resolve(closed, state)
         return split_jaxpr(
             closed,
-            self.plan.placements(state, self.size),
+            plan.placements(state, self.size),
             names,
-            num_state=len(jax.tree.leaves(state)),
+            num_state=num_state,
             size=self.size,
             axis=self.name,
             allow_gather=self.allow_gather,
-            sequence_parallel=self.sequence_parallel,
+            sequence_parallel=sequence_parallel,
         )
 
     def split(self, graph: StepGraph, state: Any) -> StepGraph:
         """``graph`` (per replica) as one device of a tensor group runs it; ``state``: the state's
         pytree of arrays or shapes (the plan's paths), or None."""
-        named = self.plan.placements(state, self.size) if state is not None else []
+        plan, sequence_parallel = self.plan, self.sequence_parallel
+        if state is not None:
+            plan, sequence_parallel = self.resolve(graph.jaxpr, state)
+        named = plan.placements(state, self.size) if state is not None else []
         return split_step_graph(
             graph,
             named,
             size=self.size,
             axis=self.name,
             allow_gather=self.allow_gather,
+            sequence_parallel=sequence_parallel,
+        )
+
+    def resolve(self, closed: ClosedJaxpr, state: Any) -> tuple[Any, int | None]:
+        """The plan for ``closed(state..., batch...)`` and its sequence parallelism: the plan as given, or
+        ``plan='auto'``'s choice (:mod:`replicator.tensor.auto`), over ``state``'s paths."""
+        paths = leaf_paths(state)
+        return resolve_plan(
+            self.plan,
+            closed,
+            paths + [BATCH] * (len(closed.jaxpr.invars) - len(paths)),
+            num_state=len(paths),
+            size=self.size,
             sequence_parallel=self.sequence_parallel,
+            allow_gather=self.allow_gather,
         )

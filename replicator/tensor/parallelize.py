@@ -95,6 +95,9 @@ class TensorParallel:
     ``(batch, sequence, hidden)``): between the tensor-parallel regions activations are split on it
     (Megatron's sequence parallelism: each all-reduce becomes a reduce-scatter there and an all-gather
     before the next column-parallel matmul); ``None``: off.
+    ``collective_matmul``: an all-gather feeding a matmul and a matmul's output reduce-scattered (sequence
+    parallelism's, where the gathered or scattered dimension is a free one of the product) become rings
+    of ``size`` partial matmuls and ``ppermute`` (:mod:`replicator.tensor.overlap`).
     """
 
     def __init__(
@@ -107,10 +110,14 @@ class TensorParallel:
         axis: str = "tensor",
         allow_gather: bool = False,
         sequence_parallel: int | None = None,
+        collective_matmul: bool = False,
     ):
         self.step = step
         self.sequence_parallel = sequence_parallel
-        self.plan = plan if isinstance(plan, TensorPlan) else TensorPlan(plan)
+        self.collective_matmul = collective_matmul
+        from replicator.tensor.auto import as_plan  # auto builds on this module
+
+        self.plan = as_plan(plan)
         self.size = size
         devices = list(devices if devices is not None else jax.devices())
         if len(devices) < size:
@@ -144,13 +151,19 @@ class TensorParallel:
                 f"returned {new_state_tree} for {state_tree}."
             )
         shapes = [np.shape(x) for x in state_leaves]
-        named = self.plan.placements(state, self.size)
-        pl = infer_state_placements(closed.jaxpr, named, shapes, n_batch, self.size, self.sequence_parallel)
-        ctx = TensorContext(self.axis, self.size, allow_gather=self.allow_gather, sequence_dim=self.sequence_parallel)
+        names = leaf_paths(state) + [BATCH] * n_batch
+        plan, sequence_parallel = self._resolve(closed, names, n_state)
+        named = plan.placements(state, self.size)
+        pl = infer_state_placements(closed.jaxpr, named, shapes, n_batch, self.size, sequence_parallel)
+        ctx = TensorContext(
+            self.axis,
+            self.size,
+            allow_gather=self.allow_gather,
+            sequence_dim=sequence_parallel,
+            collective_matmul=self.collective_matmul,
+        )
         n_out = len(closed.jaxpr.outvars)
         out_pl = pl + [REPLICATED] * (n_out - n_state)
-
-        names = leaf_paths(state) + [BATCH] * n_batch
 
         def local_step(*args: Any) -> list:
             return run_step(ctx, closed, args, pl + [REPLICATED] * n_batch, out_pl, names)
@@ -167,6 +180,19 @@ class TensorParallel:
         built = (fn, pl, ctx, out_tree, state_tree)
         self._built[key] = built
         return built
+
+    def _resolve(self, closed: Any, names: list[str], n_state: int) -> tuple[Any, int | None]:
+        from replicator.tensor.auto import resolve_plan
+
+        return resolve_plan(
+            self.plan,
+            closed,
+            names,
+            num_state=n_state,
+            size=self.size,
+            sequence_parallel=self.sequence_parallel,
+            allow_gather=self.allow_gather,
+        )
 
     # -- the user's calls -----------------------------------------------------------------
 
