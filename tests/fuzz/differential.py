@@ -57,6 +57,21 @@ VARIANTS: dict[str, dict] = {
     "tensor4": {"tensor": 4, "split": "column"},
     "tensor2-zero3": {"tensor": 2, "split": "column", "zero_stage": 3, "shard_optimizer_min_bytes": 0},
     "tensor4-row-zero3": {"tensor": 4, "split": "row", "zero_stage": 3, "shard_optimizer_min_bytes": 0},
+    # The same, on programs with a block over a (rows, seq, features) input (programs.block: heads split by a
+    # reshape, a dot_general of random dimensions, a reduction over a split dimension, a scan over the
+    # sequence), with and without Megatron's sequence parallelism (dimension 1: the block's partial sums are
+    # reduce-scattered on the sequence where T divides it, all-gathered before the next matmul).
+    "tensor2-forms": {"tensor": 2, "split": "column", "forms": True},
+    "tensor4-row-forms": {"tensor": 4, "split": "row", "forms": True},
+    "tensor2-sp": {"tensor": 2, "split": "column", "forms": True, "sequence_parallel": 1},
+    "tensor4-sp-zero3": {
+        "tensor": 4,
+        "split": "column",
+        "forms": True,
+        "sequence_parallel": 1,
+        "zero_stage": 3,
+        "shard_optimizer_min_bytes": 0,
+    },
 }
 RAW_VARIANTS = {"lax"}
 MESHES = ((2, 4), (1, 8))
@@ -80,15 +95,25 @@ def runs_on(variant: str, mesh: tuple[int, int]) -> bool:
     return cores % f == 0 or (f % cores == 0 and workers % (f // cores) == 0)
 
 
+def spec_for(seed: int, variant: str, mesh: tuple[int, int]) -> Spec:
+    """The program of index ``seed`` that ``variant`` runs on ``mesh`` (with the block over a 3-d input for
+    the ``forms`` variants)."""
+    return random_spec(seed, mesh[0] * mesh[1], forms=VARIANTS[variant].get("forms", False))
+
+
 def tensor_plan(spec: Spec, size: int, split: str) -> dict[str, Any]:
     """The program's matrices split column-wise (outputs) or row-wise (inputs) over ``size`` devices, where
-    ``size`` divides them; a plan that splits nothing names ``w`` replicated."""
+    ``size`` divides them; a plan that splits nothing names ``w`` replicated. The block's ``v`` (hidden,
+    features) pairs with ``w``: split on its rows where ``w`` is split on its columns (Megatron's MLP), on its
+    columns (the features) in the row plan."""
     hidden, features = spec.hidden % size == 0, spec.features % size == 0
     plan: dict[str, Any] = {}
     if split == "column" and hidden:
         plan = {"params/w": 1, "params/b": 0, **({"params/stack": 2} if spec.stack else {})}
+        plan.update({"params/v": 0} if spec.seq else {})
     elif split == "row":
         plan = {**({"params/w": 0} if features else {}), **({"params/stack": 1} if spec.stack and hidden else {})}
+        plan.update({"params/v": 1} if spec.seq and features else {})
     return plan or {"params/w": "replicated"}
 
 
@@ -181,9 +206,7 @@ def equal_in_float64(spec: Spec, variant: str, mesh: tuple[int, int], offset: fl
 
 def _judge_in_float64(payload: dict) -> str | None:
     """:func:`equal_in_float64`'s work, in its own process with 64-bit mode on."""
-    fields = dict(payload["spec"])
-    fields["extra"] = tuple(tuple(e) for e in fields["extra"])
-    spec, mesh = Spec(**fields), tuple(payload["mesh"])
+    spec, mesh = Spec.from_json(payload["spec"]), tuple(payload["mesh"])
     want_state, _ = reference(spec, *mesh, wide=True)
     got_state, _, _ = replicated(spec, *mesh, payload["variant"], wide=True)
     got_state["params"]["w"] = got_state["params"]["w"] + payload["offset"]
@@ -214,24 +237,33 @@ def graph_key(final: StepGraph, fold: Any = None) -> str:
 
 
 def replicated(
-    spec: Spec, workers: int, cores: int, variant: str, executed: dict[str, tuple] | None = None, wide: bool = False
+    spec: Spec,
+    workers: int,
+    cores: int,
+    variant: str,
+    executed: dict[str, tuple] | None = None,
+    wide: bool = False,
+    seen: collections.Counter | None = None,
 ) -> tuple[Any, list[Any], tuple]:
     """Final state, each step's per-replica outputs, and the analysis's variance of each output leaf.
 
     ``executed`` maps :func:`graph_key` of final graphs already run for this
     program and mesh to their results: a variant whose passes produced the same
     final graph as another (a pass with nothing to do) reuses them instead of
-    compiling that graph again.
+    compiling that graph again. ``seen`` counts, per ``"variant kind"``, the runs whose graph
+    holds a collective of that kind over the tensor axis (``all-reduce``, ``reduce-scatter``, ``all-gather``).
     """
     options = dict(VARIANTS[variant])
-    if wide:  # share-slice-kernels' offsets are int32 and the step's int64 under x64
-        options["disable"] = [*options.get("disable", ()), "share-slice-kernels"]
     replicas_per_device = options.pop("replicas_per_device", 1)
     tensor, split = options.pop("tensor", 1), options.pop("split", None)
+    sequence_parallel = options.pop("sequence_parallel", None)
+    options.pop("forms", None)
     parallelism = None
     if tensor > 1:
         plan = tensor_plan(spec, tensor, split)
-        parallelism = rp.Parallelism(tensor=tensor, tensor_plan=plan, allow_gather=True)
+        parallelism = rp.Parallelism(
+            tensor=tensor, tensor_plan=plan, allow_gather=True, sequence_parallel=sequence_parallel
+        )
     raw = variant in RAW_VARIANTS
     repl = rp.Replicator(
         workers,
@@ -247,6 +279,9 @@ def replicated(
     step = make_step(spec, PerReplica(workers, cores, raw=raw))
     lowered = repl.lower(step, jax.tree.map(lambda a: a[:rows], batches[0]), _widened(initial_state(spec), wide))
     variance = analyze_invariance(lowered.traced).output_variance[lowered.traced.num_state :]
+    if seen is not None and lowered.final.tensor is not None:
+        for kind in sorted({c.kind for c in lowered.final.tensor.collectives}):
+            seen[f"{variant} {kind}"] += 1
     key = graph_key(lowered.final, repl.fold)
     if executed is not None and key in executed:
         return (*executed[key], variance)
@@ -377,6 +412,7 @@ def check(
     rounded: tuple[Any, list[Any]] | None = None,
     executed: dict[str, tuple] | None = None,
     sensitivity_cache: dict | None = None,
+    seen: collections.Counter | None = None,
 ) -> Outcome:
     """Run one program under one variant and mesh against the stacked reference.
 
@@ -398,7 +434,7 @@ def check(
         if variant == "compress" and rounded is None:
             rounded = reference(spec, workers, cores, jnp.bfloat16)
         rounded_state, rounded_outputs = rounded if variant == "compress" else (None, [None] * len(want_outputs))
-        got_state, got_outputs, variance = replicated(spec, workers, cores, variant, executed)
+        got_state, got_outputs, variance = replicated(spec, workers, cores, variant, executed, seen=seen)
     except Exception as e:  # noqa: BLE001 - every crash is a finding
         outcome.error = f"{type(e).__name__}: {str(e)[:400]}"
         return outcome
@@ -436,28 +472,32 @@ def run_program(
     variants on their own meshes (:data:`TENSOR_MESHES`).
 
     Variants whose final graphs are identical share one execution; ``stats``
-    counts ``runs`` (variant x mesh) and distinct ``graphs`` executed.
+    counts ``runs`` (variant x mesh) and distinct ``graphs`` executed, and the tensor variants' runs with
+    each kind of collective over the tensor axis (``"variant kind"``). The ``forms`` variants run the
+    program with its block over a 3-d input (:func:`spec_for`), the others the program without it.
     """
     stats = collections.Counter() if stats is None else stats
     outcomes = []
     tensor_meshes = sorted({m for t, ms in TENSOR_MESHES.items() for m in ms})
     all_variants = variants
     for mesh in [*meshes, *(m for m in tensor_meshes if m not in meshes)]:
-        variants = [v for v in all_variants if runs_on(v, mesh) and (mesh in meshes or "tensor" in VARIANTS[v])]
-        if not variants:
-            continue
-        spec = random_spec(seed, mesh[0] * mesh[1])
-        try:
-            ref = reference(spec, *mesh)
-            rounded = reference(spec, *mesh, jnp.bfloat16) if "compress" in variants else None
-        except Exception as e:  # noqa: BLE001 - a reference failure is a generator bug
-            outcomes.append(Outcome(spec, "reference", mesh, error=f"{type(e).__name__}: {str(e)[:400]}"))
-            continue
-        executed: dict[str, tuple] = {}  # final graphs run for this program and mesh
-        sensitivity: dict = {}  # computed on the first mismatch only
-        outcomes.extend(check(spec, v, mesh, ref, rounded, executed, sensitivity) for v in variants)
-        stats["graphs"] += len(executed)
-        stats["runs"] += len(variants)
+        here = [v for v in all_variants if runs_on(v, mesh) and (mesh in meshes or "tensor" in VARIANTS[v])]
+        for forms in (False, True):
+            variants = [v for v in here if VARIANTS[v].get("forms", False) == forms]
+            if not variants:
+                continue
+            spec = random_spec(seed, mesh[0] * mesh[1], forms=forms)
+            try:
+                ref = reference(spec, *mesh)
+                rounded = reference(spec, *mesh, jnp.bfloat16) if "compress" in variants else None
+            except Exception as e:  # noqa: BLE001 - a reference failure is a generator bug
+                outcomes.append(Outcome(spec, "reference", mesh, error=f"{type(e).__name__}: {str(e)[:400]}"))
+                continue
+            executed: dict[str, tuple] = {}  # final graphs run for this program and mesh
+            sensitivity: dict = {}  # computed on the first mismatch only
+            outcomes.extend(check(spec, v, mesh, ref, rounded, executed, sensitivity, stats) for v in variants)
+            stats["graphs"] += len(executed)
+            stats["runs"] += len(variants)
     return outcomes
 
 
