@@ -157,6 +157,7 @@ TESTS: dict[str, tuple[str, ...]] = {
         "tests/tensor/test_replicator.py",
         "tests/tensor/test_sequence.py",
     ),
+    "replicator/tensor/auto.py": ("tests/tensor/test_auto.py",),  # plan="auto": its own tests
     "replicator/analysis/records.py": (
         "tests/passes/test_records.py",
         "tests/passes/test_buffers.py",
