@@ -40,6 +40,7 @@ Promises:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -51,6 +52,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 
 from replicator._jax_compat import UNKNOWN_LOCATION, scan_operand_counts, source_of, user_code_line
 from replicator.core.jaxprs import CALL_PARAMS
+from replicator.tensor import overlap
 from replicator.tensor.placement import (
     REPLICATED,
     Partial,
@@ -60,6 +62,7 @@ from replicator.tensor.placement import (
     TensorContext,
     TensorPlacementError,
     convert,
+    gather_allowed,
     local_shape,
 )
 from replicator.tensor.rules import Decision, rule_for
@@ -96,6 +99,24 @@ def _plain(p: Placement) -> Placement:
     return REPLICATED if isinstance(p, _Gathered) else p
 
 
+class _PendingProduct:
+    """Collective matmul: a ``dot_general``'s partial-sum output, not yet computed. Its only consumer may
+    reduce-scatter it as a ring (:meth:`_Walker.ring_reduce_scatter`); any other use computes it here."""
+
+    def __init__(self, eqn: JaxprEqn, operands: list, params: dict):
+        self.eqn, self.operands, self.params = eqn, operands, params
+        self._value: Any = None
+
+    def value(self) -> Any:
+        if self._value is None:
+            self._value = self.eqn.primitive.bind(*self.operands, **self.params)
+        return self._value
+
+
+def _value(x: Any) -> Any:
+    return x.value() if isinstance(x, _PendingProduct) else x
+
+
 class _Walker:
     """One walk, on placements only (``values`` None) or on this device's values too."""
 
@@ -112,6 +133,8 @@ class _Walker:
         self.enclosing: str = UNKNOWN_LOCATION
         # What each operand of the equation being walked comes from (is it an activation?).
         self.operand_sources: list[frozenset[str]] = []
+        # Whether the output of the equation being walked has one use, by an equation (not an output).
+        self.sole_use = False
 
     def line(self, eqn: JaxprEqn) -> str:
         """The user's source line of ``eqn``, or of the call or loop it is inside."""
@@ -160,6 +183,11 @@ class _Walker:
         def read(a: Any) -> Any:
             return a.val if isinstance(a, Literal) else env[a]
 
+        uses: collections.Counter = collections.Counter()
+        for e in jaxpr.eqns:
+            uses.update(a for a in e.invars if not isinstance(a, Literal))
+        uses.update({a: 2 for a in jaxpr.outvars if not isinstance(a, Literal)})  # returned: used as it is
+
         for eqn in jaxpr.eqns:
             ins_pl = [read_pl(a) for a in eqn.invars]
             ins = [read(a) for a in eqn.invars] if values else None
@@ -167,6 +195,7 @@ class _Walker:
                 frozenset() if isinstance(a, Literal) else env_src.get(a, frozenset()) for a in eqn.invars
             ]
             self.sources = frozenset().union(*self.operand_sources)
+            self.sole_use = len(eqn.outvars) == 1 and uses[eqn.outvars[0]] == 1
             with source_of(eqn):  # what it binds keeps the user's line
                 outs, outs_pl = self.eqn(eqn, ins, ins_pl)
             env_src.update((v, self.sources) for v in eqn.outvars)
@@ -175,12 +204,13 @@ class _Walker:
                 env.update(zip(eqn.outvars, outs, strict=True))
         self.sources = outer
         out_pl = [read_pl(a) for a in jaxpr.outvars]
-        return ([read(a) for a in jaxpr.outvars] if values else None), out_pl
+        return ([_value(read(a)) for a in jaxpr.outvars] if values else None), out_pl
 
     def eqn(self, eqn: JaxprEqn, ins: list | None, ins_pl: list[Placement]) -> tuple[list | None, list[Placement]]:
         name = eqn.primitive.name
         higher = {"scan": self.scan, "while": self.while_, "cond": self.cond}
         if name in CALL_PARAMS or name in higher:
+            ins = None if ins is None else [_value(x) for x in ins]
             outer, self.enclosing = self.enclosing, self.line(eqn)
             try:
                 return (self.call if name in CALL_PARAMS else higher[name])(eqn, ins, ins_pl)
@@ -267,6 +297,12 @@ class _Walker:
         out = []
         for i, (x, h, w) in enumerate(zip(xs, have, want, strict=True)):
             w = _plain(w)
+            if isinstance(x, _PendingProduct):
+                ring = self.ring_reduce_scatter(x, h, w, line, reason)
+                if ring is not None:
+                    out.append(ring)
+                    continue
+                x = x.value()
             if h == w:
                 out.append(x)
                 continue
@@ -286,8 +322,15 @@ class _Walker:
         return out
 
     def bind(self, eqn: JaxprEqn, ins: list, ins_pl: list[Placement], decision: Decision) -> list:
+        ring = self.ctx.collective_matmul and eqn.primitive.name == "dot_general" and decision.then is None
+        if ring:
+            gathered = self.ring_all_gather(eqn, ins, ins_pl, decision)
+            if gathered is not None:
+                return [gathered]
         local = self.convert_all(eqn, ins, ins_pl, decision.wants, decision.note, operands=True)
         params = _local_params(eqn, decision, self.ctx.size)
+        if ring and self.sole_use and isinstance(decision.outs[0], Partial):
+            return [_PendingProduct(eqn, local, params)]  # its consumer may reduce-scatter it as a ring
         if decision.then == "masked-gather":
             return [_masked_gather(self.ctx, eqn, local, decision.wants[0], params)]
         out = eqn.primitive.bind(*local, **params)
@@ -297,6 +340,69 @@ class _Walker:
             self.ctx.record(f"all-reduce-{decision.then}", outs[0], self.line(eqn), f"'{eqn.primitive.name}'")
             outs = [kind(o, self.ctx.axis) for o in outs]
         return outs
+
+    # -- collective matmul (replicator.tensor.overlap) ----------------------------------------
+
+    def ring_all_gather(self, eqn: JaxprEqn, ins: list, ins_pl: list[Placement], decision: Decision) -> Any:
+        """The product as a ring, where the decision gathers exactly one operand on a free dimension (and
+        no consumer gathered it already: the ring's gathered operand is kept for the next, which reads it
+        without a collective); ``None``: the plain way."""
+        gathered = [
+            i
+            for i, (have, want) in enumerate(zip(ins_pl, decision.wants, strict=True))
+            if isinstance(have, Shard) and isinstance(_plain(want), Replicated)
+        ]
+        if len(gathered) != 1:
+            return None
+        (i,) = gathered
+        dim = ins_pl[i].dim  # type: ignore[union-attr]
+        dn = eqn.params["dimension_numbers"]
+        ndims = (len(eqn.invars[0].aval.shape), len(eqn.invars[1].aval.shape))
+        if (
+            overlap.output_dim(dn, ndims, i, dim) is None
+            or (id(ins[i]), REPLICATED) in self._converted
+            or not gather_allowed(self.ctx, self.is_activation(i))
+        ):
+            return None  # contracted or batch; already whole; or refused (the plain way says why)
+        wants = [ins_pl[i] if j == i else w for j, w in enumerate(decision.wants)]
+        local = self.convert_all(eqn, ins, ins_pl, wants, decision.note, operands=True)
+        params = _local_params(eqn, decision, self.ctx.size)
+        whole = tuple(eqn.invars[i].aval.shape)
+        self.ctx.record("ring all-gather matmul", local[i], self.line(eqn), f"'{eqn.primitive.name}'", whole)
+        product, gathered = overlap.all_gather_matmul(
+            local[0],
+            local[1],
+            dn,
+            operand=i,
+            dim=dim,
+            axis=self.ctx.axis,
+            size=self.ctx.size,
+            dot=lambda a, b: eqn.primitive.bind(a, b, **params),
+        )
+        self._converted[(id(ins[i]), REPLICATED)] = (ins[i], gathered)
+        return product
+
+    def ring_reduce_scatter(self, pending: _PendingProduct, have: Placement, want: Placement, line: str, reason: str):
+        """``pending``'s partial sum reduce-scattered as a ring, where ``want`` splits a free dimension of
+        it; ``None``: the plain way."""
+        eqn, (lhs, rhs), size = pending.eqn, pending.operands, self.ctx.size
+        if not (isinstance(have, Partial) and isinstance(want, Shard)):
+            return None
+        dn = eqn.params["dimension_numbers"]
+        source = overlap.operand_dim(dn, (lhs.ndim, rhs.ndim), want.dim)
+        if source is None or (lhs, rhs)[source[0]].shape[source[1]] % size:
+            return None
+        ring = overlap.matmul_reduce_scatter(
+            lhs,
+            rhs,
+            dn,
+            dim=want.dim,
+            axis=self.ctx.axis,
+            size=size,
+            dot=lambda a, b: eqn.primitive.bind(a, b, **pending.params),
+        )
+        self.ctx.record("ring matmul reduce-scatter", ring, line, reason, tuple(eqn.outvars[0].aval.shape))
+        return ring
 
     # -- higher-order primitives ------------------------------------------------------
 

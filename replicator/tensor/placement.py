@@ -33,7 +33,10 @@ Promises:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -51,7 +54,9 @@ __all__ = [
     "Shard",
     "TensorContext",
     "TensorPlacementError",
+    "collective_matmul_requested",
     "convert",
+    "gather_allowed",
     "local_shape",
 ]
 
@@ -95,7 +100,9 @@ class TensorPlacementError(ReplicationError):
 class Collective:
     """One collective over the tensor axis that the rewrite inserted."""
 
-    kind: str  # "all-reduce", "reduce-scatter", "all-gather", "all-reduce-max"
+    # "all-reduce", "reduce-scatter", "all-gather", "all-reduce-max", and the rings of collective matmul
+    # (replicator.tensor.overlap): "ring all-gather matmul", "ring matmul reduce-scatter"
+    kind: str
     shape: tuple[int, ...]  # the global shape of the value
     dtype: str
     line: str  # the user's source line of the consumer
@@ -105,6 +112,22 @@ class Collective:
     def nbytes(self) -> int:
         """The bytes of the whole value."""
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+#: What a :class:`TensorContext` made without ``collective_matmul=`` takes (see
+#: :func:`collective_matmul_requested`).
+_COLLECTIVE_MATMUL: contextvars.ContextVar[bool] = contextvars.ContextVar("collective_matmul", default=False)
+
+
+@contextlib.contextmanager
+def collective_matmul_requested(on: bool) -> Iterator[None]:
+    """Inside: a :class:`TensorContext` made without ``collective_matmul=`` has ``collective_matmul=on``
+    (how a Replicator's ``Parallelism(collective_matmul=True)`` reaches the split of its step)."""
+    token = _COLLECTIVE_MATMUL.set(on)
+    try:
+        yield
+    finally:
+        _COLLECTIVE_MATMUL.reset(token)
 
 
 @dataclasses.dataclass
@@ -123,6 +146,10 @@ class TensorContext:
     #: split on the sequence only if it has rank >= 3 and one of these sizes there (a weight's gradient,
     #: a partial sum too, is summed whole).
     sequence_lengths: frozenset[int] = frozenset()
+    #: Collective matmul (:mod:`replicator.tensor.overlap`): an all-gather feeding a ``dot_general`` on a
+    #: free dimension of its operand, and a reduce-scatter of a ``dot_general``'s output (its only use) on a
+    #: free dimension, are each a ring of ``size`` partial matmuls and ``ppermute`` instead.
+    collective_matmul: bool = dataclasses.field(default_factory=_COLLECTIVE_MATMUL.get)
 
     def record(self, kind: str, x: Any, line: str, reason: str, shape: tuple[int, ...] | None = None) -> None:
         self.events.append(Collective(kind, tuple(shape or x.shape), str(x.dtype), line, reason))
@@ -144,8 +171,14 @@ def _global(shape: tuple[int, ...], placement: Placement, size: int) -> tuple[in
     return tuple(out)
 
 
+def gather_allowed(ctx: TensorContext, activation: bool) -> bool:
+    """Whether a split value may be gathered whole: ``allow_gather``, or an activation (a value computed
+    from the batch) under sequence parallelism."""
+    return ctx.allow_gather or (activation and ctx.sequence_dim is not None)
+
+
 def _gather(ctx: TensorContext, x: Any, dim: int, line: str, reason: str, activation: bool = False) -> Any:
-    if not ctx.allow_gather and not (activation and ctx.sequence_dim is not None):
+    if not gather_allowed(ctx, activation):
         raise TensorPlacementError(
             f"at {line}: {reason} needs the whole of a value held sharded over '{ctx.axis}' "
             f"(shape {_global(x.shape, Shard(dim), ctx.size)}, split on dimension {dim}), which would "
