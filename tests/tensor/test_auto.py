@@ -167,3 +167,16 @@ def test_suggest_layout_chooses_the_fewest_bytes_among_the_layouts_that_fit():
     assert "choice: S =" in str(layout)
     none = suggest_layout(_step, state, batch, 2, 16)
     assert none.choice is None and "none fits" in str(none)
+
+
+def test_sequence_parallelism_is_kept_only_where_it_sends_no_more_bytes():
+    from tests.tensor.test_sequence import X, _params
+    from tests.tensor.test_sequence import _step as block_step
+
+    params = _params()
+    chosen = choose_plan(block_step, params, X, 2, memory_budget=_nbytes(params) // 2 + 1000, sequence_dim=1, passes=1)
+    with_sp = [e for e in chosen.considered if e.sequence_parallel == 1 and e.placements == chosen.chosen.placements]
+    assert len(with_sp) == 1 and with_sp[0].refused is None
+    # The layer norms' backward scatters twice per norm (docs/guide/tensor.md): more bytes, so it stays off.
+    assert with_sp[0].sent_bytes > chosen.chosen.sent_bytes
+    assert chosen.sequence_parallel is None and "left off" in str(chosen)
