@@ -12,6 +12,11 @@ Usage::
     python scripts/fuzz.py --only 1234 --variants zero       # one program again
     python scripts/fuzz.py --pipelines --programs 500         # pipelined training steps (tests/fuzz/pipelines.py)
     python scripts/fuzz.py --pipelines --only 7 --variants pipe-S4-M8-1f1b
+    python scripts/fuzz.py --programs 50 --variants tensor2-sp,tensor4-sp-zero3   # programs with a 3-d block
+    python scripts/fuzz.py --pipelines --programs 50 --variants pipe-S2-M4-1f1b-tensor2   # stages x tensor
+
+A tensor variant's summary also says in how many runs its split step held an all-reduce, a
+reduce-scatter and an all-gather over 'tensor' (sequence parallelism: the latter two).
 
 XLA compiles with its optimizations off (``_jax_compat.fast_compile_xla_flags``, as in
 the tests); ``REPLICATOR_FUZZ_XLA_DEFAULTS=1`` keeps XLA's defaults.
@@ -123,6 +128,11 @@ def main(argv: list[str] | None = None) -> int:
             f"  {v:<14} {checked[v]:>6} runs  {len(bad) - crashes:>4} mismatches  {crashes:>4} crashes"
             f"  {sensitive[v]:>4} within the reference's rounding sensitivity"
         )
+        tensor = PIPE_VARIANTS[v].tensor > 1 if args.pipelines else "tensor" in VARIANTS[v]
+        if tensor:  # which collectives over 'tensor' the runs held
+            kinds = ("all-reduce", "reduce-scatter", "all-gather")
+            held = ", ".join(f"{k} in {executions[f'{v} {k}']}" for k in kinds)
+            print(f"  {'':<14} runs with a collective over 'tensor': {held}")
     reference_errors = [f for f in failures if f.variant == "reference"]
     if reference_errors:
         print(f"  reference errors (generator bugs): {len(reference_errors)}")

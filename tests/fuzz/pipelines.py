@@ -75,6 +75,7 @@ class PipeSpec:
     lr: float
     rows: int  # global batch rows
     stack: int = 0  # > 0: no markers; a lax.scan over S * stack residual layers, cut into the S stages unmarked
+    seq: int = 0  # > 0: every row is a sequence of this many positions (activations (rows, seq, width))
 
     @property
     def used_segments(self) -> tuple[int, ...]:
@@ -87,6 +88,8 @@ class PipeSpec:
         parts += [f"seg{i}={list(self.segments[i])}" for i in self.used_segments]
         if self.stack:
             parts.append(f"stack={self.stages}x{self.stack} (unmarked)")
+        if self.seq:
+            parts.append(f"seq={self.seq}")
         for flag in ("tied", "ids_cross", "bf16", "cross_entropy"):
             if getattr(self, flag):
                 parts.append(flag)
@@ -98,8 +101,9 @@ class PipeSpec:
         return " ".join(parts)
 
 
-def random_pipe_spec(seed: int, stages: int) -> PipeSpec:
-    """The program of index ``seed`` with ``stages`` segments (reproducible)."""
+def random_pipe_spec(seed: int, stages: int, seq: bool = False) -> PipeSpec:
+    """The program of index ``seed`` with ``stages`` segments (reproducible); with ``seq``, the same program on
+    sequences (its length drawn apart: 2, 3, 4 or 6 positions per row), for sequence parallelism."""
     rng = np.random.default_rng([seed, stages, 7])
     embed = bool(rng.random() < 0.6)
     width = int(rng.choice([4, 6, 8]))
@@ -135,6 +139,7 @@ def random_pipe_spec(seed: int, stages: int) -> PipeSpec:
         lr=float(rng.choice([0.01, 0.05])),
         rows=int(rng.choice([16, 32])),  # splits into M x D = 8 or 16 for every variant
         stack=stack,
+        seq=int(np.random.default_rng([seed, stages, 23]).choice([2, 3, 4, 6])) if seq else 0,
     )
     return spec
 
@@ -190,7 +195,7 @@ def make_loss(spec: PipeSpec):
                 extra = 0.05 * jnp.sum(p["free"] ** 2)
         for i, kinds in enumerate(() if spec.stack else spec.segments):
             if skip is not None:  # the tuple's second item, from the boundary before this segment
-                h = h + (0.1 * jnp.sin(skip.astype(jnp.float32))[:, None] if spec.ids_cross else 0.5 * skip)
+                h = h + (0.1 * jnp.sin(skip.astype(jnp.float32))[..., None] if spec.ids_cross else 0.5 * skip)
                 skip = None
             for j, kind in enumerate(kinds):
                 h = _layer(kind, p, f"l{i}_{j}", h)
@@ -249,15 +254,16 @@ def global_batches(spec: PipeSpec) -> list[tuple[np.ndarray, np.ndarray]]:
     """One global batch per step: inputs (ids or features) and targets (labels or values)."""
     rng = np.random.default_rng([spec.seed, spec.stages, 13])
     out = []
+    rows = (spec.rows, spec.seq) if spec.seq else (spec.rows,)
     for _ in range(STEPS):
         if spec.embed:
-            inputs = rng.integers(0, spec.vocab, size=(spec.rows,)).astype(np.int32)
+            inputs = rng.integers(0, spec.vocab, size=rows).astype(np.int32)
         else:
-            inputs = rng.normal(size=(spec.rows, spec.in_dim)).astype(np.float32)
+            inputs = rng.normal(size=(*rows, spec.in_dim)).astype(np.float32)
         if spec.cross_entropy:
-            targets = rng.integers(0, spec.out_dim, size=(spec.rows,)).astype(np.int32)
+            targets = rng.integers(0, spec.out_dim, size=rows).astype(np.int32)
         else:
-            targets = rng.normal(size=(spec.rows, spec.out_dim)).astype(np.float32)
+            targets = rng.normal(size=(*rows, spec.out_dim)).astype(np.float32)
         targets_shift = rng.random() < 0.5
         if targets_shift and not spec.cross_entropy:  # the replicas' halves pull apart
             targets[: spec.rows // 2] += 1.0
@@ -346,6 +352,8 @@ class Variant:
     zero: int = 0  # passes=rp.Pipeline.default(zero_stage=zero), through run_pipelined
     fold: int = 1  # replicas_per_device: the mesh's logical replicas, this many per device
     run: bool = False  # with zero: the user's own step through repl.run (its update on chunks), not run_pipelined
+    tensor: int = 1  # Parallelism(tensor=T, tensor_plan=tensor_plan(spec, T)): the user's step, split, then cut
+    sequence_parallel: bool = False  # with tensor: Parallelism(sequence_parallel=1), on programs on sequences
 
     @property
     def name(self) -> str:
@@ -354,6 +362,8 @@ class Variant:
             f"pipe-S{self.stages}-M{self.microbatches}-{self.schedule}{tail}"
             + (f"-fold{self.fold}" if self.fold > 1 else "")
             + ("-run" if self.run else "")
+            + (f"-tensor{self.tensor}" if self.tensor > 1 else "")
+            + ("-sp" if self.sequence_parallel else "")
         )
 
 
@@ -362,7 +372,10 @@ class Variant:
 #: (replicas_per_device=2: the mesh's 8 logical replicas on 4 devices), the user's step and ZeRO; two with ZeRO
 #: on the user's own step (``-run``: repl.run, the update cut from it run on chunks), and one of both; and four
 #: of the fused 1F1B (a forward and a backward in one tick), one with ZeRO-3 and recomputation, one on the user's
-#: own step with ZeRO-2.
+#: own step with ZeRO-2; and five with a tensor axis of 2 under each stage (the user's step through repl.run,
+#: split by :func:`tensor_plan`, ZeRO on the user's step): 1F1B, GPipe with ZeRO-3, fused 1F1B with sequence
+#: parallelism on programs on sequences, GPipe with recomputation and sequence parallelism at 4 stages (one
+#: replica of 4 x 2 devices), 1F1B with ZeRO-1.
 PIPE_VARIANTS: dict[str, Variant] = {
     v.name: v
     for v in [
@@ -387,6 +400,11 @@ PIPE_VARIANTS: dict[str, Variant] = {
         Variant(4, 8, "1f1b-fused"),
         Variant(4, 4, "1f1b-fused", True, zero=3),
         Variant(2, 4, "1f1b-fused", zero=2, run=True),
+        Variant(2, 4, "1f1b", tensor=2),
+        Variant(2, 4, "gpipe", zero=3, run=True, tensor=2),
+        Variant(2, 4, "1f1b-fused", tensor=2, sequence_parallel=True),
+        Variant(4, 8, "gpipe", True, tensor=2, sequence_parallel=True),
+        Variant(2, 2, "1f1b", zero=1, run=True, tensor=2),
     ]
 }
 #: (num_workers, cores_per_worker) of 8 devices per stage count: stages within a worker (S divides the cores),
@@ -402,20 +420,63 @@ def mesh_for(seed: int, stages: int) -> tuple[int, int]:
 
 def mesh_of(variant: Variant, mesh: tuple[int, int]) -> tuple[int, int]:
     """The mesh ``variant`` runs on: ``mesh``, unless its replicas folded ``variant.fold`` per device leave a
-    device grid that ``variant.stages`` divides neither way (2 x 4 folded in 2 is 2 x 2: not 4 stages); then
-    1 x 8."""
+    device grid that ``variant.stages`` divides neither way (2 x 4 folded in 2 is 2 x 2: not 4 stages), or its
+    tensor groups do not fit in a worker beside its stages (``S x T`` must divide the cores, or ``T`` the cores
+    and ``S`` the workers); then 1 x 8."""
+    if variant.tensor > 1:
+        workers, cores = mesh
+        fits = cores % (variant.stages * variant.tensor) == 0 or (
+            cores % variant.tensor == 0 and workers % variant.stages == 0
+        )
+        return mesh if fits else (1, 8)
     if variant.fold == 1:
         return mesh
     devices = fold_layout(*mesh, replicas_per_device=variant.fold).device_mesh
     return mesh if any(n % variant.stages == 0 for n in devices) else (1, 8)
 
 
-def replicated(spec: PipeSpec, variant: Variant, mesh: tuple[int, int]) -> tuple[Any, list[float]]:
+def tensor_plan(spec: PipeSpec, size: int) -> dict[str, str | int]:
+    """The program's matrices split over ``size`` devices, Megatron's way: the input layer (or the embedding)
+    by columns, then the dense and residual layers' matrices alternately by rows and columns in the order the
+    loss reads them (a dense layer's bias with its columns), the scanned stack's by columns, the head by rows
+    after a column split. A leaf ``size`` does not divide, and the norms' and element-wise layers' vectors,
+    are left unnamed (whole)."""
+    d = spec.width
+    if d % size:
+        return {"0/head": "replicated"} if not spec.tied else {"0/emb": "replicated"}
+    plan: dict[str, str | int] = {}
+    if spec.embed:
+        plan["0/emb"] = "column"
+    else:
+        plan.update({"0/inp/w": "column", "0/inp/b": 0})
+    column = False  # the next matrix's split: a column-split one gives a row-split one its input's split
+    for i in spec.used_segments:
+        for j, kind in enumerate(spec.segments[i]):
+            if kind.startswith("dense-") or kind == "residual":
+                plan[f"0/l{i}_{j}/w"] = "column" if column else "row"
+                if kind.startswith("dense-") and column:
+                    plan[f"0/l{i}_{j}/b"] = 0
+                column = not column
+    if spec.stack:
+        plan.update({"0/stack/w": "column", "0/stack/b": 1})
+        column = False
+    if not spec.tied and not column:
+        plan["0/head"] = "row"
+    return plan
+
+
+def replicated(
+    spec: PipeSpec, variant: Variant, mesh: tuple[int, int], seen: collections.Counter | None = None
+) -> tuple[Any, list[float]]:
     """Final state and each step's loss (replica 0's; every replica's must agree) from ``repl.run``; after every
     step, each stage's replicas must hold the same packed rows (``check_state_every=1``): the data-parallel
-    fuzzer's "claimed identical but differs", for the pipeline's state."""
+    fuzzer's "claimed identical but differs", for the pipeline's state. ``seen`` counts, per ``"variant kind"``,
+    the runs of a tensor variant whose split step holds a collective of that kind over the tensor axis."""
     workers, cores = mesh
     passes = rp.Pipeline.default(zero_stage=variant.zero) if variant.zero else None
+    if variant.tensor > 1:  # ZeRO's threshold off: the programs' leaves are small
+        passes = rp.Pipeline.default(zero_stage=variant.zero, shard_optimizer_min_bytes=0) if variant.zero else None
+        return _replicated_tensor(spec, variant, mesh, passes, seen)
     repl = rp.Replicator(
         workers,
         cores,
@@ -440,6 +501,42 @@ def replicated(spec: PipeSpec, variant: Variant, mesh: tuple[int, int]) -> tuple
         if rows.shape != (repl.pipelined.replicas,) or not np.all(rows == rows[0]):
             raise AssertionError(f"loss rows {rows}: expected {repl.pipelined.replicas} identical values")
         losses.append(float(rows[0]))
+    return jax.tree.map(np.asarray, state), losses
+
+
+def _replicated_tensor(
+    spec: PipeSpec, variant: Variant, mesh: tuple[int, int], passes: Any, seen: collections.Counter | None
+) -> tuple[Any, list]:
+    """:func:`replicated` with a tensor axis: ``rp.Parallelism(tensor=T, stages=S, ...)``, the user's step through
+    ``repl.run`` (ZeRO on it from ``passes``), gathers allowed so that every conversion the rules ask for runs."""
+    workers, cores = mesh
+    parallelism = rp.Parallelism(
+        tensor=variant.tensor,
+        tensor_plan=tensor_plan(spec, variant.tensor),
+        allow_gather=True,
+        sequence_parallel=1 if variant.sequence_parallel else None,
+        stages=variant.stages,
+        microbatches=variant.microbatches,
+        schedule=variant.schedule,
+        recompute=variant.recompute,
+    )
+    repl = rp.Replicator(
+        workers, cores, devices=jax.devices()[: workers * cores], passes=passes, parallelism=parallelism
+    )
+    step, state, losses = make_step(spec), initial_state(spec), []
+    batches = global_batches(spec)
+    for batch in batches:
+        state, out = repl.run(step, batch, state)
+        rows = np.asarray(out["loss"])
+        if rows.shape != (repl.pipelined.replicas,) or not np.all(rows == rows[0]):
+            raise AssertionError(f"loss rows {rows}: expected {repl.pipelined.replicas} identical values")
+        losses.append(float(rows[0]))
+    split = repl.pipelined.user_step(step, batches[0], initial_state(spec)).tensor_split  # built by the run
+    if split is None or repl.pipelined.mesh.shape.get("tensor") != variant.tensor:
+        raise AssertionError(f"the pipeline was not split over a tensor axis of {variant.tensor}")
+    if seen is not None:
+        for kind in sorted({c.kind for c in split.collectives}):
+            seen[f"{variant.name} {kind}"] += 1
     return jax.tree.map(np.asarray, state), losses
 
 
@@ -515,6 +612,7 @@ def check(
     mesh: tuple[int, int],
     ref: tuple[Any, list[float]] | None = None,
     sensitivity_cache: dict | None = None,
+    seen: collections.Counter | None = None,
 ) -> PipeOutcome:
     """Run one program under one variant and mesh against one device; a crash is an outcome, not an exception.
 
@@ -527,7 +625,9 @@ def check(
         want_state, want_losses = ref if ref is not None else reference(spec)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the bubble warning (M < S) never applies here; others are not findings
-            got_state, got_losses = replicated(spec, variant, mesh)
+            got_state, got_losses = (
+                replicated(spec, variant, mesh, seen) if seen is not None else replicated(spec, variant, mesh)
+            )
     except Exception as e:  # noqa: BLE001 - every crash is a finding
         outcome.error = f"{type(e).__name__}: {str(e)[:400]}"
         return outcome
@@ -554,8 +654,8 @@ def run_program(seed: int, variants: list[str], stats: collections.Counter | Non
     """Program ``seed`` for each stage count the variants ask, on :func:`mesh_for`, under every variant."""
     stats = collections.Counter() if stats is None else stats
     outcomes = []
-    for stages in sorted({PIPE_VARIANTS[v].stages for v in variants}):
-        spec = random_pipe_spec(seed, stages)
+    for stages, seq in sorted({(PIPE_VARIANTS[v].stages, PIPE_VARIANTS[v].sequence_parallel) for v in variants}):
+        spec = random_pipe_spec(seed, stages, seq)
         mesh = mesh_for(seed, stages)
         try:
             ref = reference(spec)
@@ -564,8 +664,9 @@ def run_program(seed: int, variants: list[str], stats: collections.Counter | Non
             continue
         sensitivity: dict = {}  # computed on the first mismatch only
         for v in variants:
-            if PIPE_VARIANTS[v].stages == stages:
-                outcomes.append(check(spec, PIPE_VARIANTS[v], mesh_of(PIPE_VARIANTS[v], mesh), ref, sensitivity))
+            if (PIPE_VARIANTS[v].stages, PIPE_VARIANTS[v].sequence_parallel) == (stages, seq):
+                variant = PIPE_VARIANTS[v]
+                outcomes.append(check(spec, variant, mesh_of(variant, mesh), ref, sensitivity, stats))
                 stats["runs"] += 1
                 stats["graphs"] += 1  # every run compiles its own pipelined step
     return outcomes

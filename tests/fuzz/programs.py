@@ -268,12 +268,38 @@ class Spec:
     loop: bool  # all_mean inside lax.fori_loop (while) with a fixed trip count
     replica_offset: bool  # replica_id() feeds the loss
     stack: int = 0  # layers of a (stack, hidden, hidden) parameter run by lax.scan (0: none)
+    # The block over a (rows, seq, features) input (:func:`block`; random_spec(forms=True) only): its sequence
+    # length (0: no block), the forms in it (of :data:`FORMS`), and each form's draw.
+    seq: int = 0
+    forms: tuple[str, ...] = ()
+    heads: int = 0  # "heads": the hidden dimension reshaped into this many heads
+    dot: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # "dot": (contracting, batch) dimensions
+    reduce: tuple[str, int] = ("sum", 2)  # "reduce": (op, dimension) of a reduction kept beside its input
 
     def describe(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(self).items())
+        fields = dataclasses.asdict(self)
+        if not self.seq:  # the programs as they were before the block, described the same
+            for name in ("seq", "forms", "heads", "dot", "reduce"):
+                del fields[name]
+        return ", ".join(f"{k}={v!r}" for k, v in fields.items())
+
+    @classmethod
+    def from_json(cls, fields: dict) -> Spec:
+        """The spec of ``dataclasses.asdict`` after a JSON round trip (lists back to tuples)."""
+
+        def tupled(v: Any) -> Any:
+            return tuple(tupled(x) for x in v) if isinstance(v, list) else v
+
+        return cls(**{k: tupled(v) for k, v in fields.items()})
 
 
-def random_spec(seed: int, replicas: int) -> Spec:
+#: The forms of the block over a 3-d input (:func:`block`).
+FORMS = ("heads", "dot", "reduce", "scan")
+
+
+def random_spec(seed: int, replicas: int, forms: bool = False) -> Spec:
+    """The program of index ``seed``; with ``forms``, the same program with a block over a (rows, seq,
+    features) input (:func:`block`), drawn apart, so the other fields stay what they are without it."""
     rng = np.random.default_rng(seed)
     collectives = ("all_sum", "all_mean", "all_max", "all_min", "all_gather", "gather_tiled", "reduce_scatter")
     collectives += ("broadcast", "replica_id")
@@ -281,7 +307,7 @@ def random_spec(seed: int, replicas: int) -> Spec:
     extra = tuple(
         (str(rng.choice(collectives)), [None, "cores", "workers"][int(rng.integers(0, 3))]) for _ in range(n_extra)
     )
-    return Spec(
+    spec = Spec(
         seed=seed,
         features=int(rng.choice([3, 4, 5, 8])),
         hidden=int(rng.choice([4, 5, 8, 16, 64, replicas * 2])),
@@ -297,6 +323,24 @@ def random_spec(seed: int, replicas: int) -> Spec:
         loop=bool(rng.integers(0, 2)),
         replica_offset=bool(rng.integers(0, 2)),
         stack=int(rng.choice([0, 0, 2, 3])),
+    )
+    return _with_block(spec, np.random.default_rng((seed, 5))) if forms else spec
+
+
+def _with_block(spec: Spec, rng: np.random.Generator) -> Spec:
+    chosen = tuple(f for f in FORMS if rng.random() < 0.5)
+    heads = [n for n in (2, 4) if spec.hidden % n == 0]
+    chosen = tuple(f for f in chosen if f != "heads" or heads)
+    contracting = tuple(int(d) for d in sorted(rng.choice(3, size=int(rng.integers(1, 4)), replace=False)))
+    free = [d for d in range(3) if d not in contracting]
+    batch = tuple(d for d in free if rng.random() < 0.5)
+    return dataclasses.replace(
+        spec,
+        seq=int(rng.choice([2, 3, 4, 4, 6, 8])),  # 3 and 6: T = 4 (or 2) does not divide them
+        forms=chosen,
+        heads=int(rng.choice(heads)) if heads else 0,
+        dot=(contracting, batch),
+        reduce=(str(rng.choice(["sum", "max", "min"])), int(rng.choice([1, 2]))),
     )
 
 
@@ -322,6 +366,9 @@ def initial_state(spec: Spec) -> dict:
     if spec.stack:
         shape = (spec.stack, spec.hidden, spec.hidden)
         params["stack"] = (rng.normal(size=shape) / np.sqrt(spec.hidden)).astype(np.float32)
+    if spec.seq:  # the block's second matrix, drawn apart
+        v = np.random.default_rng((spec.seed, 4)).normal(size=(spec.hidden, spec.features))
+        params["v"] = (v / np.sqrt(spec.hidden)).astype(np.float32)
     tx, _ = _optimizer(spec.optimizer)
     return {
         "params": params,
@@ -335,13 +382,59 @@ def global_batches(spec: Spec, replicas: int, steps: int) -> list[dict]:
     """Global batches: replica ``r`` gets rows ``[r * rows, (r + 1) * rows)``."""
     rng = np.random.default_rng((spec.seed, 2))
     n = replicas * spec.rows
-    return [
+    batches = [
         {
             "x": rng.normal(size=(n, spec.features)).astype(np.float32),
             "y": rng.normal(size=(n, spec.hidden)).astype(np.float32),
         }
         for _ in range(steps)
     ]
+    if spec.seq:  # the block's input, drawn apart
+        seq_rng = np.random.default_rng((spec.seed, 3))
+        for b in batches:
+            b["s"] = seq_rng.normal(size=(n, spec.seq, spec.features)).astype(np.float32)
+    return batches
+
+
+def block(spec: Spec, p: dict, s: jax.Array) -> jax.Array:
+    """One replica's term of the loss from a (rows, seq, features) input: a Megatron-like block (``w`` then ``v``,
+    a residual add and a norm over the features, ``w`` again) with the forms of ``spec.forms`` on its hidden
+    activation (rows, seq, hidden) between the two matrices:
+
+    * ``heads``: the hidden dimension reshaped into heads (split, a column-split ``w`` splits the heads), an
+      attention over the sequence per head (a softmax over it), merged back;
+    * ``dot``: a ``dot_general`` of the activation with its sine, contracting and batching random dimensions;
+    * ``reduce``: a sum, max or min over the sequence or the hidden dimension, subtracted back;
+    * ``scan``: a ``lax.scan`` over the sequence with a (rows, hidden) carry.
+
+    With sequence parallelism (dimension 1) the residual's partial sum is reduce-scattered on the sequence and
+    the second ``@ w`` all-gathers it.
+    """
+    h = jnp.tanh(s @ p["w"] + p["b"])  # (rows, seq, hidden)
+    extra = jnp.zeros((), h.dtype)
+    if "heads" in spec.forms:
+        q = h.reshape(*h.shape[:2], spec.heads, h.shape[2] // spec.heads)
+        scores = jnp.einsum("bqnd,bknd->bnqk", q, q) / np.sqrt(q.shape[-1])
+        h = h + jnp.einsum("bnqk,bknd->bqnd", jax.nn.softmax(scores, axis=-1), q).reshape(h.shape)
+    if "dot" in spec.forms:
+        contracting, batch = spec.dot
+        g = lax.dot_general(h, jnp.sin(h), ((contracting, contracting), (batch, batch)))
+        extra = extra + 0.1 * jnp.mean(jnp.tanh(g))
+    if "reduce" in spec.forms:
+        op, dim = spec.reduce
+        r = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}[op](h, axis=dim, keepdims=True)
+        h = h - 0.5 * (r / h.shape[dim] if op == "sum" else r)
+    if "scan" in spec.forms:
+
+        def cell(c, x):
+            c = jnp.tanh(0.5 * c + x)
+            return c, c
+
+        _, hs = lax.scan(cell, jnp.zeros_like(h[:, 0]), jnp.swapaxes(h, 0, 1))
+        h = jnp.swapaxes(hs, 0, 1)
+    o = s + h @ p["v"]  # a row-parallel product's partial sum, added to the input: summed (or reduce-scattered)
+    o = o - jnp.mean(o, axis=-1, keepdims=True)
+    return 0.1 * jnp.mean(jnp.tanh(o @ p["w"]) ** 2) + extra
 
 
 def make_step(spec: Spec, K: Any) -> Callable:
@@ -365,7 +458,10 @@ def make_step(spec: Spec, K: Any) -> Callable:
         if spec.replica_offset:
             rid = K.replica_id()
             h = K.local(lambda a, r: a + 0.01 * r.astype(a.dtype), h, rid)
-        return K.local(lambda a, y: jnp.mean((jnp.tanh(a) - y) ** 2), h, batch["y"])
+        value = K.local(lambda a, y: jnp.mean((jnp.tanh(a) - y) ** 2), h, batch["y"])
+        if spec.seq:
+            value = K.local(lambda v, q, s: v + block(spec, q, s), value, p, batch["s"])
+        return value
 
     def step(state, batch):
         params, opt = state["params"], state["opt"]

@@ -4,7 +4,8 @@ Each program runs replicated under one pipeline variant and mesh and is
 compared with every replica simulated at once on one device. The sample runs
 every variant on 2 x 4 and 1 x 8, and on the square meshes (2 x 2; 4 x 4 with
 ``REPLICATOR_TEST_DEVICES=16``) where the two groups have one size; the tensor variants on
-their own data meshes, each replica over T devices. The long run is
+their own data meshes, each replica over T devices (those on programs with a block over a 3-d
+input, with and without sequence parallelism, on one mesh each). The long run is
 ``python scripts/fuzz.py --programs 2000``.
 """
 
@@ -29,8 +30,10 @@ from .differential import (
     order_sensitivity,
     reference,
     runs_on,
+    spec_for,
+    tensor_plan,
 )
-from .programs import PerReplica, Stacked, global_batches, initial_state, make_step, random_spec
+from .programs import FORMS, PerReplica, Stacked, global_batches, initial_state, make_step, random_spec
 
 # (seed, variant, mesh): every variant on both meshes, a different program each.
 SAMPLE = [(100 + i, v, MESHES[i % 2]) for i, v in enumerate(VARIANTS) if runs_on(v, MESHES[i % 2])]
@@ -39,12 +42,23 @@ SAMPLE += [(200 + i, v, MESHES[(i + 1) % 2]) for i, v in enumerate(VARIANTS) if 
 SAMPLE += [
     (400 + 10 * i + k, v, m)
     for i, v in enumerate(VARIANTS)
-    if "tensor" in VARIANTS[v]
+    if "tensor" in VARIANTS[v] and not VARIANTS[v].get("forms")
     for k, m in enumerate(TENSOR_MESHES[VARIANTS[v]["tensor"]])
 ]
-# Square meshes: every variant that fits, a different program each.
+# The block over a 3-d input, one mesh each: programs whose hidden size and sequence T divides (every form once).
+FORMS_SAMPLE = [
+    (401, "tensor2-sp", (1, 4)),  # heads, a dot_general, a scan over the sequence; seq 4
+    (426, "tensor4-sp-zero3", (1, 2)),  # all four forms; seq 4
+    (413, "tensor2-forms", (2, 2)),  # heads, a reduction, a scan; seq 6
+    (406, "tensor4-row-forms", (2, 1)),  # a dot_general, a scan
+]
+SAMPLE += FORMS_SAMPLE
+# Square meshes: every variant that fits, a different program each (the block's variants: FORMS_SAMPLE's 2 x 2).
 SAMPLE += [
-    (300 + 100 * k + i, v, m) for k, m in enumerate(SQUARE_MESHES) for i, v in enumerate(VARIANTS) if runs_on(v, m)
+    (300 + 100 * k + i, v, m)
+    for k, m in enumerate(SQUARE_MESHES)
+    for i, v in enumerate(VARIANTS)
+    if runs_on(v, m) and not VARIANTS[v].get("forms")
 ]
 
 
@@ -60,8 +74,29 @@ def _sample_param(seed: int, variant: str, mesh: tuple[int, int]):
 
 @pytest.mark.parametrize(("seed", "variant", "mesh"), [_sample_param(*case) for case in SAMPLE])
 def test_random_program_matches_the_stacked_reference(seed, variant, mesh):
-    outcome = check(random_spec(seed, mesh[0] * mesh[1]), variant, mesh)
+    seen = collections.Counter()
+    outcome = check(spec_for(seed, variant, mesh), variant, mesh, seen=seen)
     assert outcome.ok, str(outcome)
+    if (seed, variant, mesh) in FORMS_SAMPLE and VARIANTS[variant].get("sequence_parallel"):  # T divides seq
+        assert seen[f"{variant} reduce-scatter"] == seen[f"{variant} all-gather"] == 1, seen
+
+
+def test_the_forms_are_drawn_apart_and_the_sample_covers_them():
+    """``random_spec(forms=True)`` is the same program with a block over a 3-d input: every other field as
+    without it (the recorded seeds of the other variants stay what they were), the block's forms, heads and
+    dimensions drawn from a generator of their own; the plans name only leaves the program has."""
+    for seed in range(40):
+        plain, block = random_spec(seed, 4), random_spec(seed, 4, forms=True)
+        assert plain.seq == 0 and block.seq > 0
+        assert dataclasses.replace(block, seq=0, forms=(), heads=0, dot=((), ()), reduce=("sum", 2)) == plain
+        assert not block.heads or block.hidden % block.heads == 0
+        assert set(block.dot[0]).isdisjoint(block.dot[1]) and block.dot[0]
+        state = initial_state(block)["params"]
+        for size, split in ((2, "column"), (4, "row")):
+            assert {k.split("/")[1] for k in tensor_plan(block, size, split)} <= set(state)
+    sampled = [spec_for(seed, v, m) for seed, v, m in FORMS_SAMPLE]
+    assert {f for spec in sampled for f in spec.forms} == set(FORMS)
+    assert all(spec.seq % VARIANTS[v]["tensor"] == 0 for spec, (_, v, _) in zip(sampled, FORMS_SAMPLE, strict=True))
 
 
 class TestReference:

@@ -4,13 +4,14 @@ Each program is a random pipelined training step (``tests/fuzz/pipelines.py``) r
 ``Replicator.run`` on a pipelined ``Replicator`` of 8 devices and compared, the whole
 state and every step's loss, with ``jax.jit`` of the same step on one device. The quick
 sample covers both stage counts, both schedules, recomputation, both micro-batch counts,
-ZeRO 1-3 and both layouts (stages within a worker, across workers); the rest of the variants are
-marked slow. The long run is ``python scripts/fuzz.py --pipelines --programs 500``.
+ZeRO 1-3, both layouts (stages within a worker, across workers) and a tensor axis under the stages
+(with sequence parallelism, on a program on sequences); the rest of the variants are marked slow. The long run is ``python scripts/fuzz.py --pipelines --programs 500``.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import jax
 import numpy as np
@@ -44,6 +45,7 @@ QUICK = [
     (13, "pipe-S2-M4-1f1b", (1, 8)),  # an unmarked scanned stack: the user's step keeps it as slices
     (16, "pipe-S4-M8-gpipe-recompute-zero3-run", (4, 2)),  # a stack as slices, the rest in ZeRO-3 chunks
     (17, "pipe-S4-M8-1f1b-fused", (2, 4)),  # a forward and a backward in one tick
+    (27, "pipe-S2-M4-1f1b-fused-tensor2-sp", (1, 8)),  # stages x tensor, the sequence split between the blocks
 ]
 SLOW = [
     (100 + i, name, pipelines.mesh_of(v, pipelines.mesh_for(100 + i, v.stages)))
@@ -62,8 +64,11 @@ def _param(seed: int, variant: str, mesh: tuple[int, int], slow: bool = False):
 )
 def test_random_pipelined_step_matches_one_device(seed, variant, mesh):
     v = PIPE_VARIANTS[variant]
-    outcome = check(random_pipe_spec(seed, v.stages), v, mesh)
+    seen = collections.Counter()
+    outcome = check(random_pipe_spec(seed, v.stages, v.sequence_parallel), v, mesh, seen=seen)
     assert outcome.ok, str(outcome)
+    if (seed, variant) == (27, "pipe-S2-M4-1f1b-fused-tensor2-sp"):  # seq 4, width 8: T = 2 divides both
+        assert seen[f"{variant} reduce-scatter"] == seen[f"{variant} all-gather"] == 1, seen
 
 
 def test_every_variant_is_in_the_sample():
@@ -85,10 +90,24 @@ def test_the_generator_is_reproducible_and_covers_every_feature():
     assert {spec.stack for spec in specs} == {0, 1, 2}
     assert all(spec.tuple_at is None and spec.used_segments == (0, spec.stages - 1) for spec in specs if spec.stack)
     assert [random_pipe_spec(s, stages).stack for s, stages in ((13, 2), (16, 4))] == [2, 1]  # the QUICK ones
+    # On sequences (sequence parallelism): the same program, its length drawn apart.
+    assert all(
+        dataclasses.replace(random_pipe_spec(seed, s, seq=True), seq=0) == random_pipe_spec(seed, s)
+        for seed in range(50)
+        for s in (2, 4)
+    )
+    # The tensor plans name only leaves the program has (a pattern matching none is refused).
+    for spec in specs:
+        leaves = {"0/" + jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in _leaf_paths(spec)}
+        assert set(pipelines.tensor_plan(spec, 2)) <= leaves, (spec.describe(), pipelines.tensor_plan(spec, 2))
     # The loss has S - 1 markers: jax.jit of it runs (the markers are the identity outside a pipeline).
     spec = random_pipe_spec(3, 4)
     _, losses = reference(spec)
     assert len(losses) == pipelines.STEPS and np.all(np.isfinite(losses))
+
+
+def _leaf_paths(spec):
+    return jax.tree_util.tree_flatten_with_path(pipelines.initial_params(spec))[0]
 
 
 def test_a_gradient_off_by_ten_percent_is_caught(monkeypatch):
