@@ -37,6 +37,18 @@ def test_double_star_spans_components_and_the_first_matching_pattern_decides():
     assert got["embed"] == Shard(0)
 
 
+def test_a_trailing_double_star_takes_every_component_left_and_none():
+    """``a/**`` is everything under ``a`` (``**`` at the end matches the rest of the path, however many
+    components) and ``a`` itself; ``**`` alone is every leaf."""
+    plan = TensorPlan({"blocks/1/**": "replicated", "embed/**": 0, "blocks/**": "column", "**": "replicated"})
+    got = dict(zip(leaf_paths(STATE), plan.placements(STATE, size=2), strict=True))
+    assert got["blocks/1/mlp/fc1/kernel"] == got["blocks/1/mlp/fc2/kernel"] == REPLICATED
+    assert got["embed"] == Shard(0)  # "embed/**": zero components after "embed"
+    assert got["blocks/0/mlp/fc1/kernel"] == got["blocks/0/mlp/fc2/kernel"] == Shard(1)
+    assert got["blocks/0/mlp/fc1/bias"] == Shard(0)
+    assert got["step"] == REPLICATED  # "**": every leaf the patterns before it left
+
+
 def test_a_pattern_that_matches_no_leaf_is_refused_listing_the_paths():
     with pytest.raises(TensorPlacementError, match=r"\['blocks/\*/attn/wq'\] match no leaf.*blocks/0/mlp/fc1/bias"):
         TensorPlan({"blocks/*/attn/wq": "column", "embed": 0}).placements(STATE, size=2)

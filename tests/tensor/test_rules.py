@@ -63,6 +63,21 @@ def test_a_partial_sum_is_summed_before_a_max_and_kept_through_a_sum_or_a_cumula
     assert _analyze(lambda x: x.sum(1), [(4, 8)], [P]) == [P]
     assert _analyze(lambda x: jnp.cumsum(x, 1), [(4, 8)], [P]) == [P]
     assert _analyze(lambda x: jnp.cumprod(x, 1), [(4, 8)], [P]) == [R]
+    assert _analyze(lambda x: x[::-1, ::-1], [(4, 8)], [P]) == [P]  # a reversal: a permutation, linear
+
+
+def test_a_partial_sum_reversed_is_summed_once_after_the_reduction():
+    """``rev`` keeps a partial sum (it permutes elements): a row-parallel matmul's output, reversed and
+    summed over its rows, is all-reduced once at the (8,) sum, not at the (4, 8) reversal."""
+
+    def step(p, x):
+        return p, (x @ p["w"])[::-1].sum(0) * jnp.arange(8.0)
+
+    p = {"w": jnp.cos(jnp.arange(128, dtype=jnp.float32).reshape(16, 8))}
+    x = jnp.sin(jnp.arange(64, dtype=jnp.float32).reshape(4, 16))
+    tp = TensorParallel(step, {"w": "row"}, size=2)
+    np.testing.assert_allclose(tp(tp.shard(p, x), x)[1], jax.jit(step)(p, x)[1], rtol=1e-5)
+    assert [(e.kind, e.shape) for e in tp.collectives(p, x)] == [("all-reduce", (8,))]
 
 
 def test_cotangents_of_a_replicated_value_stay_replicated():
