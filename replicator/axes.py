@@ -81,7 +81,11 @@ def place_axes(
     if parallelism is not None and parallelism.tensor > 1:
         check_tensor_supported(parallelism)
         tensor = TensorAxis(
-            parallelism.tensor, parallelism.tensor_plan, parallelism.allow_gather, parallelism.sequence_parallel
+            parallelism.tensor,
+            parallelism.tensor_plan,
+            parallelism.allow_gather,
+            parallelism.sequence_parallel,
+            collective_matmul=parallelism.collective_matmul,
         )
         mesh = tensor.mesh(build_mesh(num_workers, cores_per_worker, devices=devices))
         num_workers, cores_per_worker = mesh.devices.shape[:2]

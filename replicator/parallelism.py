@@ -60,6 +60,11 @@ class Parallelism:
         regions activations are split on it: each all-reduce of a block becomes a reduce-scatter
         there, and an all-gather of the activation before the next column-parallel matmul (weights
         are never gathered). ``None``: off.
+      collective_matmul: an all-gather feeding a matmul, and a matmul whose output is reduce-scattered
+        (sequence parallelism's, where the dimension gathered or scattered is a free one of the
+        product), each become a ring of ``T`` partial matmuls and ``ppermute`` in the graph
+        (:mod:`replicator.tensor.overlap`); ``explain`` lists them as ``ring all-gather matmul`` and
+        ``ring matmul reduce-scatter``. Not yet with ``stages``.
       stages: pipeline stages, cut at ``rp.stage_boundary`` markers (docs/guide/pipeline.md).
       microbatches: the micro-batches of a pipelined step (default: ``stages``).
       schedule: ``'1f1b'`` (default), ``'gpipe'`` or ``'1f1b-fused'``.
@@ -77,6 +82,7 @@ class Parallelism:
     recompute: bool = False
     replicas_per_device: int = 1
     memory_budget: int | None = None
+    collective_matmul: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor", "stages", "replicas_per_device"):
@@ -107,6 +113,13 @@ class Parallelism:
         if self.tensor == 1 and self.sequence_parallel is not None:
             raise ValueError(
                 "Parallelism(sequence_parallel=...) splits activations over the tensor axis: give tensor=T."
+            )
+        if not isinstance(self.collective_matmul, bool):
+            raise ValueError(f"Parallelism(collective_matmul={self.collective_matmul!r}): must be True or False.")
+        if self.tensor == 1 and self.collective_matmul:
+            raise ValueError(
+                "Parallelism(collective_matmul=True) rewrites the matmuls split over the tensor axis: give tensor=T "
+                "(and sequence_parallel=d, whose all-gathers and reduce-scatters it rings)."
             )
         if self.tensor == 1 and self.tensor_plan is not None:
             raise ValueError(
@@ -155,6 +168,10 @@ def check_tensor_supported(parallelism: Parallelism) -> None:
         name
         for name, on in (
             (f"replicas_per_device={parallelism.replicas_per_device}", parallelism.replicas_per_device > 1),
+            (
+                f"collective_matmul with stages={parallelism.stages}",
+                parallelism.collective_matmul and parallelism.stages > 1,
+            ),
         )
         if on
     ]

@@ -154,7 +154,8 @@ def collective_time(record: CollectiveRecord, topology: Topology | str, *, num_w
 def tensor_collective_time(kind: str, nbytes: float, size: int, topology: Topology | str) -> float:
     """Predicted seconds of one collective over the tensor axis (``T = size`` neighbours of a worker: the
     ``cores`` link) of a value of ``nbytes`` in all: ``'all-reduce'`` (also ``-max``/``-min``), ``'reduce-scatter'``
-    or ``'all-gather'`` (each device starts with ``nbytes / size``)."""
+    or ``'all-gather'`` (each device starts with ``nbytes / size``), and the rings of collective matmul
+    (``'ring all-gather matmul'``, ``'ring matmul reduce-scatter'``: ``T - 1`` sends of ``nbytes / size``)."""
     topology = get_topology(topology)
     if size <= 1:
         return 0.0
@@ -167,6 +168,10 @@ def tensor_collective_time(kind: str, nbytes: float, size: int, topology: Topolo
         return reduce_scatter_time(size, nbytes, link) - ((size - 2) * link.alpha_s if one else 0.0)
     if kind == "all-gather":
         return all_gather_time(size, nbytes / size, link) - ((size - 2) * link.alpha_s if one else 0.0)
+    if kind in ("ring all-gather matmul", "ring matmul reduce-scatter"):
+        # Collective matmul (tensor/overlap.py): T - 1 ppermutes of one block each; the sends alone, as if
+        # none of them were hidden behind the partial matmuls.
+        return reduce_scatter_time(size, nbytes, link)
     raise ValueError(f"tensor_collective_time: no cost formula for {kind!r}.")
 
 

@@ -39,6 +39,7 @@ class TensorAxis:
     allow_gather: bool = False
     sequence_parallel: int | None = None
     name: str = "tensor"
+    collective_matmul: bool = False  # read where the step is split (runtime/build.py)
 
     def mesh(self, replicas: Mesh) -> Mesh:
         """``replicas``' ``('workers', 'cores')`` devices with each worker's cut into groups of ``size``."""
