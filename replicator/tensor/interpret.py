@@ -347,14 +347,14 @@ class _Walker:
         """The product as a ring, where the decision gathers exactly one operand on a free dimension (and
         no consumer gathered it already: the ring's gathered operand is kept for the next, which reads it
         without a collective); ``None``: the plain way."""
-        gathered = [
+        split_to_whole = [
             i
             for i, (have, want) in enumerate(zip(ins_pl, decision.wants, strict=True))
             if isinstance(have, Shard) and isinstance(_plain(want), Replicated)
         ]
-        if len(gathered) != 1:
+        if len(split_to_whole) != 1:
             return None
-        (i,) = gathered
+        (i,) = split_to_whole
         dim = ins_pl[i].dim  # type: ignore[union-attr]
         dn = eqn.params["dimension_numbers"]
         ndims = (len(eqn.invars[0].aval.shape), len(eqn.invars[1].aval.shape))
