@@ -21,7 +21,6 @@ Example (``rp.force_cpu_devices(8)`` emulates 8 CPU devices; call it before JAX 
 from __future__ import annotations
 
 import collections
-import operator
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -38,10 +37,8 @@ from replicator.runtime.consistency import check_replicas_agree
 from replicator.runtime.distributed import progress
 from replicator.runtime.distributed.startup import check_initialized_under_launcher
 from replicator.runtime.execution import (
-    MEMORY_CHECK_BYTES,
     place_batch,
     place_state,
-    spans_processes,
 )
 from replicator.runtime.gc_pause import gc_paused
 from replicator.runtime.inputs import (
@@ -54,8 +51,6 @@ from replicator.runtime.pipelined import PipelineFront, first_batches
 from replicator.runtime.retrace import warn_if_retracing
 from replicator.runtime.state import (
     broadcast_state,
-    per_replica_flags,
-    with_per_replica,
 )
 from replicator.runtime.state_key import (
     NO_STATE,
@@ -63,10 +58,11 @@ from replicator.runtime.state_key import (
     StateKey,
     array_leaves,
     merge_static,
+    per_replica_key,
     state_key_of,
 )
 from replicator.runtime.steady import SteadyStep
-from replicator.runtime.step_inputs import StepInputs, check_prefetch
+from replicator.runtime.step_inputs import StepInputs, check_max_in_flight, check_prefetch
 
 __all__ = ["CompiledStep", "Replicator"]
 
@@ -106,21 +102,10 @@ class Replicator:
         once (reproduced with plain ``jit(shard_map(psum))``: 200 queued calls
         on 8 devices hang, 4 do not), so on CPU the queue is kept short.
       prefetch: how many batches to draw from ``input_fn`` and place on the
-        devices ahead of their step (right after a step is dispatched, while
-        it runs); ``0``: none, each batch is drawn when its step starts.
-        ``None``: 1 on accelerators (GPU, TPU) in one process; 0 on CPU
-        devices (they are the host's own cores: there is no separate device
-        to overlap with; drawing ahead was slower or within noise in
-        ``benchmarks/host_overhead.py``) and on a mesh that spans processes
-        (the launcher's watchdog expects each process to draw its step's
-        batch within that step). Turn it off (here, or for one
-        ``input_fn`` with ``run(..., prefetch=0)``) when ``input_fn``'s
-        batches depend on what happens after a step returns (on its outputs,
-        or on a variable the loop sets between steps): a prefetched batch was
-        drawn before that. A prefetched batch takes device memory for one
-        more batch. Errors of ``input_fn`` are raised by the step whose batch
-        it was drawing, and :meth:`input_position` counts only batches steps
-        have taken.
+        devices ahead of their step (while it runs); ``0``: none. ``None``: 1
+        on accelerators in one process, 0 on CPU devices and across processes
+        (:mod:`replicator.runtime.step_inputs` says why, and when to turn it
+        off: batches that depend on what happens after a step returns).
       pipeline_stages, microbatches, schedule, pipeline_recompute: the older
         spellings of ``parallelism=rp.Parallelism(stages=..., microbatches=...,
         schedule=..., recompute=...)``; ``replicas_per_device`` too.
@@ -167,19 +152,13 @@ class Replicator:
         if not isinstance(self.pipeline, Pipeline):
             raise TypeError(f"passes= must be a replicator.passes.Pipeline, got {type(self.pipeline).__name__}.")
         self.donate_state = donate_state
-        if max_in_flight is None:
-            max_in_flight = 2 if self.mesh.devices.flat[0].platform == "cpu" else 0
-        if not isinstance(max_in_flight, int) or max_in_flight < 0:
-            raise ValueError(f"max_in_flight must be a non-negative int (0: unbounded), got {max_in_flight!r}.")
-        self.max_in_flight = max_in_flight
+        self.max_in_flight = check_max_in_flight(max_in_flight, self.mesh)
         if check_state_every is not None and (not isinstance(check_state_every, int) or check_state_every < 1):
             raise ValueError(f"check_state_every must be a positive int or None, got {check_state_every!r}.")
         self.check_state_every = check_state_every
         #: A pipelined Replicator's calls around its pipeline (the batch, the count, the state check).
         self._front = None if self.pipelined is None else PipelineFront(self.pipelined, check_state_every)
-        if prefetch is None:
-            prefetch = 0 if spans_processes(self.mesh) or self.mesh.devices.flat[0].platform == "cpu" else 1
-        self.prefetch = check_prefetch(prefetch)
+        self.prefetch = check_prefetch(prefetch, self.mesh)
         self._steps_run = 0
         self._cached_pipeline_key: tuple[Pipeline, tuple] | None = None
         self._in_flight: collections.deque = collections.deque()
@@ -228,7 +207,7 @@ class Replicator:
     ) -> CompiledStep:
         """Trace + rewrite ``step_fn`` for a worker batch like ``batch`` (cached)."""
         state_key, _, _ = state_key_of(state)
-        state_key = self._per_replica_key(state_key, state, per_replica_state)
+        state_key = per_replica_key(state_key, state, per_replica_state, self.num_replicas)
         return self._lookup(step_fn, state_key, BatchSignature.of(batch, self.cores_per_worker), batch)
 
     #: ``(step_fn, state_key, batch_key, pipeline, compiled)`` of the last :meth:`_lookup`: the most recently
@@ -538,7 +517,7 @@ class Replicator:
                 returned = None
                 state_key, leaves, state_def = state_key_of(state)
             if per_replica_state is not None:
-                state_key = self._per_replica_key(state_key, state, per_replica_state)
+                state_key = per_replica_key(state_key, state, per_replica_state, self.num_replicas)
         last = self._last_lookup
         if (
             last is not None
@@ -611,33 +590,6 @@ class Replicator:
                 compiled.lowered.final.sharded_state,
                 compiled,
             )
-        if (
-            not depth
-            and not statics
-            and new_state
-            and compiled.state_reusable
-            and per_replica_state is None
-            and len(batch.leaves) == 1
-            and len(batch.placed) == len(batch.leaves[0])
-            and all(map(operator.is_, batch.placed, batch.leaves[0]))  # host leaves, as they were
-            and batch.signature.nbytes < MEMORY_CHECK_BYTES
-        ):
-            self._steady = SteadyStep(
-                step_fn,
-                data if inputs is not None else None,
-                inputs,
-                self.pipeline,
-                compiled,
-                self._returned,
-                batch.leaves[0],
-                jax.tree_util.tree_structure(batch.batches[0]),
-            )
+        if not depth and not statics and new_state and compiled.state_reusable and per_replica_state is None:
+            self._steady = SteadyStep.after(step_fn, data, inputs, self.pipeline, compiled, self._returned, batch)
         return traced.state_treedef.unflatten(new_leaves), outputs
-
-    def _per_replica_key(self, state_key: StateKey, state: PyTree, per_replica_state: Any) -> StateKey:
-        """``state_key`` with the leaves ``per_replica_state`` declares kept per replica marked (see :meth:`run`)."""
-        if per_replica_state is None or state is None:
-            return state_key
-        has_state, treedef, signatures = state_key.value
-        flags = per_replica_flags(state, per_replica_state, self.num_replicas)
-        return StateKey(has_state, treedef, with_per_replica(signatures, flags))

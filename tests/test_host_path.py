@@ -423,11 +423,11 @@ def test_a_state_of_another_shape_after_steady_steps_is_traced_for_its_shape(n_d
 
 
 def test_a_batch_over_the_host_memory_threshold_is_checked_at_every_step(n_devices, monkeypatch):
-    import replicator.api as api
     import replicator.runtime.execution as execution
+    import replicator.runtime.steady as steady
 
     checks: list[int] = []
-    monkeypatch.setattr(api, "MEMORY_CHECK_BYTES", 16)
+    monkeypatch.setattr(steady, "MEMORY_CHECK_BYTES", 16)
     monkeypatch.setattr(execution, "MEMORY_CHECK_BYTES", 16)
     monkeypatch.setattr(execution, "_check_host_memory", lambda leaves, mesh: checks.append(len(leaves)))
     loop = _replicator_loop(rp.Replicator(1, n_devices), n_devices)

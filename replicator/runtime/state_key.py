@@ -23,9 +23,19 @@ import jax
 import numpy as np
 
 from replicator.core.tracing import is_array_leaf, leaf_paths, leaf_signature, signature_spec
+from replicator.runtime.state import per_replica_flags, with_per_replica
 from replicator.runtime.steady import _deref
 
-__all__ = ["NO_STATE", "ReturnedState", "StateKey", "array_leaves", "merge_static", "state_key_of", "state_spec"]
+__all__ = [
+    "NO_STATE",
+    "ReturnedState",
+    "StateKey",
+    "array_leaves",
+    "merge_static",
+    "per_replica_key",
+    "state_key_of",
+    "state_spec",
+]
 
 PyTree = Any
 
@@ -149,3 +159,13 @@ def array_leaves(leaves: list, statics: tuple) -> list:
         return leaves
     static = dict(statics)
     return [leaf for i, leaf in enumerate(leaves) if i not in static]
+
+
+def per_replica_key(state_key: StateKey, state: PyTree, per_replica_state: Any, num_replicas: int) -> StateKey:
+    """``state_key`` with the leaves ``per_replica_state`` declares kept per replica marked
+    (``Replicator.run``'s ``per_replica_state``)."""
+    if per_replica_state is None or state is None:
+        return state_key
+    has_state, treedef, signatures = state_key.value
+    flags = per_replica_flags(state, per_replica_state, num_replicas)
+    return StateKey(has_state, treedef, with_per_replica(signatures, flags))

@@ -71,7 +71,7 @@ from typing import Any
 
 import jax
 
-from replicator.runtime.execution import _NUMPY_ONLY
+from replicator.runtime.execution import _NUMPY_ONLY, MEMORY_CHECK_BYTES
 from replicator.runtime.inputs import _SHAPE_DTYPE, Batch, WorkerInputs
 
 __all__ = ["SteadyStep"]
@@ -112,6 +112,31 @@ class SteadyStep:
         self.input_fn = weakref.ref(input_fn) if input_fn is not None else None
         self.inputs = weakref.ref(inputs) if inputs is not None else None
         self.batch_key = (batch_treedef, tuple(map(_SHAPE_DTYPE, batch_leaves)))
+
+    @classmethod
+    def after(
+        cls,
+        step_fn: Callable,
+        data: Any,
+        inputs: WorkerInputs | None,
+        pipeline: Any,
+        compiled: Any,
+        returned: Any,
+        batch: Any,
+    ) -> SteadyStep | None:
+        """The record of a general-path call whose next call may run steady (its state reusable, no prefetch,
+        no per-replica state, no static leaves: checked by the caller), or None where its batch is not one
+        worker's host leaves given to the step as they were, under the host-memory check's size."""
+        if not (
+            len(batch.leaves) == 1
+            and len(batch.placed) == len(batch.leaves[0])
+            and all(map(operator.is_, batch.placed, batch.leaves[0]))  # host leaves, as they were
+            and batch.signature.nbytes < MEMORY_CHECK_BYTES
+        ):
+            return None
+        input_fn = data if inputs is not None else None
+        treedef = jax.tree_util.tree_structure(batch.batches[0])
+        return cls(step_fn, input_fn, inputs, pipeline, compiled, returned, batch.leaves[0], treedef)
 
     def take(self, state: Any, data: Any) -> tuple[list, list] | None:
         """``(state leaves, batch leaves)`` if this call, given ``state`` and ``data`` (``run``'s

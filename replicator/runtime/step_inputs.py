@@ -2,6 +2,17 @@
 continued from call to call, drawn ahead with ``prefetch``), an iterator of batches, or the batch itself;
 each checked and placed on the mesh before its step.
 
+``Replicator(prefetch=n)`` draws ``n`` batches from ``input_fn`` and places them on the devices right after
+a step is dispatched, while it runs. The default (``None``) is 1 on accelerators (GPU, TPU) in one process
+and 0 on CPU devices (they are the host's own cores: there is no separate device to overlap with; drawing
+ahead was slower or within noise in ``benchmarks/host_overhead.py``) and on a mesh that spans processes
+(the launcher's watchdog expects each process to draw its step's batch within that step). Turn it off (for
+the Replicator, or for one ``input_fn`` with ``run(..., prefetch=0)``) when ``input_fn``'s batches depend on
+what happens after a step returns (on its outputs, or on a variable the loop sets between steps): a
+prefetched batch was drawn before that. A prefetched batch takes device memory for one more batch. Errors of
+``input_fn`` are raised by the step whose batch it was drawing, and ``Replicator.input_position`` counts only
+batches steps have taken.
+
 >>> inputs = StepInputs(rp.Replicator(1, 2))
 >>> batch = inputs.given({"x": np.ones((4, 3), np.float32)})  # this process's batch, split over its replicas
 >>> [np.shape(leaf) for leaf in batch.batches[0].values()]
@@ -19,10 +30,11 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from replicator.errors import InputExhausted
 from replicator.runtime.distributed import progress
-from replicator.runtime.execution import place_batch
+from replicator.runtime.execution import place_batch, spans_processes
 from replicator.runtime.inputs import (
     Batch,
     BatchChecker,
@@ -34,7 +46,7 @@ from replicator.runtime.inputs import (
 )
 from replicator.runtime.retrace import NEW_INPUT_WARNING_AFTER, warn_new_input_fn
 
-__all__ = ["StepInputs", "check_prefetch"]
+__all__ = ["StepInputs", "check_max_in_flight", "check_prefetch"]
 
 
 class StepInputs:
@@ -121,8 +133,21 @@ class StepInputs:
             batch.signature = batch.leaves = batch.placed = None
 
 
-def check_prefetch(prefetch: Any) -> int:
-    """``prefetch`` if it is a non-negative int, else a ``ValueError``."""
+def check_prefetch(prefetch: Any, mesh: Mesh | None = None) -> int:
+    """``prefetch`` if it is a non-negative int, else a ``ValueError``; ``None`` (with the ``mesh``): the
+    default (module docstring)."""
+    if prefetch is None and mesh is not None:
+        prefetch = 0 if spans_processes(mesh) or mesh.devices.flat[0].platform == "cpu" else 1
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be a non-negative int (0: off), got {prefetch!r}.")
     return prefetch
+
+
+def check_max_in_flight(max_in_flight: Any, mesh: Mesh) -> int:
+    """``Replicator(max_in_flight=...)``: the steps dispatched ahead of the host, ``None``: 2 on CPU (XLA's CPU
+    backend deadlocks with many queued executions with collectives over emulated devices), else unbounded."""
+    if max_in_flight is None:
+        max_in_flight = 2 if mesh.devices.flat[0].platform == "cpu" else 0
+    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 0:
+        raise ValueError(f"max_in_flight must be a non-negative int (0: unbounded), got {max_in_flight!r}.")
+    return max_in_flight
