@@ -21,8 +21,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("replicator.pipeline",),
     ("replicator.passes",),
     ("replicator.stages",),  # pipeline parallelism: model stages (split, schedule), not the pass pipeline
-    ("replicator.tensor",),  # tensor parallelism: placements over the 'tensor' axis, the local rewrite
     ("replicator.cost",),
+    ("replicator.tensor",),  # tensor parallelism: placements over 'tensor', the rewrite, plan="auto" (cost)
     ("replicator.runtime",),
     ("replicator.tools",),
     ("replicator.launch",),  # the supervisor of a multi-process job

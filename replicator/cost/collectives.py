@@ -151,6 +151,14 @@ def collective_time(record: CollectiveRecord, topology: Topology | str, *, num_w
     )
 
 
+def tensor_sent_bytes(kind: str, nbytes: float, size: int) -> float:
+    """Bytes one device sends, by the ring algorithm, for a collective over the tensor axis of a value of
+    ``nbytes`` in all: an all-reduce 2(T-1)/T of it, a reduce-scatter, an all-gather or a ring of collective
+    matmul (T-1)/T (Megatron's count)."""
+    share = (size - 1) / size
+    return (2 * share if kind.startswith("all-reduce") else share) * nbytes
+
+
 def tensor_collective_time(kind: str, nbytes: float, size: int, topology: Topology | str) -> float:
     """Predicted seconds of one collective over the tensor axis (``T = size`` neighbours of a worker: the
     ``cores`` link) of a value of ``nbytes`` in all: ``'all-reduce'`` (also ``-max``/``-min``), ``'reduce-scatter'``

@@ -55,7 +55,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from replicator.core.graph import CollectiveRecord, TensorLayout
-from replicator.cost.collectives import Prediction
+from replicator.cost.collectives import Prediction, tensor_sent_bytes
 from replicator.cost.collectives import predict as _predict
 from replicator.cost.memory import (
     ZeroAccount,
@@ -68,7 +68,6 @@ from replicator.cost.table import format_table
 from replicator.cost.topology import Topology
 from replicator.passes.shard_optimizer import DEFAULT_MIN_TENSOR_BYTES
 from replicator.pipeline.pipeline import Lowered
-from replicator.tensor.parallelize import sent_bytes
 
 __all__ = ["CommunicationReport", "communication_report", "tensor_lines"]
 
@@ -181,14 +180,14 @@ def tensor_lines(t: TensorLayout | None, per: str = "step") -> list[str]:
             c.dtype,
             "x".join(map(str, c.shape)) or "()",
             human_bytes(c.nbytes),
-            human_bytes(sent_bytes(c, t.size)),
+            human_bytes(tensor_sent_bytes(c.kind, c.nbytes, t.size)),
             c.line,
             c.reason,
         )
         for i, c in enumerate(t.collectives)
     ]
     header = ("#", "kind", "dtype", "shape", "bytes", "sent/device", "source", "reason")
-    total = sum(sent_bytes(c, t.size) for c in t.collectives)
+    total = sum(tensor_sent_bytes(c.kind, c.nbytes, t.size) for c in t.collectives)
     return [
         f"over the tensor axis '{t.axis}' (T = {t.size}), inserted by the plan:",
         format_table(header, rows) if rows else "  none",

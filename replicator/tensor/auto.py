@@ -69,14 +69,14 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from replicator.core.jaxprs import CALL_PARAMS, iter_eqns, open_jaxpr
-from replicator.cost.collectives import tensor_collective_time
+from replicator.cost.collectives import tensor_collective_time, tensor_sent_bytes
 from replicator.cost.compute import compute_time
 from replicator.cost.topology import Topology, get_topology
 from replicator.tensor.interpret import BATCH
-from replicator.tensor.parallelize import infer_state_placements, sent_bytes
 from replicator.tensor.placement import REPLICATED, Collective, Placement, Shard, TensorPlacementError
 from replicator.tensor.plan import TensorPlan, leaf_paths
 from replicator.tensor.split_graph import split_jaxpr
+from replicator.tensor.state_placements import infer_state_placements
 
 __all__ = ["Auto", "AutoPlan", "Evaluation", "Layout", "choose_plan", "suggest_layout"]
 
@@ -341,7 +341,7 @@ class _Evaluator:
                 tuple(placements),
                 sequence_parallel,
                 None,
-                math.fsum(sent_bytes(c, self.size) for c in split.collectives),
+                math.fsum(tensor_sent_bytes(c.kind, c.nbytes, self.size) for c in split.collectives),
                 tuple(split.collectives),
                 self.state_bytes(placements),
                 comm + work,

@@ -35,56 +35,32 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from replicator.tensor.interpret import BATCH, analyze, run_step
+from replicator.cost.collectives import tensor_sent_bytes
+from replicator.tensor.auto import as_plan, resolve_plan
+from replicator.tensor.interpret import BATCH, run_step
 from replicator.tensor.placement import (
     REPLICATED,
     Collective,
     Placement,
-    Replicated,
     Shard,
     TensorContext,
     TensorPlacementError,
 )
 from replicator.tensor.plan import TensorPlan, leaf_paths
+from replicator.tensor.state_placements import infer_state_placements
 
 __all__ = ["TensorParallel", "infer_state_placements", "sent_bytes"]
 
 
 def sent_bytes(c: Collective, size: int) -> float:
-    """Bytes one device sends for ``c`` by the ring algorithm: an all-reduce 2(T-1)/T of the value,
-    a reduce-scatter or an all-gather (T-1)/T of the whole value (Megatron's count)."""
-    share = (size - 1) / size
-    return (2 * share if c.kind.startswith("all-reduce") else share) * c.nbytes
+    """Bytes one device sends for ``c`` (:func:`~replicator.cost.collectives.tensor_sent_bytes`)."""
+    return tensor_sent_bytes(c.kind, c.nbytes, size)
 
 
 def _spec(p: Placement, ndim: int, axis: str) -> PartitionSpec:
     if isinstance(p, Shard):
         return PartitionSpec(*[axis if d == p.dim else None for d in range(ndim)])
     return PartitionSpec()
-
-
-def infer_state_placements(
-    jaxpr: Any,
-    named: Sequence[Placement | None],
-    shapes: Sequence[tuple[int, ...]],
-    n_batch: int,
-    size: int,
-    sequence_dim: int | None = None,
-) -> list[Placement]:
-    """The plan's placements, and for unnamed leaves the one their update comes out in (a fixed point)."""
-    current: list[Placement] = [p if p is not None else REPLICATED for p in named]
-    names = ["the state"] * len(current) + [BATCH] * n_batch
-    for _ in range(len(current) + 1):
-        outs = analyze(jaxpr, current + [REPLICATED] * n_batch, size=size, sequence_dim=sequence_dim, in_names=names)
-        changed = False
-        for i, (p, out) in enumerate(zip(current, outs[: len(current)], strict=False)):
-            free = named[i] is None and isinstance(p, Replicated)
-            if free and isinstance(out, Shard) and shapes[i][out.dim] % size == 0:
-                current[i] = out
-                changed = True
-        if not changed:
-            return current
-    return current
 
 
 class TensorParallel:
@@ -115,8 +91,6 @@ class TensorParallel:
         self.step = step
         self.sequence_parallel = sequence_parallel
         self.collective_matmul = collective_matmul
-        from replicator.tensor.auto import as_plan  # auto builds on this module
-
         self.plan = as_plan(plan)
         self.size = size
         devices = list(devices if devices is not None else jax.devices())
@@ -182,8 +156,6 @@ class TensorParallel:
         return built
 
     def _resolve(self, closed: Any, names: list[str], n_state: int) -> tuple[Any, int | None]:
-        from replicator.tensor.auto import resolve_plan
-
         return resolve_plan(
             self.plan,
             closed,

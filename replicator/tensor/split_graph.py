@@ -44,8 +44,8 @@ from jax.extend.core import ClosedJaxpr
 
 from replicator.core.graph import StepGraph, TensorLayout
 from replicator.tensor.interpret import BATCH, run_step
-from replicator.tensor.parallelize import infer_state_placements
 from replicator.tensor.placement import REPLICATED, Placement, Shard, TensorContext, local_shape
+from replicator.tensor.state_placements import infer_state_placements
 
 __all__ = ["SplitJaxpr", "split_jaxpr", "split_step_graph"]
 
