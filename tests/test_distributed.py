@@ -439,12 +439,16 @@ class TestTwoProcesses:
             (2, ()),
             (1, ("--input-fn",)),
             (2, ("--own-step", "--zero", "2", "--host-state")),
+            (2, ("--tensor", "2", "--host-state")),
+            (4, ("--tensor", "2", "--zero", "3")),
         ],
         ids=[
             "a-stage-per-process-state-through-host",
             "a-pipeline-per-process",
             "an-input-fn-per-worker",
             "the-users-step-zero2-chunks-across-processes",
+            "a-stage-per-process-each-over-tensor-2",
+            "a-pipeline-per-process-over-tensor-2-zero3",
         ],
     )
     def test_a_pipeline_across_two_processes_equals_one_device(self, tmp_path, n_devices, cores, flags):
@@ -455,6 +459,9 @@ class TestTwoProcesses:
         # With an input_fn, each worker yields its rows and every process joins them into the global batch.
         # The user's own step under ZeRO-2 with a pipeline per process: each leaf's chunks split over the two
         # processes (D = 2), the state through the host so that every step gathers and splits them again.
+        # With the tensor axis (within a process): 2 cores per worker and T = 2 put one stage in each process,
+        # its layers split over the process's two devices; 4 cores put a pipeline of 2 stages x tensor 2 in
+        # each, a data-parallel replica of the other (ZeRO-3's chunks across the processes).
         if n_devices < 2 * cores:
             pytest.skip(f"{n_devices} devices do not make 2 workers of {cores} cores")
         proc, _ = run_job(

@@ -9,7 +9,8 @@ other. With ``--input-fn`` each worker's ``input_fn`` yields its rows of the glo
 checkpoint restores), so every step unpacks and packs the state across the processes. With ``--own-step`` the
 job runs the data-parallel step itself (``repl.run(step_fn, batch, state)``: ``value_and_grad``,
 ``rp.all_mean``, the Adam update, cut from it), and with ``--zero K`` under ZeRO-K
-(``passes=rp.Pipeline.default(zero_stage=K)``). :func:`reference` trains the same model with one-device ``jax.jit`` on the global batch.
+(``passes=rp.Pipeline.default(zero_stage=K)``); with ``--tensor T`` (the user's step) each stage's layers
+are split over ``T`` devices of a process (``w0`` and ``w2`` by columns, ``w1`` and ``w3`` by rows). :func:`reference` trains the same model with one-device ``jax.jit`` on the global batch.
 
 Each worker ``w`` writes ``DIR/w{w}_{name}.npy`` (numpy files, never pickles): the losses and the final
 parameters, read whole with ``rp.gather_outputs`` (``final_<i>``).
@@ -96,14 +97,19 @@ def main(argv=None) -> None:
     )
     p.add_argument("--own-step", action="store_true", help="repl.run of the data-parallel step, not run_pipelined")
     p.add_argument("--zero", type=int, default=0, help="ZeRO stage on each stage's data-parallel replicas")
+    p.add_argument("--tensor", type=int, default=1, help="T: each stage's layers split over T devices (own step)")
     args = p.parse_args(argv)
 
     info = distributed.initialize()
+    tensor = {}
+    if args.tensor > 1:  # Megatron's pairs: a column-split layer, then a row-split one (within each stage)
+        args.own_step = True
+        plan = {f"0/w{i}": "column" if i % 2 == 0 else "row" for i in range(LAYERS)}
+        tensor = {"tensor": args.tensor, "tensor_plan": plan}
     repl = rp.Replicator(
         info.num_workers,
         info.cores_per_worker,
-        pipeline_stages=args.stages,
-        microbatches=MICROBATCHES,
+        parallelism=rp.Parallelism(stages=args.stages, microbatches=MICROBATCHES, **tensor),
         passes=rp.Pipeline.default(zero_stage=args.zero) if args.zero else None,
         check_state_every=1,  # each stage's copies compared after every step, across the processes too
     )
@@ -127,7 +133,9 @@ def main(argv=None) -> None:
         batch = input_fn if args.input_fn else global_batch(k)
         if args.own_step:
             state, out = repl.run(step_fn, batch, state)
-            value = distributed.replica_invariant(out)["loss"]
+            # Every data replica's row, read whole (with one replica, its row lives on every device of the
+            # mesh, which replica_invariant takes for a state leaf and returns with its axis).
+            value = np.asarray(distributed.gather_outputs(out)["loss"])[0]
         else:
             state, value = repl.run_pipelined(loss, tx, batch, state)
         if args.host_state:
