@@ -64,7 +64,8 @@ class Parallelism:
         (sequence parallelism's, where the dimension gathered or scattered is a free one of the
         product), each become a ring of ``T`` partial matmuls and ``ppermute`` in the graph
         (:mod:`replicator.tensor.overlap`); ``explain`` lists them as ``ring all-gather matmul`` and
-        ``ring matmul reduce-scatter``. Not yet with ``stages``.
+        ``ring matmul reduce-scatter``. Not with ``stages``: a stage's programs run in a branch taken by
+        that stage's devices only, and a ring's ``ppermute`` there would wait for every device (a hang).
       stages: pipeline stages, cut at ``rp.stage_boundary`` markers (docs/guide/pipeline.md).
       microbatches: the micro-batches of a pipelined step (default: ``stages``).
       schedule: ``'1f1b'`` (default), ``'gpipe'`` or ``'1f1b-fused'``.

@@ -29,7 +29,6 @@ from replicator.runtime.inputs import BatchSignature
 from replicator.runtime.memory import compiled_memory
 from replicator.runtime.state import PerReplicaSignature, per_replica_graph, per_replica_specs, per_replica_step
 from replicator.runtime.state_key import StateKey, state_spec
-from replicator.tensor.placement import collective_matmul_requested
 
 __all__ = ["MAX_COMPILED_STEPS", "CompiledStep", "StepCache", "build_step"]
 
@@ -90,10 +89,7 @@ def build_step(
     traced = trace_step(per_replica_step(step_fn, flags) if any(flags) else step_fn, state_specs, batch_specs, context)
     if any(flags):
         traced = dataclasses.replace(traced, graph=per_replica_graph(traced.graph, flags, traced.static_state))
-    graph = traced.graph
-    if tensor is not None:
-        with collective_matmul_requested(tensor.collective_matmul):  # TensorContext's default while it splits
-            graph = tensor.split(graph, state_specs)
+    graph = traced.graph if tensor is None else tensor.split(traced.graph, state_specs)
     lowered = passes.run(graph, fold=fold)
     if fold.replicas_per_device > 1:
         lowered = fold_lowered(lowered, fold)

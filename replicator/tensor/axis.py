@@ -39,7 +39,7 @@ class TensorAxis:
     allow_gather: bool = False
     sequence_parallel: int | None = None
     name: str = "tensor"
-    collective_matmul: bool = False  # read where the step is split (runtime/build.py)
+    collective_matmul: bool = False
 
     def mesh(self, replicas: Mesh) -> Mesh:
         """``replicas``' ``('workers', 'cores')`` devices with each worker's cut into groups of ``size``."""
@@ -67,6 +67,7 @@ class TensorAxis:
             axis=self.name,
             allow_gather=self.allow_gather,
             sequence_parallel=sequence_parallel,
+            collective_matmul=self.collective_matmul,
         )
 
     def split(self, graph: StepGraph, state: Any) -> StepGraph:
@@ -83,6 +84,7 @@ class TensorAxis:
             axis=self.name,
             allow_gather=self.allow_gather,
             sequence_parallel=sequence_parallel,
+            collective_matmul=self.collective_matmul,
         )
 
     def resolve(self, closed: ClosedJaxpr, state: Any) -> tuple[Any, int | None]:

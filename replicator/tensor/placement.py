@@ -33,10 +33,7 @@ Promises:
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -54,7 +51,6 @@ __all__ = [
     "Shard",
     "TensorContext",
     "TensorPlacementError",
-    "collective_matmul_requested",
     "convert",
     "gather_allowed",
     "local_shape",
@@ -114,22 +110,6 @@ class Collective:
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
 
 
-#: What a :class:`TensorContext` made without ``collective_matmul=`` takes (see
-#: :func:`collective_matmul_requested`).
-_COLLECTIVE_MATMUL: contextvars.ContextVar[bool] = contextvars.ContextVar("collective_matmul", default=False)
-
-
-@contextlib.contextmanager
-def collective_matmul_requested(on: bool) -> Iterator[None]:
-    """Inside: a :class:`TensorContext` made without ``collective_matmul=`` has ``collective_matmul=on``
-    (how a Replicator's ``Parallelism(collective_matmul=True)`` reaches the split of its step)."""
-    token = _COLLECTIVE_MATMUL.set(on)
-    try:
-        yield
-    finally:
-        _COLLECTIVE_MATMUL.reset(token)
-
-
 @dataclasses.dataclass
 class TensorContext:
     """What the rewrite needs to know and what it records."""
@@ -149,7 +129,7 @@ class TensorContext:
     #: Collective matmul (:mod:`replicator.tensor.overlap`): an all-gather feeding a ``dot_general`` on a
     #: free dimension of its operand, and a reduce-scatter of a ``dot_general``'s output (its only use) on a
     #: free dimension, are each a ring of ``size`` partial matmuls and ``ppermute`` instead.
-    collective_matmul: bool = dataclasses.field(default_factory=_COLLECTIVE_MATMUL.get)
+    collective_matmul: bool = False
 
     def record(self, kind: str, x: Any, line: str, reason: str, shape: tuple[int, ...] | None = None) -> None:
         self.events.append(Collective(kind, tuple(shape or x.shape), str(x.dtype), line, reason))

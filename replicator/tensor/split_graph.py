@@ -75,6 +75,7 @@ def split_jaxpr(
     axis: str = "tensor",
     allow_gather: bool = False,
     sequence_parallel: int | None = None,
+    collective_matmul: bool = False,
 ) -> SplitJaxpr:
     """``closed(state..., batch...) -> (new_state..., outputs...)`` as one device of a tensor group of
     ``size`` runs it. ``named``: per state leaf, the plan's placement, or ``None`` to take the placement its
@@ -86,7 +87,9 @@ def split_jaxpr(
     placements = infer_state_placements(closed.jaxpr, named, shapes, n_batch, size, sequence_parallel)
     in_pl = placements + [REPLICATED] * n_batch
     out_pl = placements + [REPLICATED] * (len(outvars) - num_state)
-    ctx = TensorContext(axis, size, allow_gather=allow_gather, sequence_dim=sequence_parallel)
+    ctx = TensorContext(
+        axis, size, allow_gather=allow_gather, sequence_dim=sequence_parallel, collective_matmul=collective_matmul
+    )
 
     def one_device(*args: jax.Array) -> list[jax.Array]:
         return run_step(ctx, closed, args, in_pl, out_pl, list(names))
@@ -107,11 +110,12 @@ def split_step_graph(
     axis: str = "tensor",
     allow_gather: bool = False,
     sequence_parallel: int | None = None,
+    collective_matmul: bool = False,
 ) -> StepGraph:
     """``graph`` as one device of a tensor group of ``size`` runs it (:func:`split_jaxpr` of its jaxpr).
 
     ``named``: per state leaf, the plan's placement, or ``None`` (see :func:`split_jaxpr`).
-    ``sequence_parallel``: as for :class:`~replicator.tensor.TensorParallel`.
+    ``sequence_parallel``, ``collective_matmul``: as for :class:`~replicator.tensor.TensorParallel`.
     """
     names = list(graph.state_paths) + [BATCH] * graph.num_batch
     split = split_jaxpr(
@@ -123,5 +127,6 @@ def split_step_graph(
         axis=axis,
         allow_gather=allow_gather,
         sequence_parallel=sequence_parallel,
+        collective_matmul=collective_matmul,
     )
     return dataclasses.replace(graph, jaxpr=split.jaxpr, tensor=split.layout(axis, size))
