@@ -291,3 +291,20 @@ def test_no_weight_is_gathered_over_the_tensor_axis_in_the_compiled_step(zero):
         for group in re.findall(r"\{([\d,]+)\}", explicit[1]):
             ids = {int(i) for i in group.split(",")}
             assert not any(len(ids & pair) > 1 for pair in pairs), (line, pairs)
+
+
+def test_plan_auto_on_a_pipeline_chooses_on_the_traced_step_and_equals_one_device():
+    """``tensor_plan="auto"`` with stages: the plan is chosen on the per-replica step (before the stage cut);
+    under a budget below the whole state it splits the MLPs' matrices, and the pipeline equals one device."""
+    state = _state()
+    whole = sum(x.nbytes for x in jax.tree.leaves(state))
+    parallelism = rp.Parallelism(
+        tensor=2, tensor_plan="auto", memory_budget=whole * 3 // 4, stages=2, microbatches=4, schedule="1f1b"
+    )
+    repl = rp.Replicator(1, 8, parallelism=parallelism)
+    batches = _batches(8)
+    got, _ = _train(repl, batches, state)
+    _close(got, _reference(batches, _state())[0])
+    built = repl.pipelined.user_step(_step, batches[0], _state())
+    split = [p for p in built.tensor_split.placements if isinstance(p, Shard)]
+    assert split, "a budget below the whole state needs some leaf split"
