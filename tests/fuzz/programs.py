@@ -404,7 +404,8 @@ def block(spec: Spec, p: dict, s: jax.Array) -> jax.Array:
     * ``heads``: the hidden dimension reshaped into heads (split, a column-split ``w`` splits the heads), an
       attention over the sequence per head (a softmax over it), merged back;
     * ``dot``: a ``dot_general`` of the activation with its sine, contracting and batching random dimensions;
-    * ``reduce``: a sum, max or min over the sequence or the hidden dimension, subtracted back;
+    * ``reduce``: a sum, max or min subtracted back, over the hidden dimension of the activation (split by a
+      column-split ``w``) or over the sequence of the residual sum (split there with sequence parallelism);
     * ``scan``: a ``lax.scan`` over the sequence with a (rows, hidden) carry.
 
     With sequence parallelism (dimension 1) the residual's partial sum is reduce-scattered on the sequence and
@@ -420,10 +421,8 @@ def block(spec: Spec, p: dict, s: jax.Array) -> jax.Array:
         contracting, batch = spec.dot
         g = lax.dot_general(h, jnp.sin(h), ((contracting, contracting), (batch, batch)))
         extra = extra + 0.1 * jnp.mean(jnp.tanh(g))
-    if "reduce" in spec.forms:
-        op, dim = spec.reduce
-        r = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}[op](h, axis=dim, keepdims=True)
-        h = h - 0.5 * (r / h.shape[dim] if op == "sum" else r)
+    if "reduce" in spec.forms and spec.reduce[1] == 2:
+        h = _reduced(spec.reduce[0], h, 2)
     if "scan" in spec.forms:
 
         def cell(c, x):
@@ -433,8 +432,16 @@ def block(spec: Spec, p: dict, s: jax.Array) -> jax.Array:
         _, hs = lax.scan(cell, jnp.zeros_like(h[:, 0]), jnp.swapaxes(h, 0, 1))
         h = jnp.swapaxes(hs, 0, 1)
     o = s + h @ p["v"]  # a row-parallel product's partial sum, added to the input: summed (or reduce-scattered)
+    if "reduce" in spec.forms and spec.reduce[1] == 1:
+        o = _reduced(spec.reduce[0], o, 1)
     o = o - jnp.mean(o, axis=-1, keepdims=True)
     return 0.1 * jnp.mean(jnp.tanh(o @ p["w"]) ** 2) + extra
+
+
+def _reduced(op: str, x: jax.Array, dim: int) -> jax.Array:
+    """``x`` less half its sum (as a mean), max or min over ``dim``."""
+    r = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}[op](x, axis=dim, keepdims=True)
+    return x - 0.5 * (r / x.shape[dim] if op == "sum" else r)
 
 
 def make_step(spec: Spec, K: Any) -> Callable:
