@@ -459,12 +459,16 @@ class PipelinedStep:
             """The sliced leaves among a store's (only the whole rows: a sliced leaf is never chunked)."""
             return {i: p for i, p in self.slices.leaves.items() if any(i in lay for lay in layout)}
 
-        self._tensor_rows = None
+        # With a tensor axis TensorRows packs and reads the rows (its own packers on the T sub-meshes).
+        self._tensor_rows, self._packers, self._unpackers = None, [], []
         if self.tensor_split is not None:
             self._tensor_rows = TensorRows(self._stores, mesh, self.tensor_split.placements, owners, pieces)
             self.row_spec = row_spec = self._tensor_rows.specs
-        self._packers = [RowPacker(p, lay, mesh, spec, pieces=pieces(lay)) for p, lay, spec in self._stores]
-        self._unpackers = [(list(p.buffers()), RowUnpacker(p, lay, owners, pieces(lay))) for p, lay, _ in self._stores]
+        else:
+            self._packers = [RowPacker(p, lay, mesh, spec, pieces=pieces(lay)) for p, lay, spec in self._stores]
+            self._unpackers = [
+                (list(p.buffers()), RowUnpacker(p, lay, owners, pieces(lay))) for p, lay, _ in self._stores
+            ]
         self._last = LastRows()
         self.step = jax.jit(
             jax.shard_map(

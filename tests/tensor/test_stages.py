@@ -18,6 +18,7 @@ import pytest
 import replicator as rp
 from replicator.stages.tensor_rows import TensorRows, with_tensor
 from replicator.tensor.placement import Shard
+from tests.tensor.test_replicator import _batches, _close
 
 PLAN = {"*/fc1": "column", "*/b1": 0, "*/fc2": "row", "*/fc3": "column", "*/fc4": "row"}
 TX = optax.adam(1e-2)
@@ -57,22 +58,6 @@ def _state(seed=0):
         "out": jax.random.normal(k[5], (8, 3)) / 3,
     }
     return p, TX.init(p)
-
-
-def _batches(rows, n=2, seed=1):
-    k = jax.random.split(jax.random.key(seed), 2 * n)
-    return [
-        {"x": jax.random.normal(k[2 * i], (rows, 6)), "y": jax.random.normal(k[2 * i + 1], (rows, 3))} for i in range(n)
-    ]
-
-
-def _close(got, want, tol=1e-5):
-    flat = jax.tree_util.tree_flatten_with_path(want)[0]
-    for (path, b), a in zip(flat, jax.tree.leaves(got), strict=True):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        assert a.shape == b.shape, jax.tree_util.keystr(path)
-        scale = max(1.0, float(np.max(np.abs(b)))) if b.size else 1.0
-        assert float(np.max(np.abs(a - b))) <= tol * scale, jax.tree_util.keystr(path)
 
 
 def _train(repl, batches, state):
