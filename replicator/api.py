@@ -308,13 +308,14 @@ class Replicator:
     def run_pipelined(self, loss_fn: Callable, optimizer: Any, batch: PyTree, state: tuple) -> tuple:
         """One training step of ``loss_fn`` cut into ``pipeline_stages`` stages (the constructor's option).
 
-        A narrower entry point than :meth:`run`: the loss and the optax optimizer are given apart, and the
-        compiler averages the gradients over the data-parallel replicas (what ``rp.all_mean(grads)`` does in a
-        data-parallel step) before each stage updates its own parameters. Guide: docs/guide/pipeline.md.
+        A narrower entry point than :meth:`run`: the loss and the optax optimizer are given apart, and the step
+        run is the one a data-parallel user writes from them (``jax.value_and_grad``, ``rp.all_mean`` of the
+        gradients, the optimizer's update), built as :meth:`run` builds the user's own step (with the tensor
+        axis too). Guide: docs/guide/pipeline.md.
 
         Args:
           loss_fn: ``loss_fn(params, *batch) -> scalar``, a mean over its rows, marked with ``rp.stage_boundary``.
-          optimizer: an elementwise optax transformation (Adam, SGD, ...).
+          optimizer: an optax transformation (a global-norm clip reads every stage's gradients).
           batch: the global batch (a tuple of arrays, or one array): ``B`` rows, ``B`` divisible by
             ``microbatches x`` the data-parallel replicas.
           state: ``(params, opt_state)`` with their global shapes.

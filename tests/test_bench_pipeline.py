@@ -62,13 +62,14 @@ def test_quick_run_writes_every_table_and_state_splits_over_stages(tmp_path):
     # --quick: 4 layers of a 32x32 weight and a 32 bias, float32; Adam keeps two moments and a step count.
     params = 4 * (32 * 32 + 32) * 4
     adam = 2 * params + 4
-    assert f"| replicated | - | - | {params} | {adam} | 1.00 |" in text
+    assert f"| replicated | - | - | {params + adam} | 1.00 |" in text
     for stages in (1, 2, 4):  # each stage keeps 4 / S layers and their moments; the count on every device
         d = 4 // stages
-        per_params, per_adam = params // stages, 2 * params // stages + 4
-        line = f"| {stages} | {d} | 0 | {per_params} | {per_adam} |"
+        state = params // stages + 2 * params // stages + 4
+        line = f"| {stages} | {d} | 0 | {state} | {state / (params + adam):.2f} | {state} |"
         assert line in text, line
         if d > 1:  # ZeRO over the stage's D replicas: 1 the moments, 3 the parameters too, 1/D per device
-            for zero, row in ((1, per_params), (3, per_params // d)):
-                line = f"| {stages} | {d} | {zero} | {row} | {2 * params // stages // d + 4} |"
+            for zero, row in ((1, params // stages), (3, params // stages // d)):
+                state = row + 2 * params // stages // d + 4
+                line = f"| {stages} | {d} | {zero} | {state} | {state / (params + adam):.2f} | {state} |"
                 assert line in text, line

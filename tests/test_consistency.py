@@ -126,7 +126,7 @@ def test_a_pipeline_stage_whose_replica_drifted_is_named(entry):
     last = (
         built._last
         if built is not None
-        else repl.pipelined.step_for(four_stages_tied, opt).built(*(state[0],), *batch).last
+        else repl.pipelined.step_for(four_stages_tied, opt).built(*(state[0],), *batch)._last
     )
     odd = repl.pipelined.mesh.devices[2].flat[1].id
     last._rows = _drift(last.rows, odd)

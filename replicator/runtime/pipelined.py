@@ -60,7 +60,7 @@ def gathered_in_worker_order(local: PyTree, workers: list[int]) -> PyTree:
 
 def zero_stage_of(passes: Pipeline | None) -> int:
     """The ZeRO stage a pipelined Replicator takes from ``passes=``: ``k`` of ``rp.Pipeline.default(zero_stage=k)``
-    (ZeRO on each pipeline stage's data-parallel replicas, :func:`~replicator.stages.train.pipeline_train_step`).
+    (ZeRO on each pipeline stage's data-parallel replicas, :mod:`~replicator.stages.chunks`).
     Any other pass pipeline is refused: a pipelined step runs the schedule's loop, not the passes. The threshold
     ``shard_optimizer_min_bytes`` is taken and has nothing to do: a stage's leaves are packed into one row, cut
     in ``D`` chunks whole."""

@@ -15,10 +15,12 @@ the cost model and the runtime. Modules, each testable on its own:
   tables), their bubble and per-stage live activations;
 * :mod:`replicator.stages.lower`: any table run as one loop of ticks over S
   devices (``shard_map`` + ``lax.switch`` + ``ppermute``), a value and gradient;
-* :mod:`replicator.stages.train`: a whole training step (the loop, then each
-  stage's optax update), parameters and optimizer state kept per stage;
+* :mod:`replicator.stages.train`: a loss and an optax optimizer as the step a
+  data-parallel user writes, built as the user's own step (below);
 * :mod:`replicator.stages.user_step`: the user's own step (``Replicator.run`` of a pipelined
-  ``Replicator``), its update phase cut from it and run per stage;
+  ``Replicator``), its update phase cut from it and run per stage: the one build
+  of a pipelined step (:mod:`replicator.stages.data_replicas`: its batch shares,
+  folding and ZeRO level checked);
 * :mod:`replicator.stages.replicas`: data-parallel replicas of the pipeline
   (the ``('stages', 'workers', 'cores')`` mesh), the ``Replicator`` option and
   the description of a pipelined step;

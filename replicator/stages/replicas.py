@@ -40,19 +40,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from replicator.core.graph import TensorLayout
+from replicator.stages.data_replicas import check_fold_axes, check_zero_stage
 from replicator.stages.lower import STAGE_AXIS, ring_slots
+from replicator.stages.programs import DATA_AXES
 from replicator.stages.schedule import SCHEDULES as schedule_tables
 from replicator.stages.schedule import schedule_stats, table_span
 from replicator.stages.split import BACKWARD, FORWARD
 from replicator.stages.stash import stash_plan
-from replicator.stages.train import (
-    DATA_AXES,
-    PipelineTrainStep,
-    _Built,
-    _micro_batches,
-    check_fold_axes,
-    check_zero_stage,
-)
+from replicator.stages.train import PipelineTrainStep
 from replicator.stages.user_step import PipelinedStep
 
 __all__ = [
@@ -343,57 +338,16 @@ def describe(
     stage_cost: Callable[[Sequence[JaxprEqn]], float] | None = None,
     memory: bool = False,
 ) -> PipelineReport:
-    """What ``step`` runs on these shapes (traced and split, not run).
+    """What ``step`` (a loss and an optimizer, :func:`~replicator.stages.train.pipeline_train_step`) runs on these
+    shapes, traced and split, not run: :func:`describe_user_step` of the step it builds.
 
     Args:
-      step: a pipelined training step; params, batch: as for the step (arrays or ``jax.ShapeDtypeStruct``).
+      step: a pipelined training step; params, batch: as for the step (arrays).
       stage_cost: seconds for a list of equations (the cost model's, :mod:`replicator.cost.compute`; this layer
         sits below it, so the caller passes it); ``None``: no compute column.
       memory: also compile the step and report XLA's memory analysis per device (:class:`DeviceMemory`).
     """
-    b: _Built = step.built(params, *batch)
-    table = b.table
-    stats = schedule_stats(table)
-    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    split = step.data_devices if b.zero_stage else 1  # ZeRO: a device holds 1/D of its stage's row (D devices)
-    row = b.packing.nbytes
-    row //= split if b.zero_stage >= 3 else 1
-    packed = jax.eval_shape(lambda: b.packing.zeros((b.stages,)))
-    state = jax.eval_shape(step.optimizer.init, packed)
-    packed_def = jax.tree.structure(packed)
-
-    def per_device(sub: Any) -> int:
-        if jax.tree.structure(sub) == packed_def:
-            return sum(_nbytes(x) for x in jax.tree.leaves(sub)) // (b.stages * split)
-        return sum(_nbytes(x) for x in jax.tree.leaves(sub))
-
-    optimizer_bytes = sum(
-        per_device(sub) for sub in jax.tree.leaves(state, is_leaf=lambda x: jax.tree.structure(x) == packed_def)
-    )
-    device_memory = None
-    if memory:
-        micro = jax.eval_shape(lambda *xs: _micro_batches(xs, table.num_microbatches, step.data_replicas), *batch)
-        device_memory = compiled_memory(
-            b.step,
-            _placed(packed, b.mesh, b.params_spec),
-            _placed(state, b.mesh, b.state_specs),
-            _placed(micro, b.mesh, [P(DATA_AXES)] * len(micro)),
-        )
-    return PipelineReport(
-        schedule=table,
-        stages=b.stages,
-        microbatches=table.num_microbatches,
-        replicas=step.data_replicas,
-        ticks=stats.ticks,
-        bubble=float(stats.bubble),
-        row_bytes=int(row),
-        optimizer_bytes=int(optimizer_bytes),
-        stash_slots=ring_slots(table)["stash"],
-        per_stage=_stage_reports(b.split, b.programs, b.layout, b.kept_aval, paths, stats.peak_live, stage_cost),
-        device_memory=device_memory,
-        zero_stage=b.zero_stage,
-        replicas_per_device=step.data_replicas // step.data_devices,
-    )
+    return describe_user_step(step.built(params, *batch), batch, stage_cost=stage_cost, memory=memory)
 
 
 def describe_user_step(
@@ -499,13 +453,6 @@ class PipelinedReplicas:
 
     def step_for(self, loss_fn: Callable, optimizer: optax.GradientTransformation) -> PipelineTrainStep:
         """The pipelined training step of ``loss_fn`` with ``optimizer`` on this mesh (built once)."""
-        if self.tensor is not None:
-            raise ValueError(
-                f"run_pipelined (a loss and an optimizer) does not take the tensor axis (tensor={self.tensor.size}) "
-                "yet.\nFix: write the step (its gradient, rp.all_mean of it, the optimizer's update) and call "
-                "Replicator.run(step_fn, batch, state): the pipeline cuts it at its rp.stage_boundary markers and "
-                "splits it over the tensor axis."
-            )
         key = (id(loss_fn), id(optimizer))
         if key not in self._steps:  # the functions are kept alive with their step, so ids stay theirs
             step = PipelineTrainStep(
@@ -518,6 +465,7 @@ class PipelinedReplicas:
                 recompute=self.recompute,
                 zero_stage=self.zero_stage,
                 fold_axes=self.fold_axes,
+                tensor=self.tensor,
             )
             self._steps[key] = (loss_fn, optimizer, step)
         return self._steps[key][2]

@@ -31,11 +31,10 @@ optimizer's moments), floating point with an axis, unless the update reads them 
 Adam's count, stay whole); the new parameters are computed on chunks and all-gathered. Stage 2 also
 reduce-scatters the averaged gradients (``rp.all_mean`` of a value of the forward and backward becomes
 ``psum_scatter / D``). Stage 3 also stores the parameters in chunks, all-gathered once at the start of the step
-for the tick loop (the step's peak holds the stage's whole parameters, as :mod:`~replicator.stages.train`'s
-stage 3).
+for the tick loop (the step's peak holds the stage's whole parameters: a first increment).
 
 With ``replicas_per_device=k`` each device of a stage runs its ``k`` replicas' loop under ``jax.vmap``
-(:func:`~replicator.stages.train.fold_map`). The state's update runs once per device, on the loop's outputs
+(:func:`~replicator.stages.data_replicas.fold_map`). The state's update runs once per device, on the loop's outputs
 averaged over the ``k``: it reads them through ``rp.all_mean`` only, the mean over every logical replica,
 which is the mean over the device's ``k`` and then over the devices. Its own collectives must then be equal
 over the ``k`` (means, maxima, minima); an update with an ``rp.all_sum`` or an ``rp.replica_id`` runs vmapped
@@ -79,6 +78,16 @@ from replicator.core.context import ReplicaContext, replica_context
 from replicator.core.jaxprs import iter_eqns, sub_jaxprs
 from replicator.core.primitives import PLACEHOLDERS, all_reduce_p
 from replicator.stages.chunks import ChunkPacking, Chunks, chunkable, plan, run_chunked
+from replicator.stages.data_replicas import (
+    check_fold_axes,
+    check_zero_stage,
+    fold_map,
+    fold_mean,
+    logical_data_shape,
+    micro_batches,
+    over_fold,
+    user_stacklevel,
+)
 from replicator.stages.lower import STAGE_AXIS, OutputLayout, _shapes, tick_loop
 from replicator.stages.packing import Packing, RowReader
 from replicator.stages.programs import DATA_AXES, check_collectives, stage_programs
@@ -88,16 +97,6 @@ from replicator.stages.schedule import make_schedule
 from replicator.stages.split import UPDATE, StageSplitError, split_stages
 from replicator.stages.stack_update import SlicePlan, plan_slices
 from replicator.stages.tensor_rows import TensorRows
-from replicator.stages.train import (
-    _micro_batches,
-    _user_stacklevel,
-    check_fold_axes,
-    check_zero_stage,
-    fold_map,
-    fold_mean,
-    logical_data_shape,
-    over_fold,
-)
 
 __all__ = ["PipelinedStep"]
 
@@ -120,6 +119,15 @@ def _once_per_device(eqns: Sequence[JaxprEqn]) -> bool:
         or (eqn.primitive is all_reduce_p and eqn.params.get("op") in ("mean", "max", "min"))
         for eqn in every
     )
+
+
+def _reached(eqns: Sequence[JaxprEqn], sources: Sequence[Any]) -> set[Var]:
+    """The variables computed from ``sources`` (and those themselves)."""
+    reached = {v for v in sources if isinstance(v, Var)}
+    for eqn in eqns:
+        if any(isinstance(v, Var) and v in reached for v in eqn.invars):
+            reached.update(v for v in eqn.outvars if isinstance(v, Var))
+    return reached
 
 
 def _prune(eqns: Sequence[JaxprEqn], wanted: Sequence[Any]) -> tuple[list[JaxprEqn], set[Var]]:
@@ -165,7 +173,7 @@ class PipelinedStep:
             raise TypeError(
                 f"a pipelined Replicator.run needs a state (the parameters and optimizer state); {SUPPORTED}."
             )
-        self.micro_leaves = lambda b: _micro_batches(tuple(jax.tree.leaves(b)), microbatches, replicas)
+        self.micro_leaves = lambda b: micro_batches(tuple(jax.tree.leaves(b)), microbatches, replicas)
         micro = self.micro_leaves(batch)
         state_def = self.state_def
 
@@ -200,7 +208,7 @@ class PipelinedStep:
         if mesh.shape[STAGE_AXIS] != stages:
             raise StageSplitError(
                 f"the step has {stages} stages (its rp.stage_boundary markers cut it {stages - 1} times) but the "
-                f"Replicator asks for pipeline_stages={mesh.shape[STAGE_AXIS]}; mark "
+                f"pipeline has {mesh.shape[STAGE_AXIS]} (rp.Parallelism(stages=...), or the devices given); mark "
                 f"{mesh.shape[STAGE_AXIS] - 1} boundaries or ask for {stages} stages."
             )
         if microbatches < stages:
@@ -208,14 +216,17 @@ class PipelinedStep:
                 f"microbatches={microbatches} < {stages} stages: most of the step is bubble (idle fraction "
                 f"{(stages - 1) / (microbatches + stages - 1):.2f} = (S-1)/(M+S-1)).",
                 UserWarning,
-                stacklevel=_user_stacklevel(),
+                stacklevel=user_stacklevel(),
             )
 
-        # The cut: values of the micro-batch part read by the update or returned.
+        # The cut: values of the micro-batch part read by the update or returned. That part is what the forward
+        # and backward place on a stage, and what they compute from the batch: with one stage (no marker, a
+        # gradient accumulation) nothing is placed, every equation is free.
+        from_batch = _reached(flat.eqns, flat.invars[n:])
         late = {
             v
             for i, eqn in enumerate(flat.eqns)
-            if whole.phases[i] != UPDATE and not whole.free[i]
+            if whole.phases[i] != UPDATE and (not whole.free[i] or any(o in from_batch for o in eqn.outvars))
             for v in eqn.outvars
             if isinstance(v, Var)
         }

@@ -81,8 +81,10 @@ def test_stage_state_lives_on_its_replicas_only():
     repl = rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=4, microbatches=4)
     train = repl.pipelined.step_for(four_stages_tied, opt)
     train.built(p, ids, y)
-    packed, packed_state = train.pack(p, opt.init(p))
-    assert list(packed) == ["float32", "slot0"]  # the row, and `extra` (kept by every stage) in a slot
+    packed = train.pack(p, opt.init(p))
+    # The row (a stage's leaves and their moments); `extra` (kept by every stage), its moments and Adam's count
+    # in slots.
+    assert list(packed) == ["float32", "slot0", "slot1", "slot2", "slot3"]
     mesh = repl.pipelined.mesh
     assert dict(mesh.shape) == {"stages": 4, "workers": 1, "cores": 2}
     for buffer in packed.values():
@@ -93,8 +95,6 @@ def test_stage_state_lives_on_its_replicas_only():
             # The D replicas of a stage hold the same row: stage `stage`'s, and only it.
             np.testing.assert_array_equal(shards[devices[0]], shards[devices[1]])
             np.testing.assert_array_equal(shards[devices[0]][0], np.asarray(buffer[stage]))
-    mu = packed_state[0].mu["float32"]
-    assert mu.sharding.spec == jax.sharding.PartitionSpec("stages") and mu.addressable_shards[0].data.shape[0] == 1
 
 
 def test_pipeline_mesh_layout():
@@ -123,7 +123,7 @@ def test_fewer_microbatches_than_stages_warns():
     p, (ids, y) = _params_for(four_stages_tied), global_batch()
     opt = optax.sgd(0.1)
     repl = rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=4, microbatches=2)
-    with pytest.warns(UserWarning, match=r"num_microbatches=2 < 4 stages: most of the step is bubble .*0\.60") as got:
+    with pytest.warns(UserWarning, match=r"microbatches=2 < 4 stages: most of the step is bubble .*0\.60") as got:
         repl.describe_pipeline(four_stages_tied, opt, (ids, y), (p, opt.init(p)))
     assert got[0].filename == __file__  # the user's line, not replicator's
 
@@ -147,7 +147,7 @@ def test_stage_count_must_match_the_markers():
     p, (ids, y) = _params_for(two_stages), global_batch()
     opt = optax.sgd(0.1)
     repl = rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=4, microbatches=4)
-    with pytest.raises(StageSplitError, match=r"the loss has 2 stages .* but the mesh has 4"):
+    with pytest.raises(StageSplitError, match=r"the step has 2 stages .* but the pipeline has 4"):
         repl.run_pipelined(two_stages, opt, (ids, y), (p, opt.init(p)))
 
 
@@ -165,10 +165,10 @@ def test_describe_pipeline():
     assert (report.stages, report.microbatches, report.replicas, report.ticks) == (4, 8, 2, 22)
     assert abs(report.bubble - 3 / 11) < 1e-12
     assert [r.peak_live for r in report.per_stage] == [4, 3, 2, 1] and report.stash_slots == 4
-    # Parameters: the embedding (10 x 8) on stages 0 and 3, w1 (8 x 8) on 1 and 2; `extra` (3) everywhere.
-    assert [r.parameter_bytes for r in report.per_stage] == [4 * 83, 4 * 67, 4 * 67, 4 * 83]
-    assert report.row_bytes == 4 * 83
-    assert report.optimizer_bytes == 2 * 4 * 83 + 4  # Adam's mu and nu rows, its int32 count
+    # Parameters: the embedding (10 x 8) on stages 0 and 3, w1 (8 x 8) on 1 and 2; `extra` (3) everywhere; each
+    # with Adam's two moments; Adam's int32 count everywhere.
+    assert [r.parameter_bytes for r in report.per_stage] == [3 * 4 * 83 + 4, 3 * 4 * 67 + 4, 3 * 4 * 67 + 4, 1000]
+    assert report.row_bytes == 3 * 4 * 83 + 4 and report.optimizer_bytes is None  # the row holds the whole state
     # Compute: stage 0 is a gather; stages 1-2 matrix products of (2, 8) x (8, 8); stage 3 the head's.
     compute = [r.compute_s for r in report.per_stage]
     assert all(c > 0 for c in compute) and compute[0] < min(compute[1:])
@@ -342,8 +342,9 @@ def test_describe_pipeline_measures_the_compiled_steps_memory():
 
 def test_only_shared_outputs_cross_stages():
     """Gradients of leaves one stage keeps accumulate on that stage: the only psum over 'stages' after the tick
-    loop is of the loss and the gradients two stages share (here `extra`, which every stage keeps, no tied
-    leaf), not of the whole model's gradient."""
+    loop is of the loss and the gradients two stages share, not of the whole model's gradient. Here only the
+    loss: `extra`, which every stage keeps and the loss does not read, has a zero gradient each stage's update
+    computes itself."""
     from replicator.core.jaxprs import iter_eqns
 
     p, (ids, y) = _params_for(two_stages), global_batch()
@@ -351,16 +352,11 @@ def test_only_shared_outputs_cross_stages():
     repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2, microbatches=2)
     step = repl.pipelined.step_for(two_stages, opt)
     built = step.built(p, ids, y)
-    layout = built.outputs
-    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(p)[0]]
-    assert [paths[i - 1] if i else "loss" for i in layout.shared] == ["loss", "['extra']"]
-    assert sorted(paths[i - 1] for s in (0, 1) for i in layout.own[s]) == ["['emb']", "['head']", "['w1']"]
-    packed, state = step.pack(p, opt.init(p))
-    micro = [x.reshape(2, 2, -1, *x.shape[1:]) for x in (ids, y)]
-    jaxpr = jax.make_jaxpr(built.step)(packed, state, micro)
+    assert len(built.outputs_layout.shared) == 1  # of the step's cut values: the loss (`extra`'s gradient is 0)
+    jaxpr = jax.make_jaxpr(built.step)(step.pack(p, opt.init(p)), built.micro_leaves((ids, y)))
     crossing = [e for e in iter_eqns(jaxpr.jaxpr) if e.primitive.name == "psum" and "stages" in e.params["axes"]]
     sizes = sorted(int(np.prod(v.aval.shape)) for e in crossing for v in e.invars)
-    assert sizes == [1, 3], sizes  # the loss and `extra`; was every gradient (emb, w1, head, extra)
+    assert sizes == [1], sizes  # the loss; was every gradient (emb, w1, head, extra), then the loss and `extra`
 
 
 def test_run_counts_each_pipelined_compilation_in_trace_count():

@@ -38,6 +38,11 @@ def _pieces(stages: int) -> tuple[tuple[int, int, int], ...]:
     return tuple((s, s * chunk, (s + 1) * chunk) for s in range(stages))
 
 
+def _sliced_parameters(built, p) -> list[int]:
+    """The parameter leaves each stage keeps only its slice of (their moments follow them)."""
+    return sorted(i for i in built.slices.leaves if i < len(jax.tree.leaves(p)))
+
+
 def stack_loss(p, x, y):
     """Only the stack (balanced stages): every parameter is a slice of it."""
     h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["stack"])
@@ -104,7 +109,7 @@ def test_overlapping_or_non_leading_axis_slices_stay_tied(loss):
     train = pipeline_train_step(loss, opt, num_microbatches=2, devices=jax.devices()[:2])
     got_p, state, _ = _train(train, opt, p, x, y)
     assert train.held(p)["stack"] == (0, 1)
-    assert train.built(p, x, y).partitions == {}  # each stage keeps the whole leaf
+    assert train.built(p, x, y).slices.leaves == {}  # each stage keeps the whole leaf
     _assert_like_one_device(got_p, state, loss, opt, p, x, y)
 
 
@@ -142,7 +147,7 @@ def test_pipeline_train_step_of_a_partitioned_stack_matches_one_device(model, st
         recompute=recompute,
     )
     got_p, state, values = _train(train, opt, p, x, y)
-    assert len(train.built(p, x, y).partitions) == (1 if model == "lax.scan" else 2)
+    assert len(_sliced_parameters(train.built(p, x, y), p)) == (1 if model == "lax.scan" else 2)
     assert jax.tree.map(np.shape, got_p) == jax.tree.map(np.shape, p)  # the whole stack, joined back
     _assert_like_one_device(got_p, state, loss, opt, p, x, y, values=values)
 
@@ -162,7 +167,7 @@ def test_run_pipelined_of_an_unmarked_stack_matches_one_device(model, stages, sc
         state, value = repl.run_pipelined(loss, opt, (x, y), state)
         values.append(value)
     built = repl.pipelined.step_for(loss, opt).built(p, x, y)
-    assert len(built.partitions) == (1 if model == "lax.scan" else 2)
+    assert len(_sliced_parameters(built, p)) == (1 if model == "lax.scan" else 2)
     _assert_like_one_device(*state, loss, opt, p, x, y, values=values)
 
 
@@ -184,20 +189,21 @@ def test_each_stage_row_holds_its_slice_of_the_stack(stages):
     opt = optax.adam(1e-2)
     train = pipeline_train_step(split_scan(plain_loss, stages), opt, num_microbatches=4, devices=jax.devices()[:stages])
     built = train.built(p, x, y)
-    layer = DIM * DIM
-    per_stage = [(LAYERS // stages) * layer + (layer if s == stages - 1 else 0) for s in range(stages)]  # + the head
+    layer, piece = DIM * DIM, (LAYERS // stages) * DIM * DIM
+    # Each stage keeps its slice of the stack and of its two Adam moments, and Adam's count; the last stage also
+    # the head and its moments.
+    per_stage = [3 * piece + 1 + (3 * layer if s == stages - 1 else 0) for s in range(stages)]
     assert [sum(int(np.prod(a.shape)) for a in lay) for lay in built.packing.layouts] == per_stage
-    # Each stage's slice of the stack lines up with the others' (a slot, a buffer of its own); the head is in
-    # the last stage's row, the others' rows padding: per device, the largest stage's bytes.
-    buffers = {"float32": layer, "slot0": (LAYERS // stages) * layer}
+    # Each stage's slice of the stack lines up with the others' (a slot, a buffer of its own; one for each
+    # moment's slice too); the head and its moments are in the last stage's row, the others' rows padding.
+    buffers = {"float32": 3 * layer, "slot0": piece, "slot1": piece, "slot2": piece, "slot3": 1}
     assert {k: n for k, (_, n) in built.packing.buffers().items()} == buffers
     assert sum(buffers.values()) == max(per_stage)
-    packed, packed_state = train.pack(p, opt.init(p))
+    rows = train.pack(p, opt.init(p))
     for _ in range(STEPS):  # what the step returns is stored the same way
-        packed, packed_state, _ = train.step(p, packed, packed_state, x, y)
-    for rows in (packed, packed_state[0].mu, packed_state[0].nu):
-        assert _shard_shapes(rows) == {k: (1, n) for k, n in buffers.items()}
-    got_p, got_state = train.unpack(p, packed, packed_state)
+        rows, _ = train.step(p, rows, x, y)
+    assert _shard_shapes(rows) == {k: (1, n) for k, n in buffers.items()}
+    got_p, got_state = train.unpack(p, rows)
     assert got_p["stack"].shape == (LAYERS, DIM, DIM)
     want_p, want_state, _ = _reference(plain_loss, opt, p, x, y)
     _assert_close(got_p, want_p)
@@ -212,18 +218,20 @@ def test_a_partitioned_gradient_is_each_stages_own_never_summed_across_stages(st
     )
     built = train.built({"stack": p["stack"]}, x, y)
     chunk = (LAYERS // stages, DIM, DIM)
-    assert built.outputs.shared == [0]  # only the loss is summed over the stages
-    assert built.outputs.own == [[1]] * stages  # the stack's gradient: each stage's slice, on that stage
-    assert [prog.sliced[1].shape for prog in built.programs] == [chunk] * stages
+    outputs = built.outputs_layout  # of the cut values: the stack's gradient and the loss
+    (loss,) = outputs.shared  # only the loss is summed over the stages
+    (grad,) = outputs.own[0]
+    assert outputs.own == [[grad]] * stages and grad != loss  # the stack's gradient: each stage's slice, its own
+    assert [prog.sliced[grad].shape for prog in built.programs] == [chunk] * stages
     # It accumulates with the slice's aval: in one slot (every stage has one such gradient), not the whole stack.
-    assert [a.shape for a in built.outputs.slots.avals] == [chunk]
-    assert built.outputs.slots.of == [{0: 0}] * stages
+    assert [a.shape for a in outputs.slots.avals] == [chunk]
+    assert outputs.slots.of == [{grad: 0}] * stages
 
 
 @pytest.mark.parametrize("stages, zero_stage", [(2, 0), (4, 0), (2, 1), (4, 3)])
 def test_balanced_stages_keep_one_over_s_of_the_parameters_and_optimizer_state(stages, zero_stage):
     """The issue's goal: per device parameter and optimizer bytes <= 1.1 / S of the replicated figure (and,
-    under ZeRO on the stage's D replicas, 1/D of that)."""
+    under ZeRO on the stage's D replicas, 1/D of that): the row holds both (the step's whole state)."""
     p, (x, y) = {"stack": plain_params()["stack"]}, batch()
     opt = optax.adam(1e-2)
     passes = rp.Pipeline.default(zero_stage=zero_stage) if zero_stage else None
@@ -233,9 +241,9 @@ def test_balanced_stages_keep_one_over_s_of_the_parameters_and_optimizer_state(s
     whole = LAYERS * DIM * DIM * FLOAT
     params_split = stages * (replicas if zero_stage >= 3 else 1)
     state_split = stages * (replicas if zero_stage >= 1 else 1)
-    assert report.row_bytes <= 1.1 * whole / params_split
-    assert report.optimizer_bytes <= 1.1 * 2 * whole / state_split + FLOAT  # mu, nu; the count whole
-    assert [r.parameter_bytes for r in report.per_stage] == [whole // stages] * stages  # each its slice
+    assert report.row_bytes <= 1.1 * (whole / params_split + 2 * whole / state_split) + FLOAT  # mu, nu; the count
+    # Each stage's leaves: its slice of the stack and of its two moments, and the count.
+    assert [r.parameter_bytes for r in report.per_stage] == [3 * whole // stages + FLOAT] * stages
 
 
 def test_rows_pack_each_stages_slice_and_unpack_the_joined_leaf():

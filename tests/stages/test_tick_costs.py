@@ -52,9 +52,8 @@ def compiled_text(stages: int, schedule: str) -> str:
         loss_in(stages), opt, num_microbatches=M, schedule=schedule, devices=jax.devices()[:stages]
     )
     built = train.built(p, x, y)
-    packed, state = train.pack(p, opt.init(p))
-    micro = [a.reshape(1, M, ROWS // M, WIDTH) for a in (x, y)]
-    return built.step.lower(packed, state, micro).compile().as_text()
+    rows = train.pack(p, opt.init(p))
+    return built.step.lower(rows, built.micro_leaves((x, y))).compile().as_text()
 
 
 def computations(hlo: str) -> dict[str, list[str]]:

@@ -105,6 +105,24 @@ def test_stages_by_tensor_equal_one_device_on_the_global_batch(workers, cores, t
     assert np.shape(loss) == (replicas,)
 
 
+@pytest.mark.parametrize("workers,cores,tensor,schedule,zero", [(1, 8, 2, "1f1b", 0), (1, 8, 4, "gpipe", 3)])
+def test_run_pipelined_of_a_loss_and_an_optimizer_splits_over_the_tensor_axis(workers, cores, tensor, schedule, zero):
+    # run_pipelined writes the step a data-parallel user would from its loss and optimizer and builds it as the
+    # user's own step: the tensor axis comes with it.
+    repl = _repl(workers, cores, tensor, schedule, zero)
+    batches = _batches(4 * repl.pipelined.replicas)
+    state = _state()
+    for b in batches:
+        state, loss = repl.run_pipelined(_loss, TX, b, state)
+    want, want_loss = _reference(batches, _state())
+    _close(state, want)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    built = repl.pipelined.step_for(_loss, TX).built(state[0], batches[0])
+    # Every row lies P('stages', 'tensor'), or P('stages', ('tensor', *data axes)) with ZeRO's chunks.
+    specs = {(spec[0], spec[1] if isinstance(spec[1], str) else spec[1][0]) for spec in built.row_spec.values()}
+    assert built.tensor_split is not None and specs == {("stages", "tensor")}
+
+
 def test_each_device_holds_its_tensor_block_of_its_stage_row():
     """The rows ``(S, T * n)`` lie ``P('stages', 'tensor')``: a device's row is its stage's leaves with the
     planned ones at 1/T, so a stage's row is smaller than the same leaves whole by what the plan splits."""
@@ -176,12 +194,6 @@ def test_explain_lists_the_tensor_collectives_per_micro_batch():
     text = str(report)
     assert "over the tensor axis 'tensor' (T = 2)" in text and "per micro-batch" in text
     assert "test_stages.py" in text  # each collective names the user's line
-
-
-def test_run_pipelined_with_a_tensor_axis_says_to_write_the_step():
-    repl = _repl(1, 8, 2)
-    with pytest.raises(ValueError, match="Replicator.run"):
-        repl.run_pipelined(_loss, TX, _batches(8, n=1)[0], _state())
 
 
 def test_a_sequence_parallel_pipeline_equals_one_device():
