@@ -87,9 +87,21 @@ def place_axes(
             parallelism.sequence_parallel,
             collective_matmul=parallelism.collective_matmul,
         )
-        mesh = tensor.mesh(build_mesh(num_workers, cores_per_worker, devices=devices))
-        num_workers, cores_per_worker = mesh.devices.shape[:2]
-        fold = FoldLayout(num_workers, cores_per_worker)
+        k = older["replicas_per_device"]
+        if k == 1:
+            mesh = tensor.mesh(build_mesh(num_workers, cores_per_worker, devices=devices))
+            num_workers, cores_per_worker = mesh.devices.shape[:2]
+            fold = FoldLayout(num_workers, cores_per_worker)
+        else:  # W x C slots on W x C / k devices: T of them per tensor group, each group hosting k replicas
+            if cores_per_worker is None or cores_per_worker % tensor.size:
+                raise ValueError(
+                    f"replicas_per_device={k} with tensor={tensor.size} needs cores_per_worker, a multiple of "
+                    f"{tensor.size} (the tensor groups' share of each worker), got {cores_per_worker}."
+                )
+            cores_per_worker //= tensor.size  # the logical data-parallel replicas per worker
+            fold = fold_layout(num_workers, cores_per_worker, replicas_per_device=k)
+            workers, cores = fold.device_mesh
+            mesh = tensor.mesh(build_mesh(workers, cores * tensor.size, devices=devices))
     elif older["replicas_per_device"] == 1:
         mesh = build_mesh(num_workers, cores_per_worker, devices=devices)
         num_workers, cores_per_worker = mesh.devices.shape

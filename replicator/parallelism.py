@@ -168,7 +168,6 @@ def check_tensor_supported(parallelism: Parallelism) -> None:
     not_yet = [
         name
         for name, on in (
-            (f"replicas_per_device={parallelism.replicas_per_device}", parallelism.replicas_per_device > 1),
             (
                 f"collective_matmul with stages={parallelism.stages}",
                 parallelism.collective_matmul and parallelism.stages > 1,

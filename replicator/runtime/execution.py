@@ -247,7 +247,9 @@ def build_executable(
         outs = [jnp.asarray(o) for o in fn(constants, *state, *batch)]
         return outs[:n_state], [o[None] for o in outs[n_state:]]
 
-    per_device = per_replica if fold is None or fold.replicas_per_device == 1 else _folded(per_replica, graph, fold)
+    per_device = (
+        per_replica if fold is None or fold.replicas_per_device == 1 else _folded(per_replica, graph, fold, mesh)
+    )
     mapped = jax.shard_map(
         per_device,
         mesh=mesh,
@@ -261,7 +263,7 @@ def build_executable(
     return StepExecutable(jitted, graph, mesh, [np.asarray(consts[i]) for i in runtime])
 
 
-def _folded(per_replica: Callable, graph: StepGraph, fold: FoldLayout) -> Callable:
+def _folded(per_replica: Callable, graph: StepGraph, fold: FoldLayout, mesh: Mesh) -> Callable:
     """One device's block of replicas: ``per_replica`` under ``vmap`` over each folded axis.
 
     Batch leaves and sharded (ZeRO) state hold the block's replicas' rows (a
@@ -318,7 +320,7 @@ def _folded(per_replica: Callable, graph: StepGraph, fold: FoldLayout) -> Callab
         for v in graph.jaxpr.jaxpr.constvars
         if v in graph.runtime_constants
     ]
-    device_axes = list(zip(REPLICA_AXES, fold.device_mesh, strict=True))
+    device_axes = list(mesh.shape.items())  # the data axes' devices, and a tensor axis where there is one
     try:
         jax.make_jaxpr(block(True), axis_env=device_axes)(state_specs, batch_specs, constant_specs)
     except ValueError as e:

@@ -57,6 +57,15 @@ VARIANTS: dict[str, dict] = {
     "tensor4": {"tensor": 4, "split": "column"},
     "tensor2-zero3": {"tensor": 2, "split": "column", "zero_stage": 3, "shard_optimizer_min_bytes": 0},
     "tensor4-row-zero3": {"tensor": 4, "split": "row", "zero_stage": 3, "shard_optimizer_min_bytes": 0},
+    # Two data replicas per tensor group of 2 devices (Parallelism(tensor=2, replicas_per_device=2)): the split step
+    # vmapped over the folded replicas, ZeRO-3 over the data axes.
+    "tensor2-fold2-zero3": {
+        "tensor": 2,
+        "split": "column",
+        "replicas_per_device": 2,
+        "zero_stage": 3,
+        "shard_optimizer_min_bytes": 0,
+    },
     # The same, on programs with a block over a (rows, seq, features) input (programs.block: heads split by a
     # reshape, a dot_general of random dimensions, a reduction over a split dimension, a scan over the
     # sequence), with and without Megatron's sequence parallelism (dimension 1: the block's partial sums are
@@ -262,8 +271,13 @@ def replicated(
     if tensor > 1:
         plan = tensor_plan(spec, tensor, split)
         parallelism = rp.Parallelism(
-            tensor=tensor, tensor_plan=plan, allow_gather=True, sequence_parallel=sequence_parallel
+            tensor=tensor,
+            tensor_plan=plan,
+            allow_gather=True,
+            sequence_parallel=sequence_parallel,
+            replicas_per_device=replicas_per_device,
         )
+        replicas_per_device = 1  # given with the tensor axis, in parallelism
     raw = variant in RAW_VARIANTS
     repl = rp.Replicator(
         workers,

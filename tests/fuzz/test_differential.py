@@ -64,7 +64,7 @@ SAMPLE += [
 
 def _sample_param(seed: int, variant: str, mesh: tuple[int, int]):
     workers, cores = mesh
-    devices = workers * cores * VARIANTS[variant].get("tensor", 1)
+    devices = workers * cores * VARIANTS[variant].get("tensor", 1) // VARIANTS[variant].get("replicas_per_device", 1)
     needs = pytest.mark.skipif(
         jax.device_count() < devices,
         reason=f"{variant} on a {workers}x{cores} mesh needs {devices} devices (REPLICATOR_TEST_DEVICES)",

@@ -187,8 +187,8 @@ def test_a_parallelism_value_is_checked_when_made():
         rp.Parallelism(stages=2, schedule="zigzag")
     with pytest.raises(ValueError, match="cores_per_worker=3"):
         rp.Replicator(1, 3, parallelism=rp.Parallelism(tensor=2, tensor_plan=PLAN))
-    with pytest.raises(ValueError, match="does not combine with replicas_per_device=2"):
-        rp.Replicator(1, 8, parallelism=rp.Parallelism(tensor=2, tensor_plan=PLAN, replicas_per_device=2))
+    with pytest.raises(ValueError, match="does not combine with collective_matmul with stages=2"):
+        rp.Replicator(1, 8, parallelism=rp.Parallelism(tensor=2, tensor_plan=PLAN, stages=2, collective_matmul=True))
 
 
 def test_the_old_keywords_and_parallelism_are_one_setting():
