@@ -109,6 +109,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "replicator/stages/chunks.py",
         "replicator/stages/stack_update.py",
         "replicator/stages/schedule.py",
+        "replicator/stages/train.py",
+        "replicator/stages/data_replicas.py",
     ),
     "tensor/": ("replicator/tensor/",),
 }
@@ -233,6 +235,17 @@ TESTS.update(
             "tests/stages/test_stack_update.py",  # the slices of a stack beside the chunks
         ),
         "replicator/stages/stack_update.py": ("tests/stages/test_stack_update.py",),
+        "replicator/stages/train.py": (
+            "tests/stages/test_train.py",
+            "tests/stages/test_zero.py",
+            "tests/stages/test_stack_slices.py",
+        ),
+        "replicator/stages/data_replicas.py": (
+            "tests/stages/test_train.py",
+            "tests/stages/test_fold_stages.py",
+            "tests/stages/test_replicas.py",
+            "tests/stages/test_zero.py",
+        ),
         "replicator/stages/schedule.py": ("tests/stages/test_schedule.py", "tests/stages/test_lower.py"),
         "replicator/stages/programs.py": (
             "tests/stages/test_lower.py",

@@ -80,9 +80,10 @@ def test_state_lives_on_its_stage():
     train.built(p, ids, y)
     # The embedding (read by stage 0 and, as the head, stage 3) on both; w1 on the two middle stages.
     assert train.held(p) == {"emb": (0, 3), "w1": (1, 2), "extra": (0, 1, 2, 3)}
-    rows = train.pack(p, opt.init(p))
+    rows, values = train.pack(p, opt.init(p)), []
     for _ in range(STEPS):  # kept packed across steps
-        rows, _ = train.step(p, rows, ids, y)
+        rows, value = train.step(p, rows, ids, y)
+        values.append(value)
     # One row per stage holds its leaves and their Adam moments; `extra`, kept by every stage, and its moments
     # have buffers of their own (slots), as does Adam's count.
     assert {k: v.shape for k, v in rows.items()} == {
@@ -97,7 +98,9 @@ def test_state_lives_on_its_stage():
     shards = {s.device: s.data for s in buffer.addressable_shards}
     assert all(shards[d].shape == (1, 3 * 10 * 8) for d in devices)
     # Device 1's row holds w1 and its moments only, then padding; its slot holds `extra`.
-    want_p, want_state, _ = _reference(four_stages_tied, opt, p, ids, y)
+    want_p, want_state, want_values = _reference(four_stages_tied, opt, p, ids, y)
+    assert np.shape(values[0]) == ()
+    np.testing.assert_allclose(values, want_values, rtol=1e-5)
     row = np.asarray(shards[devices[1]])[0]
     np.testing.assert_allclose(row[:64].reshape(8, 8), want_p["w1"], rtol=5e-5, atol=5e-5)
     assert row[64:192].any() and not row[192:].any()
@@ -119,6 +122,19 @@ def test_an_optimizer_that_reads_across_parameters_equals_one_device():
     train = pipeline_train_step(two_stages, opt, num_microbatches=2, devices=jax.devices()[:2])
     got_p, got_state, values = _train(train, opt, p, ids, y)
     _assert_like_one_device(got_p, got_state, two_stages, opt, p, ids, y, values=values)
+
+
+def test_without_devices_the_loss_takes_as_many_devices_as_it_has_stages():
+    # No devices= nor mesh=: the first devices, one per stage the markers cut (4 here, the embedding tied).
+    p, (ids, y) = params(), batch()
+    del p["head"]
+    opt = optax.sgd(0.1)
+    train = pipeline_train_step(four_stages_tied, opt, num_microbatches=4)
+    got_p, got_state, values = _train(train, opt, p, ids, y)
+    assert np.shape(values[0]) == ()  # the loss, once (the same on every data-parallel replica)
+    assert train.built(p, ids, y).mesh.devices.flat[:].tolist() == jax.devices()[:4]
+    assert train.held(p) == {"emb": (0, 3), "w1": (1, 2), "extra": (0, 1, 2, 3)}
+    _assert_like_one_device(got_p, got_state, four_stages_tied, opt, p, ids, y, values=values)
 
 
 def test_only_the_state_a_step_returned_reuses_its_rows():
