@@ -86,6 +86,7 @@ def place_axes(
             parallelism.allow_gather,
             parallelism.sequence_parallel,
             collective_matmul=parallelism.collective_matmul,
+            rings_allowed=stages == 1,
         )
         k = older["replicas_per_device"]
         if k == 1:

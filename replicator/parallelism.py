@@ -66,6 +66,7 @@ class Parallelism:
         (:mod:`replicator.tensor.overlap`); ``explain`` lists them as ``ring all-gather matmul`` and
         ``ring matmul reduce-scatter``. Not with ``stages``: a stage's programs run in a branch taken by
         that stage's devices only, and a ring's ``ppermute`` there would wait for every device (a hang).
+        With ``tensor_plan="auto"`` the cost model chooses the rings where this is ``False``.
       stages: pipeline stages, cut at ``rp.stage_boundary`` markers (docs/guide/pipeline.md).
       microbatches: the micro-batches of a pipelined step (default: ``stages``).
       schedule: ``'1f1b'`` (default), ``'gpipe'`` or ``'1f1b-fused'``.

@@ -183,6 +183,30 @@ def tensor_collective_time(kind: str, nbytes: float, size: int, topology: Topolo
     raise ValueError(f"tensor_collective_time: no cost formula for {kind!r}.")
 
 
+def ring_matmul_time(nbytes: float, size: int, flops: float, topology: Topology | str) -> float:
+    """Predicted seconds a ring of collective matmul (``tensor/overlap.py``) adds to its matmul's own: ``T - 1``
+    point-to-point sends of one block of ``nbytes / size`` (the ``ppermute`` link, ``p2p_cores``), each hidden
+    behind one step's partial matmul (``flops / T`` of them) where the topology overlaps computation and
+    communication (:attr:`Topology.overlap`), else after it.
+
+    >>> ring_matmul_time(2**20, 4, 0.0, "gpu-nvlink-8") == ring_matmul_time(2**20, 4, 0.0, "cpu-emulated")
+    False
+    >>> ring_matmul_time(2**20, 4, 1e12, "gpu-nvlink-8")  # the sends all hidden behind a large matmul
+    0.0
+    """
+    topology = get_topology(topology)
+    if size <= 1:
+        return 0.0
+    link = topology.link("cores", p2p=True)
+    send = link.alpha_s + nbytes / size * link.beta_s_per_byte
+    if not topology.overlap:
+        return (size - 1) * send
+    step = flops / size * topology.compute.seconds_per_flop if topology.compute else 0.0
+    # Step 0 computes on the block the device holds; each later step waits for the longer of its send and
+    # the previous step's matmul.
+    return (size - 1) * max(step, send) - (size - 1) * step
+
+
 # ----------------------------------------------------------------------------
 # Predictions
 # ----------------------------------------------------------------------------

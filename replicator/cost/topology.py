@@ -96,6 +96,10 @@ class Topology:
     #: for choices that trade communication for compute (``Pipeline.default(auto=True)``);
     #: ``None``: communication only.
     compute: Compute | None = None
+    #: Whether a device computes while its links send (asynchronous collectives: GPUs' streams, TPUs'
+    #: ICI), so that collective matmul's sends hide behind its partial matmuls. Emulated CPU devices: no
+    #: (a ``ppermute`` is a rendezvous of the devices' threads, the matmuls wait for it).
+    overlap: bool = False
 
     def link(self, group: str | None, num_workers: int | None = None, *, p2p: bool = False) -> Link:
         """The link a collective over ``group`` uses (``num_workers=None``: unknown, the slower link);
@@ -199,6 +203,7 @@ PRESETS: dict[str, Topology] = {
         workers=_NVLINK_LINK,
         source=f"8 x H100 SXM on NVSwitch; bandwidth {_NVLINK}; latency {_NCCL_TUNING}",
         compute=_H100_COMPUTE,
+        overlap=True,
     ),
     "gpu-hosts-100gbe": Topology(
         "gpu-hosts-100gbe",
@@ -207,6 +212,7 @@ PRESETS: dict[str, Topology] = {
         source=f"NVLink inside a host ({_NVLINK}); 100 Gb/s Ethernet per GPU between hosts "
         f"(12.5 GB/s); latency {_NCCL_TUNING}",
         compute=_H100_COMPUTE,
+        overlap=True,
     ),
     "tpu-v3-pod": Topology(
         "tpu-v3-pod",
@@ -216,6 +222,7 @@ PRESETS: dict[str, Topology] = {
         "340 TB/s per 1024-chip (2048-core) pod (https://cloud.google.com/tpu/docs/v3)",
         # Per core, half a chip: 900 GB/s of HBM2 and 123 TFLOPS (bf16) per chip (same page).
         compute=Compute(8 / 450e9, 1 / 61.5e12, source="https://cloud.google.com/tpu/docs/v3"),
+        overlap=True,
     ),
 }
 

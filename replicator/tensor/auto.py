@@ -69,7 +69,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from replicator.core.jaxprs import CALL_PARAMS, iter_eqns, open_jaxpr
-from replicator.cost.collectives import tensor_collective_time, tensor_sent_bytes
+from replicator.cost.collectives import ring_matmul_time, tensor_collective_time, tensor_sent_bytes
 from replicator.cost.compute import compute_time
 from replicator.cost.topology import Topology, get_topology
 from replicator.tensor.interpret import BATCH
@@ -254,6 +254,8 @@ class Evaluation:
       state_bytes: bytes of state a device holds (split leaves ``1/T``).
       time_s: predicted seconds: the collectives (alpha-beta) plus the device's own work.
       produced_bytes: bytes of the values the device's program makes (a proxy for activations).
+      collective_matmul: whether the plan's gathers and scatters around matmuls are rings
+        (:mod:`replicator.tensor.overlap`), each costed by :func:`~replicator.cost.collectives.ring_matmul_time`.
     """
 
     choices: tuple[tuple[str, str | None], ...]
@@ -265,6 +267,7 @@ class Evaluation:
     state_bytes: int = 0
     time_s: float = 0.0
     produced_bytes: int = 0
+    collective_matmul: bool = False
 
     def key(self, memory_budget: int | None) -> tuple:
         """What the search minimizes (see the module docstring)."""
@@ -302,14 +305,16 @@ class _Evaluator:
     def state_bytes(self, placements: Sequence[Placement]) -> int:
         return sum(n // self.size if isinstance(p, Shard) else n for n, p in zip(self.nbytes, placements, strict=True))
 
-    def __call__(self, named: Sequence[Placement | None], sequence_parallel: int | None) -> Evaluation:
+    def __call__(
+        self, named: Sequence[Placement | None], sequence_parallel: int | None, collective_matmul: bool = False
+    ) -> Evaluation:
         try:
             placements = infer_state_placements(
                 self.closed.jaxpr, named, self.shapes, self.n_batch, self.size, sequence_parallel
             )
         except TensorPlacementError as e:
             return Evaluation((), tuple(p or REPLICATED for p in named), sequence_parallel, str(e).splitlines()[0])
-        key = (tuple(placements), sequence_parallel)
+        key = (tuple(placements), sequence_parallel, collective_matmul)
         if key in self.cache:
             return self.cache[key]
         self.splits += 1
@@ -322,12 +327,16 @@ class _Evaluator:
                 size=self.size,
                 allow_gather=self.allow_gather,
                 sequence_parallel=sequence_parallel,
+                collective_matmul=collective_matmul,
             )
         except TensorPlacementError as e:
             ev = Evaluation((), tuple(placements), sequence_parallel, str(e).splitlines()[0])
         else:
             comm = math.fsum(
-                tensor_collective_time(c.kind, c.nbytes, self.size, self.topology) for c in split.collectives
+                ring_matmul_time(c.nbytes, self.size, c.flops, self.topology)
+                if c.kind.startswith("ring")
+                else tensor_collective_time(c.kind, c.nbytes, self.size, self.topology)
+                for c in split.collectives
             )
             work = compute_time(split.jaxpr.jaxpr, self.topology.compute) if self.topology.compute else 0.0
             produced = sum(
@@ -346,6 +355,7 @@ class _Evaluator:
                 self.state_bytes(placements),
                 comm + work,
                 produced,
+                collective_matmul,
             )
         self.cache[key] = ev
         return ev
@@ -369,6 +379,9 @@ class AutoPlan:
       reasons: one line per split group: what it saves and what replicating it instead would do.
       objective: what was minimized, in words.
       paths: the state leaves' paths.
+      notes: what sequence parallelism's trial found.
+      collective_matmul: whether the plan's gathers and scatters around matmuls run as rings (chosen by the
+        predicted time where not asked for), and ``overlap_notes`` why.
     """
 
     rules: dict[str, str | int]
@@ -382,6 +395,8 @@ class AutoPlan:
     objective: str
     paths: tuple[str, ...]
     notes: tuple[str, ...] = ()
+    collective_matmul: bool = False
+    overlap_notes: tuple[str, ...] = ()
 
     @property
     def plan(self) -> TensorPlan:
@@ -404,6 +419,8 @@ class AutoPlan:
             f"sequence parallelism: {'dimension ' + str(self.sequence_parallel) if self.sequence_parallel is not None else 'off'}"
         )
         lines += [f"  {n}" for n in self.notes]
+        lines.append(f"collective matmul: {'on' if self.collective_matmul else 'off'}")
+        lines += [f"  {n}" for n in self.overlap_notes]
         lines.append(
             f"per device: state {human(c.state_bytes)} (all replicated: {human(r.state_bytes)}); sends "
             f"{human(c.sent_bytes)} per step in {len(c.collectives)} collectives over 'tensor'; predicted "
@@ -423,6 +440,7 @@ class AutoPlan:
                     f" {mark} sends {human(ev.sent_bytes):>10} ({len(ev.collectives):>3} collectives), state "
                     f"{human(ev.state_bytes):>10}, predicted {ev.time_s * 1e6:9.1f} us: {ev.describe()}"
                     + (f" (sequence parallel {ev.sequence_parallel})" if ev.sequence_parallel is not None else "")
+                    + (" (collective matmul)" if ev.collective_matmul else "")
                 )
         if len(self.considered) > shown:
             lines.append(f"   ... and {len(self.considered) - shown} more (AutoPlan.report(shown=None): all)")
@@ -462,11 +480,14 @@ def choose_for_jaxpr(
     group_layers: bool = True,
     passes: int = 2,
     over_budget: bool = False,
+    collective_matmul: bool | None = None,
 ) -> AutoPlan:
     """:func:`choose_plan` on a traced step ``closed(state..., batch...)``; ``names``: each input's name (the
     state leaves' paths, then :data:`~replicator.tensor.interpret.BATCH`). ``sequence_parallel``: a fixed
     sequence dimension (the user's), searched with; ``sequence_dim``: one to try on the chosen plan;
-    ``over_budget``: return the plan nearest the budget instead of refusing when none fits."""
+    ``over_budget``: return the plan nearest the budget instead of refusing when none fits.
+    ``collective_matmul``: ``True`` rings asked for, ``False`` not allowed (inside pipeline stages), ``None``
+    tried on the chosen plan and kept where the cost model predicts a shorter step."""
     topo = _default_topology(topology)
     paths = list(names[:num_state])
     avals = [v.aval for v in closed.jaxpr.invars[:num_state]]
@@ -568,6 +589,30 @@ def choose_for_jaxpr(
     elif sequence_dim is None and sequence_parallel is None:
         notes.append("not tried (give sequence_dim, the activations' sequence dimension, to try it)")
 
+    overlap_notes = []
+    written = _named_from_rules(rules, paths, shapes, size)
+    if collective_matmul:
+        chosen = dataclasses.replace(evaluate(written, chosen_sp, True), choices=best.choices)
+        overlap_notes.append("asked for (collective_matmul=True)")
+    elif collective_matmul is None:
+        ring = dataclasses.replace(evaluate(written, chosen_sp, True), choices=best.choices)
+        rings = sum(c.kind.startswith("ring") for c in ring.collectives)
+        if ring.refused or not rings:
+            why = f"refused ({ring.refused})" if ring.refused else "no gather or scatter of a matmul to ring"
+            overlap_notes.append(f"tried: {why}")
+        else:
+            verdict = "kept" if ring.time_s < chosen.time_s else "left off"
+            overlap_notes.append(
+                f"tried and {verdict}: {rings} rings, predicted {ring.time_s * 1e6:.1f} us (off: "
+                f"{chosen.time_s * 1e6:.1f} us); {topo.name} "
+                + ("overlaps sends with matmuls" if topo.overlap else "does not overlap sends with matmuls")
+            )
+            seen.setdefault((ring.placements, ring.sequence_parallel, ring.refused, True), ring)
+            if ring.time_s < chosen.time_s:
+                chosen = ring
+    else:
+        overlap_notes.append("not allowed here (inside pipeline stages)")
+
     reasons = []
     for g in groups:
         first = chosen.placements[g.members[0]]
@@ -619,6 +664,8 @@ def choose_for_jaxpr(
         objective=objective,
         paths=tuple(paths),
         notes=tuple(notes),
+        collective_matmul=chosen.collective_matmul,
+        overlap_notes=tuple(overlap_notes),
     )
 
 
@@ -726,10 +773,11 @@ class Auto:
         size: int,
         sequence_parallel: int | None = None,
         allow_gather: bool = False,
+        collective_matmul: bool | None = None,
     ) -> AutoPlan:
         """The plan for this traced step (chosen once per shapes; the last one is :attr:`chosen`)."""
         avals = tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in closed.jaxpr.invars)
-        key = (avals, tuple(names), size, sequence_parallel, allow_gather)
+        key = (avals, tuple(names), size, sequence_parallel, allow_gather, collective_matmul)
         if key not in self._chosen:
             self._chosen[key] = choose_for_jaxpr(
                 closed,
@@ -743,6 +791,7 @@ class Auto:
                 allow_gather=allow_gather,
                 group_layers=self.group_layers,
                 passes=self.passes,
+                collective_matmul=collective_matmul,
             )
         chosen = self._chosen.pop(key)
         self._chosen[key] = chosen  # the most recent last
@@ -792,15 +841,24 @@ def resolve_plan(
     size: int,
     sequence_parallel: int | None,
     allow_gather: bool,
-) -> tuple[TensorPlan | AutoPlan, int | None]:
-    """The plan to split ``closed`` with and its sequence parallelism: a hand-written plan as it is, an
-    :class:`Auto` one's choice for this step."""
+    collective_matmul: bool = False,
+    rings_allowed: bool = True,
+) -> tuple[TensorPlan | AutoPlan, int | None, bool]:
+    """The plan to split ``closed`` with, its sequence parallelism and whether its gathers and scatters around
+    matmuls run as rings: a hand-written plan as given, an :class:`Auto` one's choice for this step (the rings
+    chosen by the cost model unless asked for, never where ``rings_allowed`` is false)."""
     if not isinstance(plan, Auto):
-        return plan, sequence_parallel
+        return plan, sequence_parallel, collective_matmul
     chosen = plan.resolve(
-        closed, names, num_state=num_state, size=size, sequence_parallel=sequence_parallel, allow_gather=allow_gather
+        closed,
+        names,
+        num_state=num_state,
+        size=size,
+        sequence_parallel=sequence_parallel,
+        allow_gather=allow_gather,
+        collective_matmul=True if collective_matmul else None if rings_allowed else False,
     )
-    return chosen, chosen.sequence_parallel
+    return chosen, chosen.sequence_parallel, chosen.collective_matmul
 
 
 # -- stages x tensor x ZeRO ------------------------------------------------------------------------------

@@ -40,6 +40,9 @@ class TensorAxis:
     sequence_parallel: int | None = None
     name: str = "tensor"
     collective_matmul: bool = False
+    #: Whether collective matmul may be used at all (not inside pipeline stages, where a ring's ``ppermute``
+    #: in one stage's branch would wait for every device); ``plan="auto"`` chooses it by the cost model.
+    rings_allowed: bool = True
 
     def mesh(self, replicas: Mesh) -> Mesh:
         """``replicas``' ``('workers', 'cores')`` devices with each worker's cut into groups of ``size``."""
@@ -57,7 +60,7 @@ class TensorAxis:
         """``closed(state..., batch...)`` as one device of a tensor group runs it (a pipeline's step, before
         its stage split); ``state``: the state's pytree (the plan's paths); ``names``: each input's name."""
         num_state = len(jax.tree.leaves(state))
-        plan, sequence_parallel = self.resolve(closed, state)
+        plan, sequence_parallel, collective_matmul = self.resolve(closed, state)
         return split_jaxpr(
             closed,
             plan.placements(state, self.size),
@@ -67,15 +70,15 @@ class TensorAxis:
             axis=self.name,
             allow_gather=self.allow_gather,
             sequence_parallel=sequence_parallel,
-            collective_matmul=self.collective_matmul,
+            collective_matmul=collective_matmul,
         )
 
     def split(self, graph: StepGraph, state: Any) -> StepGraph:
         """``graph`` (per replica) as one device of a tensor group runs it; ``state``: the state's
         pytree of arrays or shapes (the plan's paths), or None."""
-        plan, sequence_parallel = self.plan, self.sequence_parallel
+        plan, sequence_parallel, collective_matmul = self.plan, self.sequence_parallel, self.collective_matmul
         if state is not None:
-            plan, sequence_parallel = self.resolve(graph.jaxpr, state)
+            plan, sequence_parallel, collective_matmul = self.resolve(graph.jaxpr, state)
         named = plan.placements(state, self.size) if state is not None else []
         return split_step_graph(
             graph,
@@ -84,12 +87,12 @@ class TensorAxis:
             axis=self.name,
             allow_gather=self.allow_gather,
             sequence_parallel=sequence_parallel,
-            collective_matmul=self.collective_matmul,
+            collective_matmul=collective_matmul,
         )
 
-    def resolve(self, closed: ClosedJaxpr, state: Any) -> tuple[Any, int | None]:
-        """The plan for ``closed(state..., batch...)`` and its sequence parallelism: the plan as given, or
-        ``plan='auto'``'s choice (:mod:`replicator.tensor.auto`), over ``state``'s paths."""
+    def resolve(self, closed: ClosedJaxpr, state: Any) -> tuple[Any, int | None, bool]:
+        """The plan for ``closed(state..., batch...)``, its sequence parallelism and collective matmul: as
+        given, or ``plan='auto'``'s choice (:mod:`replicator.tensor.auto`), over ``state``'s paths."""
         paths = leaf_paths(state)
         return resolve_plan(
             self.plan,
@@ -99,4 +102,6 @@ class TensorAxis:
             size=self.size,
             sequence_parallel=self.sequence_parallel,
             allow_gather=self.allow_gather,
+            collective_matmul=self.collective_matmul,
+            rings_allowed=self.rings_allowed,
         )

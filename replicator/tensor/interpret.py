@@ -368,7 +368,12 @@ class _Walker:
         local = self.convert_all(eqn, ins, ins_pl, wants, decision.note, operands=True)
         params = _local_params(eqn, decision, self.ctx.size)
         whole = tuple(eqn.invars[i].aval.shape)
-        self.ctx.record("ring all-gather matmul", local[i], self.line(eqn), f"'{eqn.primitive.name}'", whole)
+        gathered_shape = [tuple(x.shape) for x in local]
+        gathered_shape[i] = tuple(n * self.ctx.size if d == dim else n for d, n in enumerate(local[i].shape))
+        flops = overlap.dot_flops(dn, *gathered_shape)
+        self.ctx.record(
+            "ring all-gather matmul", local[i], self.line(eqn), f"'{eqn.primitive.name}'", whole, flops=flops
+        )
         product, gathered = overlap.all_gather_matmul(
             local[0],
             local[1],
@@ -401,7 +406,8 @@ class _Walker:
             size=size,
             dot=lambda a, b: eqn.primitive.bind(a, b, **pending.params),
         )
-        self.ctx.record("ring matmul reduce-scatter", ring, line, reason, tuple(eqn.outvars[0].aval.shape))
+        flops = overlap.dot_flops(dn, tuple(lhs.shape), tuple(rhs.shape))
+        self.ctx.record("ring matmul reduce-scatter", ring, line, reason, tuple(eqn.outvars[0].aval.shape), flops=flops)
         return ring
 
     # -- higher-order primitives ------------------------------------------------------

@@ -39,6 +39,7 @@ True
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,11 +47,25 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "operand_dim", "output_dim"]
+__all__ = ["all_gather_matmul", "dot_flops", "matmul_reduce_scatter", "operand_dim", "output_dim"]
 
 #: ``((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))``, as ``lax.dot_general`` takes them.
 DimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
 Dot = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+def dot_flops(dn: DimensionNumbers, lhs: Sequence[int], rhs: Sequence[int]) -> float:
+    """The floating-point operations of ``dot_general`` of operands of these shapes (a multiply-add is 2).
+
+    >>> dot_flops((((1,), (0,)), ((), ())), (8, 4), (4, 3))  # (8, 4) @ (4, 3)
+    192.0
+    """
+    (lc, _), (lb, _) = dn
+    free = [n for d, n in enumerate(lhs) if d not in lc and d not in lb]
+    (_, rc), (_, rb) = dn
+    rfree = [n for d, n in enumerate(rhs) if d not in rc and d not in rb]
+    prod = lambda xs: float(math.prod(xs))  # noqa: E731
+    return 2.0 * prod([lhs[d] for d in lb]) * prod(free) * prod(rfree) * prod([lhs[d] for d in lc])
 
 
 def _free(dn: DimensionNumbers, ndims: tuple[int, int]) -> list[tuple[int, int]]:

@@ -126,7 +126,7 @@ class TensorParallel:
             )
         shapes = [np.shape(x) for x in state_leaves]
         names = leaf_paths(state) + [BATCH] * n_batch
-        plan, sequence_parallel = self._resolve(closed, names, n_state)
+        plan, sequence_parallel, collective_matmul = self._resolve(closed, names, n_state)
         named = plan.placements(state, self.size)
         pl = infer_state_placements(closed.jaxpr, named, shapes, n_batch, self.size, sequence_parallel)
         ctx = TensorContext(
@@ -134,7 +134,7 @@ class TensorParallel:
             self.size,
             allow_gather=self.allow_gather,
             sequence_dim=sequence_parallel,
-            collective_matmul=self.collective_matmul,
+            collective_matmul=collective_matmul,
         )
         n_out = len(closed.jaxpr.outvars)
         out_pl = pl + [REPLICATED] * (n_out - n_state)
@@ -155,7 +155,7 @@ class TensorParallel:
         self._built[key] = built
         return built
 
-    def _resolve(self, closed: Any, names: list[str], n_state: int) -> tuple[Any, int | None]:
+    def _resolve(self, closed: Any, names: list[str], n_state: int) -> tuple[Any, int | None, bool]:
         return resolve_plan(
             self.plan,
             closed,
@@ -164,6 +164,7 @@ class TensorParallel:
             size=self.size,
             sequence_parallel=self.sequence_parallel,
             allow_gather=self.allow_gather,
+            collective_matmul=self.collective_matmul,
         )
 
     # -- the user's calls -----------------------------------------------------------------

@@ -103,6 +103,8 @@ class Collective:
     dtype: str
     line: str  # the user's source line of the consumer
     reason: str
+    #: A ring of collective matmul: the flops of its matmul on one device (what its sends may hide behind).
+    flops: float = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -131,8 +133,10 @@ class TensorContext:
     #: free dimension, are each a ring of ``size`` partial matmuls and ``ppermute`` instead.
     collective_matmul: bool = False
 
-    def record(self, kind: str, x: Any, line: str, reason: str, shape: tuple[int, ...] | None = None) -> None:
-        self.events.append(Collective(kind, tuple(shape or x.shape), str(x.dtype), line, reason))
+    def record(
+        self, kind: str, x: Any, line: str, reason: str, shape: tuple[int, ...] | None = None, flops: float = 0.0
+    ) -> None:
+        self.events.append(Collective(kind, tuple(shape or x.shape), str(x.dtype), line, reason, flops))
 
 
 def local_shape(shape: tuple[int, ...], placement: Placement, size: int) -> tuple[int, ...]:

@@ -19,9 +19,14 @@ import optax
 import pytest
 
 import replicator as rp
+from replicator.cost.collectives import ring_matmul_time
+from replicator.cost.compute import Compute
+from replicator.cost.topology import Link, Topology, get_topology
 from replicator.tensor import TensorParallel, TensorPlacementError
-from replicator.tensor.auto import Auto, choose_plan, suggest_layout
+from replicator.tensor.auto import Auto, choose_plan, resolve_plan, suggest_layout
+from replicator.tensor.interpret import BATCH
 from replicator.tensor.parallelize import sent_bytes
+from replicator.tensor.plan import leaf_paths
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt_tensor  # noqa: E402
@@ -180,3 +185,58 @@ def test_sequence_parallelism_is_kept_only_where_it_sends_no_more_bytes():
     # The layer norms' backward scatters twice per norm (docs/guide/tensor.md): more bytes, so it stays off.
     assert with_sp[0].sent_bytes > chosen.chosen.sent_bytes
     assert chosen.sequence_parallel is None and "left off" in str(chosen)
+
+
+def _overlapping(seconds_per_flop: float) -> Topology:
+    """A topology whose devices compute while they send, at this matmul speed (a slow one hides every send)."""
+    link = Link(1e-6, 1e-11)
+    return Topology("overlapping", link, link, "test", compute=Compute(1e-12, seconds_per_flop), overlap=True)
+
+
+def test_collective_matmul_is_chosen_where_the_topology_hides_its_sends():
+    from tests.tensor.test_sequence import X, _params
+    from tests.tensor.test_sequence import _step as block_step
+
+    params = _params(blocks=1)
+    budget = _nbytes(params) // 2 + 4096
+    rings = TensorParallel(block_step, Auto(budget, topology=_overlapping(1e-6)), size=2, sequence_parallel=1)
+    got, want = rings(rings.shard(params, X), X), jax.jit(block_step)(params, X)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    chosen = rings.plan.chosen
+    assert chosen.collective_matmul and chosen.chosen.collective_matmul
+    report = str(chosen)
+    assert "collective matmul: on" in report and "tried and kept" in report and "overlaps sends" in report
+    assert "collective_permute" in rings.lower(params, X).as_text()  # the rings' sends, in the program
+    # On emulated CPU devices a ppermute does not overlap a matmul: the same plan, without rings.
+    plain = TensorParallel(block_step, Auto(budget), size=2, sequence_parallel=1)
+    plain.lower(params, X)
+    assert not plain.plan.chosen.collective_matmul and plain.plan.chosen.rules == chosen.rules
+    assert "tried and left off" in str(plain.plan.chosen) and "does not overlap" in str(plain.plan.chosen)
+    assert "collective_permute" not in plain.lower(params, X).as_text()
+
+
+def test_rings_are_not_tried_where_they_are_not_allowed_and_kept_where_asked_for():
+    from tests.tensor.test_sequence import X, _params
+    from tests.tensor.test_sequence import _step as block_step
+
+    params = _params(blocks=1)
+    closed = jax.make_jaxpr(block_step)(params, X)
+    names = [*leaf_paths(params), BATCH]
+    options = dict(num_state=len(names) - 1, size=2, sequence_parallel=1, allow_gather=False)
+    auto = Auto(_nbytes(params) // 2 + 4096, topology=_overlapping(1e-6))
+    _, _, rings = resolve_plan(auto, closed, names, **options, rings_allowed=False)  # inside pipeline stages
+    assert not rings and "not allowed here" in str(auto.chosen)
+    _, _, rings = resolve_plan(Auto(_nbytes(params) // 2 + 4096), closed, names, **options, collective_matmul=True)
+    assert rings  # asked for: kept though the CPU topology predicts it slower
+
+
+def test_a_rings_sends_hide_behind_its_matmul_only_where_the_topology_overlaps():
+    cpu = get_topology("cpu-emulated")
+    send = cpu.p2p_cores.alpha_s + 1024 / 4 * cpu.p2p_cores.beta_s_per_byte
+    assert ring_matmul_time(1024, 4, 1e12, cpu) == pytest.approx(3 * send)  # after the matmul, whatever its size
+    fast, slow = _overlapping(1e-18), _overlapping(1e-3)
+    step_send = 1e-6 + 1024 / 4 * 1e-11
+    assert ring_matmul_time(1024, 4, 8.0, fast) == pytest.approx(3 * step_send)  # the matmul too short to hide them
+    assert ring_matmul_time(1024, 4, 8.0, slow) == 0.0  # each step's 2 ms of matmul hides its send
+    assert ring_matmul_time(1024, 1, 8.0, slow) == 0.0

@@ -305,3 +305,5 @@ def test_plan_auto_on_a_pipeline_chooses_on_the_traced_step_and_equals_one_devic
     built = repl.pipelined.user_step(_step, batches[0], _state())
     split = [p for p in built.tensor_split.placements if isinstance(p, Shard)]
     assert split, "a budget below the whole state needs some leaf split"
+    # No ring of collective matmul inside a stage (its ppermute would wait for every device): not tried.
+    assert not repl.tensor.rings_allowed and "not allowed here" in str(repl.tensor.plan.chosen)
