@@ -205,7 +205,8 @@ def test_gpt_over_data_and_tensor_matches_single_device(n_devices, extra):
     kinds = re.findall(r"^  (all-reduce|reduce-scatter|all-gather) +float32\[\d+, 16, 32\]", out, re.M)
     if (
         "--sequence-parallel" in extra
-    ):  # sequence parallelism: per block 2 all-gathers and 2 reduce-scatters forward, as many backward
-        assert "all-reduce" not in kinds and kinds.count("all-gather") >= 8 and kinds.count("reduce-scatter") >= 8, out
+    ):  # sequence parallelism: per block 2 all-gathers and 2 reduce-scatters forward, as many backward (the
+        # example fails where the bytes differ from Megatron's); the embedding's and the final norm's 2 of each
+        assert "all-reduce" not in kinds and kinds.count("all-gather") == kinds.count("reduce-scatter") == 10, out
     else:  # Megatron's 4 all-reduces per block (2 forward, 2 backward), and the embedding's 2
         assert kinds == ["all-reduce"] * (4 * 2 + 2), out

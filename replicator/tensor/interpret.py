@@ -135,6 +135,7 @@ class _Walker:
         self.operand_sources: list[frozenset[str]] = []
         # Whether the output of the equation being walked has one use, by an equation (not an output).
         self.sole_use = False
+        self.reads: collections.Counter = collections.Counter()  # how many equations read each variable
 
     def line(self, eqn: JaxprEqn) -> str:
         """The user's source line of ``eqn``, or of the call or loop it is inside."""
@@ -187,6 +188,7 @@ class _Walker:
         for e in jaxpr.eqns:
             uses.update(a for a in e.invars if not isinstance(a, Literal))
         uses.update({a: 2 for a in jaxpr.outvars if not isinstance(a, Literal)})  # returned: used as it is
+        outer_reads, self.reads = self.reads, uses
 
         for eqn in jaxpr.eqns:
             ins_pl = [read_pl(a) for a in eqn.invars]
@@ -202,7 +204,7 @@ class _Walker:
             env_pl.update(zip(eqn.outvars, outs_pl, strict=True))
             if values:
                 env.update(zip(eqn.outvars, outs, strict=True))
-        self.sources = outer
+        self.sources, self.reads = outer, outer_reads
         out_pl = [read_pl(a) for a in jaxpr.outvars]
         return ([_value(read(a)) for a in jaxpr.outvars] if values else None), out_pl
 
@@ -263,11 +265,19 @@ class _Walker:
         the sequence dimension instead, where it divides, and the rule asked again with them split there."""
         d, size = self.ctx.sequence_dim, self.ctx.size
         assert d is not None
+        # Also a partial sum of the sequence's shape that an element-wise equation would carry on as a partial
+        # sum while another equation reads it too: scattered once here, where it is first read, rather than
+        # once per product it flows into (Megatron scatters a layer norm's incoming gradient once, before
+        # the norm's backward).
+        shape = [tuple(v.aval.shape) for v in eqn.outvars]
         swap = [
             i
             for i, (a, have, want) in enumerate(zip(eqn.invars, ins_pl, decision.wants, strict=True))
             if isinstance(have, Partial)
-            and isinstance(_plain(want), Replicated)
+            and (
+                isinstance(_plain(want), Replicated)
+                or (isinstance(_plain(want), Partial) and shape == [a.aval.shape] and self.reads[a] > 1)
+            )
             and not isinstance(a, Literal)
             and len(a.aval.shape) >= max(3, d + 1)
             and a.aval.shape[d] in self.ctx.sequence_lengths
