@@ -18,7 +18,7 @@ square. Three programs of the same step at each tensor degree T, on T devices:
 
 Each is checked against ``jax.jit`` of the step on one device (the new state and
 the loss, relative to each leaf's largest value), then timed: rounds
-interleave the variants, each round times ``--steps`` steps of each, and the
+interleave the variants in a rotating order, each round times ``--steps`` steps of each, and the
 table gives the median step and the median of each round's ratio to GSPMD.
 Memory per device is XLA's compiled memory analysis; collectives are counted
 in the compiled HLO.
@@ -221,8 +221,11 @@ def main() -> None:
                 "ratios": [],
             }
             fn(placed, batch)  # warm
-        for _ in range(args.rounds):
-            times = {name: time_steps(fn, placed, batch, args.steps) for name, (fn, placed) in variants.items()}
+        names = list(variants)
+        for r in range(args.rounds):
+            # The order rotates round by round: no variant always runs first, or after the same one.
+            order = names[r % len(names) :] + names[: r % len(names)]
+            times = {name: time_steps(*variants[name], batch, args.steps) for name in order}
             for name, t in times.items():
                 info[name]["times"].append(t)
                 info[name]["ratios"].append(t / times["GSPMD"])

@@ -63,6 +63,17 @@ def _spec(p: Placement, ndim: int, axis: str) -> PartitionSpec:
     return PartitionSpec()
 
 
+def _signature(leaves: list, tree: Any) -> tuple:
+    """The cache key of a call: the pytree's structure and each leaf's shape and dtype.
+
+    Arrays (jax's, NumPy's, ``ShapeDtypeStruct``) in one comprehension of attribute reads, no
+    Python call per leaf: this runs on every step."""
+    try:
+        return tree, tuple([(x.shape, x.dtype) for x in leaves])
+    except AttributeError:  # a Python scalar among the leaves
+        return tree, tuple((np.shape(x), getattr(x, "dtype", None) or np.result_type(x)) for x in leaves)
+
+
 class TensorParallel:
     """``step(state, batch) -> (new_state, aux)`` run split over a tensor axis of ``size`` devices.
 
@@ -107,12 +118,9 @@ class TensorParallel:
 
     # -- building ------------------------------------------------------------------------
 
-    def _build(self, state: Any, batch: Any) -> tuple:
-        leaves = jax.tree_util.tree_leaves((state, batch))
-        key = (
-            jax.tree_util.tree_structure((state, batch)),
-            tuple((np.shape(x), str(getattr(x, "dtype", None) or np.result_type(x))) for x in leaves),
-        )
+    def _build(self, state: Any, batch: Any, key: tuple | None = None) -> tuple:
+        if key is None:
+            key = _signature(*jax.tree_util.tree_flatten((state, batch)))
         if key in self._built:
             return self._built[key]
         closed, out_shape = jax.make_jaxpr(self.step, return_shape=True)(state, batch)
@@ -170,9 +178,12 @@ class TensorParallel:
     # -- the user's calls -----------------------------------------------------------------
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
-        fn, _, _, out_tree, _ = self._build(state, batch)
-        outs = fn(*jax.tree_util.tree_leaves((state, batch)))
-        return jax.tree_util.tree_unflatten(out_tree, outs)
+        # One flatten per call, and a cache key of shapes and dtype objects (no str() of a dtype per
+        # leaf): at 27 leaves this was 105 us of Python per call on top of the jitted call.
+        leaves, tree = jax.tree_util.tree_flatten((state, batch))
+        key = _signature(leaves, tree)
+        built = self._built.get(key) or self._build(state, batch, key)
+        return jax.tree_util.tree_unflatten(built[3], built[0](*leaves))
 
     def placements(self, state: Any, batch: Any) -> dict[str, Placement]:
         """Each state leaf's placement over the tensor axis, by path."""
