@@ -10,6 +10,9 @@ Write a step for one device, call cross-replica placeholders (``all_mean``,
     state, outputs = repl.run(step_fn, input_fn, state)
 """
 
+import warnings
+from typing import Any
+
 from replicator import _jax_compat
 from replicator import cost as cost  # rp.cost: topologies, time models, the report, auto
 from replicator import tools as tools  # rp.tools: calibrate, bisect_passes, translation validation
@@ -41,7 +44,7 @@ from replicator.loop import Hook as Hook
 from replicator.loop import LoggingHook as LoggingHook
 from replicator.loop import Trainer as Trainer
 from replicator.parallelism import Parallelism as Parallelism
-from replicator.passes import Pipeline as Pipeline
+from replicator.passes import PassManager as PassManager
 from replicator.runtime import distributed as distributed
 from replicator.runtime.distributed import gather_outputs as gather_outputs
 from replicator.runtime.distributed import local_outputs as local_outputs
@@ -68,6 +71,22 @@ from replicator.training.precision import select_tree as select_tree
 
 __version__ = "0.1.0"
 
+#: Old public names -> their new names (each still works, with a ``DeprecationWarning``).
+RENAMED: dict[str, str] = {"Pipeline": "PassManager"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in RENAMED:
+        new = RENAMED[name]
+        warnings.warn(
+            f"rp.{name} is now rp.{new}: 'pipeline' means pipeline parallelism only (Parallelism(stages=...)).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return globals()[new]
+    raise AttributeError(f"module 'replicator' has no attribute {name!r}")
+
+
 # Equations created inside replicator are attributed to the user's line.
 _jax_compat.exclude_from_user_frames(__file__)
 
@@ -88,7 +107,7 @@ __all__ = [
     "MixedPrecision",
     "Parallelism",
     "PassError",
-    "Pipeline",
+    "PassManager",
     "ReplicaContext",
     "ReplicationError",
     "Replicator",

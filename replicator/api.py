@@ -21,6 +21,7 @@ Example (``rp.force_cpu_devices(8)`` emulates 8 CPU devices; call it before JAX 
 from __future__ import annotations
 
 import collections
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -30,8 +31,8 @@ import jax
 from replicator.axes import place_axes
 from replicator.core.context import ReplicaContext, normalize_axis_names
 from replicator.cost.report import CommunicationReport, communication_report
-from replicator.parallelism import Parallelism, older_keywords
-from replicator.pipeline.pipeline import Lowered, Pipeline
+from replicator.parallelism import Parallelism, older_keywords, warn_older_keywords
+from replicator.pass_manager.manager import Lowered, PassManager
 from replicator.runtime.build import CompiledStep, StepCache, build_step
 from replicator.runtime.consistency import check_replicas_agree
 from replicator.runtime.distributed import progress
@@ -76,9 +77,9 @@ class Replicator:
       num_workers: workers (one per process when running multi-process).
       cores_per_worker: devices per worker; ``None`` means all local devices.
       devices: explicit devices to build the mesh from (default: all).
-      passes: the rewrite pipeline (default: ``Pipeline.default()``). On a
-        pipelined Replicator (``pipeline_stages``) only
-        ``Pipeline.default(zero_stage=k)``: ZeRO on each stage's data-parallel
+      passes: the pass manager (default: ``PassManager.default()``); kept as
+        ``self.passes``. On a pipelined Replicator (``Parallelism(stages=S)``) only
+        ``PassManager.default(zero=k)``: ZeRO on each stage's data-parallel
         replicas (``run_pipelined``).
       donate_state: let XLA reuse the state's buffers for the new state. The
         state passed to ``run`` is then invalid after the call.
@@ -106,9 +107,11 @@ class Replicator:
         on accelerators in one process, 0 on CPU devices and across processes
         (:mod:`replicator.runtime.step_inputs` says why, and when to turn it
         off: batches that depend on what happens after a step returns).
-      pipeline_stages, microbatches, schedule, pipeline_recompute: the older
+      pipeline_stages, microbatches, schedule, pipeline_recompute: deprecated (a
+        ``DeprecationWarning`` when given other than their defaults): the older
         spellings of ``parallelism=rp.Parallelism(stages=..., microbatches=...,
-        schedule=..., recompute=...)``; ``replicas_per_device`` too.
+        schedule=..., recompute=...)``; ``replicas_per_device`` too. They work as
+        before.
       parallelism: how the devices are split between the axes (pipeline
         stages, the tensor axis, folding; the data-parallel replicas take the
         rest): a :class:`~replicator.Parallelism` (its fields say what each
@@ -121,7 +124,7 @@ class Replicator:
         cores_per_worker: int | None = None,
         *,
         devices: list | None = None,
-        passes: Pipeline | None = None,
+        passes: PassManager | None = None,
         donate_state: bool = False,
         max_in_flight: int | None = None,
         axis_name: str | Mapping[str, str | None] | None = None,
@@ -136,6 +139,14 @@ class Replicator:
     ):
         axis_names = normalize_axis_names(axis_name)
         check_initialized_under_launcher()
+        if parallelism is None:
+            warn_older_keywords(
+                replicas_per_device=replicas_per_device,
+                pipeline_stages=pipeline_stages,
+                microbatches=microbatches,
+                schedule=schedule,
+                pipeline_recompute=pipeline_recompute,
+            )
         older = older_keywords(
             parallelism,
             replicas_per_device=replicas_per_device,
@@ -148,9 +159,9 @@ class Replicator:
         self.mesh, self.fold, self.tensor, self.pipelined = axes.mesh, axes.fold, axes.tensor, axes.pipelined
         self.num_workers, self.cores_per_worker = axes.num_workers, axes.cores_per_worker
         self.context = ReplicaContext(self.num_workers, self.cores_per_worker, axis_names)
-        self.pipeline = passes if passes is not None else Pipeline.default()
-        if not isinstance(self.pipeline, Pipeline):
-            raise TypeError(f"passes= must be a replicator.passes.Pipeline, got {type(self.pipeline).__name__}.")
+        self.passes = passes if passes is not None else PassManager.default()
+        if not isinstance(self.passes, PassManager):
+            raise TypeError(f"passes= must be a replicator.passes.PassManager, got {type(self.passes).__name__}.")
         self.donate_state = donate_state
         self.max_in_flight = check_max_in_flight(max_in_flight, self.mesh)
         if check_state_every is not None and (not isinstance(check_state_every, int) or check_state_every < 1):
@@ -160,7 +171,7 @@ class Replicator:
         self._front = None if self.pipelined is None else PipelineFront(self.pipelined, check_state_every)
         self.prefetch = check_prefetch(prefetch, self.mesh)
         self._steps_run = 0
-        self._cached_pipeline_key: tuple[Pipeline, tuple] | None = None
+        self._cached_passes_key: tuple[PassManager, tuple] | None = None
         self._in_flight: collections.deque = collections.deque()
         self._compiled = StepCache()
         self._returned: ReturnedState | None = None
@@ -169,6 +180,22 @@ class Replicator:
         self._batches = StepInputs(self, self._warned_retrace)
         self._inputs = self._batches.registry
         self.trace_count = 0
+
+    @property
+    def pipeline(self) -> PassManager:
+        """Deprecated: the pass manager is :attr:`passes` ("pipeline" means pipeline parallelism only)."""
+        warnings.warn(
+            "Replicator.pipeline is now Replicator.passes (the PassManager): 'pipeline' means pipeline "
+            "parallelism only.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.passes
+
+    @pipeline.setter
+    def pipeline(self, passes: PassManager) -> None:
+        warnings.warn("Replicator.pipeline is now Replicator.passes.", DeprecationWarning, stacklevel=2)
+        self.passes = passes
 
     # -- shape of the job ---------------------------------------------------
 
@@ -190,16 +217,16 @@ class Replicator:
         return (
             f"Replicator(num_workers={self.num_workers}, cores_per_worker={self.cores_per_worker}, "
             + (f"replicas_per_device={self.fold.replicas_per_device}, " if self.fold.replicas_per_device > 1 else "")
-            + f"platform={self.mesh.devices.flat[0].platform!r}, passes={self.pipeline!r})"
+            + f"platform={self.mesh.devices.flat[0].platform!r}, passes={self.passes!r})"
         )
 
     # -- tracing and compiling -----------------------------------------------
 
-    def _pipeline_key(self) -> tuple:
-        """``self.pipeline.key()``, computed once per pipeline object (it is on every step's path)."""
-        cached = self._cached_pipeline_key
-        if cached is None or cached[0] is not self.pipeline:
-            cached = self._cached_pipeline_key = (self.pipeline, self.pipeline.key())
+    def _passes_key(self) -> tuple:
+        """``self.passes.key()``, computed once per pass manager (it is on every step's path)."""
+        cached = self._cached_passes_key
+        if cached is None or cached[0] is not self.passes:
+            cached = self._cached_passes_key = (self.passes, self.passes.key())
         return cached[1]
 
     def _compile(
@@ -210,7 +237,7 @@ class Replicator:
         state_key = per_replica_key(state_key, state, per_replica_state, self.num_replicas)
         return self._lookup(step_fn, state_key, BatchSignature.of(batch, self.cores_per_worker), batch)
 
-    #: ``(step_fn, state_key, batch_key, pipeline, compiled)`` of the last :meth:`_lookup`: the most recently
+    #: ``(step_fn, state_key, batch_key, passes, compiled)`` of the last :meth:`_lookup`: the most recently
     #: used entry of the cache, found again by identity (no hashing) when a step repeats.
     _last_lookup: tuple | None = None
 
@@ -226,10 +253,10 @@ class Replicator:
             raise ValueError(
                 f"this Replicator runs a pipeline ({self.pipelined!r}): call run_pipelined(loss_fn, optimizer, "
                 "batch, (params, opt_state)) or run(step_fn, batch, state) (docs/guide/pipeline.md); a pipelined step "
-                "has no pass-pipeline graph to lower: explain(step_fn, batch, state) describes it (the schedule, its "
+                "has no pass-manager graph to lower: explain(step_fn, batch, state) describes it (the schedule, its "
                 "bubble, per-stage compute and memory)."
             )
-        key = (step_fn, state_key, batch_key, self._pipeline_key())
+        key = (step_fn, state_key, batch_key, self._passes_key())
         compiled = self._compiled.lookup(key)
         if compiled is None:
             with progress.phase("compiling"), gc_paused():
@@ -241,7 +268,7 @@ class Replicator:
                     state_key,
                     batch_key,
                     context=self.context,
-                    passes=self.pipeline,
+                    passes=self.passes,
                     mesh=self.mesh,
                     fold=self.fold,
                     tensor=self.tensor,
@@ -249,13 +276,13 @@ class Replicator:
                 )
                 self.trace_count += 1
                 self._compiled.add(key, compiled)
-        self._last_lookup = (step_fn, state_key, batch_key, self.pipeline, compiled)
+        self._last_lookup = (step_fn, state_key, batch_key, self.passes, compiled)
         return compiled
 
     def lower(
         self, step_fn: Callable, batch: PyTree, state: PyTree | None = None, *, per_replica_state: Any = None
     ) -> Lowered:
-        """Trace ``step_fn`` and run the pipeline, without executing anything.
+        """Trace ``step_fn`` and run the passes, without executing anything.
 
         Args:
           step_fn: as for :meth:`run`.
@@ -285,7 +312,7 @@ class Replicator:
 
         Returns:
           A :class:`~replicator.cost.report.CommunicationReport`; ``print()`` it. On a pipelined Replicator
-          (``pipeline_stages=S``), a :class:`~replicator.stages.replicas.PipelineReport` of the step
+          (``Parallelism(stages=S)``), a :class:`~replicator.stages.replicas.PipelineReport` of the step
           :meth:`run` would run: the schedule, its bubble, per stage the leaves it keeps, the cost model's
           compute and its residuals, and XLA's memory analysis of the compiled step per device.
         """
@@ -325,7 +352,9 @@ class Replicator:
           followed by ``optimizer.update``.
         """
         if self.pipelined is None:
-            raise ValueError("run_pipelined needs Replicator(..., pipeline_stages=S, microbatches=M).")
+            raise ValueError(
+                "run_pipelined needs Replicator(..., parallelism=rp.Parallelism(stages=S, microbatches=M))."
+            )
         return self._front.run(loss_fn, optimizer, self._pipelined_batch(batch), state)
 
     def _pipelined_batch(self, data: Any) -> PyTree:
@@ -341,7 +370,9 @@ class Replicator:
         (the cost model's, :mod:`replicator.cost.compute`, with the emulated-CPU figures) and per-stage memory;
         ``memory=True`` also compiles the step and adds XLA's memory analysis per device. ``print()`` it."""
         if self.pipelined is None:
-            raise ValueError("describe_pipeline needs Replicator(..., pipeline_stages=S, microbatches=M).")
+            raise ValueError(
+                "describe_pipeline needs Replicator(..., parallelism=rp.Parallelism(stages=S, microbatches=M))."
+            )
         return self._front.describe(loss_fn, optimizer, batch, state, memory)
 
     def broadcast_state(self, state: PyTree) -> PyTree:
@@ -459,7 +490,7 @@ class Replicator:
                 and steady.step_fn is step_fn
                 and depth == 0
                 and per_replica_state is None
-                and steady.pipeline is self.pipeline
+                and steady.passes is self.passes
                 and (taken := steady.take(state, input_fn)) is not None
             ):
                 return self._run_steady(steady, taken[0], taken[1], step)
@@ -525,7 +556,7 @@ class Replicator:
             and last[0] is step_fn
             and last[1] is state_key
             and last[2] is batch.signature
-            and last[3] is self.pipeline
+            and last[3] is self.passes
         ):
             compiled = last[4]
         else:
@@ -592,5 +623,5 @@ class Replicator:
                 compiled,
             )
         if not depth and not statics and new_state and compiled.state_reusable and per_replica_state is None:
-            self._steady = SteadyStep.after(step_fn, data, inputs, self.pipeline, compiled, self._returned, batch)
+            self._steady = SteadyStep.after(step_fn, data, inputs, self.passes, compiled, self._returned, batch)
         return traced.state_treedef.unflatten(new_leaves), outputs

@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 
 from replicator.core.layout import FoldLayout, fold_layout
 from replicator.parallelism import Parallelism, check_tensor_supported, older_keywords
-from replicator.pipeline.pipeline import Pipeline
+from replicator.pass_manager.manager import PassManager
 from replicator.runtime.mesh import build_mesh
 from replicator.runtime.pipelined import zero_stage_of
 from replicator.stages.replicas import PipelinedReplicas
@@ -61,11 +61,11 @@ def place_axes(
     devices: list | None,
     parallelism: Parallelism | None,
     older: dict[str, Any] | None = None,
-    passes: Pipeline | None = None,
+    passes: PassManager | None = None,
 ) -> Axes:
     """The axes of ``parallelism`` (or of the ``older`` keywords, :func:`~replicator.parallelism.older_keywords`)
     on ``devices`` (default: all), as a ``Replicator(num_workers, cores_per_worker, ...)`` runs them.
-    ``passes``: the Replicator's ``passes=`` (a pipeline takes ZeRO's stage from it)."""
+    ``passes``: the Replicator's ``passes=`` (a pipeline takes its ZeRO level from it)."""
     if older is None:
         older = older_keywords(
             parallelism,
@@ -113,10 +113,12 @@ def place_axes(
         fold = fold_layout(num_workers, cores_per_worker, replicas_per_device=older["replicas_per_device"])
         mesh = build_mesh(*fold.device_mesh, devices=devices)
     if stages == 1 and microbatches is None and (schedule is not None or recompute):
-        given = ", ".join(name for name, value in (("schedule", schedule), ("pipeline_recompute", recompute)) if value)
+        recompute_name = "recompute" if parallelism is not None else "pipeline_recompute"  # as the caller spelled it
+        given = ", ".join(name for name, value in (("schedule", schedule), (recompute_name, recompute)) if value)
         raise ValueError(
-            f"{given} only applies to a pipelined Replicator, and this one has pipeline_stages=1: pass "
-            "pipeline_stages=S (the stages cut at rp.stage_boundary markers) or leave these options out."
+            f"{given} only applies to a pipelined Replicator, and this one has one stage: pass "
+            "parallelism=rp.Parallelism(stages=S, ...) (the stages cut at rp.stage_boundary markers) or leave "
+            "these options out."
         )
     pipelined = None
     if stages != 1 or microbatches is not None:

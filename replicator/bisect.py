@@ -4,13 +4,14 @@ The command line of :func:`replicator.tools.bisect.bisect_passes` (see there).
 It prints the report and exits with status 1 when a pass changes the result::
 
     python -m replicator.bisect my_train.py:step_fn --batch my_train.py:input_fn \\
-        --state my_train.py:init_state --workers 1 --cores 8 --cpu-devices 8 --zero-stage 1
+        --state my_train.py:init_state --workers 1 --cores 8 --cpu-devices 8 --zero 1
 
-``STEP``, ``--batch``, ``--state`` and ``--pipeline`` name ``MODULE:NAME`` or
+``STEP``, ``--batch``, ``--state`` and ``--passes`` name ``MODULE:NAME`` or
 ``FILE.py:NAME``; a function of no arguments is called for its value. Without
-``--pipeline``, the step runs under ``Pipeline.default`` with the options
-``--zero-stage``, ``--hierarchical``, ``--compress`` and ``--algorithm``
-(``--help`` lists every flag).
+``--passes``, the step runs under ``PassManager.default`` with the options
+``--zero``, ``--hierarchical``, ``--compress`` and ``--algorithm``
+(``--help`` lists every flag). The old spellings ``--pipeline`` and ``--zero-stage``
+still work, with a note on stderr.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ import importlib.util
 import inspect
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 from replicator.tools.bisect import BisectReport, bisect_passes
 
-__all__ = ["BisectReport", "bisect_passes", "build_parser", "main", "pipeline_from_args"]
+__all__ = ["BisectReport", "bisect_passes", "build_parser", "main", "passes_from_args"]
 
 
 def _load(ref: str) -> Any:
@@ -62,19 +64,30 @@ def _value(obj: Any) -> Any:
     return obj
 
 
+class RenamedFlag(argparse.Action):
+    """A flag whose last option string is its old name: that one still works, with a note on stderr."""
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None) -> None:
+        new, *_, old = self.option_strings
+        if option_string == old:
+            print(f"{parser.prog}: {old} is now {new}; {old} will be removed.", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line: every flag with its help."""
     parser = argparse.ArgumentParser(
         prog="python -m replicator.bisect",
         description=(
             "Name the first optional pass that changes a step's result: run the traced step with no optional "
-            "pass, then with the first 1, 2, ... optional passes of the pipeline, on the same inputs. Exit status "
+            "pass, then with the first 1, 2, ... optional passes, on the same inputs. Exit status "
             "1 when a pass is named."
         ),
         epilog=(
-            "STEP, --batch, --state and --pipeline name MODULE:NAME or FILE.py:NAME; a function of no arguments "
-            "is called for its value. The pipeline flags (--zero-stage, --hierarchical, --compress, --algorithm) "
-            "are the options of Pipeline.default; --pipeline replaces them."
+            "STEP, --batch, --state and --passes name MODULE:NAME or FILE.py:NAME; a function of no arguments "
+            "is called for its value. The pass flags (--zero, --hierarchical, --compress, --algorithm) "
+            "are the options of PassManager.default; --passes replaces them. --pipeline and --zero-stage are "
+            "the old spellings of --passes and --zero."
         ),
     )
     parser.add_argument("step", metavar="STEP", help="the step function, MODULE:NAME or FILE.py:NAME")
@@ -88,32 +101,38 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cores", type=int, default=None, help="cores per worker (default: all local devices)")
     parser.add_argument("--cpu-devices", type=int, help="emulate this many CPU devices (rp.force_cpu_devices)")
     parser.add_argument(
+        "--passes",
         "--pipeline",
-        help="a Pipeline or a list of passes, MODULE:NAME (default: Pipeline.default with the flags below)",
+        action=RenamedFlag,
+        help="a PassManager or a list of passes, MODULE:NAME (default: PassManager.default with the flags below)",
     )
     zero = parser.add_mutually_exclusive_group()
     zero.add_argument(
+        "--zero",
         "--zero-stage",
+        action=RenamedFlag,
         type=int,
         default=0,
         choices=[0, 1, 2, 3],
-        help="ZeRO stage of Pipeline.default(zero_stage=...): 0 off, 1 optimizer state, 2 and gradients, "
+        help="the ZeRO level of PassManager.default(zero=...): 0 off, 1 optimizer state, 2 and gradients, "
         "3 and parameters stored 1/N per device (default: 0)",
     )
-    zero.add_argument("--shard-optimizer", action="store_true", help="the same as --zero-stage 1 (the older spelling)")
+    zero.add_argument("--shard-optimizer", action="store_true", help="the same as --zero 1 (the older spelling)")
     parser.add_argument(
         "--hierarchical",
         action="store_true",
-        help="Pipeline.default(hierarchical=True): all-reduce over cores, then over workers",
+        help="PassManager.default(hierarchical=True): all-reduce over cores, then over workers",
     )
     parser.add_argument(
-        "--compress", action="store_true", help="Pipeline.default(compress=True): float32 all-reduces sent as bfloat16"
+        "--compress",
+        action="store_true",
+        help="PassManager.default(compress=True): float32 all-reduces sent as bfloat16",
     )
     parser.add_argument(
         "--algorithm",
         default="native",
         choices=["native", "ring", "reduce_broadcast"],
-        help="Pipeline.default(all_reduce_algorithm=...) (default: native)",
+        help="PassManager.default(all_reduce_algorithm=...) (default: native)",
     )
     parser.add_argument(
         "--seed",
@@ -125,9 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-#: The flags that set Pipeline.default's options, with their defaults.
+#: The flags that set PassManager.default's options, with their defaults.
 PIPELINE_FLAGS = {
-    "zero_stage": 0,
+    "zero": 0,
     "shard_optimizer": False,
     "hierarchical": False,
     "compress": False,
@@ -137,27 +156,27 @@ PIPELINE_FLAGS = {
 
 def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Exit with a usage error for flags that contradict each other (before any module is loaded)."""
-    if args.pipeline:
+    if args.passes:
         given = [
             f"--{name.replace('_', '-')}" for name, default in PIPELINE_FLAGS.items() if getattr(args, name) != default
         ]
         if given:
             parser.error(
-                f"--pipeline replaces Pipeline.default and its options: drop {' '.join(given)}, or give the "
-                f"pipeline those options itself."
+                f"--passes replaces PassManager.default and its options: drop {' '.join(given)}, or give the "
+                f"pass manager those options itself."
             )
 
 
-def pipeline_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
-    """The pipeline to bisect: ``--pipeline``'s, or ``Pipeline.default`` with the flags' options."""
+def passes_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
+    """The pass manager to bisect: ``--passes``'s, or ``PassManager.default`` with the flags' options."""
     import replicator as rp
 
     check_flags(parser, args)
-    if args.pipeline:
-        pipeline = _value(_load(args.pipeline))
-        return pipeline if isinstance(pipeline, rp.Pipeline) else rp.Pipeline(pipeline)
-    return rp.Pipeline.default(
-        zero_stage=1 if args.shard_optimizer else args.zero_stage,
+    if args.passes:
+        passes = _value(_load(args.passes))
+        return passes if isinstance(passes, rp.PassManager) else rp.PassManager(passes)
+    return rp.PassManager.default(
+        zero=1 if args.shard_optimizer else args.zero,
         hierarchical=args.hierarchical,
         compress=args.compress,
         all_reduce_algorithm=args.algorithm,
@@ -177,11 +196,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     step_fn = _load(args.step)
     batch = _value(_load(args.batch))
     state = _value(_load(args.state)) if args.state else None
-    pipeline = pipeline_from_args(parser, args)
-    repl = rp.Replicator(args.workers, args.cores, passes=pipeline)
+    passes = passes_from_args(parser, args)
+    repl = rp.Replicator(args.workers, args.cores, passes=passes)
     report = bisect_passes(repl, step_fn, batch, state, seed=args.seed, random_inputs=args.random_inputs)
     print(report)
     return 0 if report.culprit is None else 1
+
+
+def __getattr__(name: str) -> Any:
+    if name == "pipeline_from_args":  # the old name
+        warnings.warn(
+            "replicator.bisect.pipeline_from_args is now replicator.bisect.passes_from_args.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return passes_from_args
+    raise AttributeError(f"module 'replicator.bisect' has no attribute {name!r}")
 
 
 if __name__ == "__main__":

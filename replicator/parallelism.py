@@ -23,18 +23,21 @@ Promises:
    (``pipeline_stages``, ``microbatches``, ``schedule``, ``pipeline_recompute``,
    ``replicas_per_device``); giving both is a ``ValueError``
    (``tests/tensor/test_replicator.py::test_the_old_keywords_and_parallelism_are_one_setting``).
+   The old keywords are deprecated: given other than their defaults, they warn
+   ``DeprecationWarning`` naming the ``Parallelism`` that says the same.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from replicator.tensor.auto import Auto, as_plan
 from replicator.tensor.plan import TensorPlan
 
-__all__ = ["Parallelism", "check_tensor_supported", "older_keywords"]
+__all__ = ["OLDER_KEYWORDS", "Parallelism", "check_tensor_supported", "older_keywords", "warn_older_keywords"]
 
 SCHEDULES = ("1f1b", "gpipe", "1f1b-fused")
 
@@ -131,6 +134,38 @@ class Parallelism:
             object.__setattr__(self, "tensor_plan", as_plan(self.tensor_plan, self.memory_budget))
         elif self.memory_budget is not None:
             raise ValueError("Parallelism(memory_budget=...) is the budget of tensor_plan='auto': give tensor=T too.")
+
+
+#: ``Replicator``'s older keywords -> the :class:`Parallelism` field each spells, with the keyword's default.
+OLDER_KEYWORDS: dict[str, tuple[str, Any]] = {
+    "pipeline_stages": ("stages", 1),
+    "microbatches": ("microbatches", None),
+    "schedule": ("schedule", None),
+    "pipeline_recompute": ("recompute", False),
+    "replicas_per_device": ("replicas_per_device", 1),
+}
+
+
+def warn_older_keywords(**given: Any) -> None:
+    """A ``DeprecationWarning`` (attributed to the ``Replicator(...)`` call) for the older keywords given
+    other than their defaults, naming the ``parallelism=rp.Parallelism(...)`` that says the same.
+
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     warn_older_keywords(pipeline_stages=2, microbatches=4, schedule=None)
+    >>> print(caught[0].message)
+    Replicator(pipeline_stages=..., microbatches=...) is deprecated: write parallelism=rp.Parallelism(stages=2, microbatches=4) (the same behaviour).
+    """
+    old = {name: value for name, value in given.items() if value != OLDER_KEYWORDS[name][1]}
+    if old:
+        fields = ", ".join(f"{OLDER_KEYWORDS[name][0]}={value!r}" for name, value in old.items())
+        warnings.warn(
+            f"Replicator({', '.join(f'{name}=...' for name in old)}) is deprecated: write "
+            f"parallelism=rp.Parallelism({fields}) (the same behaviour).",
+            DeprecationWarning,
+            stacklevel=3,
+        )
 
 
 def older_keywords(parallelism: Parallelism | None, **given: Any) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Long runs of the differential fuzzer (the test suite runs a fixed-seed sample).
 
-Every program runs under each pipeline variant on a 2 x 4 and a 1 x 8 mesh of
+Every program runs under each pass-manager variant on a 2 x 4 and a 1 x 8 mesh of
 8 emulated CPU devices and is compared with all replicas simulated at once on
 one device (``tests/fuzz/programs.py``). Prints what it checked and every
 failure with the seed that reproduces it.

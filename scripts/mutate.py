@@ -91,7 +91,7 @@ EQUIVALENT_FILE = os.path.join("scripts", "mutation", "equivalent.toml")
 GROUPS: dict[str, tuple[str, ...]] = {
     "passes/": ("replicator/passes/",),
     "analysis/": ("replicator/analysis/",),
-    "pipeline/verify.py": ("replicator/pipeline/verify.py",),
+    "pass_manager/verify.py": ("replicator/pass_manager/verify.py",),
     "runtime/": (
         "replicator/runtime/execution.py",
         "replicator/runtime/state.py",
@@ -123,8 +123,8 @@ DEFAULT_TARGET = 0.90
 # test file first (with -x, a killed mutant stops at its first failure), then the wider ones that
 # exercise it; glob patterns (relative to the root) take in new test files named after the module.
 TESTS: dict[str, tuple[str, ...]] = {
-    "replicator/passes/__init__.py": ("tests/passes/test_pipeline.py",),
-    "replicator/passes/capture.py": ("tests/passes/test_capture.py", "tests/passes/test_pipeline.py"),
+    "replicator/passes/__init__.py": ("tests/passes/test_pass_manager.py",),
+    "replicator/passes/capture.py": ("tests/passes/test_capture.py", "tests/passes/test_pass_manager.py"),
     "replicator/passes/check_invariance.py": (
         "tests/passes/test_invariance.py",
         "tests/passes/test_capture.py",
@@ -132,7 +132,7 @@ TESTS: dict[str, tuple[str, ...]] = {
         "tests/test_per_replica_state.py",
     ),
     "replicator/passes/compress.py": ("tests/passes/test_compress.py",),
-    "replicator/passes/defaults.py": ("tests/passes/test_pipeline.py", "tests/passes/test_auto.py"),
+    "replicator/passes/defaults.py": ("tests/passes/test_pass_manager.py", "tests/passes/test_auto.py"),
     "replicator/passes/fold.py": ("tests/passes/test_fold.py",),
     "replicator/passes/fuse_collectives.py": ("tests/passes/test_fuse_collectives.py", "tests/passes/test_buffers.py"),
     "replicator/passes/hierarchical.py": ("tests/passes/test_hierarchical.py",),
@@ -167,10 +167,10 @@ TESTS: dict[str, tuple[str, ...]] = {
     ),
     # Every test runs the verifier (REPLICATOR_VERIFY=1 in conftest.py): a mutant that makes it
     # raise fails them all; one that lets a broken graph through fails only the tests that build one.
-    "replicator/pipeline/verify.py": (
+    "replicator/pass_manager/verify.py": (
         "tests/passes/test_verify_graph.py",
         "tests/passes/test_validate.py",
-        "tests/passes/test_pipeline.py",
+        "tests/passes/test_pass_manager.py",
         "tests/passes/test_soundness.py",
         "tests/test_bad_input.py",
     ),

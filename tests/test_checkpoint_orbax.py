@@ -125,7 +125,9 @@ def saved(tmp_path_factory, trained):
 LAYOUTS = {
     "1x8": lambda passes: rp.Replicator(1, 8, passes=passes),
     "2x2": lambda passes: rp.Replicator(2, 2, devices=jax.devices()[:4], passes=passes),
-    "8-on-4": lambda passes: rp.Replicator(1, 8, devices=jax.devices()[:4], replicas_per_device=2, passes=passes),
+    "8-on-4": lambda passes: rp.Replicator(
+        1, 8, devices=jax.devices()[:4], parallelism=rp.Parallelism(replicas_per_device=2), passes=passes
+    ),
 }
 
 
@@ -151,7 +153,7 @@ def _split(state) -> int:
     ],
 )
 def test_an_orbax_train_state_restores_into_a_run(n8, saved, trained, layout, zero_stage, source):
-    passes = rp.Pipeline.default(zero_stage=zero_stage, shard_optimizer_min_bytes=0)
+    passes = rp.PassManager.default(zero=zero_stage, shard_optimizer_min_bytes=0)
     repl = LAYOUTS[layout](passes)
     if zero_stage == 0:
         target = fresh_state()
@@ -202,7 +204,7 @@ def test_a_python_number_and_a_typed_key(tmp_path):
 
 @pytest.mark.parametrize("zero_stage", [0, 3])
 def test_a_run_exports_what_orbax_restores(n8, tmp_path, zero_stage):
-    passes = rp.Pipeline.default(zero_stage=zero_stage, shard_optimizer_min_bytes=0)
+    passes = rp.PassManager.default(zero=zero_stage, shard_optimizer_min_bytes=0)
     repl = rp.Replicator(2, 4, passes=passes)
     state = fresh_state()
     for i in range(3):
@@ -231,7 +233,7 @@ def test_a_run_exports_what_orbax_restores(n8, tmp_path, zero_stage):
 
 def test_export_then_restore_into_another_layout(n8, tmp_path):
     state = fresh_state()
-    zero3 = rp.Replicator(1, 8, passes=rp.Pipeline.default(zero_stage=3, shard_optimizer_min_bytes=0))
+    zero3 = rp.Replicator(1, 8, passes=rp.PassManager.default(zero=3, shard_optimizer_min_bytes=0))
     state, _ = zero3.run(train_step, batch(0), state)
     path = export_orbax(tmp_path / "e", state)
     back = restore_orbax(path, fresh_state())

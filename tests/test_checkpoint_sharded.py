@@ -94,17 +94,21 @@ def _assert_close(got, want, what: str) -> None:
 
 def _layout(name: str) -> rp.Replicator:
     """A Replicator of each layout the tests move checkpoints between (8 emulated devices)."""
-    zero = rp.Pipeline.default(shard_optimizer=True, shard_optimizer_min_bytes=0)
-    zero3 = rp.Pipeline.default(zero_stage=3, shard_optimizer_min_bytes=0)  # parameters split too
+    zero = rp.PassManager.default(shard_optimizer=True, shard_optimizer_min_bytes=0)
+    zero3 = rp.PassManager.default(zero=3, shard_optimizer_min_bytes=0)  # parameters split too
     four = jax.devices()[:4]
     return {
         "2x4-zero": lambda: rp.Replicator(2, 4, passes=zero),
         "2x4-zero3": lambda: rp.Replicator(2, 4, passes=zero3),
         "1x4": lambda: rp.Replicator(1, 4, devices=four),
         "1x4-zero": lambda: rp.Replicator(1, 4, devices=four, passes=zero),
-        "1x8-on-4-zero": lambda: rp.Replicator(1, 8, devices=four, replicas_per_device=2, passes=zero),
+        "1x8-on-4-zero": lambda: rp.Replicator(
+            1, 8, devices=four, parallelism=rp.Parallelism(replicas_per_device=2), passes=zero
+        ),
         "1x8-zero3": lambda: rp.Replicator(1, 8, passes=zero3),
-        "1x8-on-4-zero3": lambda: rp.Replicator(1, 8, devices=four, replicas_per_device=2, passes=zero3),
+        "1x8-on-4-zero3": lambda: rp.Replicator(
+            1, 8, devices=four, parallelism=rp.Parallelism(replicas_per_device=2), passes=zero3
+        ),
     }[name]()
 
 

@@ -112,7 +112,9 @@ def test_a_pipeline_stage_whose_replica_drifted_is_named(entry):
 
     p, batch = _params_for(four_stages_tied), global_batch()
     opt = optax.adam(1e-2)
-    repl = rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=4, microbatches=4, check_state_every=1)
+    repl = rp.Replicator(
+        1, 8, devices=jax.devices()[:8], parallelism=rp.Parallelism(stages=4, microbatches=4), check_state_every=1
+    )
     step = make_step(four_stages_tied, opt)
 
     def run(state):

@@ -112,7 +112,7 @@ def equinox_step_and_state():
 def test_equinox_module_state_and_batch_norm_match_pmap_and_one_device(mesh, zero_stage):
     eqx = pytest.importorskip("equinox")
     step, state = equinox_step_and_state()
-    passes = rp.Pipeline.default(zero_stage=zero_stage, shard_optimizer_min_bytes=0)
+    passes = rp.PassManager.default(zero=zero_stage, shard_optimizer_min_bytes=0)
     got, outs = replicated(step, state, mesh, passes=passes)
     # ZeRO-3 stores the first Linear's weight (8 x 3: its leading axis divides by 8) 1/8 per device
     assert got[0].lin.weight.sharding.is_fully_replicated == (zero_stage == 0)
@@ -169,7 +169,7 @@ def haiku_step_and_state():
 )
 def test_haiku_cross_replica_batch_norm_matches_pmap_and_one_device(mesh, zero_stage):
     step, state = haiku_step_and_state()
-    passes = rp.Pipeline.default(zero_stage=zero_stage, shard_optimizer_min_bytes=0)
+    passes = rp.PassManager.default(zero=zero_stage, shard_optimizer_min_bytes=0)
     got, outs = replicated(step, state, mesh, passes=passes)
     want8, outs8 = pmapped(step, state, 8)
     want1, _ = pmapped(step, state, 1)

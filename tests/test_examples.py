@@ -129,7 +129,7 @@ def test_gan_folded_equals_the_same_replicas_spread_over_devices(n_devices, per_
         return jax.tree.map(np.asarray, (state, metrics))
 
     spread = train(rp.Replicator(2, 4))
-    folded = train(rp.Replicator(2, 4, replicas_per_device=per_device))
+    folded = train(rp.Replicator(2, 4, parallelism=rp.Parallelism(replicas_per_device=per_device)))
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(folded), jax.tree.leaves(spread), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=jax.tree_util.keystr(path))
 

@@ -105,7 +105,7 @@ def test_process_local_rows_become_one_global_batch_in_worker_order(
 def test_folded_workers_rows_become_one_global_batch(n_devices: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Four workers on a mesh of two device rows (two replicas per device): the batch has every worker's rows."""
     monkeypatch.setattr(execution, "spans_processes", lambda mesh: True)
-    repl = rp.Replicator(4, n_devices // 2, replicas_per_device=2)
+    repl = rp.Replicator(4, n_devices // 2, parallelism=rp.Parallelism(replicas_per_device=2))
     rows = n_devices // 2
     per_worker = [np.full((rows, 2), w, np.int32) for w in range(4)]
     (placed,) = place_batch([[x] for x in per_worker], repl.mesh, 4)
@@ -170,7 +170,7 @@ def test_a_folded_step_trains_like_one_device_in_either_form_of_its_state(
     def step(w, batch):
         return w - 0.1 * rp.all_mean(jax.grad(loss)(w, *batch)), rp.all_mean(loss(w, *batch))
 
-    repl = rp.Replicator(2, 4, devices=jax.devices()[:4], replicas_per_device=2)
+    repl = rp.Replicator(2, 4, devices=jax.devices()[:4], parallelism=rp.Parallelism(replicas_per_device=2))
     w, want = w0, w0
     for _ in range(3):
         w, _ = repl.run(step, (x, y), w)

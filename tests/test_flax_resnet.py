@@ -23,7 +23,7 @@ import pytest
 from flax.training import train_state
 
 import replicator as rp
-from replicator.passes import Pipeline
+from replicator.passes import PassManager
 
 
 class CrossReplicaBatchNorm(nn.Module):
@@ -128,7 +128,7 @@ def test_flax_resnet_training_matches_one_device(n_devices, workers, zero_stage)
     repl = rp.Replicator(
         workers,
         n_devices // workers,
-        passes=Pipeline.default(zero_stage=zero_stage, shard_optimizer_min_bytes=0),
+        passes=PassManager.default(zero=zero_stage, shard_optimizer_min_bytes=0),
     )
 
     def input_fn(ctx):

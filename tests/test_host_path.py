@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import replicator as rp
-from replicator.pipeline.pipeline import Pipeline
+from replicator.pass_manager.manager import PassManager
 
 AXES = ("workers", "cores")
 #: Python calls a steady-state ``run`` of a trivial step makes beyond the hand-written call's (measured
@@ -164,12 +164,12 @@ def test_alternating_step_functions_each_run_their_own_step(n_devices):
     assert repl.trace_count == 2
 
 
-def test_a_new_pass_pipeline_between_calls_compiles_the_step_again(n_devices):
+def test_a_new_pass_manager_between_calls_compiles_the_step_again(n_devices):
     repl = rp.Replicator(1, n_devices)
     step = _replicator_loop(repl, n_devices)
     step(), step()
     assert repl.trace_count == 1
-    repl.pipeline = Pipeline(disable=["fuse-collectives"])
+    repl.passes = PassManager(disable=["fuse-collectives"])
     step()
     assert repl.trace_count == 2
 

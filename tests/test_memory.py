@@ -8,7 +8,7 @@ import pytest
 
 import replicator as rp
 from replicator.cost.memory import state_bytes_per_device
-from replicator.pipeline.pipeline import Lowered
+from replicator.pass_manager.manager import Lowered
 
 LAYERS, WIDTH, BATCH = 4, 256, 128
 
@@ -34,7 +34,7 @@ def _mlp_problem():
 @pytest.mark.parametrize("zero", [False, True])
 def test_xla_counts_the_arguments_the_graph_says_a_device_holds(repl, zero):
     step, state, batch = _mlp_problem()
-    passes = rp.Pipeline.default(shard_optimizer=zero)
+    passes = rp.PassManager.default(shard_optimizer=zero)
     lowered = rp.Replicator(1, repl.num_replicas, passes=passes).lower(step, batch, state)
     usage = lowered.memory()
     n = repl.num_replicas
@@ -53,7 +53,7 @@ def test_xla_counts_the_arguments_the_graph_says_a_device_holds(repl, zero):
 def test_zero_divides_the_state_and_the_peak(repl):
     step, state, batch = _mlp_problem()
     whole, zero = (
-        rp.Replicator(1, repl.num_replicas, passes=rp.Pipeline.default(shard_optimizer=z)).lower(step, batch, state)
+        rp.Replicator(1, repl.num_replicas, passes=rp.PassManager.default(shard_optimizer=z)).lower(step, batch, state)
         for z in (False, True)
     )
     assert zero.memory().peak < whole.memory().peak

@@ -54,7 +54,7 @@ def _numpy_running_means(xs, n_replicas):
 @pytest.mark.parametrize("workers,per_device", [(2, 1), (1, 2)])
 def test_each_replica_keeps_its_own_running_mean(n_devices, workers, per_device):
     cores = n_devices // workers * per_device
-    repl = rp.Replicator(workers, cores, replicas_per_device=per_device)
+    repl = rp.Replicator(workers, cores, parallelism=rp.Parallelism(replicas_per_device=per_device))
     n = repl.num_replicas
     xs = _rows(n)
     input_fn = _input_fn(repl, xs)
@@ -225,7 +225,7 @@ def test_zero_shards_the_optimizer_state_next_to_per_replica_statistics(repl2d):
     repl = rp.Replicator(
         repl2d.num_workers,
         repl2d.cores_per_worker,
-        passes=rp.Pipeline.default(zero_stage=1, shard_optimizer_min_bytes=0),
+        passes=rp.PassManager.default(zero=1, shard_optimizer_min_bytes=0),
     )
     tx = optax.adam(1e-2)
 

@@ -32,7 +32,7 @@ def _batch(n, width=8):
 
 def test_fused_gradients_are_one_row_carrying_every_tensor(n_devices):
     n = n_devices
-    repl = rp.Replicator(1, n, passes=rp.Pipeline.default(shard_optimizer=False))
+    repl = rp.Replicator(1, n, passes=rp.PassManager.default(shard_optimizer=False))
     report = repl.explain(_step, _batch(n), _params())
     kinds = [r.kind for r in report.rows]
     assert kinds == ["all_mean", "all_gather"]
@@ -53,7 +53,7 @@ def test_zero_rows_reduce_scatter_gradients_and_gather_parameters(n_devices):
     # Plain SGD has no optimizer state to shard: ZeRO's update splitting alone (shard_state=False).
     passes = rp.passes.default_passes()
     passes.insert(2, rp.passes.ShardOptimizerUpdate(shard_state=False, min_tensor_bytes=0))
-    zero = rp.Pipeline(passes)
+    zero = rp.PassManager(passes)
     report = rp.Replicator(1, n, passes=zero).explain(_step, _batch(n, width=n), _params(width=n))
     rows = {r.kind: r for r in report.rows if r.kind in ("reduce_scatter", "all_mean")}
     param_bytes = sum(x.size * 4 for x in jax.tree.leaves(_params(width=n)))
@@ -66,7 +66,9 @@ def test_zero_rows_reduce_scatter_gradients_and_gather_parameters(n_devices):
 
 
 def test_without_fusion_each_user_collective_is_a_row(n_devices):
-    repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(disable=["fuse-collectives"], shard_optimizer=False))
+    repl = rp.Replicator(
+        1, n_devices, passes=rp.PassManager.default(disable=["fuse-collectives"], shard_optimizer=False)
+    )
     report = repl.explain(_step, _batch(n_devices), _params())
     assert [r.kind for r in report.rows] == ["all_mean", "all_gather", "all_mean"]
     assert report.rows[0].tensors == len(_params())
@@ -190,14 +192,14 @@ def test_fused_bucket_is_one_row_with_every_tensor(n_devices):
 
 def test_tensor_above_the_fusion_limit_keeps_its_own_row(n_devices):
     # w* are 8x8 f32 = 256 bytes, b* 32 bytes: with a 100-byte limit each w travels alone.
-    pipe = rp.Pipeline.default(fuse_max_tensor_bytes=100)
+    pipe = rp.PassManager.default(fuse_max_tensor_bytes=100)
     repl = rp.Replicator(1, n_devices, passes=pipe)
     report, counted = _report_and_count(repl, _reduce_step, _batch(n_devices), _params())
     _assert_matches(report, counted)
     sizes = sorted((r.tensors, r.nbytes) for r in report.rows)
     assert sizes == [(1, 256)] * 4 + [(4, 4 * 32)]
     # A smaller bucket threshold splits the small tensors too.
-    pipe = rp.Pipeline.default(fuse_max_tensor_bytes=100, fuse_threshold_bytes=64)
+    pipe = rp.PassManager.default(fuse_max_tensor_bytes=100, fuse_threshold_bytes=64)
     report, counted = _report_and_count(
         rp.Replicator(1, n_devices, passes=pipe), _reduce_step, _batch(n_devices), _params()
     )
@@ -208,7 +210,7 @@ def test_tensor_above_the_fusion_limit_keeps_its_own_row(n_devices):
 def test_compressed_all_reduce_reports_bfloat16_bytes(n_devices):
     n = n_devices
     plain, plain_counted = _report_and_count(rp.Replicator(1, n), _reduce_step, _batch(n), _params())
-    repl = rp.Replicator(1, n, passes=rp.Pipeline.default(compress=True))
+    repl = rp.Replicator(1, n, passes=rp.PassManager.default(compress=True))
     report, counted = _report_and_count(repl, _reduce_step, _batch(n), _params())
     _assert_matches(report, counted)
     (row,) = report.rows
@@ -221,7 +223,7 @@ def test_compressed_all_reduce_reports_bfloat16_bytes(n_devices):
 
 def test_ring_all_reduce_costs_its_chunks(n_devices):
     n = n_devices
-    repl = rp.Replicator(1, n, passes=rp.Pipeline.default(all_reduce_algorithm="ring"))
+    repl = rp.Replicator(1, n, passes=rp.PassManager.default(all_reduce_algorithm="ring"))
     report, counted = _report_and_count(repl, _reduce_step, _batch(n), _params())
     _assert_matches(report, counted)
     (row,) = report.rows
@@ -233,7 +235,7 @@ def test_ring_all_reduce_costs_its_chunks(n_devices):
 
 def test_reduce_broadcast_is_not_costed_as_a_ring(n_devices):
     n = n_devices
-    repl = rp.Replicator(1, n, passes=rp.Pipeline.default(all_reduce_algorithm="reduce_broadcast"))
+    repl = rp.Replicator(1, n, passes=rp.PassManager.default(all_reduce_algorithm="reduce_broadcast"))
     report, counted = _report_and_count(repl, _reduce_step, _batch(n), _params())
     _assert_matches(report, counted)
     (row,) = report.rows
@@ -250,7 +252,7 @@ def test_hierarchical_rows_are_its_three_steps(repl2d):
     w, c = repl2d.num_workers, repl2d.cores_per_worker
     if w < 2 or c < 2:
         return
-    repl = rp.Replicator(w, c, passes=rp.Pipeline.default(hierarchical=True))
+    repl = rp.Replicator(w, c, passes=rp.PassManager.default(hierarchical=True))
     n = repl.num_replicas
     report, counted = _report_and_count(repl, _reduce_step, _batch(n), _params())
     _assert_matches(report, counted)
@@ -297,7 +299,7 @@ def _nbytes(shape):
 
 def _zero_report(n, **options):
     step, state, batch = _zero_problem(n)
-    return rp.Replicator(1, n, passes=rp.Pipeline.default(**options)).explain(step, batch, state), state
+    return rp.Replicator(1, n, passes=rp.PassManager.default(**options)).explain(step, batch, state), state
 
 
 def test_explain_accounts_for_every_leaf_a_zero_stage_leaves_replicated(n_devices):
@@ -305,7 +307,7 @@ def test_explain_accounts_for_every_leaf_a_zero_stage_leaves_replicated(n_device
     small = [name for name, shape in ZERO_SHAPES.items() if _nbytes(shape) < 64 * 1024]  # w0, b0, b1
     moments_bytes = 2 * sum(_nbytes(ZERO_SHAPES[name]) for name in small)  # Adam's mu and nu of each
     for stage, under in ((1, 2 * len(small)), (3, 3 * len(small))):
-        report, state = _zero_report(n, zero_stage=stage)
+        report, state = _zero_report(n, zero=stage)
         zero = report.zero
         assert zero.stage == stage and zero.min_tensor_bytes == 64 * 1024
         assert zero.num_leaves == len(jax.tree.leaves(state))
@@ -326,10 +328,10 @@ def test_explain_accounts_for_every_leaf_a_zero_stage_leaves_replicated(n_device
         human = f"{below_bytes / 1024:.1f} KiB"
         assert (
             f"{under} leaves, {human} in all, stay replicated under the 64.0 KiB threshold "
-            f"(Pipeline.default(zero_stage={stage}, shard_optimizer_min_bytes=0) splits them)"
+            f"(PassManager.default(zero={stage}, shard_optimizer_min_bytes=0) splits them)"
         ) in text, text
         # What the line claims: without the threshold the same stage splits them.
-        unthresholded, _ = _zero_report(n, zero_stage=stage, shard_optimizer_min_bytes=0)
+        unthresholded, _ = _zero_report(n, zero=stage, shard_optimizer_min_bytes=0)
         assert {leaf.path for leaf in below} <= set(unthresholded.zero.sharded)
         assert [leaf.reason for leaf in unthresholded.zero.replicated] == (
             ["no-dividing-axis", *["parameter"] * 4] if stage == 1 else ["no-dividing-axis"]
@@ -339,12 +341,12 @@ def test_explain_accounts_for_every_leaf_a_zero_stage_leaves_replicated(n_device
 def test_explain_predicts_the_stages_with_the_pipelines_threshold(n_devices):
     """The state at each stage is predicted with the pipeline's shard_optimizer_min_bytes, not the default."""
     n = n_devices
-    report, _ = _zero_report(n, zero_stage=1, shard_optimizer_min_bytes=0)
+    report, _ = _zero_report(n, zero=1, shard_optimizer_min_bytes=0)
     params = sum(_nbytes(shape) for shape in ZERO_SHAPES.values())
     expected = params + 2 * params // n + 4  # parameters whole, Adam's moments in 1/n, the int32 count
     assert report.state_bytes == expected
     assert report.state_bytes_by_stage[1] == expected
-    assert "Pipeline.default(zero_stage=k, shard_optimizer_min_bytes=0), predicted" in str(report)
+    assert "PassManager.default(zero=k, shard_optimizer_min_bytes=0), predicted" in str(report)
 
 
 def test_explain_without_zero_has_no_account(n_devices):

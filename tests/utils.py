@@ -41,8 +41,8 @@ from jax import lax
 import replicator as rp
 from replicator.core.jaxprs import inline_function
 from replicator.core.primitives import all_reduce_p
-from replicator.passes import Pass, Pipeline, default_passes
-from replicator.pipeline.contract import rewrite_graph
+from replicator.pass_manager.contract import rewrite_graph
+from replicator.passes import Pass, PassManager, default_passes
 
 # -- the vmap reference --------------------------------------------------------------------
 
@@ -584,11 +584,11 @@ class DoubleFirstAllSum(Pass):
         return rewrite_graph(graph, rule)
 
 
-def wrong_pipeline(**kwargs) -> Pipeline:
+def wrong_pipeline(**kwargs) -> PassManager:
     """The default passes with :class:`DoubleFirstAllSum` right after ``simplify``."""
     passes = default_passes()
     passes.insert([p.name for p in passes].index("simplify") + 1, DoubleFirstAllSum())
-    return Pipeline(passes, **kwargs)
+    return PassManager(passes, **kwargs)
 
 
 def small_step(state, batch):

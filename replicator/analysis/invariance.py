@@ -186,7 +186,7 @@ def _default_rule(analysis: VarianceAnalysis, eqn: JaxprEqn, ins: list[Variance]
                 f"sub-graph replicator's replica-invariance analysis has no rule for, so it cannot prove "
                 f"that every replica runs this collective.\n"
                 f"Fix: call the collective outside that transformation (before or after it), or disable "
-                f"the check with Pipeline(disable=['check-replica-invariance']) if you are sure; please "
+                f"the check with PassManager(disable=['check-replica-invariance']) if you are sure; please "
                 f"report the primitive so a rule can be added."
             )
         v = analysis.live_axes

@@ -91,7 +91,7 @@ def _placeholder(name: str, *, multiple_results: bool = False) -> Primitive:
         raise RuntimeError(
             f"The cross-replica placeholder '{name}' (params {params}) reached "
             f"XLA unlowered: the pass '{LOWERING_PASS}' should have replaced it "
-            f"with a mesh collective. Keep '{LOWERING_PASS}' in the pipeline "
+            f"with a mesh collective. Keep '{LOWERING_PASS}' in the pass manager "
             f"(it cannot be disabled), and call collectives only inside a "
             f"step_fn run by Replicator.run."
         )

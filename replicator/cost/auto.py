@@ -1,6 +1,6 @@
-"""``Pipeline.default(auto=True)``: pass options chosen per graph by the communication cost model.
+"""``PassManager.default(auto=True)``: pass options chosen per graph by the communication cost model.
 
-For each step it compiles, an :class:`AutoPipeline` runs the default passes
+For each step it compiles, an :class:`AutoPassManager` runs the default passes
 under several option settings and keeps the one whose collectives the cost
 model (:mod:`replicator.cost.collectives`) predicts fastest on its topology.
 The search is a steepest descent from the default setting: each round tries
@@ -21,7 +21,7 @@ fusion adds the copies that pack its buckets. ``compress`` (a precision
 change) is never tried, and ties keep the default. The choice and the
 predicted times are in ``Lowered.notes`` and in ``explain``'s report.
 
->>> repl = rp.Replicator(2, 4, passes=rp.Pipeline.default(auto=True, topology="gpu-hosts-100gbe"))
+>>> repl = rp.Replicator(2, 4, passes=rp.PassManager.default(auto=True, topology="gpu-hosts-100gbe"))
 >>> report = repl.explain(lambda b: rp.all_sum(b), np.ones((8, 4), np.float32))
 >>> "auto (gpu-hosts-100gbe)" in str(report)
 True
@@ -31,15 +31,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
 from replicator.core.graph import StepGraph
 from replicator.core.layout import FoldLayout
+from replicator.pass_manager.manager import HOOKS, Lowered, PassManager
 from replicator.passes.defaults import default_passes
-from replicator.pipeline.pipeline import HOOKS, Lowered, Pipeline
 
-__all__ = ["AutoPipeline", "SEARCH"]
+__all__ = ["AutoPassManager", "SEARCH"]
 
 FUSION = "fuse-collectives"
 
@@ -52,7 +53,7 @@ SEARCH: tuple[tuple[str, tuple[Any, ...]], ...] = (
 )
 
 
-class AutoPipeline(Pipeline):
+class AutoPassManager(PassManager):
     """The default passes, their options chosen per graph (see the module docstring).
 
     ``passes`` and ``names`` are every pass it may choose (the default passes with
@@ -63,7 +64,7 @@ class AutoPipeline(Pipeline):
       topology: a preset name of :data:`~replicator.cost.collectives.PRESETS`
         or a :class:`~replicator.cost.collectives.Topology` (``calibrate()``).
       options: fixed options of :func:`default_passes` (not searched).
-      disable, verify, validate, dump_dir: as for :class:`Pipeline`.
+      disable, verify, validate, dump_dir: as for :class:`PassManager`.
     """
 
     def __init__(
@@ -83,7 +84,7 @@ class AutoPipeline(Pipeline):
         fixed = set(self.options) & {name for name, _ in SEARCH}
         if fixed:
             raise ValueError(
-                f"Pipeline.default(auto=True) chooses {sorted(fixed)} itself; drop them, or use auto=False to fix them."
+                f"PassManager.default(auto=True) chooses {sorted(fixed)} itself; drop them, or use auto=False to fix them."
             )
         self._settings = dict(disable=tuple(disable), verify=verify, validate=validate, dump_dir=dump_dir)
         candidates = default_passes(**self.options, hierarchical=True, shard_optimizer=True)
@@ -93,9 +94,9 @@ class AutoPipeline(Pipeline):
         return (*super().key(), "auto", repr(self.topology))
 
     def __repr__(self) -> str:
-        return f"Pipeline(auto, topology={self.topology.name!r})"
+        return f"PassManager(auto, topology={self.topology.name!r})"
 
-    def _pipeline(self, setting: dict) -> Pipeline:
+    def _passes(self, setting: dict) -> PassManager:
         options = dict(self.options)
         disable = list(self._settings["disable"])
         for name, value in setting.items():
@@ -109,7 +110,7 @@ class AutoPipeline(Pipeline):
         passes = default_passes(**options)
         present = {p.name for p in passes}  # the user may disable a candidate this setting leaves out
         settings = {**self._settings, "disable": [name for name in disable if name in present]}
-        return Pipeline(passes, **settings)
+        return PassManager(passes, **settings)
 
     def predicted_seconds(self, final: StepGraph) -> float:
         """The cost model's time for a lowered graph: its collectives, plus its own work if the topology has a compute model."""
@@ -131,7 +132,7 @@ class AutoPipeline(Pipeline):
         tried: list[tuple[dict, float]] = []
 
         def attempt(setting: dict) -> tuple[Lowered, float]:
-            lowered = self._pipeline(setting).run(graph, fold=fold)
+            lowered = self._passes(setting).run(graph, fold=fold)
             seconds = self.predicted_seconds(lowered.final)
             tried.append((setting, seconds))
             return lowered, seconds
@@ -193,4 +194,15 @@ def _describe(setting: dict) -> str:
     return ", ".join(parts)
 
 
-HOOKS.auto_pipeline = AutoPipeline
+HOOKS.auto_pass_manager = AutoPassManager
+
+
+def __getattr__(name: str) -> Any:
+    if name == "AutoPipeline":  # the old name ("pipeline" means pipeline parallelism only)
+        warnings.warn(
+            "replicator.cost.auto.AutoPipeline is now replicator.cost.auto.AutoPassManager.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return AutoPassManager
+    raise AttributeError(f"module 'replicator.cost.auto' has no attribute {name!r}")

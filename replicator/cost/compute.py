@@ -4,8 +4,8 @@ The communication model (:mod:`replicator.cost.collectives`) sees only
 collectives. Some pass options trade communication for compute or the other
 way round: ``shard-optimizer-update`` (ZeRO-1) makes every device update
 ``1/N`` of the parameters at the price of an all-gather, and fusion adds the
-copies that pack and unpack its buckets. :class:`AutoPipeline
-<replicator.cost.auto.AutoPipeline>` adds this model's time to the
+copies that pack and unpack its buckets. :class:`AutoPassManager
+<replicator.cost.auto.AutoPassManager>` adds this model's time to the
 communication time when its topology has a :class:`Compute`.
 
 The model is a count, per device, over the equations of the lowered graph:

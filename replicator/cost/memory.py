@@ -1,13 +1,13 @@
 """How many bytes of state each device holds, predicted from the graph alone.
 
-A state leaf that the pipeline left replicated is whole on every device; one it
+A state leaf that the passes left replicated is whole on every device; one it
 stores sharded (``StepGraph.sharded_state``: ZeRO's optimizer state) is 1/N of
 itself per device, ``N`` the replicas. Compare with what XLA measures after
 compiling (``Lowered.memory()``, :mod:`replicator.runtime.memory`). Under a ZeRO
 stage, :func:`zero_account` says which leaves are stored sharded and why each
 other one stays whole (``explain`` prints it).
 
->>> repl = rp.Replicator(1, 8, passes=rp.Pipeline.default(shard_optimizer=True, shard_optimizer_min_bytes=0))
+>>> repl = rp.Replicator(1, 8, passes=rp.PassManager.default(shard_optimizer=True, shard_optimizer_min_bytes=0))
 >>> def step(s, b):
 ...     g = rp.all_mean(jax.grad(lambda w: jnp.sum((b @ w) ** 2))(s["w"]))
 ...     m = 0.9 * s["m"] + g
@@ -26,8 +26,8 @@ import dataclasses
 from replicator.core.buffers import is_floating, nbytes
 from replicator.core.graph import StepGraph
 from replicator.errors import ReplicationError
+from replicator.pass_manager.manager import Lowered
 from replicator.passes.shard_optimizer import DEFAULT_MIN_TENSOR_BYTES, ShardOptimizerUpdate
-from replicator.pipeline.pipeline import Lowered
 
 __all__ = [
     "REPLICATED_REASONS",
@@ -55,7 +55,7 @@ def state_bytes_per_device(final: StepGraph) -> int:
 def state_bytes_by_zero_stage(
     graph: StepGraph, *, min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES
 ) -> dict[int, int] | None:
-    """Bytes of state per device at each ZeRO stage 0-3, predicted by running the stage's pass on ``graph``.
+    """Bytes of state per device at each ZeRO level 0-3, predicted by running the level's pass on ``graph``.
 
     ``graph``: the step before ``shard-optimizer-update`` and the lowering
     (e.g. ``Lowered.after('simplify')``). ``None`` if the graph is not one the pass can read.
@@ -80,15 +80,15 @@ def state_bytes_by_zero_stage(
     return out
 
 
-#: Why a ZeRO stage leaves a state leaf whole on every replica (:attr:`ReplicatedLeaf.reason`), in the
+#: Why ZeRO leaves a state leaf whole on every replica (:attr:`ReplicatedLeaf.reason`), in the
 #: order :func:`zero_account` tries them, each with what ``explain`` prints (``{n}`` replicas, stage
 #: ``{k}``; ``{options}``: the threshold's option where some of the leaves are under it).
 REPLICATED_REASONS: dict[str, str] = {
     "no-dividing-axis": "as no axis of the shape divides by the {n} replicas",
     "under-threshold": (
-        "under the {threshold} threshold (Pipeline.default(zero_stage={k}, shard_optimizer_min_bytes=0) splits them)"
+        "under the {threshold} threshold (PassManager.default(zero={k}, shard_optimizer_min_bytes=0) splits them)"
     ),
-    "parameter": "as parameters, which stage {k} leaves whole (Pipeline.default(zero_stage=3{options}) splits them)",
+    "parameter": "as parameters, which ZeRO-{k} leaves whole (PassManager.default(zero=3{options}) splits them)",
     "not-floating": "as not floating point",
     "not-proven": (
         "as their updates, though identical on every replica, are not made element by element from values "
@@ -99,7 +99,7 @@ REPLICATED_REASONS: dict[str, str] = {
 
 @dataclasses.dataclass(frozen=True)
 class ReplicatedLeaf:
-    """A state leaf that a ZeRO stage left whole on every replica."""
+    """A state leaf that ZeRO left whole on every replica."""
 
     path: str
     nbytes: int
@@ -108,7 +108,7 @@ class ReplicatedLeaf:
 
 @dataclasses.dataclass(frozen=True)
 class ZeroAccount:
-    """Every state leaf under the pipeline's ZeRO stage: stored sharded, or replicated and why.
+    """Every state leaf under the pass manager's ZeRO level: stored sharded, or replicated and why.
 
     ``len(sharded) + len(replicated)`` is the step's number of state leaves; ``str()``
     prints a line per reason, with the option that changes it.
@@ -136,7 +136,7 @@ class ZeroAccount:
         k, n = self.stage, self.num_replicas
         whole = sum(leaf.nbytes for leaf in self.replicated)
         lines = [
-            f"ZeRO stage {k}: {len(self.sharded)} of {self.num_leaves} state leaves stored in 1/{n} chunks, one per "
+            f"ZeRO-{k}: {len(self.sharded)} of {self.num_leaves} state leaves stored in 1/{n} chunks, one per "
             f"replica ({human_bytes(self.sharded_bytes)} in all); {len(self.replicated)} stay whole on every replica "
             f"({human_bytes(whole)} in all):"
         ]
@@ -152,7 +152,7 @@ class ZeroAccount:
 
 
 def zero_account(lowered: Lowered) -> ZeroAccount | None:
-    """Which state leaves the ZeRO stage of ``lowered``'s pipeline stored sharded, and why each other one is whole.
+    """Which state leaves the ZeRO level of ``lowered``'s passes stored sharded, and why each other one is whole.
 
     ``None`` if no ``shard-optimizer-update`` ran, or with one replica. A leaf's
     reason is the first that holds, in the order of :data:`REPLICATED_REASONS`:
@@ -160,7 +160,7 @@ def zero_account(lowered: Lowered) -> ZeroAccount | None:
     ``min_tensor_bytes`` and the same stage without the threshold splits it;
     below stage 3, stage 3 without the threshold splits it (a parameter); it is
     not floating point; otherwise its update is not one the pass can prove and
-    split (at stage 3 the pipeline's notes say what stops each such floating-point
+    split (at ZeRO-3 the pass manager's notes say what stops each such floating-point
     leaf of at least ``min_tensor_bytes``).
     The two what-ifs run the pass again on the graph it was given.
 
@@ -169,14 +169,14 @@ def zero_account(lowered: Lowered) -> ZeroAccount | None:
     ...     m = 0.9 * s["m"] + g
     ...     return {"m": m, "w": s["w"] - 0.1 * m}, None
     >>> state = {"m": np.zeros((64, 4), np.float32), "w": np.ones((64, 4), np.float32)}
-    >>> repl = rp.Replicator(1, 8, passes=rp.Pipeline.default(zero_stage=1))
+    >>> repl = rp.Replicator(1, 8, passes=rp.PassManager.default(zero=1))
     >>> print(zero_account(repl.lower(step, np.ones((8, 64), np.float32), state)))
-    ZeRO stage 1: 0 of 2 state leaves stored in 1/8 chunks, one per replica (0 B in all); 2 stay whole
+    ZeRO-1: 0 of 2 state leaves stored in 1/8 chunks, one per replica (0 B in all); 2 stay whole
       on every replica (2.0 KiB in all):
       1 leaf, 1.0 KiB in all, stays replicated under the 64.0 KiB threshold
-        (Pipeline.default(zero_stage=1, shard_optimizer_min_bytes=0) splits them): state['m']
-      1 leaf, 1.0 KiB in all, stays replicated as parameters, which stage 1 leaves whole
-        (Pipeline.default(zero_stage=3, shard_optimizer_min_bytes=0) splits them): state['w']
+        (PassManager.default(zero=1, shard_optimizer_min_bytes=0) splits them): state['m']
+      1 leaf, 1.0 KiB in all, stays replicated as parameters, which ZeRO-1 leaves whole
+        (PassManager.default(zero=3, shard_optimizer_min_bytes=0) splits them): state['w']
     """
     index = next((i for i, s in enumerate(lowered.stages) if isinstance(s.by, ShardOptimizerUpdate)), None)
     if index is None:

@@ -35,13 +35,13 @@ and the ``'reduce_broadcast'`` tree costs what its busiest replica sends:
 broadcast is lowered as a masked all-reduce; ``replica_id`` sends nothing.
 Figures are per replica and per step; they do not include XLA's own
 scheduling. Below the table the report gives the state bytes per device
-(predicted, then XLA's measured memory) and, with a ZeRO stage, every state
+(predicted, then XLA's measured memory) and, with ZeRO, every state
 leaf it left whole, grouped by reason with the option that changes it
 (:func:`~replicator.cost.memory.zero_account`). For a model of *time*, ``report.predict(topology)`` costs every
 row with the alpha-beta model of :mod:`replicator.cost.collectives` on a
 preset (``'gpu-nvlink-8'``, ...) or a calibrated :class:`Topology`.
 
->>> repl = rp.Replicator(1, 8, passes=rp.Pipeline.default(all_reduce_algorithm="ring"))
+>>> repl = rp.Replicator(1, 8, passes=rp.PassManager.default(all_reduce_algorithm="ring"))
 >>> report = repl.explain(lambda b: rp.all_sum(b), np.ones((8, 16), np.float32))
 >>> row = report.rows[0]
 >>> row.kind, row.algorithm, row.nbytes, row.sent_bytes  # 2 * 7 chunks of 8 bytes
@@ -66,8 +66,8 @@ from replicator.cost.memory import (
 )
 from replicator.cost.table import format_table
 from replicator.cost.topology import Topology
+from replicator.pass_manager.manager import Lowered
 from replicator.passes.shard_optimizer import DEFAULT_MIN_TENSOR_BYTES
-from replicator.pipeline.pipeline import Lowered
 
 __all__ = ["CommunicationReport", "communication_report", "tensor_lines"]
 
@@ -81,7 +81,7 @@ class CommunicationReport:
     passes: tuple[str, ...]
     #: Workers of the mesh (which link a collective over all replicas uses); ``None``: unknown.
     num_workers: int | None = None
-    #: The pipeline's notes (``auto=True``: the options it chose and why).
+    #: The pass manager's notes (``auto=True``: the options it chose and why).
     notes: tuple[str, ...] = ()
     #: Bytes of state one device stores between steps, predicted from the graph
     #: (:func:`~replicator.cost.memory.state_bytes_per_device`); ``None``: unknown.
@@ -89,10 +89,10 @@ class CommunicationReport:
     #: Compiles the step and returns its measured per-device memory (``Lowered.memory``);
     #: called when the report is printed, or by :meth:`memory`.
     memory_fn: Callable[[], Any] | None = dataclasses.field(default=None, compare=False, repr=False)
-    #: The same prediction for each ZeRO stage 0-3 (:func:`~replicator.cost.memory.state_bytes_by_zero_stage`),
-    #: with the pipeline's ``shard_optimizer_min_bytes`` if it has a ZeRO stage.
+    #: The same prediction for each ZeRO level 0-3 (:func:`~replicator.cost.memory.state_bytes_by_zero_stage`),
+    #: with the pass manager's ``shard_optimizer_min_bytes`` if it runs ZeRO.
     state_bytes_by_stage: Mapping[int, int] | None = None
-    #: With a ZeRO stage: every state leaf, sharded or replicated and why
+    #: With ZeRO: every state leaf, sharded or replicated and why
     #: (:func:`~replicator.cost.memory.zero_account`); ``None`` without one.
     zero: ZeroAccount | None = None
     #: With a tensor axis: its size and what the split inserted over it
@@ -157,10 +157,10 @@ class CommunicationReport:
             memory.append(f"state per device (predicted from the graph): {human_bytes(self.state_bytes)}")
         if self.state_bytes_by_stage:
             stages = ", ".join(f"{k}: {human_bytes(v)}" for k, v in sorted(self.state_bytes_by_stage.items()))
-            options = "zero_stage=k"
+            options = "zero=k"
             if self.zero is not None and self.zero.min_tensor_bytes != DEFAULT_MIN_TENSOR_BYTES:
                 options += f", shard_optimizer_min_bytes={self.zero.min_tensor_bytes}"
-            memory.append(f"state per device at each ZeRO stage (Pipeline.default({options}), predicted): {stages}")
+            memory.append(f"state per device at each ZeRO level (PassManager.default({options}), predicted): {stages}")
         if self.zero is not None:
             memory.append(str(self.zero))
         if self.memory_fn is not None:
@@ -196,7 +196,7 @@ def tensor_lines(t: TensorLayout | None, per: str = "step") -> list[str]:
 
 
 def communication_report(lowered: Lowered) -> CommunicationReport:
-    """The report for a step that went through ``pipeline``.
+    """The report for a step that went through the pass manager.
 
     One row per collective that ``lower-collectives`` lowered, in the order
     it lowered them (program order, the collectives inside a sub-jaxpr before
@@ -220,7 +220,7 @@ def communication_report(lowered: Lowered) -> CommunicationReport:
 
 
 def _by_stage(lowered: Lowered, min_tensor_bytes: int) -> dict[int, int] | None:
-    """The state per device at each ZeRO stage, from the graph before any ZeRO stage ran."""
+    """The state per device at each ZeRO level, from the graph before ZeRO ran."""
     names = [s.name for s in lowered.stages]
     before = names.index("shard-optimizer-update") - 1 if "shard-optimizer-update" in names else None
     if before is None:

@@ -93,7 +93,7 @@ class Topology:
     #: (emulated CPU devices share memory: XLA reduces in one pass, whatever ``N``).
     native_latency: str = "ring"
     #: One device's speed at the step's own work (:mod:`~replicator.cost.compute`),
-    #: for choices that trade communication for compute (``Pipeline.default(auto=True)``);
+    #: for choices that trade communication for compute (``PassManager.default(auto=True)``);
     #: ``None``: communication only.
     compute: Compute | None = None
     #: Whether a device computes while its links send (asynchronous collectives: GPUs' streams, TPUs'

@@ -1,9 +1,11 @@
 """The rewrite passes (``StepGraph -> StepGraph``) and, re-exported for convenience,
-the pipeline that runs them and the analyses they use.
+the pass manager that runs them (:class:`PassManager`, formerly ``Pipeline``) and the analyses
+they use.
 
 ``rp.passes.calibrate``, ``PRESETS``, ``Topology``, ``Link``, ``Prediction``,
 ``predict``, ``bisect_passes`` and ``BisectReport`` moved to :mod:`replicator.cost`
-and :mod:`replicator.tools`; the old names still work, with a ``DeprecationWarning``.
+and :mod:`replicator.tools`; the old names still work, with a ``DeprecationWarning``
+(``Pipeline`` too).
 """
 
 import importlib
@@ -13,6 +15,14 @@ from typing import Any
 from replicator.analysis.invariance import analyze as analyze_invariance
 from replicator.core.graph import StepGraph as StepGraph
 from replicator.core.jaxprs import count_primitives as count_primitives
+from replicator.pass_manager.contract import Pass as Pass
+from replicator.pass_manager.contract import PassResult as PassResult
+from replicator.pass_manager.contract import rewrite_graph as rewrite_graph
+from replicator.pass_manager.manager import Lowered as Lowered
+from replicator.pass_manager.manager import PassManager as PassManager
+from replicator.pass_manager.manager import Stage as Stage
+from replicator.pass_manager.verify import GraphInvariantError as GraphInvariantError
+from replicator.pass_manager.verify import verify_graph as verify_graph
 from replicator.passes.capture import CaptureCollectives as CaptureCollectives
 from replicator.passes.capture import CaptureError as CaptureError
 from replicator.passes.check_invariance import CheckReplicaInvariance as CheckReplicaInvariance
@@ -26,14 +36,6 @@ from replicator.passes.lower_collectives import LowerCollectives as LowerCollect
 from replicator.passes.shard_optimizer import ShardOptimizerUpdate as ShardOptimizerUpdate
 from replicator.passes.share_slice_kernels import ShareSliceKernels as ShareSliceKernels
 from replicator.passes.simplify import Simplify as Simplify
-from replicator.pipeline.contract import Pass as Pass
-from replicator.pipeline.contract import PassResult as PassResult
-from replicator.pipeline.contract import rewrite_graph as rewrite_graph
-from replicator.pipeline.pipeline import Lowered as Lowered
-from replicator.pipeline.pipeline import Pipeline as Pipeline
-from replicator.pipeline.pipeline import Stage as Stage
-from replicator.pipeline.verify import GraphInvariantError as GraphInvariantError
-from replicator.pipeline.verify import verify_graph as verify_graph
 
 #: Names that moved out of ``rp.passes`` (resolved on first use, with a warning):
 #: the cost models and the tools sit above the passes.
@@ -50,6 +52,13 @@ MOVED: dict[str, str] = {
 
 
 def __getattr__(name: str) -> Any:
+    if name == "Pipeline":  # renamed: "pipeline" means pipeline parallelism only
+        warnings.warn(
+            "replicator.passes.Pipeline is now replicator.passes.PassManager (rp.PassManager).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return PassManager
     if name not in MOVED:
         raise AttributeError(f"module 'replicator.passes' has no attribute {name!r}")
     home = MOVED[name]
@@ -76,7 +85,7 @@ __all__ = [
     "Lowered",
     "Pass",
     "PassResult",
-    "Pipeline",
+    "PassManager",
     "ShardOptimizerUpdate",
     "ShareSliceKernels",
     "Simplify",

@@ -5,7 +5,7 @@ Code written for ``jax.pmap`` or ``shard_map`` calls ``lax.psum(x, 'batch')``,
 Haiku's batch norms do the same inside. With ``Replicator(axis_name='batch')``
 the step is traced with ``'batch'`` (and the mesh axes ``'workers'``, ``'cores'``)
 bound, so these calls trace to raw collective equations; this pass, first in
-the pipeline, rewrites each into the placeholder ``rp.all_mean`` and friends
+the pass manager, rewrites each into the placeholder ``rp.all_mean`` and friends
 bind, so every later pass (the invariance check, simplify, fusion, ZeRO, the
 lowerings) treats it exactly like a collective written with ``rp.*``:
 
@@ -52,7 +52,7 @@ from replicator.core.graph import StepGraph
 from replicator.core.jaxprs import inline_function
 from replicator.core.primitives import all_gather_p, all_reduce_p, reduce_scatter_p, replica_id_p
 from replicator.errors import ReplicationError
-from replicator.pipeline.contract import Pass, PassResult, rewrite_graph
+from replicator.pass_manager.contract import Pass, PassResult, rewrite_graph
 
 __all__ = ["CaptureCollectives", "CaptureError"]
 

@@ -20,7 +20,7 @@ from replicator.core.context import ReplicaContext, group_axes
 from replicator.core.graph import StepGraph
 from replicator.core.jaxprs import DefUse, iter_eqns, sub_jaxprs
 from replicator.errors import DivergentStateError
-from replicator.pipeline.contract import Pass, PassResult
+from replicator.pass_manager.contract import Pass, PassResult
 
 __all__ = ["CheckReplicaInvariance"]
 

@@ -80,14 +80,14 @@ holds. It is a worst case: on random data the error is typically near ``u *
 only when all roundings go the same way. Compare the float32 all-reduce:
 ``gamma_N`` with ``u = 2**-24``. :func:`error_bound` evaluates the bound.
 
-Example (``rp.Pipeline.default(compress=True)`` does the same; or
+Example (``rp.PassManager.default(compress=True)`` does the same; or
 ``CompressCommunication(wire_dtype=jnp.float16, groups=("workers",))``):
 
 >>> from replicator.passes import CompressCommunication, default_passes
 >>> passes = default_passes()
 >>> at = [p.name for p in passes].index("fuse-collectives") + 1
 >>> passes.insert(at, CompressCommunication())
->>> repl = rp.Replicator(1, 8, passes=rp.Pipeline(passes))
+>>> repl = rp.Replicator(1, 8, passes=rp.PassManager(passes))
 >>> report = repl.explain(lambda b: rp.all_mean(b), np.ones((8, 4), np.float32))
 >>> [(r.kind, r.dtype, r.nbytes) for r in report.rows]
 [('all_sum', 'bfloat16', 8)]
@@ -106,7 +106,7 @@ from jax.extend.core import JaxprEqn
 from replicator.core.context import GROUPS
 from replicator.core.graph import StepGraph
 from replicator.core.primitives import all_reduce_p
-from replicator.pipeline.contract import Pass, PassResult, replace_placeholders
+from replicator.pass_manager.contract import Pass, PassResult, replace_placeholders
 
 __all__ = ["CompressCommunication", "error_bound", "has_bound"]
 

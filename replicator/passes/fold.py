@@ -1,6 +1,6 @@
 """``fold-replicas``: run several logical replicas on one device.
 
-``Replicator(num_workers, cores_per_worker, replicas_per_device=F)`` runs
+``Replicator(num_workers, cores_per_worker, parallelism=Parallelism(replicas_per_device=F))`` runs
 ``R = W * C`` replicas on ``R / F`` devices. Every pass before this one sees the
 logical mesh (``W`` workers x ``C`` cores): group sizes, replica ids, the
 variance analysis and the collectives are those of ``R`` replicas. This pass
@@ -73,10 +73,10 @@ from replicator.core.context import REPLICA_AXES, axis_names
 from replicator.core.graph import StepGraph
 from replicator.core.jaxprs import inline_function, iter_eqns
 from replicator.core.layout import FOLDED_AXES, FoldError, FoldLayout
-from replicator.pipeline.contract import Pass, PassResult, rewrite_graph
+from replicator.pass_manager.contract import Pass, PassResult, rewrite_graph
 
 if TYPE_CHECKING:
-    from replicator.pipeline.pipeline import Lowered
+    from replicator.pass_manager.manager import Lowered
 
 __all__ = ["FoldReplicas", "fold_lowered"]
 
@@ -223,8 +223,8 @@ def _check_device_major(layout: FoldLayout, eqn: JaxprEqn, axes: tuple) -> None:
 class FoldReplicas(Pass):
     """Rewrite a lowered graph's mesh collectives for ``layout`` (see the module docstring).
 
-    Not part of a pipeline: ``Replicator(replicas_per_device=F)`` applies it
-    after the pipeline, as the stage ``fold-replicas`` of ``Replicator.lower``.
+    Not part of a pass manager: ``Parallelism(replicas_per_device=F)`` applies it
+    after the other passes, as the stage ``fold-replicas`` of ``Replicator.lower``.
     """
 
     name = "fold-replicas"
@@ -331,8 +331,8 @@ class FoldReplicas(Pass):
 
 def fold_lowered(lowered: Lowered, layout: FoldLayout) -> Lowered:
     """``lowered`` with a last stage ``fold-replicas``: its final graph folded for ``layout``."""
-    from replicator.pipeline.pipeline import Lowered, Stage
-    from replicator.pipeline.verify import check_defined
+    from replicator.pass_manager.manager import Lowered, Stage
+    from replicator.pass_manager.verify import check_defined
 
     result = FoldReplicas(layout).run(lowered.final)
     check_defined(result.graph)

@@ -78,7 +78,7 @@ strong types; different groups; ops not chosen; reduce-scatters off axis 0
 and untiled all-gathers; effects; collectives in different regions.
 
 Example: two gradients and a loss, averaged one by one, travel as one all-reduce
-(it is in the default pipeline; ``fusion_report`` lists the planned buckets):
+(it is in the default pass manager; ``fusion_report`` lists the planned buckets):
 
 >>> from replicator.passes.fuse_collectives import fusion_report
 >>> def step(batch):
@@ -109,7 +109,7 @@ from replicator.core.context import ReplicaContext
 from replicator.core.graph import Origin, StepGraph
 from replicator.core.jaxprs import inline_function, map_subjaxprs, merge_effects, region_name
 from replicator.core.primitives import REDUCE_OPS, all_gather_p, all_reduce_p, reduce_scatter_p
-from replicator.pipeline.contract import Pass, PassResult
+from replicator.pass_manager.contract import Pass, PassResult
 
 __all__ = [
     "DEFAULT_MAX_TENSOR_BYTES",

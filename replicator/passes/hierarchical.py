@@ -61,13 +61,13 @@ sub-jaxpr (``cond`` branches, ``scan``/``while`` bodies, ``jit``, ``remat``,
 custom-derivative calls) and never moves a collective across a control-flow
 boundary. Running it on its own output changes nothing.
 
-Example (``rp.Pipeline.default(hierarchical=True)`` inserts it with
+Example (``rp.PassManager.default(hierarchical=True)`` inserts it with
 ``min_bytes=0``):
 
 >>> from replicator.passes import HierarchicalAllReduce, default_passes
 >>> passes = default_passes()
 >>> passes.insert(-1, HierarchicalAllReduce(min_bytes=1024))
->>> repl = rp.Replicator(num_workers=2, cores_per_worker=4, passes=rp.Pipeline(passes))
+>>> repl = rp.Replicator(num_workers=2, cores_per_worker=4, passes=rp.PassManager(passes))
 >>> report = repl.explain(lambda b: rp.all_mean(b), np.ones((8, 1024), np.float32))
 >>> [(r.kind, r.group) for r in report.rows]
 [('reduce_scatter', 'cores'), ('all_sum', 'workers'), ('all_gather', 'cores')]
@@ -86,7 +86,7 @@ from replicator.core.buffers import nbytes, per_dtype_buffers
 from replicator.core.context import CORES, WORKERS, ReplicaContext
 from replicator.core.graph import StepGraph
 from replicator.core.primitives import all_gather_p, all_reduce_p, reduce_scatter_p
-from replicator.pipeline.contract import Pass, PassResult, replace_placeholders
+from replicator.pass_manager.contract import Pass, PassResult, replace_placeholders
 
 __all__ = ["HierarchicalAllReduce", "hierarchical_all_reduce"]
 

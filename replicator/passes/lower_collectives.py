@@ -1,6 +1,6 @@
 """``lower-collectives``: swap every placeholder for a real mesh collective.
 
-The last pass of every pipeline. Each placeholder primitive has a lowering
+The last pass of every pass manager. Each placeholder primitive has a lowering
 rule below, written as ordinary ``lax`` code over the mesh axes
 ``('workers', 'cores')``; the pass traces the rule on the placeholder's operands
 and splices the result in its place, in every sub-jaxpr too (``jit``, ``cond``
@@ -68,7 +68,7 @@ differential fuzzer (``tests/fuzz``) runs all three against all replicas
 simulated on one device.
 
 Example: ``all_mean`` becomes a ``psum`` (and a division); with the ring
-algorithm (``rp.Pipeline.default(all_reduce_algorithm="ring")`` puts
+algorithm (``rp.PassManager.default(all_reduce_algorithm="ring")`` puts
 ``LowerCollectives(algorithms={"all_reduce": "ring"})`` last), two scans of
 ``ppermute`` and no ``psum``:
 
@@ -77,7 +77,7 @@ algorithm (``rp.Pipeline.default(all_reduce_algorithm="ring")`` puts
 >>> final = rp.Replicator(1, 8).lower(step, batch).final
 >>> count_primitives(final.jaxpr, ["psum", "ppermute"])
 {'psum': 1}
->>> ring = rp.Replicator(1, 8, passes=rp.Pipeline.default(all_reduce_algorithm="ring"))
+>>> ring = rp.Replicator(1, 8, passes=rp.PassManager.default(all_reduce_algorithm="ring"))
 >>> count_primitives(ring.lower(step, batch).final.jaxpr, ["psum", "ppermute", "scan"])
 {'scan': 2, 'ppermute': 2}
 """
@@ -107,7 +107,7 @@ from replicator.core.primitives import (
     reduce_scatter_p,
     replica_id_p,
 )
-from replicator.pipeline.contract import Pass, PassResult, rewrite_graph
+from replicator.pass_manager.contract import Pass, PassResult, rewrite_graph
 
 __all__ = [
     "ALGORITHMS",

@@ -1,4 +1,4 @@
-"""``shard-optimizer-update``: ZeRO stages 1, 2 and 3 on the per-replica graph.
+"""``shard-optimizer-update``: ZeRO-1, -2 and -3 on the per-replica graph.
 
 A data-parallel step usually all-reduces its gradients and then has *every*
 replica run the same element-wise optimizer update on the whole model, with a
@@ -62,7 +62,7 @@ matmul, the backward pass's) gets its own ``all_gather``, ordered after the
 equation's other operands, so that no whole copy lives from the forward pass
 to the backward pass (DeepSpeed's re-gather). An element-wise cast of the
 parameter (``w.astype(bfloat16)``) runs on the chunk, so the gather moves bf16.
-Leaves that stay replicated are listed, with the reason, in the pipeline's
+Leaves that stay replicated are listed, with the reason, in the pass manager's
 notes (``explain`` prints them).
 
 **The chunk axis.** Every value of one shape is cut along the same axis: the
@@ -100,7 +100,7 @@ small leaves be sharded):
 ...     m = 0.9 * state["m"] + g
 ...     return {"m": m, "w": state["w"] - 0.1 * m}, None
 >>> state = {"m": np.zeros((8, 2), np.float32), "w": np.ones((8, 2), np.float32)}
->>> pipe = rp.Pipeline.default(shard_optimizer=True, shard_optimizer_min_bytes=0)
+>>> pipe = rp.PassManager.default(shard_optimizer=True, shard_optimizer_min_bytes=0)
 >>> graph = rp.Replicator(1, 8, passes=pipe).lower(step, np.ones((8, 8), np.float32), state).final
 >>> [graph.state_paths[i] for i in sorted(graph.sharded_state)]
 ["state['m']"]
@@ -124,7 +124,7 @@ from replicator.core.graph import ShardedState, StepGraph
 from replicator.core.jaxprs import inline_function, merge_effects
 from replicator.core.primitives import all_gather_p, all_reduce_p, reduce_scatter_p, replica_id_p
 from replicator.errors import ReplicationError
-from replicator.pipeline.contract import Pass, PassResult
+from replicator.pass_manager.contract import Pass, PassResult
 
 __all__ = ["DEFAULT_MIN_TENSOR_BYTES", "ELEMENTWISE", "ShardOptimizerUpdate"]
 
@@ -806,9 +806,7 @@ class ShardOptimizerUpdate(Pass):
                 why = f"no axis of its shape {v.aval.shape} divides by the {cut.n} replicas"
             else:
                 why = _why_whole(graph.jaxpr.jaxpr, info, graph.jaxpr.jaxpr.outvars[i])
-            notes.append(
-                f"ZeRO stage {self.stage}: {graph.state_paths[i]} {v.aval.str_short()} stays replicated: {why}"
-            )
+            notes.append(f"ZeRO-{self.stage}: {graph.state_paths[i]} {v.aval.str_short()} stays replicated: {why}")
         return tuple(notes)
 
     def _whole_stack_notes(self, graph: StepGraph, plan: _Plan, cut: _Cut) -> tuple[str, ...]:
@@ -827,7 +825,7 @@ class ShardOptimizerUpdate(Pass):
             else f"no axis after the scanned one divides by the {cut.n} replicas"
         )
         return tuple(
-            f"ZeRO stage {self.stage}: {graph.state_paths[i]} is gathered whole before a lax.scan that reads it "
+            f"ZeRO-{self.stage}: {graph.state_paths[i]} is gathered whole before a lax.scan that reads it "
             f"layer by layer: {why}"
             for i in sorted(whole)
             if not self._slicing or (cut.axis(graph.jaxpr.jaxpr.invars[i].aval) or 0) < 1

@@ -9,7 +9,7 @@ unfused program compiled one per *shape* (64 identical Adam updates share one
 kernel; read from 64 offsets of one buffer they are 64 kernels). On a 64-layer
 MLP that was most of the first call (``benchmarks/first_call.py --why-kernels``).
 
-In the default pipeline it runs right after ``fuse-collectives``, whose pieces
+In the default pass manager it runs right after ``fuse-collectives``, whose pieces
 are then slices of the placeholder's result. Where the top-level jaxpr takes two
 or more slices of the same shape (and stride 1) from the result of one
 collective, it rewrites each into a
@@ -33,7 +33,7 @@ argument, and the step carries one more (int32) argument per piece. On the
 64-layer MLP the step measured 1.4% slower with the pass (16.50 against 16.27
 ms, ``python benchmarks/bench_step.py --workloads mlp64x32 --rounds 15``),
 against 1.3 s less XLA compile in its first call: for a long run on which
-every step counts, ``Pipeline.default(disable=["share-slice-kernels"])``.
+every step counts, ``PassManager.default(disable=["share-slice-kernels"])``.
 
 **Precondition (soundness).** A group is rewritten only when all of these hold,
 and the pass checks each:
@@ -88,8 +88,8 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
 from replicator.core.graph import StepGraph
 from replicator.core.jaxprs import inline_function
 from replicator.core.primitives import PLACEHOLDERS
-from replicator.pipeline.contract import Pass, PassResult
-from replicator.pipeline.verify import MESH_COLLECTIVES
+from replicator.pass_manager.contract import Pass, PassResult
+from replicator.pass_manager.verify import MESH_COLLECTIVES
 
 __all__ = ["ShareSliceKernels"]
 

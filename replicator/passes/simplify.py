@@ -54,7 +54,7 @@ pure function of its inputs though each device draws its own numbers
 (``TestOutsideThePreconditions::test_per_device_random_numbers_are_not_assumed_identical``,
 an expected failure until ``invariance.OPAQUE_PRIMITIVES`` lists it).
 
-Example (the pass is in the default pipeline; ``Pipeline.default(disable=["simplify"])``
+Example (the pass is in the default pass manager; ``PassManager.default(disable=["simplify"])``
 turns it off):
 
 >>> def step(state, batch):
@@ -65,7 +65,7 @@ turns it off):
 ...     return {"count": n}, g + g2
 >>> state, batch = {"count": np.float32(1)}, np.ones((8, 4), np.float32)
 >>> on = rp.Replicator(1, 8).lower(step, batch, state).final
->>> off = rp.Replicator(1, 8, passes=rp.Pipeline.default(disable=["simplify"])).lower(step, batch, state).final
+>>> off = rp.Replicator(1, 8, passes=rp.PassManager.default(disable=["simplify"])).lower(step, batch, state).final
 >>> [r.kind for r in on.collectives], sorted(r.kind for r in off.collectives)
 (['all_mean'], ['all_max', 'all_mean', 'all_sum'])
 """
@@ -92,7 +92,7 @@ from replicator.core.primitives import (
     replica_id_p,
 )
 from replicator.errors import DivergentControlFlowError, UnanalyzableStepError
-from replicator.pipeline.contract import Pass, PassResult
+from replicator.pass_manager.contract import Pass, PassResult
 
 __all__ = ["Simplify"]
 

@@ -43,9 +43,9 @@ Promises:
    (tests/test_host_path.py::test_a_state_that_is_not_the_returned_one_is_placed_and_used,
    tests/test_host_path.py::test_the_returned_arrays_in_another_structure_are_traced_for_it,
    tests/test_host_path.py::test_a_state_of_another_shape_after_steady_steps_is_traced_for_its_shape).
-6. Another step function, pass pipeline or input in turn each runs its own step and continues its own data
+6. Another step function, pass manager or input in turn each runs its own step and continues its own data
    (tests/test_host_path.py::test_alternating_step_functions_each_run_their_own_step,
-   tests/test_host_path.py::test_a_new_pass_pipeline_between_calls_compiles_the_step_again,
+   tests/test_host_path.py::test_a_new_pass_manager_between_calls_compiles_the_step_again,
    tests/test_host_path.py::test_two_input_functions_alternating_each_continue_their_own_iterator,
    tests/test_host_path.py::test_given_batches_input_functions_and_iterators_in_turn_each_run_their_own_data).
 7. The record holds the ``input_fn`` and its iterators weakly: a dropped ``input_fn`` takes its iterator with
@@ -88,26 +88,26 @@ class SteadyStep:
       step_fn: the step (held as the compile cache holds it).
       input_fn: a weak reference to the ``input_fn``, or None for a batch given to ``run`` itself.
       inputs: a weak reference to its iterators (dropped with the function), or None.
-      pipeline: the pass pipeline the step was compiled with.
+      passes: the pass manager the step was compiled with.
       compiled: the compiled step (``executable``, ``traced``, ``runs``).
       returned: the record of the state the last call returned (its arrays held weakly).
       batch_key: ``(treedef, ((shape, dtype) of each leaf))`` of the batch.
     """
 
-    __slots__ = ("batch_key", "compiled", "input_fn", "inputs", "pipeline", "returned", "step_fn")
+    __slots__ = ("batch_key", "compiled", "input_fn", "inputs", "passes", "returned", "step_fn")
 
     def __init__(
         self,
         step_fn: Callable,
         input_fn: Callable | None,
         inputs: WorkerInputs | None,
-        pipeline: Any,
+        passes: Any,
         compiled: Any,
         returned: Any,
         batch_leaves: list,
         batch_treedef: Any,
     ) -> None:
-        self.step_fn, self.pipeline, self.compiled, self.returned = step_fn, pipeline, compiled, returned
+        self.step_fn, self.passes, self.compiled, self.returned = step_fn, passes, compiled, returned
         # None: the batch was given to run itself (and is then expected so again).
         self.input_fn = weakref.ref(input_fn) if input_fn is not None else None
         self.inputs = weakref.ref(inputs) if inputs is not None else None
@@ -119,7 +119,7 @@ class SteadyStep:
         step_fn: Callable,
         data: Any,
         inputs: WorkerInputs | None,
-        pipeline: Any,
+        passes: Any,
         compiled: Any,
         returned: Any,
         batch: Any,
@@ -136,7 +136,7 @@ class SteadyStep:
             return None
         input_fn = data if inputs is not None else None
         treedef = jax.tree_util.tree_structure(batch.batches[0])
-        return cls(step_fn, input_fn, inputs, pipeline, compiled, returned, batch.leaves[0], treedef)
+        return cls(step_fn, input_fn, inputs, passes, compiled, returned, batch.leaves[0], treedef)
 
     def take(self, state: Any, data: Any) -> tuple[list, list] | None:
         """``(state leaves, batch leaves)`` if this call, given ``state`` and ``data`` (``run``'s

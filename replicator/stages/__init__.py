@@ -1,6 +1,6 @@
 """Pipeline parallelism: a step cut into stages at its ``rp.stage_boundary`` markers.
 
-Not the pass pipeline (:mod:`replicator.pipeline`): a *stage* here is a part
+Not the pass manager (:mod:`replicator.pass_manager`): a *stage* here is a part
 of the model that some devices run, one after another on micro-batches. This
 layer sits above the passes (a stage's program goes through them) and below
 the cost model and the runtime. Modules, each testable on its own:

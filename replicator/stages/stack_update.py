@@ -34,7 +34,7 @@ combine a slice with a chunk of a whole leaf of the same shape keeps the stack w
 ...     updates, opt_state = opt.update(rp.all_mean(grads), opt_state, w)
 ...     return (optax.apply_updates(w, updates), opt_state), rp.all_mean(value)
 >>> w, x = jnp.full((4, 3, 3), 0.2), jnp.ones((8, 3))
->>> repl = rp.Replicator(1, 2, devices=jax.devices()[:2], pipeline_stages=2, microbatches=2)
+>>> repl = rp.Replicator(1, 2, devices=jax.devices()[:2], parallelism=rp.Parallelism(stages=2, microbatches=2))
 >>> (new_w, _), _ = repl.run(step, x, (w, opt.init(w)))
 >>> built = repl.pipelined.user_step(step, x, (w, opt.init(w)))  # what run built for these shapes
 >>> sorted(built.slices.leaves)  # the stack, Adam's mu and nu of it (not its count): stage s keeps 2s, 2s+1

@@ -21,7 +21,7 @@ a maximum) would differ, so only means go through: the common shape above. The u
 read any cut value (all gradients: a global-norm clip works) but only the state leaves ``s`` keeps; an
 update that reads another stage's state is refused at trace time, naming the leaves.
 
-ZeRO on each stage's ``D`` data-parallel replicas (``zero_stage``, from ``rp.Pipeline.default(zero_stage=k)``;
+ZeRO on each stage's ``D`` data-parallel replicas (``zero_stage``, from ``rp.PassManager.default(zero=k)``;
 :mod:`replicator.stages.chunks`): each *chunked* leaf is flattened, padded to a multiple of ``D`` and cut in
 ``D`` contiguous chunks, device ``r`` of a stage (its index over ``('workers', 'cores')``) storing chunk ``r``
 (buffers sharded ``P('stages', ('workers', 'cores'))``), and the update runs on the chunks (element-wise
@@ -52,7 +52,7 @@ replica's own (a row per logical replica), are computed vmapped over the ``k``.
 ...     return (optax.apply_updates(params, updates), opt_state), rp.all_mean(value)
 >>> p = {"a": jnp.full((3, 4), 0.1), "b": jnp.full((4, 2), 0.2)}
 >>> x = jnp.linspace(-1, 1, 24).reshape(8, 3)
->>> repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2, microbatches=2)
+>>> repl = rp.Replicator(1, 4, devices=jax.devices()[:4], parallelism=rp.Parallelism(stages=2, microbatches=2))
 >>> (new_p, _), value = repl.run(step, x, (p, opt.init(p)))
 >>> want_p = optax.apply_updates(p, opt.update(jax.grad(loss)(p, x), opt.init(p), p)[0])
 >>> bool(jnp.allclose(new_p["a"], want_p["a"], atol=1e-6)), value.shape

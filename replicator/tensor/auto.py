@@ -72,6 +72,7 @@ from replicator.core.jaxprs import CALL_PARAMS, iter_eqns, open_jaxpr
 from replicator.cost.collectives import ring_matmul_time, tensor_collective_time, tensor_sent_bytes
 from replicator.cost.compute import compute_time
 from replicator.cost.topology import Topology, get_topology
+from replicator.pass_manager.manager import check_options
 from replicator.tensor.interpret import BATCH
 from replicator.tensor.placement import REPLICATED, Collective, Placement, Shard, TensorPlacementError
 from replicator.tensor.plan import TensorPlan, leaf_paths
@@ -938,6 +939,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+@check_options(renamed={"zero_stages": "zero"})
 def suggest_layout(
     step: Callable[[Any, Any], tuple[Any, Any]],
     state: Any,
@@ -945,7 +947,7 @@ def suggest_layout(
     devices: int,
     memory_budget: int,
     *,
-    zero_stages: Sequence[int] = (0, 1, 2, 3),
+    zero: Sequence[int] = (0, 1, 2, 3),
     max_tensor: int | None = None,
     param_root: str | None = None,
 ) -> Layout:
@@ -966,7 +968,8 @@ def suggest_layout(
     and leaves shared by stages.
 
     ``param_root``: the first path component of the parameters (default: that of the first matrix the step
-    reads); the other leaves are optimizer state.
+    reads); the other leaves are optimizer state. ``zero``: the ZeRO levels to consider (``zero_stages=``,
+    its old name, warns ``DeprecationWarning``).
     """
     closed = jax.make_jaxpr(step)(state, batch)
     paths = leaf_paths(state)
@@ -1013,7 +1016,7 @@ def suggest_layout(
     for t, (params, optimizer, tensor_sent, rules) in per_t.items():
         for s in _divisors(devices // t):
             d = devices // (t * s)
-            for z in zero_stages:
+            for z in zero:
                 if z and d == 1:
                     continue
                 p, o = params / s, optimizer / s

@@ -1,9 +1,9 @@
 """Name the first optional pass that changes a step's result (after LLVM's opt-bisect).
 
-Given a step that computes something different with a pipeline than without
+Given a step that computes something different with its passes than without
 its optimizations, :func:`bisect_passes` traces it once, runs it with no
 optional pass as the reference (only the required ``lower-collectives``),
-then with the first 1, 2, ... optional passes of the pipeline switched on
+then with the first 1, 2, ... optional passes of its pass manager switched on
 (``check-replica-invariance`` never: it changes nothing), all on the same
 inputs, and reports the first pass whose addition changes a new-state or
 output leaf, with the leaf and the size of the difference. Each try compiles
@@ -25,7 +25,7 @@ From a shell (exit status 1 when a pass changes the result), with
 (``python -m replicator.bisect --help`` lists every flag)::
 
     python -m replicator.bisect my_train.py:step_fn --batch my_train.py:input_fn \\
-        --state my_train.py:init_state --workers 1 --cores 8 --cpu-devices 8 --zero-stage 1
+        --state my_train.py:init_state --workers 1 --cores 8 --cpu-devices 8 --zero 1
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ __all__ = ["BisectReport", "bisect_passes"]
 class BisectReport:
     """What :func:`bisect_passes` found."""
 
-    passes: tuple[str, ...]  # the optional passes tried, in pipeline order
+    passes: tuple[str, ...]  # the optional passes tried, in the pass manager's order
     culprit: str | None  # the first one whose addition changed the result
     detail: str = ""  # the leaf and the difference
 
@@ -59,7 +59,7 @@ class BisectReport:
         return (
             f"first pass that changes the result: '{self.culprit}' (optional passes in order: {tried})\n"
             f"{self.detail}\n"
-            f"Work around it with Pipeline(disable=['{self.culprit}']); please report the step with this "
+            f"Work around it with PassManager(disable=['{self.culprit}']); please report the step with this "
             f"report and the graphs around the pass (REPLICATOR_DUMP_DIR=dir)."
         )
 
@@ -73,10 +73,10 @@ def bisect_passes(
     seed: int = 0,
     random_inputs: bool = False,
 ) -> BisectReport:
-    """Find the first optional pass of ``repl``'s pipeline that changes ``step_fn``'s result.
+    """Find the first optional pass of ``repl``'s pass manager that changes ``step_fn``'s result.
 
     Args:
-      repl: the :class:`~replicator.Replicator` whose pipeline to bisect.
+      repl: the :class:`~replicator.Replicator` whose passes to bisect.
       step_fn: the step, as for ``Replicator.run``.
       batch: an ``input_fn`` (the first batch of each worker is used) or one
         worker's batch (arrays, used for every worker, or ``jax.ShapeDtypeStruct``).
@@ -87,12 +87,12 @@ def bisect_passes(
     Returns:
       A :class:`BisectReport`; ``print()`` it.
     """
-    from replicator.pipeline.pipeline import Pipeline
+    from replicator.pass_manager.manager import PassManager
 
-    pipeline = repl.pipeline
+    manager = repl.passes
     worker_batches = _worker_batches(repl, batch)
     traced = _trace(repl, step_fn, worker_batches[0], state)
-    active = [p for p in pipeline.passes if p.name not in pipeline.disabled]
+    active = [p for p in manager.passes if p.name not in manager.disabled]
     required = [p for p in active if p.required]
     optional = [p for p in active if not p.required and not isinstance(p, CheckReplicaInvariance)]
     state_leaves = [] if state is None else jax.tree.leaves(state)
@@ -106,10 +106,10 @@ def bisect_passes(
         else [np.concatenate([np.asarray(x) for x in rows], axis=0) for rows in zip(*worker_leaves, strict=True)],
         mesh=repl.mesh,
     )
-    reference = runner.run(Pipeline(required, validate=False).run(traced).final)
+    reference = runner.run(PassManager(required, validate=False).run(traced).final)
     for k in range(1, len(optional) + 1):
         chosen = {id(p) for p in optional[:k]} | {id(p) for p in required}
-        prefix = Pipeline([p for p in active if id(p) in chosen], validate=False)
+        prefix = PassManager([p for p in active if id(p) in chosen], validate=False)
         got = runner.run(prefix.run(traced).final)
         try:
             compare_results(reference, got, traced, optional[k - 1].name, exact=all(p.exact for p in optional[:k]))

@@ -1,6 +1,6 @@
 """Translation validation: run the graph before and after a pass and compare.
 
-With ``Pipeline(validate=True)`` (or the environment variable
+With ``PassManager(validate=True)`` (or the environment variable
 ``REPLICATOR_VALIDATE=1``), every pass's result is executed on the mesh with
 the same inputs as the graph before it, and every new-state and output leaf
 is compared. A difference beyond a dtype-aware tolerance raises
@@ -20,11 +20,11 @@ graph that still holds placeholders runs after the plain native lowering
 (``LowerCollectives()``); state leaves that a pass stores sharded
 (``StepGraph.sharded_state``) are fed as this replica's chunk and compared
 whole. Compile time grows by one compilation per pass: use it to check a
-pipeline, not in production.
+pass manager, not in production.
 
 Example::
 
-    repl = rp.Replicator(1, 8, passes=rp.Pipeline.default(shard_optimizer=True, validate=True))
+    repl = rp.Replicator(1, 8, passes=rp.PassManager.default(shard_optimizer=True, validate=True))
     repl.lower(step_fn, batch, state)   # raises MiscompileError if a pass changed a result
 """
 
@@ -44,8 +44,8 @@ from replicator.core.jaxprs import iter_eqns
 from replicator.core.layout import FoldLayout
 from replicator.core.primitives import PLACEHOLDERS
 from replicator.errors import MiscompileError
+from replicator.pass_manager.manager import HOOKS
 from replicator.passes.fold import FoldReplicas
-from replicator.pipeline.pipeline import HOOKS
 
 __all__ = ["GraphRunner", "compare_results"]
 
@@ -195,8 +195,8 @@ def compare_results(
 
 def _how_to_report(pass_name: str) -> str:
     return (
-        f"\nThe pass miscompiled this step. Work around it with Pipeline(disable=['{pass_name}']) "
-        f"(or its Pipeline.default option); please report the step with the graphs around the pass "
+        f"\nThe pass miscompiled this step. Work around it with PassManager(disable=['{pass_name}']) "
+        f"(or its PassManager.default option); please report the step with the graphs around the pass "
         f"(REPLICATOR_DUMP_DIR=dir) and the report of rp.tools.bisect_passes(repl, step_fn, input_fn, state) "
         f"(or python -m replicator.bisect)."
     )

@@ -27,12 +27,12 @@ from replicator.passes import StepGraph, analyze_invariance
 
 from .programs import PerReplica, Spec, Stacked, global_batches, initial_state, make_step, random_spec
 
-#: name -> options of ``rp.Pipeline.default``.
+#: name -> options of ``rp.PassManager.default``.
 VARIANTS: dict[str, dict] = {
     "default": {},
     "zero": {"shard_optimizer": True, "shard_optimizer_min_bytes": 0},
-    "zero2": {"zero_stage": 2, "shard_optimizer_min_bytes": 0},
-    "zero3": {"zero_stage": 3, "shard_optimizer_min_bytes": 0},
+    "zero2": {"zero": 2, "shard_optimizer_min_bytes": 0},
+    "zero3": {"zero": 3, "shard_optimizer_min_bytes": 0},
     "hierarchical": {"hierarchical": True},
     "compress": {"compress": True},
     "ring": {"all_reduce_algorithm": "ring"},
@@ -42,12 +42,12 @@ VARIANTS: dict[str, dict] = {
     # The same program written with lax collectives over the axis name 'batch' (as for jax.pmap),
     # run with Replicator(axis_name='batch'): capture-collectives makes them placeholders.
     "lax": {},
-    # Several replicas per device (Replicator(replicas_per_device=F), passes/fold.py): F = 2 folds
+    # Several replicas per device (Parallelism(replicas_per_device=F), passes/fold.py): F = 2 folds
     # cores, F = 8 puts every replica on one device (2 x 4: whole workers folded too).
     "fold2": {"replicas_per_device": 2},
     "fold8": {"replicas_per_device": 8},
     "fold4-zero": {"replicas_per_device": 4, "shard_optimizer": True, "shard_optimizer_min_bytes": 0},
-    "fold2-zero3": {"replicas_per_device": 2, "zero_stage": 3, "shard_optimizer_min_bytes": 0},
+    "fold2-zero3": {"replicas_per_device": 2, "zero": 3, "shard_optimizer_min_bytes": 0},
     # A tensor axis of T devices under each replica (Replicator(parallelism=Parallelism(tensor=T))):
     # the program's matrices split column-wise (w's outputs, the bias, a stack's outputs) or row-wise
     # (w's inputs, a stack's inputs) where T divides them (tensor_plan), gathers allowed so that every
@@ -55,15 +55,15 @@ VARIANTS: dict[str, dict] = {
     "tensor2": {"tensor": 2, "split": "column"},
     "tensor2-row": {"tensor": 2, "split": "row"},
     "tensor4": {"tensor": 4, "split": "column"},
-    "tensor2-zero3": {"tensor": 2, "split": "column", "zero_stage": 3, "shard_optimizer_min_bytes": 0},
-    "tensor4-row-zero3": {"tensor": 4, "split": "row", "zero_stage": 3, "shard_optimizer_min_bytes": 0},
+    "tensor2-zero3": {"tensor": 2, "split": "column", "zero": 3, "shard_optimizer_min_bytes": 0},
+    "tensor4-row-zero3": {"tensor": 4, "split": "row", "zero": 3, "shard_optimizer_min_bytes": 0},
     # Two data replicas per tensor group of 2 devices (Parallelism(tensor=2, replicas_per_device=2)): the split step
     # vmapped over the folded replicas, ZeRO-3 over the data axes.
     "tensor2-fold2-zero3": {
         "tensor": 2,
         "split": "column",
         "replicas_per_device": 2,
-        "zero_stage": 3,
+        "zero": 3,
         "shard_optimizer_min_bytes": 0,
     },
     # The same, on programs with a block over a (rows, seq, features) input (programs.block: heads split by a
@@ -78,7 +78,7 @@ VARIANTS: dict[str, dict] = {
         "split": "column",
         "forms": True,
         "sequence_parallel": 1,
-        "zero_stage": 3,
+        "zero": 3,
         "shard_optimizer_min_bytes": 0,
     },
 }
@@ -267,7 +267,7 @@ def replicated(
     tensor, split = options.pop("tensor", 1), options.pop("split", None)
     sequence_parallel = options.pop("sequence_parallel", None)
     options.pop("forms", None)
-    parallelism = None
+    parallelism = rp.Parallelism(replicas_per_device=replicas_per_device)
     if tensor > 1:
         plan = tensor_plan(spec, tensor, split)
         parallelism = rp.Parallelism(
@@ -277,14 +277,12 @@ def replicated(
             sequence_parallel=sequence_parallel,
             replicas_per_device=replicas_per_device,
         )
-        replicas_per_device = 1  # given with the tensor axis, in parallelism
     raw = variant in RAW_VARIANTS
     repl = rp.Replicator(
         workers,
         cores * tensor,
-        passes=rp.Pipeline.default(verify=True, **options),
+        passes=rp.PassManager.default(verify=True, **options),
         axis_name="batch" if raw else None,
-        replicas_per_device=replicas_per_device,
         parallelism=parallelism,
     )
     R = workers * cores

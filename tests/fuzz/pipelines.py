@@ -24,7 +24,7 @@ mean over rows, so the mean over micro-batches and replicas of their values and
 gradients is one device's on the global batch.
 
 :func:`check` runs one program under one variant (``S``, ``M``, schedule,
-recomputation, optionally ``passes=Pipeline.default(zero_stage=1)``) on one mesh
+recomputation, optionally ``passes=PassManager.default(zero=1)``) on one mesh
 of 8 devices and compares the whole state (parameters and optimizer state) and
 the losses of every step; a run beyond the tolerance is compared again within
 the reference's own sensitivity to the order of its sums (:func:`order_sensitivity`).
@@ -349,7 +349,7 @@ class Variant:
     microbatches: int
     schedule: str
     recompute: bool = False
-    zero: int = 0  # passes=rp.Pipeline.default(zero_stage=zero), through run_pipelined
+    zero: int = 0  # passes=rp.PassManager.default(zero=zero), through run_pipelined
     fold: int = 1  # replicas_per_device: the mesh's logical replicas, this many per device
     run: bool = False  # with zero: the user's own step through repl.run (its update on chunks), not run_pipelined
     tensor: int = 1  # Parallelism(tensor=T, tensor_plan=tensor_plan(spec, T)): the user's step, split, then cut
@@ -473,20 +473,22 @@ def replicated(
     fuzzer's "claimed identical but differs", for the pipeline's state. ``seen`` counts, per ``"variant kind"``,
     the runs of a tensor variant whose split step holds a collective of that kind over the tensor axis."""
     workers, cores = mesh
-    passes = rp.Pipeline.default(zero_stage=variant.zero) if variant.zero else None
+    passes = rp.PassManager.default(zero=variant.zero) if variant.zero else None
     if variant.tensor > 1:  # ZeRO's threshold off: the programs' leaves are small
-        passes = rp.Pipeline.default(zero_stage=variant.zero, shard_optimizer_min_bytes=0) if variant.zero else None
+        passes = rp.PassManager.default(zero=variant.zero, shard_optimizer_min_bytes=0) if variant.zero else None
         return _replicated_tensor(spec, variant, mesh, passes, seen)
     repl = rp.Replicator(
         workers,
         cores,
         devices=jax.devices()[: workers * cores // variant.fold],
-        replicas_per_device=variant.fold,
+        parallelism=rp.Parallelism(
+            replicas_per_device=variant.fold,
+            stages=variant.stages,
+            microbatches=variant.microbatches,
+            schedule=variant.schedule,
+            recompute=variant.recompute,
+        ),
         passes=passes,
-        pipeline_stages=variant.stages,
-        microbatches=variant.microbatches,
-        schedule=variant.schedule,
-        pipeline_recompute=variant.recompute,
         check_state_every=1,  # every step: each stage's replicas hold the same rows (a DivergentStateError crashes)
     )
     step, state, losses = make_step(spec), initial_state(spec), []

@@ -179,7 +179,7 @@ def test_variants_share_an_execution_only_when_their_final_graphs_are_identical(
     spec = random_spec(101, 8)
 
     def key(variant):
-        repl = rp.Replicator(1, 8, passes=rp.Pipeline.default(**VARIANTS[variant]))
+        repl = rp.Replicator(1, 8, passes=rp.PassManager.default(**VARIANTS[variant]))
         batch = jax.tree.map(lambda a: a[: spec.rows * 8], global_batches(spec, 8, 1)[0])
         return graph_key(repl.lower(make_step(spec, PerReplica(1, 8)), batch, initial_state(spec)).final)
 

@@ -194,12 +194,17 @@ def test_run_program_counts_one_run_per_variant():
 
 
 def test_other_passes_on_a_pipelined_replicator_are_refused():
-    """A pipelined step runs the schedule's loop, not the pass pipeline: options other than ZeRO's would be
+    """A pipelined step runs the schedule's loop, not the pass manager: options other than ZeRO's would be
     silently ignored, so they are refused, saying why."""
-    for passes in (rp.Pipeline.default(compress=True), rp.Pipeline.default(zero_stage=1, hierarchical=True)):
-        with pytest.raises(ValueError, match="takes rp.Pipeline.default\\(zero_stage=k\\) only"):
-            rp.Replicator(1, 8, devices=jax.devices()[:8], passes=passes, pipeline_stages=2, microbatches=2)
+    for passes in (rp.PassManager.default(compress=True), rp.PassManager.default(zero=1, hierarchical=True)):
+        with pytest.raises(ValueError, match=r"takes rp\.\w+\.default\(zero(_stage)?=k\) only"):
+            rp.Replicator(
+                1, 8, devices=jax.devices()[:8], passes=passes, parallelism=rp.Parallelism(stages=2, microbatches=2)
+            )
     repl = rp.Replicator(
-        1, 8, passes=rp.Pipeline.default(zero_stage=2, shard_optimizer_min_bytes=0), pipeline_stages=2, microbatches=2
+        1,
+        8,
+        passes=rp.PassManager.default(zero=2, shard_optimizer_min_bytes=0),
+        parallelism=rp.Parallelism(stages=2, microbatches=2),
     )
     assert repl.pipelined.zero_stage == 2

@@ -77,7 +77,7 @@ def main(argv=None) -> None:
             raise OSError("injected: disk full")
 
         shards.write_own = half_then_fail
-    passes = rp.Pipeline.default(shard_optimizer=True, shard_optimizer_min_bytes=0)
+    passes = rp.PassManager.default(shard_optimizer=True, shard_optimizer_min_bytes=0)
     repl = rp.Replicator(num_workers=info.num_workers, cores_per_worker=info.cores_per_worker, passes=passes)
     params = model.init_params()
     state = (params, model.tx.init(params))

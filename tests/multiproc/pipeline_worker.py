@@ -9,7 +9,7 @@ other. With ``--input-fn`` each worker's ``input_fn`` yields its rows of the glo
 checkpoint restores), so every step unpacks and packs the state across the processes. With ``--own-step`` the
 job runs the data-parallel step itself (``repl.run(step_fn, batch, state)``: ``value_and_grad``,
 ``rp.all_mean``, the Adam update, cut from it), and with ``--zero K`` under ZeRO-K
-(``passes=rp.Pipeline.default(zero_stage=K)``); with ``--tensor T`` (the user's step) each stage's layers
+(``passes=rp.PassManager.default(zero=K)``); with ``--tensor T`` (the user's step) each stage's layers
 are split over ``T`` devices of a process (``w0`` and ``w2`` by columns, ``w1`` and ``w3`` by rows). :func:`reference` trains the same model with one-device ``jax.jit`` on the global batch.
 
 Each worker ``w`` writes ``DIR/w{w}_{name}.npy`` (numpy files, never pickles): the losses and the final
@@ -110,7 +110,7 @@ def main(argv=None) -> None:
         info.num_workers,
         info.cores_per_worker,
         parallelism=rp.Parallelism(stages=args.stages, microbatches=MICROBATCHES, **tensor),
-        passes=rp.Pipeline.default(zero_stage=args.zero) if args.zero else None,
+        passes=rp.PassManager.default(zero=args.zero) if args.zero else None,
         check_state_every=1,  # each stage's copies compared after every step, across the processes too
     )
     loss = loss_in(args.stages)

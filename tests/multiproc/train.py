@@ -243,8 +243,10 @@ def main(argv=None) -> None:
     else:
         workers, cores = args.workers, args.cores
         rp.force_cpu_devices(workers * cores // fold)
-    passes = rp.Pipeline.default(shard_optimizer=True, shard_optimizer_min_bytes=0) if args.zero else None
-    repl = rp.Replicator(num_workers=workers, cores_per_worker=cores, passes=passes, replicas_per_device=fold)
+    passes = rp.PassManager.default(shard_optimizer=True, shard_optimizer_min_bytes=0) if args.zero else None
+    repl = rp.Replicator(
+        num_workers=workers, cores_per_worker=cores, passes=passes, parallelism=rp.Parallelism(replicas_per_device=fold)
+    )
     print(f"worker {info.worker_id} of {info.num_workers}: mesh {dict(repl.mesh.shape)}", flush=True)
     results = run(
         repl,

@@ -94,7 +94,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
 
     info = distributed.initialize()
-    passes = rp.Pipeline.default(zero_stage=3, shard_optimizer_min_bytes=0)
+    passes = rp.PassManager.default(zero=3, shard_optimizer_min_bytes=0)
     repl = rp.Replicator(num_workers=info.num_workers, cores_per_worker=info.cores_per_worker, passes=passes)
 
     def input_fn(ctx: rp.InputContext):

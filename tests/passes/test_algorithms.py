@@ -20,7 +20,7 @@ from utils import check_against_simulation, sum_rounding_scale, worker_batches
 import replicator as rp
 from replicator.core.jaxprs import iter_eqns
 from replicator.core.primitives import all_reduce_p
-from replicator.passes import LowerCollectives, Pipeline, count_primitives, default_passes, verify_graph
+from replicator.passes import LowerCollectives, PassManager, count_primitives, default_passes, verify_graph
 from replicator.passes.lower_collectives import ALGORITHMS, LOWERINGS, lower_all_reduce
 
 from .workloads import input_fn_from, mlp_batch, mlp_params, mlp_step
@@ -29,11 +29,11 @@ ALGORITHM_NAMES = ["ring", "reduce_broadcast"]
 RTOL, ATOL = 2e-6, 1e-6  # float32; bf16 is checked against its rounding bound instead
 
 
-def _pipeline(algorithm: str) -> Pipeline:
+def _pipeline(algorithm: str) -> PassManager:
     passes = default_passes()
     at = [p.name for p in passes].index("lower-collectives")
     passes[at] = LowerCollectives(algorithms={"all_reduce": algorithm})
-    return Pipeline(passes, verify=True)
+    return PassManager(passes, verify=True)
 
 
 _REPLICATORS: dict = {}
@@ -416,7 +416,7 @@ def test_repr_is_the_configuration_and_bad_configs_raise():
     assert LowerCollectives.required and LowerCollectives.name == "lower-collectives"
     keys = {_pipeline(a).key() for a in ["native", *ALGORITHM_NAMES]}
     assert len(keys) == 3
-    assert _pipeline("native").key() == Pipeline(verify=True).key()
+    assert _pipeline("native").key() == PassManager(verify=True).key()
     with pytest.raises(ValueError, match="unknown algorithm 'tree' for all_reduce; choose from"):
         LowerCollectives(algorithms={"all_reduce": "tree"})
     with pytest.raises(ValueError, match=r"no algorithms for \['all_gather'\]"):

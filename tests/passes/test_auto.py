@@ -1,4 +1,4 @@
-"""Pipeline.default(auto=True): options chosen per graph by the cost model, results unchanged."""
+"""PassManager.default(auto=True): options chosen per graph by the cost model, results unchanged."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from utils import check_against_simulation
 
 import replicator as rp
-from replicator.cost.auto import AutoPipeline
+from replicator.cost.auto import AutoPassManager
 from replicator.cost.topology import Link, Topology
 
 # Two made-up machines: messages cost a lot and bytes nothing, or the reverse.
@@ -23,20 +23,20 @@ def many_small_sums(batch):
 
 
 def test_the_choice_is_the_fastest_setting_tried_and_is_stated():
-    pipeline = rp.Pipeline.default(auto=True, topology=LATENCY_BOUND)
-    assert isinstance(pipeline, AutoPipeline) and "latency-bound" in repr(pipeline)
+    pipeline = rp.PassManager.default(auto=True, topology=LATENCY_BOUND)
+    assert isinstance(pipeline, AutoPassManager) and "latency-bound" in repr(pipeline)
     lowered = rp.Replicator(1, 8, passes=pipeline).lower(many_small_sums, np.ones((8, 4), np.float32))
     (note,) = lowered.notes
     assert note.startswith("auto (latency-bound): chose ")
     chosen = pipeline.predicted_seconds(lowered.final)
-    default = pipeline._pipeline({}).run(lowered.traced)
+    default = pipeline._passes({}).run(lowered.traced)
     assert chosen <= pipeline.predicted_seconds(default.final)
     # Latency-bound, 8 replicas: a tree of 2 log2(8) = 6 messages beats a ring of 14.
     assert "all_reduce_algorithm='reduce_broadcast'" in note, note
 
 
 def test_bandwidth_bound_keeps_the_ring_formula_default():
-    lowered = rp.Replicator(1, 8, passes=rp.Pipeline.default(auto=True, topology=BANDWIDTH_BOUND)).lower(
+    lowered = rp.Replicator(1, 8, passes=rp.PassManager.default(auto=True, topology=BANDWIDTH_BOUND)).lower(
         many_small_sums, np.ones((8, 4), np.float32)
     )
     assert "chose the defaults" in lowered.notes[0], lowered.notes
@@ -57,27 +57,27 @@ def test_auto_training_matches_the_simulation(topology):
         {"x": rng.normal(size=(64, 16)).astype(np.float32), "y": rng.normal(size=(64, 8)).astype(np.float32)}
         for _ in range(2)
     ]
-    repl = rp.Replicator(2, 4, passes=rp.Pipeline.default(auto=True, topology=topology))
+    repl = rp.Replicator(2, 4, passes=rp.PassManager.default(auto=True, topology=topology))
     check_against_simulation(repl, step, batches, {"params": params, "opt": tx.init(params)})
 
 
 def test_searched_options_cannot_also_be_fixed():
     with pytest.raises(ValueError, match=r"chooses \['all_reduce_algorithm'\] itself"):
-        rp.Pipeline.default(auto=True, all_reduce_algorithm="ring")
+        rp.PassManager.default(auto=True, all_reduce_algorithm="ring")
 
 
 def test_the_compile_cache_tells_topologies_apart():
-    a = rp.Pipeline.default(auto=True, topology=LATENCY_BOUND).key()
-    b = rp.Pipeline.default(auto=True, topology=BANDWIDTH_BOUND).key()
-    assert a != b and a != rp.Pipeline.default().key()
+    a = rp.PassManager.default(auto=True, topology=LATENCY_BOUND).key()
+    b = rp.PassManager.default(auto=True, topology=BANDWIDTH_BOUND).key()
+    assert a != b and a != rp.PassManager.default().key()
 
 
 def test_auto_names_every_pass_it_may_choose_and_lowered_names_those_that_ran(n_devices):
-    pipe = rp.Pipeline.default(auto=True)
+    pipe = rp.PassManager.default(auto=True)
     assert "hierarchical-allreduce" in pipe.names and "shard-optimizer-update" in pipe.names
-    assert repr(pipe).startswith("Pipeline(auto")
+    assert repr(pipe).startswith("PassManager(auto")
     # A candidate can be disabled even where the chosen setting leaves it out.
-    repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(auto=True, disable=["hierarchical-allreduce"]))
+    repl = rp.Replicator(1, n_devices, passes=rp.PassManager.default(auto=True, disable=["hierarchical-allreduce"]))
     lowered = repl.lower(lambda b: rp.all_mean(b), np.ones((n_devices, 2), np.float32))
     ran = [s.name for s in lowered.stages[1:]]
     assert "hierarchical-allreduce" not in ran and ran[-1] == "lower-collectives"

@@ -10,8 +10,8 @@ import pytest
 from utils import check_against_simulation, small_inputs, small_step, wrong_pipeline
 
 import replicator as rp
-from replicator.bisect import build_parser, main, pipeline_from_args
-from replicator.passes import Pipeline
+from replicator.bisect import build_parser, main, passes_from_args
+from replicator.passes import PassManager
 from replicator.tools.bisect import bisect_passes
 
 from .workloads import input_fn_from, mlp_batch, mlp_params, mlp_step
@@ -32,7 +32,7 @@ def test_bisect_names_the_first_pass_that_changes_the_result(n_devices):
 
 def test_bisect_takes_an_input_fn_specs_and_every_optional_pass(repl2d):
     """The first batch of each worker (or random data for specs); all optional passes on: none changes the MLP."""
-    pipe = Pipeline.default(shard_optimizer=True, shard_optimizer_min_bytes=0, hierarchical=True, compress=True)
+    pipe = PassManager.default(shard_optimizer=True, shard_optimizer_min_bytes=0, hierarchical=True, compress=True)
     repl = rp.Replicator(repl2d.num_workers, repl2d.cores_per_worker, passes=pipe)
     state = mlp_params(np.random.default_rng(0))
     report = bisect_passes(repl, mlp_step, input_fn_from(mlp_batch(repl.cores_per_worker)), state)
@@ -54,7 +54,7 @@ def test_bisect_takes_an_input_fn_specs_and_every_optional_pass(repl2d):
 def test_command_line(n_devices, capsys):
     module = UTILS
     common = [f"--batch={module}:cli_batch", f"--state={module}:cli_state", f"--cores={n_devices}"]
-    assert main([f"{module}:small_step", *common, f"--pipeline={module}:wrong_pipeline"]) == 1
+    assert main([f"{module}:small_step", *common, f"--passes={module}:wrong_pipeline"]) == 1
     out = capsys.readouterr().out
     assert "first pass that changes the result: 'double-first-all-sum'" in out and "outputs['total']" in out
     assert main([f"{module}:small_step", *common, "--hierarchical"]) == 0
@@ -68,30 +68,41 @@ def test_every_flag_of_the_command_line_is_explained():
     text = parser.format_help()
     for action in flags:
         assert (action.option_strings or [action.metavar])[0] in text
-    assert "--zero-stage {0,1,2,3}" in text
+    assert "--zero {0,1,2,3}" in text
 
 
-def _zero_stage(argv):
+def _zero(argv):
     parser = build_parser()
-    pipeline = pipeline_from_args(parser, parser.parse_args(["m:step", "--batch=m:b", *argv]))
-    zero = [p for p in pipeline.passes if p.name == "shard-optimizer-update"]
+    passes = passes_from_args(parser, parser.parse_args(["m:step", "--batch=m:b", *argv]))
+    zero = [p for p in passes.passes if p.name == "shard-optimizer-update"]
     return zero[0].stage if zero else 0
 
 
-def test_zero_stage_and_shard_optimizer_set_the_pipelines_zero_stage():
-    assert [_zero_stage(["--zero-stage", str(k)]) for k in (0, 1, 2, 3)] == [0, 1, 2, 3]
-    assert _zero_stage(["--shard-optimizer"]) == 1
-    assert _zero_stage([]) == 0
+def test_zero_and_shard_optimizer_set_the_zero_level():
+    assert [_zero(["--zero", str(k)]) for k in (0, 1, 2, 3)] == [0, 1, 2, 3]
+    assert _zero(["--shard-optimizer"]) == 1
+    assert _zero([]) == 0
+
+
+def test_the_old_flags_still_work_with_a_note(capsys):
+    """``--zero-stage`` and ``--pipeline`` are the old spellings of ``--zero`` and ``--passes``."""
+    assert [_zero(["--zero-stage", str(k)]) for k in (0, 3)] == [0, 3]
+    assert "--zero-stage is now --zero" in capsys.readouterr().err
+    args = build_parser().parse_args(["m:step", "--batch=m:b", "--pipeline=m:p"])
+    assert args.passes == "m:p" and "--pipeline is now --passes" in capsys.readouterr().err
+    with pytest.warns(DeprecationWarning, match="pipeline_from_args is now replicator.bisect.passes_from_args"):
+        from replicator.bisect import pipeline_from_args
+    assert pipeline_from_args is passes_from_args
 
 
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--zero-stage", "2", "--shard-optimizer"], "not allowed with argument"),
-        (["--zero-stage", "4"], "invalid choice: '?4'?"),  # Python 3.12+ quotes the value
+        (["--zero", "2", "--shard-optimizer"], "not allowed with argument"),
+        (["--zero", "4"], "invalid choice: '?4'?"),  # Python 3.12+ quotes the value
         (
-            ["--pipeline=m:p", "--zero-stage", "1", "--compress"],
-            "--pipeline replaces Pipeline.default.*--zero-stage --compress",
+            ["--passes=m:p", "--zero", "1", "--compress"],
+            "--passes replaces PassManager.default.*--zero --compress",
         ),
     ],
 )
@@ -103,16 +114,16 @@ def test_contradicting_flags_are_a_usage_error(argv, message, capsys):
     assert re.search(message, err), err
 
 
-def test_command_line_with_a_zero_stage_bisects_the_zero_pass(n_devices, capsys):
+def test_command_line_with_zero_bisects_the_zero_pass(n_devices, capsys):
     common = [f"--batch={UTILS}:cli_batch", f"--state={UTILS}:cli_state", f"--cores={n_devices}"]
-    assert main([f"{UTILS}:small_step", *common, "--zero-stage", "3"]) == 0
+    assert main([f"{UTILS}:small_step", *common, "--zero", "3"]) == 0
     out = capsys.readouterr().out
     assert "gives the reference result" in out and "shard-optimizer-update" in out, out
 
 
 def test_the_vmap_reference_used_by_the_pass_tests_catches_the_wrong_pass(repl2d):
-    """tests.utils.check_against_simulation (the pass tests' reference) passes the default pipeline
-    and fails the pipeline with the wrong pass: it is independent of what it checks."""
+    """tests.utils.check_against_simulation (the pass tests' reference) passes the default pass manager
+    and fails the pass manager with the wrong pass: it is independent of what it checks."""
     W, C = repl2d.num_workers, repl2d.cores_per_worker
     x = np.random.default_rng(3).normal(size=(2 * W * C, 3)).astype(np.float32)
     state = small_inputs(1)[1]

@@ -99,7 +99,7 @@ def test_origins_follow_fused_and_compressed_buckets(repl):
         return rp.all_mean(b["x"]), rp.all_mean(b["y"]), rp.all_sum(b["x"].sum())
 
     batch = {"x": np.ones((n, 4), np.float32), "y": np.ones((n, 2), np.float32)}
-    lowered = rp.Replicator(1, n, passes=rp.Pipeline.default(compress=True)).lower(step, batch)
+    lowered = rp.Replicator(1, n, passes=rp.PassManager.default(compress=True)).lower(step, batch)
     fused = lowered.after("fuse-collectives")
     placeholders = [e for e in iter_eqns(fused.jaxpr.jaxpr) if e.primitive.name == "rp.all_reduce"]
     carried = sorted(origin_of(e, fused.collective_origins).tensors for e in placeholders)

@@ -12,7 +12,13 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 import replicator as rp
-from replicator.passes import CaptureCollectives, CheckReplicaInvariance, LowerCollectives, Pipeline, count_primitives
+from replicator.passes import (
+    CaptureCollectives,
+    CheckReplicaInvariance,
+    LowerCollectives,
+    PassManager,
+    count_primitives,
+)
 
 pytestmark = pytest.mark.skipif(jax.device_count() != 8, reason="written for 8 devices")
 
@@ -134,7 +140,7 @@ def test_bad_axis_name_mappings(axis_name, match):
 
 def test_capture_must_come_before_the_library_passes():
     with pytest.raises(ValueError, match="'capture-collectives' must come before.*'check-replica-invariance'"):
-        Pipeline([CheckReplicaInvariance(), CaptureCollectives(), LowerCollectives()])
+        PassManager([CheckReplicaInvariance(), CaptureCollectives(), LowerCollectives()])
 
 
 def test_divergent_control_flow_is_caught_in_pmap_code_too():

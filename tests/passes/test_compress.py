@@ -21,7 +21,7 @@ from replicator.core.jaxprs import iter_eqns
 from replicator.passes import (
     CompressCommunication,
     HierarchicalAllReduce,
-    Pipeline,
+    PassManager,
     count_primitives,
     default_passes,
     verify_graph,
@@ -52,7 +52,7 @@ _REPLICATORS: dict = {}
 def _replicator(workers: int, cores: int, *extra) -> rp.Replicator:
     key = (workers, cores, tuple(repr(p) for p in extra))
     if key not in _REPLICATORS:
-        passes = Pipeline(_passes(*extra), verify=True) if extra else None
+        passes = PassManager(_passes(*extra), verify=True) if extra else None
         _REPLICATORS[key] = rp.Replicator(workers, cores, passes=passes)
     return _REPLICATORS[key]
 
@@ -89,7 +89,7 @@ def _fixed_input(x):
 
 
 def test_off_by_default():
-    assert "compress-communication" not in Pipeline().names
+    assert "compress-communication" not in PassManager().names
     assert not any(isinstance(p, CompressCommunication) for p in default_passes())
 
 
@@ -157,7 +157,7 @@ def test_after_hierarchical_only_the_inter_worker_step_is_compressed(repl2d):
     passes = default_passes()
     at = [p.name for p in passes].index("lower-collectives")
     passes[at:at] = [HierarchicalAllReduce(), CompressCommunication(groups=("workers",))]
-    lowered = rp.Replicator(workers, cores, passes=Pipeline(passes, verify=True)).lower(
+    lowered = rp.Replicator(workers, cores, passes=PassManager(passes, verify=True)).lower(
         lambda b: rp.all_mean(b["x"]), _batch(cores)
     )
     graph = lowered.after("compress-communication")
@@ -274,7 +274,8 @@ def test_repr_is_the_configuration_and_bad_configs_raise():
     )
     assert CompressCommunication.name == "compress-communication" and not CompressCommunication.required
     assert (
-        Pipeline(_passes(CompressCommunication())).key() != Pipeline(_passes(CompressCommunication(jnp.float16))).key()
+        PassManager(_passes(CompressCommunication())).key()
+        != PassManager(_passes(CompressCommunication(jnp.float16))).key()
     )
     with pytest.raises(ValueError, match="narrower than float32"):
         CompressCommunication(wire_dtype=jnp.float32)
@@ -309,7 +310,7 @@ def test_groups_of_one_replica_are_not_compressed(n_devices):
     assert not result.changed and result.graph is graph
     assert count_primitives(result.graph.jaxpr) == before
     # Numbers: simplify would make these collectives local itself, so run without it.
-    pipeline = Pipeline.default(shard_optimizer=False, compress=True, disable=["simplify"], verify=True)
+    pipeline = PassManager.default(shard_optimizer=False, compress=True, disable=["simplify"], verify=True)
     x = np.full((1, 2 * n_devices, 3), 1 + 2**-9, np.float32)
     x[0, :, 1] = np.arange(2 * n_devices) * (1 + 2**-12)  # a different value on each replica
     mean, total = rp.Replicator(1, n_devices, passes=pipeline).run(_one_replica_groups, _fixed_input(x))

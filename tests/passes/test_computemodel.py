@@ -11,7 +11,7 @@ from jax import lax
 from utils import check_against_simulation
 
 import replicator as rp
-from replicator.cost.auto import SEARCH, AutoPipeline
+from replicator.cost.auto import SEARCH, AutoPassManager
 from replicator.cost.compute import Compute, compute_time
 from replicator.cost.topology import PRESETS, Link, Topology
 from replicator.runtime.mesh import build_mesh
@@ -101,7 +101,7 @@ def test_auto_chooses_zero_for_its_compute_saving_and_not_without_a_compute_mode
     _, batches, state = adam_problem()
     notes = {}
     for topology in (SLOW_COMPUTE, NO_COMPUTE):
-        repl = rp.Replicator(2, 4, passes=rp.Pipeline.default(auto=True, topology=topology))
+        repl = rp.Replicator(2, 4, passes=rp.PassManager.default(auto=True, topology=topology))
         notes[topology.name] = repl.lower(adam_step, batches[0], state).notes[0]
     assert "shard_optimizer=True" in notes["slow-compute"], notes
     assert "of compute per step" in notes["slow-compute"]
@@ -110,7 +110,7 @@ def test_auto_chooses_zero_for_its_compute_saving_and_not_without_a_compute_mode
 
 def test_auto_with_zero_chosen_trains_as_the_simulation():
     _, batches, state = adam_problem()
-    repl = rp.Replicator(2, 4, passes=rp.Pipeline.default(auto=True, topology=SLOW_COMPUTE))
+    repl = rp.Replicator(2, 4, passes=rp.PassManager.default(auto=True, topology=SLOW_COMPUTE))
     assert "shard_optimizer=True" in repl.lower(adam_step, batches[0], state).notes[0]
     check_against_simulation(repl, adam_step, batches, state)
 
@@ -136,10 +136,10 @@ def test_the_choice_beats_every_setting_one_option_from_the_default():
         return (optax.apply_updates(state[0], updates), opt), {}
 
     batch = {"x": rng.normal(size=(64, 128)).astype(np.float32)}
-    pipeline = AutoPipeline("cpu-emulated")
+    pipeline = AutoPassManager("cpu-emulated")
     lowered = rp.Replicator(2, 4, passes=pipeline).lower(step, batch, (params, tx.init(params)))
     chosen = pipeline.predicted_seconds(lowered.final)
     for name, values in SEARCH:
         for value in values:
-            other = pipeline._pipeline({name: value}).run(lowered.traced)
+            other = pipeline._passes({name: value}).run(lowered.traced)
             assert chosen <= pipeline.predicted_seconds(other.final) * (1 + 1e-9), (name, value, lowered.notes)

@@ -112,7 +112,7 @@ def test_hierarchical_rows_are_costed_on_their_own_links(n_devices):
     x = np.ones((c, 1000), np.float32)  # one worker's batch: a row of 1000 floats per replica
     step = lambda b: rp.all_sum(b[0])  # noqa: E731
     flat = rp.Replicator(w, c).explain(step, x)
-    hier = rp.Replicator(w, c, passes=rp.Pipeline.default(hierarchical=True)).explain(step, x)
+    hier = rp.Replicator(w, c, passes=rp.PassManager.default(hierarchical=True)).explain(step, x)
     assert [(r.kind, r.group) for r in hier.rows] == [
         ("reduce_scatter", "cores"),
         ("all_sum", "workers"),
@@ -235,7 +235,7 @@ def test_one_latency_per_native_collective_on_shared_memory_devices():
 
 
 def test_an_unfused_all_sum_of_several_arrays_pays_latency_per_operand(n_devices):
-    repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(disable=["fuse-collectives"]))
+    repl = rp.Replicator(1, n_devices, passes=rp.PassManager.default(disable=["fuse-collectives"]))
     report = repl.explain(lambda b: rp.all_sum([b * i for i in range(5)]), np.ones((n_devices, 4), np.float32))
     (row,) = report.rows
     assert row.operands == 5

@@ -41,7 +41,7 @@ LAYOUT_IDS = [f"{w}x{c}-per-device-{f}" for w, c, f in LAYOUTS]
 @pytest.fixture(params=LAYOUTS, ids=LAYOUT_IDS, scope="module")
 def folded(request) -> rp.Replicator:
     w, c, f = request.param
-    return rp.Replicator(w, c, replicas_per_device=f)
+    return rp.Replicator(w, c, parallelism=rp.Parallelism(replicas_per_device=f))
 
 
 def test_layouts():
@@ -58,7 +58,7 @@ def test_layouts():
 def test_a_replicator_with_too_few_devices_names_replicas_per_device(n_devices):
     with pytest.raises(ValueError, match=r"replicas_per_device=2"):
         rp.Replicator(2, n_devices)
-    repl = rp.Replicator(2, n_devices, replicas_per_device=2)
+    repl = rp.Replicator(2, n_devices, parallelism=rp.Parallelism(replicas_per_device=2))
     assert repl.num_replicas == 2 * n_devices and repl.mesh.devices.size == n_devices
     assert "replicas_per_device=2" in repr(repl)
 
@@ -89,7 +89,7 @@ def test_every_collective_over_every_group_matches_numpy(folded, group):
 
 @pytest.mark.parametrize("context", list(CONTEXTS))
 def test_collectives_in_every_context_match_numpy(context):
-    repl = rp.Replicator(2, 4, replicas_per_device=2)
+    repl = rp.Replicator(2, 4, parallelism=rp.Parallelism(replicas_per_device=2))
     n = repl.num_replicas
     x = data((n * n, COLS), seed=4)
     names = ["all_sum", "all_max", "all_gather_tiled", "reduce_scatter", "broadcast_last", "replica_id"]
@@ -104,7 +104,10 @@ def test_collectives_in_every_context_match_numpy(context):
 @pytest.mark.parametrize("per_device", [2, 8])
 def test_ppermute_lowerings_fold(algorithm, per_device):
     repl = rp.Replicator(
-        2, 4, replicas_per_device=per_device, passes=rp.Pipeline.default(all_reduce_algorithm=algorithm)
+        2,
+        4,
+        parallelism=rp.Parallelism(replicas_per_device=per_device),
+        passes=rp.PassManager.default(all_reduce_algorithm=algorithm),
     )
     assert (
         count_primitives(repl.lower(lambda b: rp.all_sum(b), np.ones((8, 5), np.float32)).final.jaxpr).get(
@@ -154,7 +157,9 @@ def _adam_problem(global_rows: int, steps: int = 3):
 def test_adam_training_matches_the_simulation(folded, shard_optimizer):
     w, c, f = folded.num_workers, folded.cores_per_worker, folded.fold.replicas_per_device
     options = {"shard_optimizer": True, "shard_optimizer_min_bytes": 0} if shard_optimizer else {}
-    repl = rp.Replicator(w, c, replicas_per_device=f, passes=rp.Pipeline.default(**options))
+    repl = rp.Replicator(
+        w, c, parallelism=rp.Parallelism(replicas_per_device=f), passes=rp.PassManager.default(**options)
+    )
     step, state, batches = _adam_problem(4 * repl.num_replicas)
     check_against_simulation(repl, step, batches, state)
     if shard_optimizer:
@@ -173,12 +178,14 @@ def test_batch_norm_statistics_per_group_match_the_simulation():
     rng = np.random.default_rng(1)
     state = {"scale": jnp.ones(8), "offset": jnp.zeros(8), "mean": jnp.zeros(8)}
     batches = [{"x": rng.normal(size=(32, 8)).astype(np.float32)} for _ in range(2)]
-    check_against_simulation(rp.Replicator(2, 4, replicas_per_device=2), step, batches, state)
+    check_against_simulation(
+        rp.Replicator(2, 4, parallelism=rp.Parallelism(replicas_per_device=2)), step, batches, state
+    )
 
 
 def test_replica_invariant_work_runs_once_per_device():
     """The update after the all-mean is computed on (3,) arrays, not (4, 3): vmap leaves it unbatched."""
-    repl = rp.Replicator(1, 8, replicas_per_device=4)
+    repl = rp.Replicator(1, 8, parallelism=rp.Parallelism(replicas_per_device=4))
 
     def step(w, batch):
         g = rp.all_mean(jax.grad(lambda w: jnp.mean((batch["x"] @ w) ** 2))(w))
@@ -209,13 +216,13 @@ def test_explain_reports_the_logical_collectives():
     step, state, batches = _adam_problem(64)
     batch = jax.tree.map(lambda a: a[:32], batches[0])
     plain = rp.Replicator(2, 4).explain(step, batch, state)
-    folded = rp.Replicator(2, 4, replicas_per_device=4).explain(step, batch, state)
+    folded = rp.Replicator(2, 4, parallelism=rp.Parallelism(replicas_per_device=4)).explain(step, batch, state)
     assert folded.rows == plain.rows and folded.num_replicas == plain.num_replicas == 8
     assert folded.passes == (*plain.passes, "fold-replicas")
 
 
 def test_a_collective_with_no_folded_form_is_an_error():
-    repl = rp.Replicator(1, 8, replicas_per_device=2, axis_name="batch")
+    repl = rp.Replicator(1, 8, parallelism=rp.Parallelism(replicas_per_device=2), axis_name="batch")
 
     def step(b):
         return {"y": lax.all_to_all(b["x"], "batch", 0, 0, tiled=True)}
@@ -229,7 +236,11 @@ def test_a_fused_bucket_is_summed_over_the_fold_before_it_is_packed():
     with each weight gradient's sum over the fold one contraction of the fold's rows."""
     step, state, batches = _adam_problem(64)
     batch = jax.tree.map(lambda a: a[:16], batches[0])
-    final = rp.Replicator(2, 4, replicas_per_device=2).lower(step, batch, state).final.jaxpr.jaxpr
+    final = (
+        rp.Replicator(2, 4, parallelism=rp.Parallelism(replicas_per_device=2))
+        .lower(step, batch, state)
+        .final.jaxpr.jaxpr
+    )
     psums = [e for e in final.eqns if e.primitive.name == "psum"]
     size = 16 * 8 + 8 * 4 + 1  # w1's and w2's gradients and the loss, in one bucket
     packed = [e for e in psums if e.invars[0].aval.shape == (size,)]
@@ -256,7 +267,9 @@ def test_translation_validation_runs_folded(monkeypatch):
 
     monkeypatch.setattr(validate, "FoldReplicas", Spy)
     step, state, batches = _adam_problem(64)
-    repl = rp.Replicator(2, 4, replicas_per_device=4, passes=rp.Pipeline.default(validate=True))
+    repl = rp.Replicator(
+        2, 4, parallelism=rp.Parallelism(replicas_per_device=4), passes=rp.PassManager.default(validate=True)
+    )
     check_against_simulation(repl, step, batches[:1], state)
     assert meshes and set(meshes) == {(2, 1)}  # every validated graph ran on 2 devices
 
@@ -276,13 +289,15 @@ def test_summands_that_are_results_of_other_collectives_fold_too():
     batches = [{"x": rng.normal(size=(16, 3)).astype(np.float32)} for _ in range(2)]
     state = jnp.asarray(rng.normal(size=(3, 2)), jnp.float32)
     for per_device in (2, 8):
-        check_against_simulation(rp.Replicator(2, 4, replicas_per_device=per_device), step, batches, state)
+        check_against_simulation(
+            rp.Replicator(2, 4, parallelism=rp.Parallelism(replicas_per_device=per_device)), step, batches, state
+        )
 
 
 def test_checkpoints_move_between_folded_and_unfolded_runs(tmp_path):
     """ZeRO state saved from 8 replicas on 2 devices, restored on 8 devices, trains on like the uninterrupted run."""
     step, state0, batches = _adam_problem(64, steps=4)
-    zero = rp.Pipeline.default(shard_optimizer=True, shard_optimizer_min_bytes=0)
+    zero = rp.PassManager.default(shard_optimizer=True, shard_optimizer_min_bytes=0)
     rows = [jax.tree.map(lambda a: a.reshape(2, -1, *a.shape[1:]), b) for b in batches]
 
     def input_fn_from(k):
@@ -299,7 +314,7 @@ def test_checkpoints_move_between_folded_and_unfolded_runs(tmp_path):
         return state
 
     uninterrupted = train(rp.Replicator(2, 4, passes=zero), state0, 0, 4)
-    folded = rp.Replicator(2, 4, replicas_per_device=4, passes=zero)
+    folded = rp.Replicator(2, 4, parallelism=rp.Parallelism(replicas_per_device=4), passes=zero)
     half = train(folded, state0, 0, 2)
     assert folded.lower(step, jax.tree.map(lambda a: a[0], rows[0]), state0).final.sharded_state
     rp.save_checkpoint(tmp_path, 2, half)
@@ -314,7 +329,7 @@ def test_checkpoints_move_between_folded_and_unfolded_runs(tmp_path):
 @pytest.mark.parametrize("per_device", [2, 8])
 def test_folded_ppermute_gives_zeros_to_a_replica_no_one_sends_to(per_device):
     """``lax.ppermute`` over a folded axis, a shift without wrap-around: replica 0 receives zeros, as in JAX."""
-    repl = rp.Replicator(1, 8, replicas_per_device=per_device, axis_name="batch")
+    repl = rp.Replicator(1, 8, parallelism=rp.Parallelism(replicas_per_device=per_device), axis_name="batch")
     x = np.arange(16 * 3, dtype=np.float32).reshape(16, 3) + 1  # no zero rows: a row sent by mistake shows
     perm = [(i, i + 1) for i in range(7)]
     got = run_step(repl, lambda b: {"y": lax.ppermute(b["x"], "batch", perm)}, {"x": x})

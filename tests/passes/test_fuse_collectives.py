@@ -24,7 +24,7 @@ import replicator as rp
 from replicator.passes import (
     CheckReplicaInvariance,
     LowerCollectives,
-    Pipeline,
+    PassManager,
     count_primitives,
     verify_graph,
 )
@@ -39,8 +39,8 @@ ALL_REDUCE = "rp.all_reduce"
 N_LAYERS, WIDTH = 8, 4
 
 
-def _pipeline(**kwargs) -> Pipeline:
-    return Pipeline([CheckReplicaInvariance(), FuseCollectives(**kwargs), LowerCollectives()], verify=True)
+def _pipeline(**kwargs) -> PassManager:
+    return PassManager([CheckReplicaInvariance(), FuseCollectives(**kwargs), LowerCollectives()], verify=True)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def fused_repl(n_devices):
 @pytest.fixture(scope="module")
 def plain_repl(n_devices):
     """The default pipeline without fusion: graphs with one all-reduce per leaf (graph tests only)."""
-    return rp.Replicator(1, n_devices, passes=Pipeline(disable=["fuse-collectives"]))
+    return rp.Replicator(1, n_devices, passes=PassManager(disable=["fuse-collectives"]))
 
 
 def _count(jaxpr, name=ALL_REDUCE) -> int:

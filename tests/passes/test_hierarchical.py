@@ -19,7 +19,7 @@ from replicator.core.jaxprs import iter_eqns
 from replicator.passes import (
     HierarchicalAllReduce,
     LowerCollectives,
-    Pipeline,
+    PassManager,
     count_primitives,
     default_passes,
     verify_graph,
@@ -31,12 +31,12 @@ ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = "rp.all_reduce", "rp.reduce_scatter", "
 RTOL, ATOL = 2e-6, 1e-6
 
 
-def _pipeline(algorithm: str = "native", **config) -> Pipeline:
+def _pipeline(algorithm: str = "native", **config) -> PassManager:
     """The default passes with the hierarchical pass right before lowering."""
     passes = default_passes()
     assert [p.name for p in passes[-3:]] == ["fuse-collectives", "share-slice-kernels", "lower-collectives"]
     passes[-1:] = [HierarchicalAllReduce(**config), LowerCollectives(algorithms={"all_reduce": algorithm})]
-    return Pipeline(passes, verify=True)
+    return PassManager(passes, verify=True)
 
 
 _REPLICATORS: dict = {}
@@ -261,7 +261,7 @@ def test_mlp_training_matches_the_reference(n_devices, shape, algorithm):
         workers, cores = 2, n_devices // 2
     state = mlp_params(np.random.default_rng(0))
     hierarchical = _replicator(workers, cores, algorithm=algorithm)
-    assert "hierarchical-allreduce" in hierarchical.pipeline.names
+    assert "hierarchical-allreduce" in hierarchical.passes.names
     final, outputs = _check_with_reference(hierarchical, mlp_step, mlp_batch(cores), seed=7, steps=2, state=state)
     assert int(final["steps"]) == 2
     assert not np.allclose(np.asarray(final["w1"]), np.asarray(state["w1"]))
@@ -335,7 +335,7 @@ def test_repr_is_the_configuration_and_bad_configs_raise():
     assert repr(HierarchicalAllReduce(min_bytes=4096)) == "HierarchicalAllReduce(min_bytes=4096)"
     assert HierarchicalAllReduce.name == "hierarchical-allreduce" and not HierarchicalAllReduce.required
     assert _pipeline().key() != _pipeline(min_bytes=1).key()
-    assert "hierarchical-allreduce" not in Pipeline().names
+    assert "hierarchical-allreduce" not in PassManager().names
     with pytest.raises(ValueError, match=">= 0"):
         HierarchicalAllReduce(min_bytes=-1)
     with pytest.raises(TypeError, match="int"):

@@ -11,7 +11,7 @@ from utils import assert_identical_where_claimed, custom_vmap_call_primitive
 
 import replicator as rp
 from replicator.analysis.invariance import RULES, VarianceAnalysis, rule_for
-from replicator.passes import Pipeline, analyze_invariance, check_invariance
+from replicator.passes import PassManager, analyze_invariance, check_invariance
 
 THIS_FILE = __file__.rsplit("/", 1)[-1]
 
@@ -190,7 +190,7 @@ class TestDivergentState:
         step = lambda s, b: (s + b["x"].sum(), {})  # noqa: E731 - the state would drift apart
         with pytest.raises(rp.DivergentStateError):
             rp.Replicator(1, n_devices).lower(step, _batch(n_devices), jnp.float32(0))
-        r = rp.Replicator(1, n_devices, passes=Pipeline(disable=["check-replica-invariance"]))
+        r = rp.Replicator(1, n_devices, passes=PassManager(disable=["check-replica-invariance"]))
         lowered = r.lower(step, _batch(n_devices), jnp.float32(0))
         assert "check-replica-invariance" not in [s.name for s in lowered.stages]
         assert analyze_invariance(lowered.traced).output_variance == (frozenset({"cores"}),)
@@ -362,7 +362,7 @@ class TestClaimsHoldWhenRun:
             x = b["x"] * (1 + rp.replica_id().astype(jnp.float32))
             return rp.all_sum(x), rp.all_mean(x, group="cores"), rp.all_sum(x * 3, group="workers"), x
 
-        passes = rp.Pipeline.default(verify=True, **options)
+        passes = rp.PassManager.default(verify=True, **options)
         variance, _ = _run_and_check(W, C, step, passes=passes)
         assert variance == (SAME, BY_WORKER, BY_CORE, VARIES)
 

@@ -10,7 +10,7 @@ from utils import check_against_simulation
 import replicator as rp
 from replicator.core.jaxprs import iter_eqns
 from replicator.core.primitives import PLACEHOLDERS
-from replicator.passes import LowerCollectives, Pipeline, count_primitives, verify_graph
+from replicator.passes import LowerCollectives, PassManager, count_primitives, verify_graph
 
 PLACEHOLDER_NAMES = sorted(p.name for p in PLACEHOLDERS)
 
@@ -156,7 +156,7 @@ def test_unlowered_placeholder_names_the_pass(repl):
 
 def test_lower_collectives_cannot_be_disabled():
     with pytest.raises(ValueError, match="required"):
-        Pipeline(disable=["lower-collectives"])
+        PassManager(disable=["lower-collectives"])
 
 
 def _solve(b):
@@ -169,7 +169,7 @@ def _solve(b):
 def test_a_named_tuple_of_sub_jaxprs_keeps_its_type(n_devices, algorithm):
     """Regression: rewriting ``custom_linear_solve``'s ``jaxprs`` rebuilt it as a plain tuple,
     and the step failed when run (``'tuple' object has no attribute 'solve'``)."""
-    pipeline = Pipeline.default(
+    pipeline = PassManager.default(
         shard_optimizer=False, all_reduce_algorithm=algorithm, disable=["check-replica-invariance"], verify=True
     )
     repl = rp.Replicator(1, n_devices, passes=pipeline)

@@ -15,13 +15,13 @@ import pytest
 from utils import check_against_simulation
 
 import replicator as rp
-from replicator.passes import Pipeline, count_primitives, default_passes, verify_graph
+from replicator.passes import PassManager, count_primitives, default_passes, verify_graph
 from replicator.passes.shard_optimizer import ShardOptimizerUpdate
 
 PLACEHOLDERS = ["rp.all_reduce", "rp.reduce_scatter", "rp.all_gather"]
 
 
-def _with_zero(**kwargs) -> Pipeline:
+def _with_zero(**kwargs) -> PassManager:
     kwargs.setdefault("min_tensor_bytes", 0)  # the test tensors are small
     passes = default_passes()
     names = [p.name for p in passes]
@@ -29,12 +29,12 @@ def _with_zero(**kwargs) -> Pipeline:
         passes[names.index("shard-optimizer-update")] = ShardOptimizerUpdate(**kwargs)
     else:
         passes.insert(names.index("fuse-collectives"), ShardOptimizerUpdate(**kwargs))
-    return Pipeline(passes, verify=True)
+    return PassManager(passes, verify=True)
 
 
-def _without_zero() -> Pipeline:
-    names = Pipeline().names
-    return Pipeline(disable=["shard-optimizer-update"]) if "shard-optimizer-update" in names else Pipeline()
+def _without_zero() -> PassManager:
+    names = PassManager().names
+    return PassManager(disable=["shard-optimizer-update"]) if "shard-optimizer-update" in names else PassManager()
 
 
 def _loss(params, x):

@@ -23,7 +23,7 @@ from jax import lax
 from utils import assert_trees_close, check_against_simulation
 
 import replicator as rp
-from replicator.passes import Pipeline, count_primitives
+from replicator.passes import PassManager, count_primitives
 from replicator.passes.share_slice_kernels import ShareSliceKernels
 from replicator.runtime.execution import build_executable, place_state, sharded
 
@@ -56,7 +56,7 @@ class TestGraph:
         assert all(e.invars[0] is dynamic[0].invars[0] for e in dynamic)  # all from the one fused buffer
 
     def test_without_the_pass_the_pieces_are_static_slices(self, repl, n_devices):
-        off = rp.Replicator(1, n_devices, passes=Pipeline.default(disable=["share-slice-kernels"]))
+        off = rp.Replicator(1, n_devices, passes=PassManager.default(disable=["share-slice-kernels"]))
         final = off.lower(_grads_step, _batch(n_devices)).final
         assert count_primitives(final.jaxpr, ["dynamic_slice"]).get("dynamic_slice", 0) == 0
         assert not final.runtime_constants
@@ -81,7 +81,7 @@ class TestGraph:
         ],
     )
     def test_left_alone(self, step, n_devices):
-        repl = rp.Replicator(1, n_devices, passes=Pipeline.default(disable=["share-slice-kernels"]))
+        repl = rp.Replicator(1, n_devices, passes=PassManager.default(disable=["share-slice-kernels"]))
         graph = repl.lower(step, np.ones((n_devices * 4, 4), np.float32)).after("fuse-collectives")
         result = ShareSliceKernels().run(graph)
         assert not result.changed and result.graph is graph
@@ -98,7 +98,7 @@ class TestGraph:
             u, opt = tx.update(g, opt, p)
             return (optax.apply_updates(p, u), opt), {}
 
-        passes = Pipeline.default(zero_stage=1, shard_optimizer_min_bytes=0)
+        passes = PassManager.default(zero=1, shard_optimizer_min_bytes=0)
         lowered = rp.Replicator(1, n_devices, passes=passes).lower(
             step, np.ones((n_devices, 1), np.float32), (params, tx.init(params))
         )
@@ -128,7 +128,7 @@ class TestGraph:
         assert not ShareSliceKernels().run(final).changed
 
     def test_min_group(self, repl, n_devices):
-        graph = rp.Replicator(1, n_devices, passes=Pipeline.default(disable=["share-slice-kernels"]))
+        graph = rp.Replicator(1, n_devices, passes=PassManager.default(disable=["share-slice-kernels"]))
         graph = graph.lower(_grads_step, _batch(n_devices)).after("fuse-collectives")
         assert ShareSliceKernels(min_group=5).run(graph).changed is False
         assert ShareSliceKernels(min_group=4).run(graph).changed is True
@@ -165,7 +165,9 @@ class TestNumbers:
     def test_folded(self, n_devices):
         if n_devices % 2:
             pytest.skip("two replicas per device need an even device count")
-        folded = rp.Replicator(1, n_devices, replicas_per_device=2, devices=jax.devices()[: n_devices // 2])
+        folded = rp.Replicator(
+            1, n_devices, parallelism=rp.Parallelism(replicas_per_device=2), devices=jax.devices()[: n_devices // 2]
+        )
         check_against_simulation(folded, _grads_step, [_batch(n_devices)])
 
     @pytest.mark.parametrize("zero_stage", [0, 1, 3])
@@ -194,7 +196,7 @@ class TestNumbers:
             u, opt = tx.update(g, opt, p)
             return (optax.apply_updates(p, u), opt), {}
 
-        repl = rp.Replicator(1, n_devices, passes=Pipeline.default(zero_stage=zero_stage, shard_optimizer_min_bytes=0))
+        repl = rp.Replicator(1, n_devices, passes=PassManager.default(zero=zero_stage, shard_optimizer_min_bytes=0))
         final = repl.lower(step, rng.normal(size=(n_devices * 2, 16)).astype(np.float32), (params, tx.init(params)))
         assert final.final.runtime_constants  # the pass fired
         batches = [rng.normal(size=(n_devices * 2, 16)).astype(np.float32) for _ in range(3)]
@@ -277,7 +279,7 @@ def test_readers_of_same_shaped_pieces_compile_to_one_kernel(n_devices):
     batch = np.ones((n_devices, 1), np.float32)
     distinct = {}
     for name, disable in [("static", ["share-slice-kernels"]), ("runtime", [])]:
-        repl = rp.Replicator(1, n_devices, passes=Pipeline.default(disable=disable))
+        repl = rp.Replicator(1, n_devices, passes=PassManager.default(disable=disable))
         final = repl.lower(step, batch, xs).final
         exe = build_executable(final, repl.mesh)
         state = place_state(jax.tree.leaves(xs), repl.mesh)

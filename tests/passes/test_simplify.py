@@ -12,7 +12,7 @@ from utils import check_against_simulation, sum_rounding_scale
 import replicator as rp
 from replicator.core.jaxprs import iter_eqns
 from replicator.core.primitives import PLACEHOLDERS
-from replicator.passes import Pipeline, Simplify, count_primitives, default_passes, verify_graph
+from replicator.passes import PassManager, Simplify, count_primitives, default_passes, verify_graph
 
 # With a single replica every value is replica-invariant: nothing here would be kept.
 pytestmark = pytest.mark.skipif(jax.device_count() < 2, reason="needs at least two replicas")
@@ -59,7 +59,7 @@ _SIMPLIFYING: dict = {}
 def _with_simplify(repl):
     key = (repl.num_workers, repl.cores_per_worker)
     if key not in _SIMPLIFYING:
-        pipeline = Pipeline(_simplify_first(Simplify()), verify=True)
+        pipeline = PassManager(_simplify_first(Simplify()), verify=True)
         _SIMPLIFYING[key] = rp.Replicator(*key, passes=pipeline)
     return _SIMPLIFYING[key]
 
@@ -408,7 +408,7 @@ class TestInvariant:
         _assert_same_results(repl, step, _batch(repl.num_replicas), _state())
 
     def test_divergent_control_flow_disables_only_the_invariant_rewrite(self, n_devices):
-        repl = rp.Replicator(1, n_devices, passes=Pipeline(disable=["check-replica-invariance"]))
+        repl = rp.Replicator(1, n_devices, passes=PassManager(disable=["check-replica-invariance"]))
 
         def step(s, b):
             w = s["w"]
@@ -484,7 +484,7 @@ class TestPass:
     def test_repr_is_the_configuration_and_keys_the_cache(self):
         assert repr(Simplify()) == "Simplify(dedup=True, invariant=True, dead=True)"
         assert repr(Simplify(dead=False)) == "Simplify(dedup=True, invariant=True, dead=False)"
-        keys = {Pipeline(_simplify_first(p)).key() for p in (Simplify(), Simplify(dedup=False), Simplify())}
+        keys = {PassManager(_simplify_first(p)).key() for p in (Simplify(), Simplify(dedup=False), Simplify())}
         assert len(keys) == 2
 
     def test_pure_and_idempotent(self, repl):
@@ -506,7 +506,7 @@ class TestPass:
         assert count_primitives(lowered.after("simplify").jaxpr, [ALL_REDUCE]) == {ALL_REDUCE: 1}
         assert count_primitives(lowered.final.jaxpr, ["psum"]) == {"psum": 1}
         # Without simplify (and without fusion, which would merge them) both stay.
-        off = rp.Replicator(1, n_devices, passes=Pipeline(disable=["simplify", "fuse-collectives"])).lower(
+        off = rp.Replicator(1, n_devices, passes=PassManager(disable=["simplify", "fuse-collectives"])).lower(
             step, _batch(n_devices)
         )
         assert count_primitives(off.final.jaxpr, ["psum"]) == {"psum": 2}
@@ -519,7 +519,7 @@ class TestPass:
 
 def _unchecked(n_devices):
     """A replicator whose pipeline skips check-replica-invariance (as its errors suggest)."""
-    pipeline = Pipeline.default(shard_optimizer=False, disable=["check-replica-invariance"], verify=True)
+    pipeline = PassManager.default(shard_optimizer=False, disable=["check-replica-invariance"], verify=True)
     return rp.Replicator(1, n_devices, passes=pipeline)
 
 

@@ -14,14 +14,14 @@ from jax import custom_batching
 from utils import custom_vmap_call_primitive
 
 import replicator as rp
-from replicator.passes import Pipeline, count_primitives
+from replicator.passes import PassManager, count_primitives
 
 # The test tensors are small: ZeRO on every tensor, whatever its size.
 ZERO = {"zero": dict(shard_optimizer=True, shard_optimizer_min_bytes=0), "no-zero": dict(shard_optimizer=False)}
 
 
 def _replicator(n_devices: int, workers: int, variant: str) -> rp.Replicator:
-    return rp.Replicator(workers, n_devices // workers, passes=Pipeline.default(verify=True, **ZERO[variant]))
+    return rp.Replicator(workers, n_devices // workers, passes=PassManager.default(verify=True, **ZERO[variant]))
 
 
 def _run(repl: rp.Replicator, step, state, batches):
@@ -321,7 +321,7 @@ def test_zero_leaves_small_tensors_whole_by_default(n_devices):
     small = {"w": np.ones((2 * n_devices, 4), np.float32)}  # far below 64 KiB
     big = {"w": np.ones((128 * n_devices, 32), np.float32)}  # 128 KiB and more
     for params, sharded in ((small, 0), (big, 2)):
-        repl = rp.Replicator(1, n_devices, passes=Pipeline.default(shard_optimizer=True))
+        repl = rp.Replicator(1, n_devices, passes=PassManager.default(shard_optimizer=True))
         step = _adam_step_no_bias(tx)
         batch = {"x": np.ones((n_devices, params["w"].shape[0]), np.float32)}
         after = repl.lower(step, batch, (params, tx.init(params))).after("shard-optimizer-update")

@@ -1,4 +1,4 @@
-"""Translation validation (Pipeline(validate=True)) and the graph invariant checks, on deliberately wrong passes.
+"""Translation validation (PassManager(validate=True)) and the graph invariant checks, on deliberately wrong passes.
 
 The wrong pass, ``DoubleFirstAllSum``, lives in tests/utils.py, shared with test_bisect.py.
 """
@@ -13,9 +13,9 @@ from utils import DoubleFirstAllSum
 import replicator as rp
 from replicator.core.graph import StepGraph
 from replicator.core.jaxprs import inline_function
-from replicator.passes import Pass, PassResult, Pipeline, default_passes
-from replicator.pipeline.contract import rewrite_graph
-from replicator.pipeline.verify import GraphInvariantError, verify_graph
+from replicator.pass_manager.contract import rewrite_graph
+from replicator.pass_manager.verify import GraphInvariantError, verify_graph
+from replicator.passes import Pass, PassManager, PassResult, default_passes
 from replicator.tools.validate import GraphRunner, compare_results
 
 
@@ -39,7 +39,7 @@ def _cli_state():
 def _wrong_pipeline(**kwargs):
     passes = default_passes()
     passes.insert(3, DoubleFirstAllSum())
-    return Pipeline(passes, **kwargs)
+    return PassManager(passes, **kwargs)
 
 
 def test_validation_names_the_pass_and_the_leaf(n_devices):
@@ -81,7 +81,7 @@ def test_after_a_pass_that_lowers_precision_later_passes_get_its_tolerance(n_dev
     it by bf16 rounding; lower-collectives was held to float32 rounding and reported a miscompile."""
     passes = default_passes()
     passes[3:3] = inserted
-    repl = rp.Replicator(1, n_devices, passes=Pipeline(passes, validate=True))
+    repl = rp.Replicator(1, n_devices, passes=PassManager(passes, validate=True))
     batch, state = _inputs(n_devices)
     if raises is None:
         repl.lower(_step, batch, state)
@@ -93,9 +93,9 @@ def test_after_a_pass_that_lowers_precision_later_passes_get_its_tolerance(n_dev
 def test_validation_is_quiet_on_sound_pipelines(n_devices, monkeypatch):
     monkeypatch.setenv("REPLICATOR_VALIDATE", "1")
     for pipe in (
-        Pipeline.default(),
-        Pipeline.default(shard_optimizer=True, shard_optimizer_min_bytes=0, hierarchical=True),
-        Pipeline.default(compress=True, all_reduce_algorithm="ring"),
+        PassManager.default(),
+        PassManager.default(shard_optimizer=True, shard_optimizer_min_bytes=0, hierarchical=True),
+        PassManager.default(compress=True, all_reduce_algorithm="ring"),
     ):
         assert pipe.validate
         repl = rp.Replicator(2 if n_devices % 2 == 0 else 1, n_devices // (2 if n_devices % 2 == 0 else 1), passes=pipe)
@@ -142,7 +142,7 @@ def test_validation_sees_a_wrong_sharded_state_update(n_devices):
 
     passes = default_passes()
     passes.insert(2, ShardAndBreak())
-    repl = rp.Replicator(1, n, passes=Pipeline(passes, validate=True))
+    repl = rp.Replicator(1, n, passes=PassManager(passes, validate=True))
     with pytest.raises(rp.MiscompileError, match=r"zero-then-break' changed new state\[1\]"):
         repl.lower(step, {"x": np.ones((2 * n, 2 * n), np.float32)}, (params, tx.init(params)))
 
@@ -160,7 +160,7 @@ def test_a_pass_that_reads_an_undefined_variable_is_named_even_without_verify(n_
 
     passes = default_passes()
     passes.insert(2, DropFirstEquation())
-    repl = rp.Replicator(1, n_devices, passes=Pipeline(passes, verify=False))
+    repl = rp.Replicator(1, n_devices, passes=PassManager(passes, verify=False))
     batch, state = _inputs(n_devices)
     with pytest.raises(rp.PassError, match="drop-first-equation.*never defined"):
         repl.lower(_step, batch, state)
@@ -205,7 +205,7 @@ def _jit_step(state, batch):
 def test_a_graph_that_reads_an_undefined_variable_raises_naming_the_pass(n_devices, nested, verify):
     passes = default_passes()
     passes.insert(2, ReadUndefined(nested))
-    repl = rp.Replicator(1, n_devices, passes=Pipeline(passes, verify=verify))
+    repl = rp.Replicator(1, n_devices, passes=PassManager(passes, verify=verify))
     batch, state = _inputs(n_devices)
     with pytest.raises(
         GraphInvariantError,
@@ -275,7 +275,7 @@ def test_validation_is_quiet_on_the_mlp_and_adam_steps(n_devices):
 
     state = mlp_params(np.random.default_rng(0))
     batch = {"x": np.ones((2 * n_devices, 3), np.float32), "y": np.ones((2 * n_devices, 7), np.float32)}
-    rp.Replicator(1, n_devices, passes=Pipeline.default(validate=True)).lower(mlp_step, batch, state)
+    rp.Replicator(1, n_devices, passes=PassManager.default(validate=True)).lower(mlp_step, batch, state)
 
     tx = optax.adam(1e-2)
     params = {"w": np.ones((8 * n_devices, 3), np.float32), "b": np.zeros(3, np.float32)}
@@ -288,7 +288,7 @@ def test_validation_is_quiet_on_the_mlp_and_adam_steps(n_devices):
         upd, opt = tx.update(g, opt, p)
         return (optax.apply_updates(p, upd), opt, key), {"gnorm": optax.tree.norm(g)}
 
-    pipe = Pipeline.default(shard_optimizer=True, shard_optimizer_min_bytes=0, validate=True)
+    pipe = PassManager.default(shard_optimizer=True, shard_optimizer_min_bytes=0, validate=True)
     state = (params, tx.init(params), jax.random.key(0))  # a typed PRNG key in the state too
     lowered = rp.Replicator(1, n_devices, passes=pipe).lower(
         adam_step, {"x": np.ones((2 * n_devices, 8 * n_devices), np.float32)}, state

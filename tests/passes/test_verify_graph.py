@@ -1,4 +1,4 @@
-"""The graph invariant checks (replicator/pipeline/verify.py) on hand-made broken and sound graphs.
+"""The graph invariant checks (replicator/pass_manager/verify.py) on hand-made broken and sound graphs.
 
 Each broken graph is a small jaxpr traced with ``jax.make_jaxpr`` and then damaged (a
 result or an operand swapped for a variable nothing defines, a let-binder retyped, a
@@ -18,7 +18,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Var
 import replicator as rp
 from replicator.core.context import ReplicaContext
 from replicator.core.graph import StepGraph
-from replicator.pipeline.verify import GraphInvariantError, check_defined, verify_graph
+from replicator.pass_manager.verify import GraphInvariantError, check_defined, verify_graph
 
 #: Two workers of four cores, with the user's axis name 'batch' bound to all replicas.
 CONTEXT = ReplicaContext(2, 4, (("batch", None),))

@@ -1,4 +1,4 @@
-"""ZeRO stages 2 and 3 (``Pipeline.default(zero_stage=...)``): graph, numbers against one device, memory.
+"""ZeRO stages 2 and 3 (``PassManager.default(zero=...)``): graph, numbers against one device, memory.
 
 The reference is the same step under ``jax.jit`` on one device with the global
 batch (``rp.all_mean`` is the identity there).
@@ -87,14 +87,14 @@ def _setup(tx=None):
 # -- options ----------------------------------------------------------------------------------
 
 
-def test_zero_stage_option_builds_the_pass_with_its_stage():
-    (p,) = [p for p in rp.Pipeline.default(zero_stage=3).passes if p.name == "shard-optimizer-update"]
+def test_the_zero_option_builds_the_pass_with_its_level():
+    (p,) = [p for p in rp.PassManager.default(zero=3).passes if p.name == "shard-optimizer-update"]
     assert p.stage == 3
-    (p,) = [p for p in rp.Pipeline.default(shard_optimizer=True).passes if p.name == "shard-optimizer-update"]
+    (p,) = [p for p in rp.PassManager.default(shard_optimizer=True).passes if p.name == "shard-optimizer-update"]
     assert p.stage == 1
-    assert "shard-optimizer-update" not in rp.Pipeline.default(zero_stage=0).names
-    with pytest.raises(ValueError, match="stages are 0 .off., 1, 2 and 3"):
-        rp.Pipeline.default(zero_stage=4)
+    assert "shard-optimizer-update" not in rp.PassManager.default(zero=0).names
+    with pytest.raises(ValueError, match="levels are 0 .off., 1, 2 and 3"):
+        rp.PassManager.default(zero=4)
 
 
 # -- stage 3: parameters stored sharded --------------------------------------------------------
@@ -104,7 +104,7 @@ def test_zero_stage_option_builds_the_pass_with_its_stage():
 def test_three_adam_steps_equal_one_device(n_devices, stage):
     tx, state = _setup()
     batches = _batches(4 * n_devices)
-    repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(zero_stage=stage))
+    repl = rp.Replicator(1, n_devices, passes=rp.PassManager.default(zero=stage))
     got = train_on_global_batches(repl, _make_step(tx), state, batches)
     ref = _reference(tx, state, batches)
     assert _max_diff(ref[0], state[0]) > 1e-3  # training moved the parameters: the check below can fail
@@ -113,7 +113,7 @@ def test_three_adam_steps_equal_one_device(n_devices, stage):
 
 def test_stage3_stores_parameters_sharded_and_gathers_them_for_each_use(n_devices):
     tx, state = _setup()
-    repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(zero_stage=3))
+    repl = rp.Replicator(1, n_devices, passes=rp.PassManager.default(zero=3))
     lowered = _lower(repl, _make_step(tx), state)
     final = lowered.final
     paths = [final.state_paths[i] for i in sorted(final.sharded_state)]
@@ -153,7 +153,7 @@ def test_memory_per_device_falls_with_each_stage(n_devices):
     whole = sum(np.asarray(x).nbytes for x in jax.tree.leaves(state))
     usage, stored = {}, {}
     for stage in (0, 1, 3):
-        repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(zero_stage=stage))
+        repl = rp.Replicator(1, n_devices, passes=rp.PassManager.default(zero=stage))
         lowered = _lower(repl, _make_step(tx), state)
         usage[stage], stored[stage] = lowered.memory(), state_bytes_per_device(lowered.final)
     assert stored[0] == whole
@@ -177,7 +177,7 @@ def test_unsharded_parameter_stays_replicated_with_a_note(n_devices):
         g = rp.all_mean(jax.grad(lambda w: jnp.sum(jnp.tanh(b["x"] @ w)))(s["w"]))
         return {"w": s["w"] - 0.1 * g, "v": jnp.roll(s["v"], 1, axis=1) + 0.5}, {}
 
-    repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(zero_stage=3))
+    repl = rp.Replicator(1, n_devices, passes=rp.PassManager.default(zero=3))
     lowered = repl.lower(step, {"x": np.ones((2 * n_devices, WIDTH), np.float32)}, state)
     paths = [lowered.final.state_paths[i] for i in lowered.final.sharded_state]
     assert paths == ["state['w']"], paths
@@ -192,7 +192,7 @@ def test_stage3_with_bf16_compute_gathers_in_bf16(n_devices):
     def bf16_loss(p, x, y):
         return _loss(p, x, y, dtype=jnp.bfloat16)
 
-    repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(zero_stage=3))
+    repl = rp.Replicator(1, n_devices, passes=rp.PassManager.default(zero=3))
     zero = _lower(repl, _make_step(tx, bf16_loss), state).after("shard-optimizer-update")
     gathered = [e.invars[0].aval.dtype for e in zero.jaxpr.jaxpr.eqns if e.primitive.name == "rp.all_gather"]
     assert gathered and all(d == jnp.bfloat16 for d in gathered), gathered
@@ -214,7 +214,7 @@ def test_stage3_with_jax_checkpoint_and_clipping(n_devices):
         return jnp.mean((x - y) ** 2)
 
     batches = _batches(4 * n_devices)
-    repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(zero_stage=3))
+    repl = rp.Replicator(1, n_devices, passes=rp.PassManager.default(zero=3))
     got = train_on_global_batches(repl, _make_step(tx, remat_loss), state, batches)
     assert _max_diff(got, _reference(tx, state, batches, remat_loss)) < tol(n_devices)
 
@@ -224,7 +224,7 @@ def test_stage2_computes_the_global_norm_on_shards(n_devices):
     tx, state = _setup(optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-2)))
     counts = {}
     for stage in (1, 2):
-        repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(zero_stage=stage))
+        repl = rp.Replicator(1, n_devices, passes=rp.PassManager.default(zero=stage))
         counts[stage] = count_primitives(_lower(repl, _make_step(tx), state).after("shard-optimizer-update").jaxpr)
     # stage 1 gathers each weight's squared gradient for the norm, and the new weights;
     # stage 2 only the new weights
@@ -266,7 +266,7 @@ def test_max_and_min_of_the_reduced_gradient_equal_one_device(n_devices, stage, 
     params = _params(np.random.default_rng(0))
     state = (params, tx.init(params))
     batches = _batches(4 * workers * cores)
-    repl = rp.Replicator(workers, cores, passes=rp.Pipeline.default(zero_stage=stage))
+    repl = rp.Replicator(workers, cores, passes=rp.PassManager.default(zero=stage))
     if stage >= 2:  # the reductions run on chunks: each weight's max and min are all-reduces of partial results
         zero = _lower(repl, _extremes_step(tx), state).after("shard-optimizer-update").jaxpr.jaxpr
         ops = [e.params["op"] for e in zero.eqns if e.primitive.name == "rp.all_reduce"]
@@ -285,7 +285,10 @@ def test_stage3_on_a_2d_mesh_and_folded(n_devices, workers, per_device):
     tx, state = _setup()
     batches = _batches(4 * n_devices)
     repl = rp.Replicator(
-        workers, n_devices // workers, replicas_per_device=per_device, passes=rp.Pipeline.default(zero_stage=3)
+        workers,
+        n_devices // workers,
+        parallelism=rp.Parallelism(replicas_per_device=per_device),
+        passes=rp.PassManager.default(zero=3),
     )
     got = train_on_global_batches(repl, _make_step(tx), state, batches)
     assert _max_diff(got, _reference(tx, state, batches)) < tol(n_devices)
@@ -304,7 +307,7 @@ def test_gradient_accumulation_under_stage3(n_devices):
         upd, opt = tx.update(g, opt, params)
         return (optax.apply_updates(params, upd), opt), {}
 
-    repl = rp.Replicator(1, n_devices, passes=rp.Pipeline.default(zero_stage=3))
+    repl = rp.Replicator(1, n_devices, passes=rp.PassManager.default(zero=3))
     got = train_on_global_batches(repl, step, state, batches)
     assert _max_diff(got, _reference(tx, state, batches)) < tol(n_devices)
 
@@ -346,8 +349,8 @@ def test_stage3_shards_conv_kernels_along_an_axis_that_divides(n_devices, worker
     repl = rp.Replicator(
         workers,
         n_devices // workers,
-        replicas_per_device=per_device,
-        passes=rp.Pipeline.default(zero_stage=3, shard_optimizer_min_bytes=0),
+        parallelism=rp.Parallelism(replicas_per_device=per_device),
+        passes=rp.PassManager.default(zero=3, shard_optimizer_min_bytes=0),
     )
     step = _make_step(tx, _conv_loss)
     lowered = repl.lower(step, jax.tree.map(lambda a: a[: len(a) // workers], batches[0]), state)
@@ -416,9 +419,9 @@ def _zero3(slice_scans=True, min_bytes=0):
         rp.passes.ShardOptimizerUpdate(stage=3, min_tensor_bytes=min_bytes, slice_scans=slice_scans)
         if p.name == "shard-optimizer-update"
         else p
-        for p in rp.Pipeline.default(zero_stage=3).passes
+        for p in rp.PassManager.default(zero=3).passes
     ]
-    return rp.Pipeline(passes)
+    return rp.PassManager(passes)
 
 
 def _scans(jaxpr):
@@ -462,7 +465,9 @@ def test_stage3_scanned_stack_trains_as_on_one_device(n_devices, workers, per_de
     width = 64
     tx, state = _scan_setup(width)
     batches = _batches(4 * n_devices, 3, width)
-    repl = rp.Replicator(workers, n_devices // workers, replicas_per_device=per_device, passes=_zero3())
+    repl = rp.Replicator(
+        workers, n_devices // workers, parallelism=rp.Parallelism(replicas_per_device=per_device), passes=_zero3()
+    )
     if loss is _remat_scan_loss:  # the slices are still gathered inside the loops only
         lowered = repl.lower(_make_step(tx, loss), _batches(4 * n_devices, 1, width)[0], state)
         zero = lowered.after("shard-optimizer-update").jaxpr.jaxpr

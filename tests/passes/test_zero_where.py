@@ -80,7 +80,7 @@ def _sharded_paths(repl, step, state):
 @pytest.mark.parametrize("stage", [1, 3])
 def test_where_on_a_scalar_predicate_shards_as_select_does(stage):
     tx, state = _setup()
-    repl = rp.Replicator(2, 4, passes=rp.Pipeline.default(zero_stage=stage))
+    repl = rp.Replicator(2, 4, passes=rp.PassManager.default(zero=stage))
     with_where, lowered = _sharded_paths(repl, _make_step(tx, _where), state)
     with_select, _ = _sharded_paths(repl, _make_step(tx, _select), state)
     assert with_where == with_select, (with_where, with_select)
@@ -93,7 +93,7 @@ def test_where_on_a_scalar_predicate_shards_as_select_does(stage):
 def test_a_broadcast_scalar_is_made_as_chunks():
     """``jnp.where(finite, new, 0.0)`` broadcasts ``0.0``: on chunks, never a whole broadcast sliced."""
     tx, state = _setup()
-    repl = rp.Replicator(2, 4, passes=rp.Pipeline.default(zero_stage=1))
+    repl = rp.Replicator(2, 4, passes=rp.PassManager.default(zero=1))
     step = _make_step(tx, lambda finite, new, old: jnp.where(finite, new, jnp.zeros((), new.dtype)))
     paths, lowered = _sharded_paths(repl, step, state)
     assert any("mu" in p for p in paths), paths
@@ -118,7 +118,7 @@ def test_a_non_finite_step_keeps_the_state_as_on_one_device(n_devices, workers, 
         pytest.skip(f"needs {workers * cores} devices")
     tx, state = _setup()
     batches = _batches(4 * workers * cores, steps=4, bad=(1,))
-    repl = rp.Replicator(workers, cores, passes=rp.Pipeline.default(zero_stage=stage))
+    repl = rp.Replicator(workers, cores, passes=rp.PassManager.default(zero=stage))
     step = _make_step(tx, _where)
     assert _sharded_paths(repl, step, state)[0]  # the run below is sharded
     got = train_on_global_batches(repl, step, state, batches)
@@ -144,7 +144,7 @@ def test_a_leaf_left_whole_names_the_equation_not_unproven_values():
         g = rp.all_mean(jax.grad(lambda w: jnp.sum(jnp.tanh(b["x"] @ w)))(s["w"]))
         return {"w": s["w"] - 0.1 * g, "v": jnp.cumsum(s["v"], axis=1) * 0.5 + 0.5}, {}
 
-    repl = rp.Replicator(1, 8, passes=rp.Pipeline.default(zero_stage=3))
+    repl = rp.Replicator(1, 8, passes=rp.PassManager.default(zero=3))
     lowered = repl.lower(step, {"x": np.ones((16, WIDTH), np.float32)}, state)
     (note,) = [n for n in lowered.notes if "state['v']" in n]
     assert "stays replicated" in note and "identical on every replica" in note, note
@@ -160,7 +160,7 @@ def test_explain_does_not_call_identical_updates_unproven():
         g = rp.all_mean(jax.grad(lambda w: jnp.sum(jnp.tanh(b["x"] @ w)))(s["w"]))
         return {"w": s["w"] - 0.1 * g, "v": jnp.cumsum(s["v"], axis=1) * 0.5 + 0.5}, {}
 
-    repl = rp.Replicator(1, 8, passes=rp.Pipeline.default(zero_stage=1))
+    repl = rp.Replicator(1, 8, passes=rp.PassManager.default(zero=1))
     text = " ".join(str(repl.explain(step, {"x": np.ones((16, WIDTH), np.float32)}, state)).split())
     assert "identical on every replica, are not made element by element" in text, text
     assert "proven identical" not in text, text

@@ -64,7 +64,9 @@ def replicator_for(stages: int) -> rp.Replicator:
     devices = jax.devices()[: WORKERS * CORES]
     if stages == 1:
         return rp.Replicator(WORKERS, CORES, devices=devices)
-    return rp.Replicator(WORKERS, CORES, devices=devices, pipeline_stages=stages, microbatches=MICROBATCHES)
+    return rp.Replicator(
+        WORKERS, CORES, devices=devices, parallelism=rp.Parallelism(stages=stages, microbatches=MICROBATCHES)
+    )
 
 
 def one_device(opt):

@@ -42,7 +42,10 @@ def train(
 ) -> tuple[Any, Any, list, list]:
     """``steps`` steps on ``stages`` x ``8 / stages`` replicas and on one device: (state, one device's, losses)."""
     repl = rp.Replicator(
-        1, 8, devices=jax.devices()[:8], pipeline_stages=stages, microbatches=microbatches, schedule=schedule
+        1,
+        8,
+        devices=jax.devices()[:8],
+        parallelism=rp.Parallelism(stages=stages, microbatches=microbatches, schedule=schedule),
     )
     state, values = (params, opt.init(params)), []
     for _ in range(steps):
@@ -246,7 +249,7 @@ def _refusal_of_a_marker_in_a_scan_body() -> str:
         return jnp.mean((model.apply(params, x) - y) ** 2)
 
     opt = optax.sgd(0.1)
-    repl = rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=2, microbatches=2)
+    repl = rp.Replicator(1, 8, devices=jax.devices()[:8], parallelism=rp.Parallelism(stages=2, microbatches=2))
     with pytest.raises(StageSplitError) as info:
         repl.run(make_step(loss, opt), (x, y), (params, opt.init(params)))
     return str(info.value)
@@ -266,12 +269,14 @@ def test_the_refusal_names_the_users_nn_scan_call_as_the_loop():
     assert f"is inside the loop (lax.fori_loop / lax.scan / lax.map) at {__file__}:{loop} " in message, message
 
 
-# 6. ZeRO on each stage's data-parallel replicas: passes=rp.Pipeline.default(zero_stage=k), through run_pipelined.
+# 6. ZeRO on each stage's data-parallel replicas: passes=rp.PassManager.default(zero=k), through run_pipelined.
 
 
 @pytest.mark.parametrize("zero_stage", [1, 3])
 def test_zero_passes_on_a_pipelined_replicator_shard_each_stages_rows(zero_stage):
-    passes = rp.Pipeline.default(zero_stage=zero_stage)
-    repl = rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=2, microbatches=2, passes=passes)
+    passes = rp.PassManager.default(zero=zero_stage)
+    repl = rp.Replicator(
+        1, 8, devices=jax.devices()[:8], parallelism=rp.Parallelism(stages=2, microbatches=2), passes=passes
+    )
     assert repl.pipelined.zero_stage == zero_stage
     assert f"zero_stage={zero_stage}" in repr(repl.pipelined)

@@ -1,5 +1,5 @@
-"""A pipeline with several data-parallel replicas per device (``replicas_per_device=k`` with
-``pipeline_stages=S``): ``S`` stages x ``D = W * C / S`` logical replicas on ``S x D / k`` devices, each device
+"""A pipeline with several data-parallel replicas per device (``Parallelism(replicas_per_device=k,
+stages=S)``): ``S`` stages x ``D = W * C / S`` logical replicas on ``S x D / k`` devices, each device
 running ``k`` consecutive replicas vmapped. Against independent references: one device's ``jax.jit`` of the same
 loss or step on the global batch, and the logical replicas simulated with ``jax.vmap`` over named axes (a
 user's collective, per-replica outputs)."""
@@ -34,7 +34,11 @@ CASES = [
 def _replicator(workers, cores, k, stages, m, **options):
     devices = jax.devices()[: workers * cores // k]
     return rp.Replicator(
-        workers, cores, devices=devices, replicas_per_device=k, pipeline_stages=stages, microbatches=m, **options
+        workers,
+        cores,
+        devices=devices,
+        parallelism=rp.Parallelism(replicas_per_device=k, stages=stages, microbatches=m),
+        **options,
     )
 
 
@@ -147,7 +151,7 @@ def test_zero_of_the_users_step_with_folded_replicas_matches_one_device(zero_sta
     # update once per device on the loop's outputs averaged over its 2 replicas.
     p, batch = _params_for(two_stages), _skewed_batch()
     opt = optax.adam(1e-2)
-    repl = _replicator(1, 8, 2, 2, 4, passes=rp.Pipeline.default(zero_stage=zero_stage))
+    repl = _replicator(1, 8, 2, 2, 4, passes=rp.PassManager.default(zero=zero_stage))
     step, state, values = make_step(two_stages, opt), (p, opt.init(p)), []
     for _ in range(STEPS):
         state, out = repl.run(step, batch, state)
@@ -214,7 +218,7 @@ def test_zero_splits_rows_over_a_stages_devices(zero_stage):
     # 2 stages x 4 logical replicas, 2 devices per stage: each row in 2 chunks, one per device.
     p, (ids, y) = _params_for(two_stages), _skewed_batch()
     opt = optax.adam(1e-2)
-    repl = _replicator(1, 8, 2, 2, 4, passes=rp.Pipeline.default(zero_stage=zero_stage))
+    repl = _replicator(1, 8, 2, 2, 4, passes=rp.PassManager.default(zero=zero_stage))
     _assert_run_pipelined_like_one_device(repl, two_stages, opt, p, (ids, y))
     report = repl.describe_pipeline(two_stages, opt, (ids, y), (p, opt.init(p)))
     assert f"ZeRO-{zero_stage} over each stage's 2 devices" in str(report)
@@ -238,4 +242,4 @@ def test_stages_that_do_not_cut_the_device_grid_are_refused():
     with pytest.raises(
         ValueError, match=r"pipeline_stages=4 does not cut the 1 x 2 device grid.*replicas_per_device=4"
     ):
-        rp.Replicator(1, 8, devices=jax.devices()[:2], replicas_per_device=4, pipeline_stages=4)
+        rp.Replicator(1, 8, devices=jax.devices()[:2], parallelism=rp.Parallelism(replicas_per_device=4, stages=4))

@@ -51,7 +51,9 @@ def test_replicated_pipeline_matches_one_device(workers, cores, stages, m, loss,
     p, (ids, y) = _params_for(loss), global_batch()
     opt = optax.adam(1e-2)
     devices = jax.devices()[: workers * cores]
-    repl = rp.Replicator(workers, cores, devices=devices, pipeline_stages=stages, microbatches=m, schedule=schedule)
+    repl = rp.Replicator(
+        workers, cores, devices=devices, parallelism=rp.Parallelism(stages=stages, microbatches=m, schedule=schedule)
+    )
     assert repl.pipelined.replicas == workers * cores // stages
     state, values = (p, opt.init(p)), []
     with warnings.catch_warnings():
@@ -68,7 +70,7 @@ def test_each_replica_runs_its_own_rows():
     p, (ids, y) = _params_for(two_stages), global_batch()
     y[ROWS // 2 :] += 3.0
     opt = optax.sgd(0.1)
-    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2, microbatches=2)
+    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], parallelism=rp.Parallelism(stages=2, microbatches=2))
     (got, _), value = repl.run_pipelined(two_stages, opt, (ids, y), (p, opt.init(p)))
     want_value, grads = jax.jit(jax.value_and_grad(two_stages))(p, ids, y)
     np.testing.assert_allclose(value, want_value, rtol=1e-5)
@@ -78,7 +80,7 @@ def test_each_replica_runs_its_own_rows():
 def test_stage_state_lives_on_its_replicas_only():
     p, (ids, y) = _params_for(four_stages_tied), global_batch()
     opt = optax.adam(1e-2)
-    repl = rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=4, microbatches=4)
+    repl = rp.Replicator(1, 8, devices=jax.devices()[:8], parallelism=rp.Parallelism(stages=4, microbatches=4))
     train = repl.pipelined.step_for(four_stages_tied, opt)
     train.built(p, ids, y)
     packed = train.pack(p, opt.init(p))
@@ -112,7 +114,7 @@ def test_pipeline_mesh_layout():
 def test_batch_not_divisible_names_the_numbers():
     p, (ids, y) = _params_for(two_stages), global_batch(rows=28)
     opt = optax.sgd(0.1)
-    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2, microbatches=4)
+    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], parallelism=rp.Parallelism(stages=2, microbatches=4))
     with pytest.raises(
         ValueError, match=r"\(28 rows\) does not split into num_microbatches=4 x 2 data-parallel replicas = 8 .*of 8"
     ):
@@ -122,21 +124,21 @@ def test_batch_not_divisible_names_the_numbers():
 def test_fewer_microbatches_than_stages_warns():
     p, (ids, y) = _params_for(four_stages_tied), global_batch()
     opt = optax.sgd(0.1)
-    repl = rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=4, microbatches=2)
+    repl = rp.Replicator(1, 8, devices=jax.devices()[:8], parallelism=rp.Parallelism(stages=4, microbatches=2))
     with pytest.warns(UserWarning, match=r"microbatches=2 < 4 stages: most of the step is bubble .*0\.60") as got:
         repl.describe_pipeline(four_stages_tied, opt, (ids, y), (p, opt.init(p)))
     assert got[0].filename == __file__  # the user's line, not replicator's
 
 
 def test_one_stage_is_gradient_accumulation_over_replicas():
-    # No marker, pipeline_stages=1: M micro-batches accumulated on each of the D = 4 replicas.
+    # No marker, Parallelism(stages=1): M micro-batches accumulated on each of the D = 4 replicas.
     p, (ids, y) = _params_for(two_stages), global_batch()
     opt = optax.sgd(0.1)
 
     def unmarked(p, ids, y):
         return jnp.mean((jnp.tanh(p["emb"][ids] @ p["w1"]) @ p["head"] - y) ** 2)
 
-    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=1, microbatches=4)
+    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], parallelism=rp.Parallelism(stages=1, microbatches=4))
     (got, _), value = repl.run_pipelined(unmarked, opt, (ids, y), (p, opt.init(p)))
     want_value, grads = jax.jit(jax.value_and_grad(unmarked))(p, ids, y)
     np.testing.assert_allclose(value, want_value, rtol=1e-5)
@@ -146,13 +148,13 @@ def test_one_stage_is_gradient_accumulation_over_replicas():
 def test_stage_count_must_match_the_markers():
     p, (ids, y) = _params_for(two_stages), global_batch()
     opt = optax.sgd(0.1)
-    repl = rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=4, microbatches=4)
+    repl = rp.Replicator(1, 8, devices=jax.devices()[:8], parallelism=rp.Parallelism(stages=4, microbatches=4))
     with pytest.raises(StageSplitError, match=r"the step has 2 stages .* but the pipeline has 4"):
         repl.run_pipelined(two_stages, opt, (ids, y), (p, opt.init(p)))
 
 
 def test_run_of_a_pipelined_replicator_says_what_to_call():
-    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2)
+    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], parallelism=rp.Parallelism(stages=2))
     with pytest.raises(ValueError, match="call run_pipelined"):
         repl.run(lambda batch: batch.sum(), np.ones((4, 2), np.float32))
 
@@ -160,7 +162,9 @@ def test_run_of_a_pipelined_replicator_says_what_to_call():
 def test_describe_pipeline():
     p, (ids, y) = _params_for(four_stages_tied), global_batch()
     opt = optax.adam(1e-2)
-    repl = rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=4, microbatches=8, schedule="1f1b")
+    repl = rp.Replicator(
+        1, 8, devices=jax.devices()[:8], parallelism=rp.Parallelism(stages=4, microbatches=8, schedule="1f1b")
+    )
     report = repl.describe_pipeline(four_stages_tied, opt, (ids, y), (p, opt.init(p)))
     assert (report.stages, report.microbatches, report.replicas, report.ticks) == (4, 8, 2, 22)
     assert abs(report.bubble - 3 / 11) < 1e-12
@@ -175,7 +179,9 @@ def test_describe_pipeline():
     text = str(report)
     assert "4 stages x 2 data-parallel replicas on 8 devices, 8 micro-batches, schedule 1f1b" in text
     assert "22 ticks, bubble 0.273 (= (S-1)/(M+S-1) = 3/11)" in text
-    gpipe = rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=4, microbatches=8, schedule="gpipe")
+    gpipe = rp.Replicator(
+        1, 8, devices=jax.devices()[:8], parallelism=rp.Parallelism(stages=4, microbatches=8, schedule="gpipe")
+    )
     report = gpipe.describe_pipeline(four_stages_tied, opt, (ids, y), (p, opt.init(p)))
     assert [r.peak_live for r in report.per_stage] == [8] * 4 and report.stash_slots == 8
 
@@ -186,7 +192,9 @@ def test_describe_pipeline_times_the_step_from_the_table(schedule):
     # backward costs (set here, uneven: the last stage four times the others), against a loop over the table.
     p, (ids, y) = _params_for(four_stages_tied), global_batch()
     opt = optax.adam(1e-2)
-    repl = rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=4, microbatches=8, schedule=schedule)
+    repl = rp.Replicator(
+        1, 8, devices=jax.devices()[:8], parallelism=rp.Parallelism(stages=4, microbatches=8, schedule=schedule)
+    )
     report = repl.describe_pipeline(four_stages_tied, opt, (ids, y), (p, opt.init(p)))
     costs = [(1.0, 2.0), (1.0, 2.0), (1.0, 2.0), (4.0, 8.0)]
     report = dataclasses.replace(
@@ -276,7 +284,9 @@ def test_collectives_in_the_loss_run_across_the_data_parallel_replicas():
     workers, cores, stages, m = 2, 4, 2, 2
     p, x, y = _bn_setup(32)
     opt = optax.sgd(0.1)
-    repl = rp.Replicator(workers, cores, devices=jax.devices()[:8], pipeline_stages=stages, microbatches=m)
+    repl = rp.Replicator(
+        workers, cores, devices=jax.devices()[:8], parallelism=rp.Parallelism(stages=stages, microbatches=m)
+    )
     assert dict(repl.pipelined.mesh.shape) == {"stages": 2, "workers": 2, "cores": 2}
     state, values = (p, opt.init(p)), []
     for _ in range(2):
@@ -292,7 +302,7 @@ def test_collectives_mean_what_they_mean_in_a_data_parallel_step():
     # M = 1: the pipeline's replicas are the data-parallel replicas of Replicator.run on the same rows.
     p, x, y = _bn_setup(16)
     opt = optax.sgd(0.1)
-    piped = rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=2, microbatches=1)
+    piped = rp.Replicator(1, 8, devices=jax.devices()[:8], parallelism=rp.Parallelism(stages=2, microbatches=1))
     with pytest.warns(UserWarning, match="most of the step is bubble"):
         (got, _), value = piped.run_pipelined(bn_loss(_rp_mean), opt, (x, y), (p, opt.init(p)))
 
@@ -317,7 +327,7 @@ def test_unsupported_collective_in_the_loss_names_the_line():
 
     p = {"a": np.ones((3, 4), np.float32), "b": np.ones((4, 2), np.float32)}
     opt = optax.sgd(0.1)
-    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2, microbatches=2)
+    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], parallelism=rp.Parallelism(stages=2, microbatches=2))
     line = loss.__code__.co_firstlineno + 2
     with pytest.raises(StageSplitError, match=rf"rp.all_gather at .*test_replicas.py:{line}.*not supported"):
         repl.run_pipelined(loss, opt, np.ones((8, 3), np.float32), (p, opt.init(p)))
@@ -328,7 +338,9 @@ def test_describe_pipeline_measures_the_compiled_steps_memory():
     opt = optax.adam(1e-2)
     memory = {}
     for schedule in ("1f1b", "gpipe"):
-        repl = rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=4, microbatches=8, schedule=schedule)
+        repl = rp.Replicator(
+            1, 8, devices=jax.devices()[:8], parallelism=rp.Parallelism(stages=4, microbatches=8, schedule=schedule)
+        )
         report = repl.describe_pipeline(four_stages_tied, opt, (ids, y), (p, opt.init(p)), memory=True)
         memory[schedule] = mem = report.device_memory
         # Arguments per device: the packed parameter row, Adam's two rows and count, this replica's batch share.
@@ -349,7 +361,7 @@ def test_only_shared_outputs_cross_stages():
 
     p, (ids, y) = _params_for(two_stages), global_batch()
     opt = optax.adam(1e-2)
-    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2, microbatches=2)
+    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], parallelism=rp.Parallelism(stages=2, microbatches=2))
     step = repl.pipelined.step_for(two_stages, opt)
     built = step.built(p, ids, y)
     assert len(built.outputs_layout.shared) == 1  # of the step's cut values: the loss (`extra`'s gradient is 0)
@@ -361,7 +373,7 @@ def test_only_shared_outputs_cross_stages():
 
 def test_run_counts_each_pipelined_compilation_in_trace_count():
     p, (ids, y), opt = _params_for(two_stages), global_batch(), optax.sgd(0.1)
-    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2, microbatches=2)
+    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], parallelism=rp.Parallelism(stages=2, microbatches=2))
 
     def step(state, batch):
         value, grads = jax.value_and_grad(two_stages)(state[0], *batch)

@@ -15,7 +15,7 @@ from tests.stages.test_user_step import make_step
 
 
 def _pipelined():
-    return rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=4, microbatches=4)
+    return rp.Replicator(1, 8, devices=jax.devices()[:8], parallelism=rp.Parallelism(stages=4, microbatches=4))
 
 
 def test_a_state_changed_between_calls_is_packed_again():

@@ -55,7 +55,11 @@ SQUARE = [
 
 def _replicator(workers: int, cores: int, stages: int, m: int, **options) -> rp.Replicator:
     repl = rp.Replicator(
-        workers, cores, devices=jax.devices()[: workers * cores], pipeline_stages=stages, microbatches=m, **options
+        workers,
+        cores,
+        devices=jax.devices()[: workers * cores],
+        parallelism=rp.Parallelism(stages=stages, microbatches=m),
+        **options,
     )
     assert dict(repl.pipelined.mesh.shape) == {"stages": stages, "workers": 2, "cores": 2}
     return repl
@@ -278,10 +282,10 @@ def plain_loss(stages: int) -> Callable:
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
 @pytest.mark.parametrize("workers, cores, stages, m", SQUARE)
 def test_zero_on_a_square_grid_matches_one_device(workers, cores, stages, m, zero_stage):
-    """``passes=Pipeline.default(zero_stage=k)``: each stage's rows cut in 4 chunks over ``('workers', 'cores')``;
+    """``passes=PassManager.default(zero=k)``: each stage's rows cut in 4 chunks over ``('workers', 'cores')``;
     chunks taken or gathered in the other axis order land in the wrong place. Adam, 3 steps, against one device."""
     p, batch, opt = _params(stages), _batch(m), optax.adam(3e-2)
-    repl = _replicator(workers, cores, stages, m, passes=rp.Pipeline.default(zero_stage=zero_stage))
+    repl = _replicator(workers, cores, stages, m, passes=rp.PassManager.default(zero=zero_stage))
     assert repl.pipelined.zero_stage == zero_stage
     loss, state, values = plain_loss(stages), (p, opt.init(p)), []
     for _ in range(STEPS):  # one loss function: its step built once
@@ -297,7 +301,7 @@ def test_zero_with_group_statistics_on_a_square_grid(zero_stage):
     """ZeRO and the loss's own group collectives together, 2 stages of ``2 x 2``."""
     stages, m = 2, 2
     p, batch, opt = _params(stages), _batch(m), optax.adam(3e-2)
-    repl = _replicator(2, 4, stages, m, passes=rp.Pipeline.default(zero_stage=zero_stage))
+    repl = _replicator(2, 4, stages, m, passes=rp.PassManager.default(zero=zero_stage))
     loss, state = group_norm_loss(stages), (p, opt.init(p))
     with warnings.catch_warnings():
         warnings.simplefilter("error")

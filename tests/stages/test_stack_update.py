@@ -159,14 +159,12 @@ def test_an_unmarked_stack_is_kept_as_slices_and_matches_one_device(
     loss, make = MODELS[model]
     p, xy = make(), batch()
     opt = OPTIMIZERS[optimizer]()
-    passes = rp.Pipeline.default(zero_stage=zero_stage) if zero_stage else None
+    passes = rp.PassManager.default(zero=zero_stage) if zero_stage else None
     repl = rp.Replicator(
         workers,
         cores,
         devices=jax.devices()[: workers * cores],
-        pipeline_stages=stages,
-        microbatches=m,
-        schedule=schedule,
+        parallelism=rp.Parallelism(stages=stages, microbatches=m, schedule=schedule),
         passes=passes,
     )
     state0, step = (p, opt.init(p)), make_step(loss, opt)
@@ -202,7 +200,7 @@ def _stored_stack_elements(built, stacked) -> list[int]:
 def test_each_stage_stores_its_slice_of_the_stack_and_of_its_moments(stages):
     p, xy = plain_params(), batch()
     opt = optax.adam(1e-2)
-    repl = rp.Replicator(1, 8, pipeline_stages=stages, microbatches=stages)
+    repl = rp.Replicator(1, 8, parallelism=rp.Parallelism(stages=stages, microbatches=stages))
     state0 = (p, opt.init(p))
     built = repl.pipelined.user_step(make_step(plain_loss, opt), xy, state0)
     paths = _paths(state0)
@@ -226,7 +224,7 @@ def test_each_stage_stores_its_slice_of_the_stack_and_of_its_moments(stages):
 def test_a_global_norm_clip_keeps_the_stack_whole_and_matches_one_device():
     p, xy = plain_params(), batch()
     opt = optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2))
-    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2, microbatches=2)
+    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], parallelism=rp.Parallelism(stages=2, microbatches=2))
     state0, step = (p, opt.init(p)), make_step(plain_loss, opt)
     state, _ = _run(repl, step, state0, xy)
     assert not repl.pipelined.user_step(step, xy, state0).slices.leaves
@@ -245,7 +243,7 @@ def test_an_output_of_the_new_stack_keeps_it_whole_and_matches_one_device():
         params = optax.apply_updates(params, updates)
         return (params, opt_state), {"loss": mean(value), "norm": jnp.sqrt(jnp.sum(params["stack"] ** 2))}
 
-    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2, microbatches=2)
+    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], parallelism=rp.Parallelism(stages=2, microbatches=2))
     state0 = (p, opt.init(p))
     state, out = repl.run(step, xy, state0)
     built = repl.pipelined.user_step(step, xy, state0)
@@ -264,10 +262,7 @@ def test_a_sliced_stack_with_two_replicas_per_device_matches_one_device(schedule
         1,
         8,
         devices=jax.devices()[:4],
-        replicas_per_device=2,
-        pipeline_stages=2,
-        microbatches=2,
-        schedule=schedule,
+        parallelism=rp.Parallelism(replicas_per_device=2, stages=2, microbatches=2, schedule=schedule),
     )
     state0, step = (p, opt.init(p)), make_step(plain_loss, opt)
     state, values = _run(repl, step, state0, xy)
@@ -298,7 +293,11 @@ def test_an_update_mixing_the_stack_with_a_zero_chunk_keeps_the_stack_whole():
     p, xy = {**plain_params(), "other": np.full((LAYERS, DIM, DIM), 0.3, np.float32)}, batch()
     opt = optax.adam(1e-2)
     repl = rp.Replicator(
-        1, 4, devices=jax.devices()[:4], pipeline_stages=2, microbatches=2, passes=rp.Pipeline.default(zero_stage=3)
+        1,
+        4,
+        devices=jax.devices()[:4],
+        parallelism=rp.Parallelism(stages=2, microbatches=2),
+        passes=rp.PassManager.default(zero=3),
     )
     state0, step = (p, opt.init(p)), make(rp.all_mean)
     state, _ = _run(repl, step, state0, xy)
@@ -316,7 +315,9 @@ def test_zero_splits_each_stages_slice_of_the_stack_over_its_devices(zero_stage)
     of the stack itself (ZeRO-3), beside 1/4 of the head's; and the run equals one device."""
     p, xy = plain_params(), batch()
     opt = optax.adam(1e-2)
-    repl = rp.Replicator(1, 8, pipeline_stages=2, microbatches=2, passes=rp.Pipeline.default(zero_stage=zero_stage))
+    repl = rp.Replicator(
+        1, 8, parallelism=rp.Parallelism(stages=2, microbatches=2), passes=rp.PassManager.default(zero=zero_stage)
+    )
     state0, step = (p, opt.init(p)), make_step(plain_loss, opt)
     built = repl.pipelined.user_step(step, xy, state0)
     layer, devices, half = DIM * DIM, 4, LAYERS // 2
@@ -347,7 +348,11 @@ def test_a_whole_constant_of_the_stacks_shape_meets_its_chunks_sliced_alike():
 
     p, xy = plain_params(), batch()
     repl = rp.Replicator(
-        1, 4, devices=jax.devices()[:4], pipeline_stages=2, microbatches=2, passes=rp.Pipeline.default(zero_stage=2)
+        1,
+        4,
+        devices=jax.devices()[:4],
+        parallelism=rp.Parallelism(stages=2, microbatches=2),
+        passes=rp.PassManager.default(zero=2),
     )
     state0, step = (p, opt.init(p)), make(rp.all_mean)
     state, _ = _run(repl, step, state0, xy)

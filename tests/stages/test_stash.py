@@ -53,7 +53,9 @@ def leaves_loss(p, x, y):
 
 
 def _replicator(schedule: str) -> rp.Replicator:
-    return rp.Replicator(1, S, devices=jax.devices()[:S], pipeline_stages=S, microbatches=M, schedule=schedule)
+    return rp.Replicator(
+        1, S, devices=jax.devices()[:S], parallelism=rp.Parallelism(stages=S, microbatches=M, schedule=schedule)
+    )
 
 
 def _user_step(loss):
@@ -163,7 +165,9 @@ def test_the_issues_figure_a_stacked_8x512_stage_stashes_its_activations():
 
     by_layer = [{"w": stacked["w"][i], "b": stacked["b"][i]} for i in range(layers)]
     for schedule in ("gpipe", "1f1b"):
-        repl = rp.Replicator(1, S, devices=jax.devices()[:S], pipeline_stages=S, microbatches=m, schedule=schedule)
+        repl = rp.Replicator(
+            1, S, devices=jax.devices()[:S], parallelism=rp.Parallelism(stages=S, microbatches=m, schedule=schedule)
+        )
         got = repl.describe_pipeline(stacked_loss, TX, (x, x), (stacked, TX.init(stacked)))
         want = repl.describe_pipeline(loss_by_layer, TX, (x, x), (by_layer, TX.init(by_layer)))
         assert [r.residual_bytes for r in got.per_stage] == [r.residual_bytes for r in want.per_stage]

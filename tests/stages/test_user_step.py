@@ -64,7 +64,9 @@ def test_run_of_the_users_step_matches_one_device(workers, cores, stages, m, los
     opt = OPTIMIZERS[optimizer]()
     step = make_step(loss, opt)
     devices = jax.devices()[: workers * cores]
-    repl = rp.Replicator(workers, cores, devices=devices, pipeline_stages=stages, microbatches=m, schedule=schedule)
+    repl = rp.Replicator(
+        workers, cores, devices=devices, parallelism=rp.Parallelism(stages=stages, microbatches=m, schedule=schedule)
+    )
     state, values = (p, opt.init(p)), []
     for _ in range(STEPS):
         state, out = repl.run(step, batch, state)
@@ -80,7 +82,10 @@ def test_recomputation_through_the_replicator(entry):
     p, batch = _params_for(four_stages_tied), global_batch()
     opt = optax.adam(1e-2)
     repl = rp.Replicator(
-        1, 8, devices=jax.devices()[:8], pipeline_stages=4, microbatches=4, schedule="gpipe", pipeline_recompute=True
+        1,
+        8,
+        devices=jax.devices()[:8],
+        parallelism=rp.Parallelism(stages=4, microbatches=4, schedule="gpipe", recompute=True),
     )
     assert "recompute=True" in repr(repl.pipelined)
     step, state = make_step(four_stages_tied, opt), (p, opt.init(p))
@@ -100,7 +105,7 @@ def test_a_global_norm_clip_reads_every_stages_gradients():
     p, batch = _params_for(two_stages), global_batch()
     opt = optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2))
     step = make_step(two_stages, opt)
-    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2, microbatches=2)
+    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], parallelism=rp.Parallelism(stages=2, microbatches=2))
     state = (p, opt.init(p))
     for _ in range(STEPS):
         state, _ = repl.run(step, batch, state)
@@ -111,7 +116,7 @@ def test_a_global_norm_clip_reads_every_stages_gradients():
 def test_gradients_without_all_mean_are_refused():
     p, batch = _params_for(two_stages), global_batch()
     opt = optax.sgd(0.1)
-    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2, microbatches=2)
+    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], parallelism=rp.Parallelism(stages=2, microbatches=2))
     with pytest.raises(StageSplitError, match=r"before rp\.all_mean.*run_pipelined"):
         repl.run(make_step(two_stages, opt, mean=False), batch, (p, opt.init(p)))
 
@@ -129,7 +134,7 @@ def test_an_update_reading_another_stages_parameter_keeps_it_on_both():
         updates, opt_state = opt.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), {"loss": average(value)}
 
-    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2, microbatches=2)
+    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], parallelism=rp.Parallelism(stages=2, microbatches=2))
     state = (p, opt.init(p))
     for _ in range(STEPS):
         state, _ = repl.run(step, batch, state)
@@ -154,7 +159,7 @@ def test_an_input_fn_gives_each_workers_rows(entry):
             yield batch[0][mine], batch[1][mine]
 
     opt = optax.adam(1e-2)
-    repl = rp.Replicator(2, 4, devices=jax.devices()[:8], pipeline_stages=2, microbatches=2)
+    repl = rp.Replicator(2, 4, devices=jax.devices()[:8], parallelism=rp.Parallelism(stages=2, microbatches=2))
     step, state = make_step(two_stages, opt), (p, opt.init(p))
     for _ in range(STEPS):
         if entry == "run":
@@ -176,7 +181,9 @@ def test_the_trainer_drives_a_pipelined_replicator():
             yield batch[0][mine], batch[1][mine]
 
     opt = optax.adam(1e-2)
-    repl = rp.Replicator(2, 4, devices=jax.devices()[:8], pipeline_stages=4, microbatches=4, schedule="1f1b")
+    repl = rp.Replicator(
+        2, 4, devices=jax.devices()[:8], parallelism=rp.Parallelism(stages=4, microbatches=4, schedule="1f1b")
+    )
     log = io.StringIO()
     hook = rp.LoggingHook(every=1)
     trainer = rp.Trainer(repl, make_step(four_stages_tied, opt), input_fn, (p, opt.init(p)), hooks=[hook], stream=log)
@@ -190,24 +197,31 @@ def test_the_trainer_drives_a_pipelined_replicator():
 
 
 def test_a_stateless_step_is_refused():
-    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2, microbatches=2)
+    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], parallelism=rp.Parallelism(stages=2, microbatches=2))
     with pytest.raises(ValueError, match="needs a state.*run_pipelined"):
         repl.run(lambda batch: batch.sum(), np.ones((4, 2), np.float32))
 
 
 @pytest.mark.parametrize(
-    "options, named",
+    "fields, named",
     [
         ({"schedule": "gpipe"}, "schedule"),
         ({"schedule": "1f1b"}, "schedule"),
-        ({"pipeline_recompute": True}, "pipeline_recompute"),
+        ({"recompute": True}, "recompute"),
     ],
 )
-def test_pipeline_options_without_stages_are_refused(options, named):
+def test_pipeline_options_without_stages_are_refused(fields, named):
     """A schedule or recomputation asked of a Replicator that has no stages would be ignored: refuse it."""
-    with pytest.raises(ValueError, match=rf"{named} only applies to a pipelined Replicator.*pipeline_stages=S"):
-        rp.Replicator(1, 8, devices=jax.devices()[:8], **options)
-    rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=2, **options)  # with stages, accepted
+    with pytest.raises(ValueError, match=rf"{named} only applies to a pipelined Replicator.*Parallelism\(stages=S"):
+        rp.Replicator(1, 8, devices=jax.devices()[:8], parallelism=rp.Parallelism(**fields))
+    rp.Replicator(1, 8, devices=jax.devices()[:8], parallelism=rp.Parallelism(stages=2, **fields))  # accepted
+
+
+def test_the_older_keywords_without_stages_are_refused_too():
+    """The same through the older keywords (deprecated): the message names the keyword given."""
+    with pytest.warns(DeprecationWarning, match=r"parallelism=rp\.Parallelism\(recompute=True\)"):
+        with pytest.raises(ValueError, match=r"pipeline_recompute only applies to a pipelined Replicator"):
+            rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_recompute=True)
 
 
 def test_explain_of_a_pipelined_step_describes_the_schedule_and_measures_memory():
@@ -216,7 +230,9 @@ def test_explain_of_a_pipelined_step_describes_the_schedule_and_measures_memory(
     step, state = make_step(four_stages_tied, opt), (p, opt.init(p))
     reports = {}
     for schedule in ("1f1b", "gpipe"):
-        repl = rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=4, microbatches=8, schedule=schedule)
+        repl = rp.Replicator(
+            1, 8, devices=jax.devices()[:8], parallelism=rp.Parallelism(stages=4, microbatches=8, schedule=schedule)
+        )
         reports[schedule] = report = repl.explain(step, batch, state)
         assert (report.stages, report.microbatches, report.replicas, report.ticks) == (4, 8, 2, 22)
         # The rows hold the whole state: each stage's parameters, Adam's mu and nu of them, and the step count.
@@ -237,6 +253,6 @@ def test_explain_of_a_pipelined_step_describes_the_schedule_and_measures_memory(
 def test_lower_of_a_pipelined_step_points_to_explain():
     p, batch = _params_for(two_stages), global_batch()
     opt = optax.sgd(0.1)
-    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2)
+    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], parallelism=rp.Parallelism(stages=2))
     with pytest.raises(ValueError, match=r"explain\(step_fn, batch, state\) describes it"):
         repl.lower(make_step(two_stages, opt), batch, (p, opt.init(p)))

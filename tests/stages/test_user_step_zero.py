@@ -1,5 +1,5 @@
 """ZeRO on each stage's data-parallel replicas for the user's own step (``Replicator.run(step_fn, batch, state)``
-on a pipeline, ``passes=rp.Pipeline.default(zero_stage=k)``) against one device's ``jax.jit`` of the same step
+on a pipeline, ``passes=rp.PassManager.default(zero=k)``) against one device's ``jax.jit`` of the same step
 on the global batch, 3 steps; and what each device stores: its ``1/D`` of each chunked leaf."""
 
 from __future__ import annotations
@@ -29,10 +29,8 @@ def _replicator(replicas: int, zero_stage: int, schedule: str = "1f1b") -> rp.Re
         workers,
         cores,
         devices=jax.devices()[: workers * cores],
-        pipeline_stages=2,
-        microbatches=2,
-        schedule=schedule,
-        passes=rp.Pipeline.default(zero_stage=zero_stage),
+        parallelism=rp.Parallelism(stages=2, microbatches=2, schedule=schedule),
+        passes=rp.PassManager.default(zero=zero_stage),
     )
 
 
@@ -59,7 +57,9 @@ def test_zero_with_a_tied_embedding_over_four_stages(zero_stage):
     # The embedding (and its moments) on stages 0 and 3, each split over its own 2 devices; its gradient summed
     # over both stages before it is reduce-scattered.
     p, batch, opt = _params_for(four_stages_tied), _batch(), optax.adam(1e-2)
-    repl = rp.Replicator(1, 8, pipeline_stages=4, microbatches=4, passes=rp.Pipeline.default(zero_stage=zero_stage))
+    repl = rp.Replicator(
+        1, 8, parallelism=rp.Parallelism(stages=4, microbatches=4), passes=rp.PassManager.default(zero=zero_stage)
+    )
     step, state = make_step(four_stages_tied, opt), (p, opt.init(p))
     for _ in range(STEPS):
         state, _ = repl.run(step, batch, state)
@@ -270,9 +270,8 @@ def test_a_stage_without_parameters_has_empty_chunks(zero_stage):
         1,
         4,
         devices=jax.devices()[:4],
-        pipeline_stages=2,
-        microbatches=2,
-        passes=rp.Pipeline.default(zero_stage=zero_stage),
+        parallelism=rp.Parallelism(stages=2, microbatches=2),
+        passes=rp.PassManager.default(zero=zero_stage),
     )
     state = (p, opt.init(p))
     for _ in range(STEPS):

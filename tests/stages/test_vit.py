@@ -54,7 +54,9 @@ def test_vit_on_4_stages_x_2_replicas_matches_one_device(schedule):
     opt = optax.adam(1e-3)
     state0 = vit.init_state(model, opt)
     batches = [vit.synthetic_batch(step, size=32) for step in range(STEPS)]  # 4 micro-batches of 4 rows a replica
-    repl = rp.Replicator(1, 8, devices=jax.devices()[:8], pipeline_stages=4, microbatches=4, schedule=schedule)
+    repl = rp.Replicator(
+        1, 8, devices=jax.devices()[:8], parallelism=rp.Parallelism(stages=4, microbatches=4, schedule=schedule)
+    )
     step = vit.make_step(model, opt)
     state = state0
     for batch in batches:
@@ -85,7 +87,7 @@ def test_a_cross_entropy_loss_in_the_users_step_matches_one_device():
         updates, opt_state = opt.update(average(grads), opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), average(value)
 
-    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], pipeline_stages=2, microbatches=2)
+    repl = rp.Replicator(1, 4, devices=jax.devices()[:4], parallelism=rp.Parallelism(stages=2, microbatches=2))
     (got, _), _ = repl.run(step, batch, (p, opt.init(p)))
     (want, _), _ = jax.jit(lambda s, b: step(s, b, average=lambda x: x))((p, opt.init(p)), batch)
     _assert_close(got, want, tol=1e-6)

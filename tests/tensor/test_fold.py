@@ -25,7 +25,7 @@ from tests.tensor.test_stages import _train as _stage_train
 
 
 def _repl(workers, cores, k, zero=0, **options):
-    passes = rp.Pipeline.default(zero_stage=zero, shard_optimizer_min_bytes=0) if zero else None
+    passes = rp.PassManager.default(zero=zero, shard_optimizer_min_bytes=0) if zero else None
     return rp.Replicator(workers, cores, passes=passes, parallelism=rp.Parallelism(replicas_per_device=k, **options))
 
 

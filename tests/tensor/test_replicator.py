@@ -108,7 +108,7 @@ def test_data_by_tensor_equals_one_device_on_the_global_batch(workers, cores, te
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_zero_splits_each_devices_tensor_block_over_the_data_replicas(zero):
-    passes = rp.Pipeline.default(zero_stage=zero, shard_optimizer_min_bytes=0)
+    passes = rp.PassManager.default(zero=zero, shard_optimizer_min_bytes=0)
     repl = rp.Replicator(2, 4, passes=passes, parallelism=rp.Parallelism(tensor=2, tensor_plan=PLAN))
     batches = _batches(2 * repl.num_replicas)
     got, _ = _run(repl, batches, _state())
@@ -193,7 +193,10 @@ def test_a_parallelism_value_is_checked_when_made():
 
 def test_the_old_keywords_and_parallelism_are_one_setting():
     new = rp.Replicator(1, 8, parallelism=rp.Parallelism(stages=2, microbatches=4, schedule="gpipe"))
-    old = rp.Replicator(1, 8, pipeline_stages=2, microbatches=4, schedule="gpipe")
+    said = r"write parallelism=rp\.Parallelism\(stages=2, microbatches=4, schedule='gpipe'\)"
+    with pytest.warns(DeprecationWarning, match=said) as caught:  # the older keywords: deprecated, the same
+        old = rp.Replicator(1, 8, pipeline_stages=2, microbatches=4, schedule="gpipe")
+    assert caught[0].filename == __file__  # the user's line
     assert repr(new.pipelined) == repr(old.pipelined)
     folded = rp.Replicator(1, 8, parallelism=rp.Parallelism(replicas_per_device=2))
     assert folded.fold.replicas_per_device == 2 and folded.num_replicas == 8
@@ -214,7 +217,7 @@ def test_a_checkpoint_saved_at_one_tensor_degree_trains_on_at_another_and_on_pla
     want, _ = _reference(batches, _state())
     for later in (
         rp.Replicator(1, 8, parallelism=rp.Parallelism(tensor=4, tensor_plan=PLAN)),
-        rp.Replicator(2, 4, passes=rp.Pipeline.default(zero_stage=3, shard_optimizer_min_bytes=0)),
+        rp.Replicator(2, 4, passes=rp.PassManager.default(zero=3, shard_optimizer_min_bytes=0)),
     ):
         step, restored, _ = manager.restore(_state())
         assert step == 2

@@ -1,4 +1,4 @@
-"""Pipeline stages x tensor parallelism (x data): the user's step cut at its ``rp.stage_boundary`` markers and
+"""PassManager stages x tensor parallelism (x data): the user's step cut at its ``rp.stage_boundary`` markers and
 split over the tensor axis, on the mesh ``('stages', 'workers', 'cores', 'tensor')``.
 
 Each test compares the whole new state (parameters and Adam's moments) and the loss after two steps with
@@ -73,7 +73,7 @@ def _reference(batches, state):
 
 
 def _repl(workers, cores, tensor, schedule="1f1b", zero=0, microbatches=4, plan=PLAN, **options):
-    passes = rp.Pipeline.default(zero_stage=zero, shard_optimizer_min_bytes=0) if zero else None
+    passes = rp.PassManager.default(zero=zero, shard_optimizer_min_bytes=0) if zero else None
     parallelism = rp.Parallelism(
         tensor=tensor, tensor_plan=plan, stages=2, microbatches=microbatches, schedule=schedule, **options
     )
@@ -244,7 +244,7 @@ def test_a_checkpoint_saved_on_stages_by_tensor_restores_at_another_layout_and_t
     manager.save(2, state)
     for later in (
         rp.Replicator(1, 8, parallelism=rp.Parallelism(tensor=4, tensor_plan=PLAN)),
-        rp.Replicator(2, 4, passes=rp.Pipeline.default(zero_stage=3, shard_optimizer_min_bytes=0)),
+        rp.Replicator(2, 4, passes=rp.PassManager.default(zero=3, shard_optimizer_min_bytes=0)),
         rp.Replicator(1, 8, parallelism=rp.Parallelism(stages=2, microbatches=2)),
     ):
         step, restored, _ = manager.restore(_state())
