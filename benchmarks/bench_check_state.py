@@ -6,8 +6,8 @@ interleaved round by round: no check, ``K = 100`` and ``K = 10`` (and ``K = 1``
 to show the cost of one check). Reported: median ms per step and the ratio to
 no check. Target: under 2% at ``K = 100``.
 
-``pipe-mlp8x128``: a pipeline instead, ``Replicator(1, N, pipeline_stages=2,
-microbatches=4)``, ``run_pipelined`` of an 8-layer MLP (width 128, batch 64, Adam)
+``pipe-mlp8x128``: a pipeline instead, ``Replicator(1, N,
+parallelism=rp.Parallelism(stages=2, microbatches=4))``, ``run_pipelined`` of an 8-layer MLP (width 128, batch 64, Adam)
 cut in two by one ``rp.stage_boundary``; its check compares each stage's copies
 of its packed rows across that stage's ``N / 2`` replicas.
 
@@ -108,7 +108,7 @@ def pipelined_runner(devices: int, every: int | None):
         return jnp.mean((h - y) ** 2)
 
     tx = optax.adam(1e-3)
-    repl = rp.Replicator(1, devices, pipeline_stages=2, microbatches=4, check_state_every=every)
+    repl = rp.Replicator(1, devices, parallelism=rp.Parallelism(stages=2, microbatches=4), check_state_every=every)
     holder = {"state": (params, tx.init(params))}
 
     def run():

@@ -234,9 +234,9 @@ def allreduce_case(workers: int, cores: int, **options):
 
         return repl, input_fn, (lambda: repl.run(step, input_fn))
 
-    repl, input_fn, with_comm = make(allreduce_step, rp.Pipeline.default(**options))
+    repl, input_fn, with_comm = make(allreduce_step, rp.PassManager.default(**options))
     report = repl.explain(allreduce_step, {"x": np.ones((cores, N_TENSORS, TENSOR_SIZE), np.float32)})
-    _, _, without = make(allreduce_local, rp.Pipeline.default())
+    _, _, without = make(allreduce_local, rp.PassManager.default())
     return with_comm, without, report
 
 
@@ -298,12 +298,12 @@ def mlp_case(workers: int, cores: int):
 
         return repl, run
 
-    repl, with_comm = make(mlp_step, rp.Pipeline.default())
+    repl, with_comm = make(mlp_step, rp.PassManager.default())
     params = mlp_params()
     report = repl.explain(mlp_step, input_fn, (params, TX.init(params)))
     # Without the all-mean the state differs between replicas: the invariance check would
     # (rightly) reject the step, so it is off for this timing-only baseline.
-    _, without = make(mlp_local, rp.Pipeline.default(disable=["check-replica-invariance"]))
+    _, without = make(mlp_local, rp.PassManager.default(disable=["check-replica-invariance"]))
     return with_comm, without, report
 
 
@@ -406,8 +406,8 @@ def biggan_reports() -> dict[tuple[int, bool], object]:
             repl = rp.Replicator(
                 workers,
                 cores,
-                replicas_per_device=replicas // len(devices),
-                passes=rp.Pipeline.default(hierarchical=hierarchical),
+                parallelism=rp.Parallelism(replicas_per_device=replicas // len(devices)),
+                passes=rp.PassManager.default(hierarchical=hierarchical),
                 devices=devices,
             )
             reports[replicas, hierarchical] = repl.explain(step, input_fn, state)

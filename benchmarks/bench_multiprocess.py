@@ -67,7 +67,7 @@ def worker(args: argparse.Namespace) -> None:
     options = json.loads(args.pipeline)
     disable = options.pop("disable", [])
     repl = rp.Replicator(
-        num_workers=workers, cores_per_worker=cores, passes=rp.Pipeline.default(disable=disable, **options)
+        num_workers=workers, cores_per_worker=cores, passes=rp.PassManager.default(disable=disable, **options)
     )
     tx = optax.adam(1e-3)
     results = {}
@@ -223,7 +223,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--failures", action="store_true", help="also measure failure detection times")
-    p.add_argument("--pipeline", default="{}", help=argparse.SUPPRESS)  # JSON: Pipeline.default options
+    p.add_argument("--pipeline", default="{}", help=argparse.SUPPRESS)  # JSON: PassManager.default options
     args = p.parse_args()
     if args.worker:
         worker(args)

@@ -22,7 +22,7 @@ bucket sizes; not in the default list, run it with ``--workloads threshold``),
 and ``fold-mlpDxW`` (the ``N`` replicas on ``N``, ``2`` and ``1`` devices with
 ``replicas_per_device``, against hand-written ``vmap`` inside ``shard_map``;
 ``--workloads fold-mlp64x32,fold-mlp16x128``), and ``auto-mlpDxW`` /
-``auto-allreduce`` (``Pipeline.default(auto=True, topology=--topology)``
+``auto-allreduce`` (``PassManager.default(auto=True, topology=--topology)``
 against each fixed setting it chooses among, on 2 x N/2).
 
 Also reported: time spent tracing + in our passes against XLA's compile time.
@@ -206,8 +206,8 @@ def replicator_variant(
     repl = rp.Replicator(
         workers,
         n // workers,
-        passes=rp.Pipeline.default(disable=disable, **options),
-        replicas_per_device=replicas_per_device,
+        passes=rp.PassManager.default(disable=disable, **options),
+        parallelism=rp.Parallelism(replicas_per_device=replicas_per_device),
         devices=jax.devices()[: n // replicas_per_device],
     )
 
@@ -321,7 +321,7 @@ FIXED_SETTINGS: dict[str, dict] = {
 
 
 def auto_variants(workload: str, batch: int, n: int, topology: str) -> dict[str, Runner]:
-    """``Pipeline.default(auto=True)`` against every fixed setting it chooses among, on 2 x n/2."""
+    """``PassManager.default(auto=True)`` against every fixed setting it chooses among, on 2 x n/2."""
     workers = 2 if n % 2 == 0 and n >= 4 else 1
     variants: dict[str, Runner] = {}
     if workload == "allreduce":
@@ -400,7 +400,7 @@ def allreduce_variants(n: int, only_replicator: bool = False) -> Any:
         return sum(jnp.sum(t) for t in rp.all_sum([batch["x"][0, i] * (i + 1) for i in range(N_TENSORS)]))
 
     def repl_runner(disable: tuple[str, ...] = (), workers: int = 1, **options: object) -> Runner:
-        repl = rp.Replicator(workers, n // workers, passes=rp.Pipeline.default(disable=disable, **options))
+        repl = rp.Replicator(workers, n // workers, passes=rp.PassManager.default(disable=disable, **options))
         # Already on the mesh, like the shard_map variants' input: no host transfer.
         placed = jax.device_put(np.ones((n, N_TENSORS, TENSOR_SIZE), np.float32), sharded(repl.mesh))
 

@@ -56,7 +56,7 @@ def main(rounds: int = 5) -> None:
     seconds: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(rounds):
         for verify in (False, True):
-            pipeline = rp.Pipeline.default(verify=verify)
+            pipeline = rp.PassManager.default(verify=verify)
             t0 = time.perf_counter()
             pipeline.run(graph)
             seconds[verify].append(time.perf_counter() - t0)

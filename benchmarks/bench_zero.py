@@ -163,7 +163,7 @@ def single(state, batches, step) -> Callable[[], object]:
 
 def replicated(state, batches, step, *, shard_optimizer: bool, workers: int = 1):
     n = jax.device_count()
-    repl = rp.Replicator(workers, n // workers, passes=rp.Pipeline.default(shard_optimizer=shard_optimizer))
+    repl = rp.Replicator(workers, n // workers, passes=rp.PassManager.default(shard_optimizer=shard_optimizer))
 
     def step_fn(s, b):
         s, loss = step(s, b, rp.all_mean, rp.cross_replica_batch_norm)

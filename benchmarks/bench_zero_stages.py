@@ -5,7 +5,7 @@ One process, N emulated CPU devices. One workload's one-device step
 blocks under ``lax.scan``) is compiled six ways (``benchmarks/zero_variants.py``):
 GSPMD with the state replicated, GSPMD FSDP (every state leaf sharded along an
 axis that divides by N), and ``rp.Replicator(1, N)`` with
-``Pipeline.default(zero_stage=k)`` for k = 0..3.
+``PassManager.default(zero=k)`` for k = 0..3.
 
 Memory per device is XLA's compiled memory analysis of each program (exact, the
 same on every run); state per device counts the bytes of the state leaves one

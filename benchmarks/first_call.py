@@ -14,9 +14,9 @@ on the mesh, a host batch). Variants:
 * ``replicator+cache``  the same in a process whose persistent compilation cache
   (``jax_compilation_cache_dir``, a fresh temporary directory per repeat) was filled
   by one earlier process running the same step: XLA's compilation is read from it;
-* ``replicator-unfused``  ``Pipeline.default(disable=["fuse-collectives"])``: where the
+* ``replicator-unfused``  ``PassManager.default(disable=["fuse-collectives"])``: where the
   rest of XLA's compile time goes (the fused buffer's slices; see below);
-* ``replicator-static-slices``  ``Pipeline.default(disable=["share-slice-kernels"])``: the
+* ``replicator-static-slices``  ``PassManager.default(disable=["share-slice-kernels"])``: the
   fused buffer cut at offsets XLA sees (one kernel per tensor; see ``--why-kernels``).
 
 A first call is timed from building the variant (mesh, state placed) to its first
@@ -176,12 +176,12 @@ def child(args: argparse.Namespace) -> dict:
         timer.wrap(api, "build_executable", "replicator: build_executable")
     import replicator as rp
 
-    passes = rp.Pipeline.default().passes
+    passes = rp.PassManager.default().passes
 
     def pass_label(p: Any) -> str:
         return f"replicator: pass {p.name}"
 
-    for p in passes:  # every Pipeline.default() builds new pass objects: time the classes' run
+    for p in passes:  # every PassManager.default() builds new pass objects: time the classes' run
         timer.wrap(type(p), "run", pass_label(p))
     if args.no_gc:
         import gc

@@ -6,7 +6,7 @@
   N sharded along its largest such axis (the first of equals): the
   hand-written fully sharded program (for a ``(3, 3, C, F)`` conv kernel,
   ``C`` or ``F``; for a ``(L, D, 4D)`` stack of layers, ``4D``);
-* ``zero0`` .. ``zero3``: ``rp.Replicator(1, N)`` with ``Pipeline.default(zero_stage=k)``.
+* ``zero0`` .. ``zero3``: ``rp.Replicator(1, N)`` with ``PassManager.default(zero=k)``.
 
 Memory per device is XLA's compiled memory analysis of each program (arguments
 + outputs - aliased + temporaries; neither GSPMD nor Replicator donates the
@@ -103,9 +103,7 @@ def _gspmd(workload: Workload, *, fsdp: bool) -> Program:
 
 
 def _zero(workload: Workload, *, stage: int) -> Program:
-    repl = rp.Replicator(
-        1, jax.device_count(), axis_name=workload.axis_name, passes=rp.Pipeline.default(zero_stage=stage)
-    )
+    repl = rp.Replicator(1, jax.device_count(), axis_name=workload.axis_name, passes=rp.PassManager.default(zero=stage))
 
     def step_fn(s, b):
         s, loss = workload.step(s, b, True)

@@ -429,7 +429,9 @@ def check_batch_norm(repl: rp.Replicator, g_params, global_batch: int = GLOBAL_B
 def make_replicator(args: argparse.Namespace) -> rp.Replicator:
     per_device = args.replicas // args.devices
     return rp.Replicator(
-        num_workers=args.workers, cores_per_worker=args.replicas // args.workers, replicas_per_device=per_device
+        num_workers=args.workers,
+        cores_per_worker=args.replicas // args.workers,
+        parallelism=rp.Parallelism(replicas_per_device=per_device),
     )
 
 

@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parallelism = rp.Parallelism(
         tensor=args.tensor, tensor_plan=PLAN, sequence_parallel=1 if args.sequence_parallel else None, **pipeline
     )
-    passes = rp.Pipeline.default(zero_stage=args.zero, shard_optimizer_min_bytes=0)
+    passes = rp.PassManager.default(zero=args.zero, shard_optimizer_min_bytes=0)
     repl = rp.Replicator(args.workers, args.devices // args.workers, passes=passes, parallelism=parallelism)
     replicas = repl.num_replicas if repl.pipelined is None else repl.pipelined.replicas
     rows = GLOBAL_BATCH // repl.num_workers  # each worker's share of a global batch

@@ -9,7 +9,7 @@ The training step is the one written for data parallelism (the loss, ``jax.grad`
 ``rp.all_mean(grads)``, an optax Adam update). The only pipeline-specific lines are the
 ``rp.stage_boundary`` markers the model puts between its blocks: ``--stages S`` stages, the patch
 embedding in the first, the head in the last, the blocks shared out evenly. ``rp.Trainer`` runs the
-step on a ``Replicator(..., pipeline_stages=S, microbatches=M, schedule=...)``: with 16 devices and 4
+step on a ``Replicator(..., parallelism=rp.Parallelism(stages=S, microbatches=M, schedule=...))``: with 16 devices and 4
 stages, 4 data-parallel replicas of a 4-stage pipeline, each replica's rows cut into M micro-batches.
 
 At the end the same steps run on one device with plain ``jax.jit`` on the same global batches (the
@@ -218,9 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     repl = rp.Replicator(
         args.workers,
         args.devices // args.workers,
-        pipeline_stages=args.stages,
-        microbatches=args.microbatches,
-        schedule=args.schedule,
+        parallelism=rp.Parallelism(stages=args.stages, microbatches=args.microbatches, schedule=args.schedule),
     )
     replicas = args.devices // args.stages
     print(repl)
