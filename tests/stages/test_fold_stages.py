@@ -31,13 +31,13 @@ CASES = [
 ]
 
 
-def _replicator(workers, cores, k, stages, m, **options):
+def _replicator(workers, cores, k, stages, m, schedule=None, **options):
     devices = jax.devices()[: workers * cores // k]
     return rp.Replicator(
         workers,
         cores,
         devices=devices,
-        parallelism=rp.Parallelism(replicas_per_device=k, stages=stages, microbatches=m),
+        parallelism=rp.Parallelism(replicas_per_device=k, stages=stages, microbatches=m, schedule=schedule),
         **options,
     )
 
