@@ -36,12 +36,16 @@ Promises:
 2. :func:`analyze` and :func:`run` agree: the placements ``run`` returns are
    those ``analyze`` predicts.
 3. A carry of ``scan``/``while`` keeps one placement for every iteration.
+4. ``add_any`` of a partial sum and a replicated term (a residual's cotangents) costs no ``select`` on
+   the device index where the sum is then summed: the partial part is all-reduced (or
+   reduce-scattered) and the replicated term added after (``tests/tensor/test_cotangent_sums.py``).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -54,6 +58,7 @@ from replicator._jax_compat import UNKNOWN_LOCATION, scan_operand_counts, source
 from replicator.core.jaxprs import CALL_PARAMS
 from replicator.tensor import overlap
 from replicator.tensor.placement import (
+    PARTIAL,
     REPLICATED,
     Partial,
     Placement,
@@ -113,8 +118,35 @@ class _PendingProduct:
         return self._value
 
 
+class _PendingSum:
+    """``add_any``'s sum of a partial sum and replicated terms (a value's cotangents accumulated), the
+    replicated terms not yet folded in. A consumer that sums it over the tensor axis (all-reduce or
+    reduce-scatter) sums the partial part and adds the replicated terms after, as GSPMD orders it
+    (:meth:`summed`); any other use folds them in here (:meth:`value`: one device keeps them, the
+    others add zero). Both are the same sum; the first needs no ``select`` on the device index."""
+
+    def __init__(self, add: Any, partial: Any | None, whole: Any, ctx: TensorContext):
+        self.add, self.partial, self.whole, self.ctx = add, partial, whole, ctx
+        self._value: Any = None
+
+    def value(self) -> Any:
+        if self._value is None:
+            self._value = convert(self.ctx, self.whole, REPLICATED, PARTIAL, "", "")
+            if self.partial is not None:
+                self._value = self.add(self.partial, self._value)
+        return self._value
+
+    def summed(self, want: Placement, line: str, reason: str, activation: bool) -> Any:
+        """The sum in placement ``want`` (not a partial sum): the partial part summed, then the rest added
+        (``partial`` None: every term was summed already, and nothing is summed again)."""
+        rest = convert(self.ctx, self.whole, REPLICATED, want, line, reason, activation)
+        if self.partial is None:
+            return rest
+        return self.add(convert(self.ctx, self.partial, PARTIAL, want, line, reason, activation), rest)
+
+
 def _value(x: Any) -> Any:
-    return x.value() if isinstance(x, _PendingProduct) else x
+    return x.value() if isinstance(x, _PendingProduct | _PendingSum) else x
 
 
 class _Walker:
@@ -313,6 +345,9 @@ class _Walker:
                     out.append(ring)
                     continue
                 x = x.value()
+            summing = isinstance(x, _PendingSum) and isinstance(h, Partial) and not isinstance(w, Partial)
+            if isinstance(x, _PendingSum) and not summing:
+                x = x.value()
             if h == w:
                 out.append(x)
                 continue
@@ -320,7 +355,11 @@ class _Walker:
             if key not in self._converted:
                 try:
                     activation = self.is_activation(i) if operands else BATCH in self.sources
-                    self._converted[key] = (x, convert(self.ctx, x, h, w, line, reason, activation))
+                    if summing:
+                        converted = x.summed(w, line, reason, activation)
+                    else:
+                        converted = convert(self.ctx, x, h, w, line, reason, activation)
+                    self._converted[key] = (x, converted)
                 except TensorPlacementError as e:
                     text = f"{e}" + (f"\n{note}" if note else "")
                     if self.sources:
@@ -332,6 +371,10 @@ class _Walker:
         return out
 
     def bind(self, eqn: JaxprEqn, ins: list, ins_pl: list[Placement], decision: Decision) -> list:
+        if eqn.primitive.name == "add_any" and isinstance(decision.outs[0], Partial):
+            pending = self.pending_sum(eqn, ins, ins_pl)
+            if pending is not None:
+                return [pending]
         ring = self.ctx.collective_matmul and eqn.primitive.name == "dot_general" and decision.then is None
         if ring:
             gathered = self.ring_all_gather(eqn, ins, ins_pl, decision)
@@ -350,6 +393,33 @@ class _Walker:
             self.ctx.record(f"all-reduce-{decision.then}", outs[0], self.line(eqn), f"'{eqn.primitive.name}'")
             outs = [kind(o, self.ctx.axis) for o in outs]
         return outs
+
+    def pending_sum(self, eqn: JaxprEqn, ins: list, ins_pl: list[Placement]) -> _PendingSum | None:
+        """``add_any`` of partial sums and replicated terms (the rule keeps the sum partial) as a
+        :class:`_PendingSum`; ``None`` where no term is replicated (the plain way). A partial term that
+        a consumer has summed already enters summed (its all-reduce is not repeated inside the new one's)."""
+        partial, whole = [], []
+        for x, p in zip(ins, ins_pl, strict=True):
+            summed = self._converted.get((id(x), REPLICATED))
+            if summed is not None:
+                whole.append(summed[1])  # a consumer summed it already: sum the rest, not it again
+            elif isinstance(x, _PendingSum):
+                partial.append(x.partial)
+                whole.append(x.whole)
+            elif isinstance(p, Partial):
+                partial.append(_value(x))
+            elif isinstance(p, Replicated):
+                whole.append(x)
+            else:
+                return None
+        if not whole:
+            return None
+
+        def add(a: Any, b: Any) -> Any:
+            return eqn.primitive.bind(a, b)
+
+        rest = functools.reduce(add, partial) if partial else None
+        return _PendingSum(add, rest, functools.reduce(add, whole), self.ctx)
 
     # -- collective matmul (replicator.tensor.overlap) ----------------------------------------
 
