@@ -180,6 +180,7 @@ def test_seed_340047_a_program_that_amplifies_rounding_passes():
     assert outcome.ok, str(outcome)
 
 
+@pytest.mark.slow  # two processes of its own (12 s): on one JAX leg, as the long sample
 def test_seed_700125_a_tensor_pipeline_beyond_its_float32_sensitivity_is_judged_again_in_float64():
     """Seed 700125 under pipe-S4-M8-gpipe-recompute-tensor2-sp (found by `scripts/fuzz.py --pipelines`): Adam at
     lr 0.05 over 3 steps, S = 4; in float32 the split pipeline lands 9.2e-4 from the reference on one weight,
