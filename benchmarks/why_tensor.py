@@ -6,7 +6,9 @@ The model and the three variants are ``bench_tensor.py``'s (replicator's ``Tenso
 GSPMD, Megatron's MLP by hand under ``shard_map``). For each tensor degree T this prints
 
 1. **the compiled programs**: the entry computation's instructions by kind (fusions, dots,
-   all-reduces, copies, transposes, dynamic slices, loops, custom calls, ``partition-id``),
+   all-reduces, copies, transposes, dynamic slices, loops, custom calls, ``partition-id``), what
+   replicator's and the hand-written program hold that GSPMD's does not (every computation's
+   instructions by opcode and shape),
    XLA's cost analysis (flops, bytes accessed) and memory analysis (arguments, outputs,
    temporaries, aliased bytes), and whether the state's buffers are donated;
 2. **the host's work per call** outside the jitted call: replicator's cache key and pytree
@@ -89,6 +91,28 @@ def entry_ops(text: str) -> collections.Counter:
     return ops
 
 
+def all_instructions(text: str) -> collections.Counter:
+    """Every instruction of every computation (fusions' bodies included) by opcode and result shape."""
+    found: collections.Counter = collections.Counter()
+    for line in text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%\S+ = (\S+) ([a-z][a-z\-]*)\(", line)
+        if m:
+            found[f"{m.group(2)} {m.group(1)}"] += 1
+    return found
+
+
+def differences(a, b) -> str:
+    """How two compiled programs differ in their instructions (opcode and shape, every computation): what
+    one has more of than the other; "none" where they hold the same instructions (names and the order of
+    operands aside)."""
+    ia, ib = all_instructions(a.as_text()), all_instructions(b.as_text())
+    more, fewer = ia - ib, ib - ia
+    if not more and not fewer:
+        return f"none ({sum(ia.values())} instructions each)"
+    shown = lambda c: ", ".join(f"{n} x {k}" for k, n in sorted(c.items())) or "nothing"  # noqa: E731
+    return f"it has {shown(more)} more; {shown(fewer)} fewer"
+
+
 def describe(name: str, compiled) -> str:
     text = compiled.as_text()
     ops = entry_ops(text)
@@ -164,6 +188,8 @@ def degree(T: int, args: argparse.Namespace, state, batch, want) -> None:
         ("hand shard_map", hexe),
     ):
         print(describe(name, exe))
+    print("instructions of replicator's program against GSPMD's (every computation):", differences(rexe, gexe))
+    print("instructions of the hand-written program against GSPMD's:", differences(hexe, gexe))
     old = previous_call(tp, rplaced, batch)
     now_us = host_us(lambda: _signature(*jax.tree_util.tree_flatten((rplaced, batch))))
     before_us = host_us(lambda: _previous_key(rplaced, batch))
