@@ -206,6 +206,18 @@ def test_off_the_rewrite_is_unchanged():
     assert not any(c.kind in RINGS for c in off.collectives(p, X))
 
 
+@pytest.mark.parametrize("size", [2, 4])
+def test_without_sequence_parallelism_collective_matmul_has_no_ring_to_make(size):
+    # The row-parallel products are all-reduced whole (no reduce-scatter, no all-gather): nothing to ring,
+    # and asking for rings changes nothing.
+    p = _mlp_params()
+    plain = TensorParallel(_mlp_blocks, MLP_PLAN, size=size)
+    ring = TensorParallel(_mlp_blocks, MLP_PLAN, size=size, collective_matmul=True)
+    _close(ring(ring.shard(p, X), X), jax.jit(_mlp_blocks)(p, X))
+    assert [c.kind for c in ring.collectives(p, X)] == [c.kind for c in plain.collectives(p, X)]
+    assert {c.kind for c in ring.collectives(p, X)} == {"all-reduce"}
+
+
 def test_collective_matmul_inside_a_replicator_equals_one_device():
     def step(params, x):
         loss, g = jax.value_and_grad(_loss)(params, x)
