@@ -35,7 +35,7 @@ from replicator.core.layout import FoldLayout, fold_layout
 from replicator.parallelism import Parallelism, check_tensor_supported, older_keywords
 from replicator.pass_manager.manager import PassManager
 from replicator.runtime.mesh import build_mesh
-from replicator.runtime.pipelined import zero_stage_of
+from replicator.runtime.pipelined import zero_of
 from replicator.stages.replicas import PipelinedReplicas
 from replicator.tensor.axis import TensorAxis
 
@@ -129,7 +129,7 @@ def place_axes(
             microbatches,
             schedule or "1f1b",
             recompute,
-            zero_stage=zero_stage_of(passes),
+            zero_stage=zero_of(passes),
             fold_axes=fold.folded_axes,
             tensor=tensor,
         )

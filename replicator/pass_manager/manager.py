@@ -39,7 +39,6 @@ from replicator.pass_manager.verify import GraphInvariantError, check_defined, v
 __all__ = [
     "DUMP_ENV",
     "HOOKS",
-    "NOT_YET_RENAMED",
     "VALIDATE_ENV",
     "VERIFY_ENV",
     "Hooks",
@@ -93,18 +92,13 @@ class Hooks:
 HOOKS = Hooks()
 
 
-#: Modules of the package that still spell a renamed name the old way (``replicator.pipeline.*``,
-#: ``Pipeline.default(zero_stage=...)``); their owner moves them to the new names. Their uses do not warn,
-#: so that ``import replicator`` and the package's own calls stay silent. Empty this set once they moved.
-NOT_YET_RENAMED: frozenset[str] = frozenset({"replicator.runtime.build", "replicator.runtime.pipelined"})
-
-
 def warn_renamed(message: str, *, stacklevel: int = 2) -> None:
     """A ``DeprecationWarning`` for an old spelling, attributed as ``warnings.warn(..., stacklevel=stacklevel)``
-    from the caller would attribute it; silent where that frame is one of :data:`NOT_YET_RENAMED`."""
+    from the caller would attribute it. The package itself spells every name the new way, so only users' code
+    warns."""
     caller = sys._getframe(stacklevel).f_globals.get("__name__")
     # ``from package import name`` asks ``hasattr`` in importlib first, then takes the name: warn once, there.
-    if caller in NOT_YET_RENAMED or caller == "importlib._bootstrap":
+    if caller == "importlib._bootstrap":
         return
     warnings.warn(message, DeprecationWarning, stacklevel=stacklevel + 1)
 

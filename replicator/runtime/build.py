@@ -3,7 +3,7 @@
 ``build_step`` takes the user's per-replica ``step_fn`` and the signatures of its state and batch and
 returns a :class:`CompiledStep`: the step traced with placeholders (``core/tracing.py``), split for one
 device of a tensor group where the Replicator has a tensor axis (``tensor/split_graph.py``), rewritten by
-the pass pipeline (``passes/``), folded where a device hosts several replicas (``passes/fold.py``), and
+the pass manager (``passes/``), folded where a device hosts several replicas (``passes/fold.py``), and
 wrapped as ``jit(shard_map(...))`` over the mesh (``runtime/execution.py``). A pipelined Replicator builds
 its steps in ``stages/`` instead (the same split first, then the stage cut). :class:`StepCache` keeps the
 built steps, least recently used dropped first.
@@ -22,8 +22,8 @@ from jax.sharding import Mesh
 from replicator.core.context import ReplicaContext
 from replicator.core.layout import FoldLayout
 from replicator.core.tracing import TracedStep, signature_spec, trace_step
+from replicator.pass_manager.manager import Lowered, PassManager
 from replicator.passes.fold import fold_lowered
-from replicator.pipeline.pipeline import Lowered, Pipeline
 from replicator.runtime.execution import build_executable
 from replicator.runtime.inputs import BatchSignature
 from replicator.runtime.memory import compiled_memory
@@ -70,7 +70,7 @@ def build_step(
     batch_key: BatchSignature,
     *,
     context: ReplicaContext,
-    passes: Pipeline,
+    passes: PassManager,
     mesh: Mesh,
     fold: FoldLayout,
     tensor: Any = None,

@@ -1,7 +1,7 @@
 """What a pipelined ``Replicator`` does around its pipeline: the global batch from its workers' inputs, the
-pass options it takes (ZeRO's stage), the cost model it describes stages with, and the check of the packed
+pass options it takes (ZeRO's level), the cost model it describes stages with, and the check of the packed
 rows every ``check_state_every`` steps. The pipeline itself is :class:`~replicator.stages.replicas.PipelinedReplicas`
-(one compiled program per step, ``replicator/stages/``); the data-parallel path is the pass pipeline's.
+(one compiled program per step, ``replicator/stages/``); the data-parallel path is the pass manager's.
 
 >>> np.asarray(in_worker_order([{"x": np.zeros((2, 1))}, {"x": np.ones((2, 1))}])["x"]).ravel().tolist()
 [0.0, 0.0, 1.0, 1.0]
@@ -21,11 +21,11 @@ from jax.experimental import multihost_utils
 from replicator.cost.compute import equation_time
 from replicator.cost.report import tensor_lines
 from replicator.cost.topology import PRESETS
-from replicator.pipeline.pipeline import Pipeline
+from replicator.pass_manager.manager import PassManager
 from replicator.runtime.consistency import check_copies_agree
 from replicator.stages.replicas import PipelinedReplicas
 
-__all__ = ["PipelineFront", "gathered_in_worker_order", "in_worker_order", "zero_stage_of"]
+__all__ = ["PipelineFront", "gathered_in_worker_order", "in_worker_order", "zero_of"]
 
 PyTree = Any
 
@@ -58,26 +58,26 @@ def gathered_in_worker_order(local: PyTree, workers: list[int]) -> PyTree:
     return treedef.unflatten([np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in leaves])
 
 
-def zero_stage_of(passes: Pipeline | None) -> int:
-    """The ZeRO stage a pipelined Replicator takes from ``passes=``: ``k`` of ``rp.Pipeline.default(zero_stage=k)``
+def zero_of(passes: PassManager | None) -> int:
+    """The ZeRO level a pipelined Replicator takes from ``passes=``: ``k`` of ``rp.PassManager.default(zero=k)``
     (ZeRO on each pipeline stage's data-parallel replicas, :mod:`~replicator.stages.chunks`).
-    Any other pass pipeline is refused: a pipelined step runs the schedule's loop, not the passes. The threshold
+    Any other pass manager is refused: a pipelined step runs the schedule's loop, not the passes. The threshold
     ``shard_optimizer_min_bytes`` is taken and has nothing to do: a stage's leaves are packed into one row, cut
     in ``D`` chunks whole."""
-    if not isinstance(passes, Pipeline):
+    if not isinstance(passes, PassManager):
         return 0  # None; anything else is refused by the constructor's TypeError
     zero = [p for p in passes.passes if p.name == "shard-optimizer-update"]
-    stage = zero[0].stage if zero else 0
+    level = zero[0].stage if zero else 0
     threshold = {"shard_optimizer_min_bytes": zero[0].min_tensor_bytes} if zero else {}
-    if passes.key() != Pipeline.default(zero_stage=stage, **threshold).key():
+    if passes.key() != PassManager.default(zero=level, **threshold).key():
         raise ValueError(
-            "passes= on a pipelined Replicator takes rp.Pipeline.default(zero_stage=k) only (k = 0..3: ZeRO on each "
+            "passes= on a pipelined Replicator takes rp.PassManager.default(zero=k) only (k = 0..3: ZeRO on each "
             "pipeline stage's data-parallel replicas): its stages run their own program (the schedule's loop), not "
-            "the pass pipeline, so other options (fusion, compression, hierarchical all-reduce, disabled passes) "
-            f"would be ignored; got {passes!r}. Leave them out, or drop pipeline_stages to run the step data "
-            "parallel with them."
+            "the pass manager, so other options (fusion, compression, hierarchical all-reduce, disabled passes) "
+            f"would be ignored; got {passes!r}. Leave them out, or drop parallelism=rp.Parallelism(stages=...) to "
+            "run the step data parallel with them."
         )
-    return stage
+    return level
 
 
 def stage_cost(eqns: list) -> float:

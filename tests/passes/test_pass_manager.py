@@ -324,8 +324,8 @@ class TestOldSpellings:
         assert repl.passes is other
 
     def test_the_package_itself_uses_no_old_spelling(self):
-        """Importing replicator, and a pipelined Replicator with ZeRO (whose front still calls the old
-        spelling, listed in NOT_YET_RENAMED), warn nothing: the warnings are for users' code."""
+        """Importing replicator, and a pipelined Replicator with ZeRO (whose front checks passes= against
+        PassManager.default(zero=k)), warn nothing: the warnings are for users' code."""
         code = (
             "import replicator as rp; rp.force_cpu_devices(8); "
             "rp.Replicator(1, 8, parallelism=rp.Parallelism(stages=2, microbatches=2), "
