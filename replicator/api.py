@@ -333,7 +333,7 @@ class Replicator:
         return communication_report(self.lower(step_fn, batch, state, per_replica_state=per_replica_state))
 
     def run_pipelined(self, loss_fn: Callable, optimizer: Any, batch: PyTree, state: tuple) -> tuple:
-        """One training step of ``loss_fn`` cut into ``pipeline_stages`` stages (the constructor's option).
+        """One training step of ``loss_fn`` cut into ``parallelism.stages`` stages (the constructor's option).
 
         A narrower entry point than :meth:`run`: the loss and the optax optimizer are given apart, and the step
         run is the one a data-parallel user writes from them (``jax.value_and_grad``, ``rp.all_mean`` of the

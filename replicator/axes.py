@@ -109,7 +109,9 @@ def place_axes(
         fold = FoldLayout(num_workers, cores_per_worker)
     else:
         if cores_per_worker is None:
-            raise ValueError("replicas_per_device needs an explicit cores_per_worker (the logical replicas).")
+            raise ValueError(
+                "Parallelism(replicas_per_device=...) needs an explicit cores_per_worker (the logical replicas)."
+            )
         fold = fold_layout(num_workers, cores_per_worker, replicas_per_device=older["replicas_per_device"])
         mesh = build_mesh(*fold.device_mesh, devices=devices)
     if stages == 1 and microbatches is None and (schedule is not None or recompute):

@@ -323,7 +323,8 @@ class FoldReplicas(Pass):
                 return emit(lambda x: _ppermute(layout, x, names, perm), eqn.invars)
             raise FoldError(
                 f"fold-replicas: '{prim.name}' over the mesh axes {axes} has no folded form, so this step cannot "
-                "run with several replicas per device. Run it with one replica per device (replicas_per_device=1)."
+                "run with several replicas per device. Run it with one replica per device (rp.Parallelism(replicas_per_device=1), "
+                "the default)."
             )
 
         return rewrite_graph(graph, rule, recompute_effects=True)

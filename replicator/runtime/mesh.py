@@ -166,8 +166,8 @@ def build_mesh(num_workers: int = 1, cores_per_worker: int | None = None, *, dev
         raise ValueError(
             f"Replicator(num_workers={num_workers}, cores_per_worker={cores_per_worker}) needs "
             f"{wanted} devices but only {len(available)} {platform} device(s) are available. "
-            f"Use fewer replicas, run several replicas on each device (Replicator(..., "
-            f"replicas_per_device={-(-wanted // max(len(available), 1))}) if that divides the replicas evenly), "
+            f"Use fewer replicas, run several replicas on each device (Replicator(..., parallelism=rp.Parallelism("
+            f"replicas_per_device={-(-wanted // max(len(available), 1))})) if that divides the replicas evenly), "
             f"or emulate CPU devices: call replicator.force_cpu_devices({wanted}) "
             f"before JAX starts, or run with XLA_FLAGS={_FLAG}={wanted}."
         )

@@ -76,23 +76,23 @@ def pipeline_mesh(grid: np.ndarray, stages: int, replicas_per_device: int = 1) -
     tensor = grid.shape[2:]  # the tensor axis, innermost, goes along with each (worker, core) group
     w, c = grid.shape[:2]
     if not isinstance(stages, int) or stages < 1:
-        raise ValueError(f"pipeline_stages must be a positive int, got {stages!r}.")
+        raise ValueError(f"Parallelism(stages=...) must be a positive int, got {stages!r}.")
     if c % stages == 0:  # within a worker: the cores of each worker split into S groups
         devices = grid.reshape(w, stages, c // stages, *tensor).transpose(1, 0, 2, *range(3, 3 + len(tensor)))
     elif w % stages == 0:  # across workers: consecutive workers form a stage
         devices = grid.reshape(stages, w // stages, c, *tensor)
     elif replicas_per_device > 1:
         raise ValueError(
-            f"pipeline_stages={stages} does not cut the {w} x {c} device grid (replicas_per_device="
+            f"Parallelism(stages={stages}) does not cut the {w} x {c} device grid (replicas_per_device="
             f"{replicas_per_device} folds the replicas onto {w * c} devices; stages cut devices, not replicas): "
-            f"it divides neither its {c} devices per worker nor its {w} worker rows; pick a pipeline_stages that "
-            "divides one of them, or a smaller replicas_per_device."
+            f"it divides neither its {c} devices per worker nor its {w} worker rows; pick a number of stages that "
+            "divides one of them, or a smaller Parallelism(replicas_per_device=...)."
         )
     else:
         raise ValueError(
-            f"pipeline_stages={stages} divides neither cores_per_worker={c} (stages within a worker) nor "
+            f"Parallelism(stages={stages}) divides neither cores_per_worker={c} (stages within a worker) nor "
             f"num_workers={w} (stages across workers), so the {w} x {c} devices do not form {stages} stages of "
-            "data-parallel replicas; pick a pipeline_stages that divides one of them."
+            "data-parallel replicas; pick a number of stages that divides one of them."
         )
     return Mesh(devices, (STAGE_AXIS, *DATA_AXES, *(["tensor"] if tensor else [])))
 
@@ -396,7 +396,7 @@ def describe_user_step(
 
 
 class PipelinedReplicas:
-    """The ``Replicator`` option ``pipeline_stages=S, microbatches=M, schedule=...``: what
+    """The ``Replicator`` option ``parallelism=rp.Parallelism(stages=S, microbatches=M, schedule=...)``: what
     ``Replicator.run_pipelined`` and ``Replicator.describe_pipeline`` run (one compiled step per loss and
     optimizer, cached). ``zero_stage``: ZeRO on each stage's ``D`` data-parallel replicas
     (:func:`~replicator.stages.train.pipeline_train_step`), for ``run_pipelined``, and for the user's own step
@@ -425,7 +425,7 @@ class PipelinedReplicas:
         self.stages, self.microbatches, self.schedule = stages, microbatches, schedule
         self._last_step: Any = None  # the step that ran last (a PipelineTrainStep or a PipelinedStep)
         if not isinstance(recompute, bool):
-            raise TypeError(f"pipeline_recompute must be a bool, got {recompute!r}.")
+            raise TypeError(f"Parallelism(recompute=...) must be a bool, got {recompute!r}.")
         self.recompute = recompute
         self.zero_stage = check_zero_stage(zero_stage)
         self.fold_axes = check_fold_axes(fold_axes, self.mesh)

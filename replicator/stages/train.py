@@ -220,7 +220,7 @@ def pipeline_train_step(
       zero_stage: ZeRO on the ``D`` data-parallel replicas of each stage (:mod:`~replicator.stages.chunks`): 0
         off; 1 each device stores and updates its ``1/D`` of the optimizer's moments, the new parameters
         all-gathered; 2 also the averaged gradients reduce-scattered; 3 also the parameters stored ``1/D``.
-      fold_axes: several data-parallel replicas per device (``Replicator(replicas_per_device=k)``): the fold
+      fold_axes: several data-parallel replicas per device (``Parallelism(replicas_per_device=k)``): the fold
         axes, ``FoldLayout.folded_axes``; ``D = k x workers x cores``.
       tensor: the tensor axis (a :class:`~replicator.tensor.axis.TensorAxis`, innermost in ``mesh``).
 

@@ -240,6 +240,6 @@ def test_describe_counts_logical_replicas_and_devices():
 def test_stages_that_do_not_cut_the_device_grid_are_refused():
     # 8 replicas, 4 per device: 2 devices, which do not form 4 stages.
     with pytest.raises(
-        ValueError, match=r"pipeline_stages=4 does not cut the 1 x 2 device grid.*replicas_per_device=4"
+        ValueError, match=r"Parallelism\(stages=4\) does not cut the 1 x 2 device grid.*replicas_per_device=4"
     ):
         rp.Replicator(1, 8, devices=jax.devices()[:2], parallelism=rp.Parallelism(replicas_per_device=4, stages=4))

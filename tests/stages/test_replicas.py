@@ -107,7 +107,9 @@ def test_pipeline_mesh_layout():
     across = pipeline_mesh(devices.reshape(4, 2), 4)  # S divides the workers only: a stage per worker
     assert dict(across.shape) == {"stages": 4, "workers": 1, "cores": 2}
     assert [d.id for d in across.devices[1].flat] == [2, 3]
-    with pytest.raises(ValueError, match=r"pipeline_stages=3 divides neither cores_per_worker=4 .* num_workers=2"):
+    with pytest.raises(
+        ValueError, match=r"Parallelism\(stages=3\) divides neither cores_per_worker=4 .* num_workers=2"
+    ):
         pipeline_mesh(devices.reshape(2, 4), 3)
 
 
