@@ -131,7 +131,7 @@ def place_axes(
             microbatches,
             schedule or "1f1b",
             recompute,
-            zero_stage=zero_of(passes),
+            zero=zero_of(passes),
             fold_axes=fold.folded_axes,
             tensor=tensor,
         )

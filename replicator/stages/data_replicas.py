@@ -7,11 +7,12 @@ the ZeRO level. Read by the one build of a pipelined step (:mod:`replicator.stag
 >>> check_zero_stage(4)
 Traceback (most recent call last):
 ...
-ValueError: zero_stage must be 0, 1, 2 or 3, got 4: ZeRO on each pipeline stage's data-parallel replicas stores 1/D per device of 1 the optimizer state, 2 also the averaged gradients, 3 also the parameters (0: off).
+ValueError: zero must be 0, 1, 2 or 3, got 4: ZeRO on each pipeline stage's data-parallel replicas stores 1/D per device of 1 the optimizer state, 2 also the averaged gradients, 3 also the parameters (0: off).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -23,6 +24,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from replicator.core.layout import FOLDED_AXES
+from replicator.pass_manager.manager import warn_renamed
 from replicator.stages.programs import DATA_AXES, folded
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "logical_data_shape",
     "micro_batches",
     "over_fold",
+    "takes_zero_stage",
     "user_stacklevel",
 ]
 
@@ -125,12 +128,36 @@ def check_fold_axes(fold_axes: Sequence[tuple[str, int]], mesh: Mesh | None) -> 
     return axes
 
 
-def check_zero_stage(zero_stage: Any) -> int:
-    """``zero_stage`` if it is 0, 1, 2 or 3, else a ``ValueError`` that says what each means."""
-    if isinstance(zero_stage, bool) or not isinstance(zero_stage, (int, np.integer)) or not 0 <= zero_stage <= 3:
+def check_zero_stage(zero: Any) -> int:
+    """``zero`` (the ZeRO level) if it is 0, 1, 2 or 3, else a ``ValueError`` that says what each means."""
+    if isinstance(zero, bool) or not isinstance(zero, (int, np.integer)) or not 0 <= zero <= 3:
         raise ValueError(
-            f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}: ZeRO on each pipeline stage's data-parallel "
+            f"zero must be 0, 1, 2 or 3, got {zero!r}: ZeRO on each pipeline stage's data-parallel "
             "replicas stores 1/D per device of 1 the optimizer state, 2 also the averaged gradients, 3 also the "
             "parameters (0: off)."
         )
-    return int(zero_stage)
+    return int(zero)
+
+
+def takes_zero_stage(function: Callable) -> Callable:
+    """``function`` (a function or an ``__init__`` with a ``zero=`` parameter), still taking ``zero=``'s old name
+    ``zero_stage=``: with a ``DeprecationWarning`` naming the new one; both given, a ``TypeError``.
+
+    >>> f = takes_zero_stage(lambda *, zero=0: zero)
+    >>> f(zero=1, zero_stage=1)
+    Traceback (most recent call last):
+    ...
+    TypeError: <lambda>(): zero_stage= is the old name of zero=; give zero= only.
+    """
+    where = function.__qualname__.removesuffix(".__init__")
+
+    @functools.wraps(function)
+    def taking(*args: Any, **kwargs: Any) -> Any:
+        if "zero_stage" in kwargs:
+            if "zero" in kwargs:
+                raise TypeError(f"{where}(): zero_stage= is the old name of zero=; give zero= only.")
+            warn_renamed(f"{where}(zero_stage=...) is now {where}(zero=...); zero_stage= will be removed.")
+            kwargs["zero"] = kwargs.pop("zero_stage")
+        return function(*args, **kwargs)
+
+    return taking

@@ -40,7 +40,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from replicator.core.graph import TensorLayout
-from replicator.stages.data_replicas import check_fold_axes, check_zero_stage
+from replicator.stages.data_replicas import check_fold_axes, check_zero_stage, takes_zero_stage
 from replicator.stages.lower import STAGE_AXIS, ring_slots
 from replicator.stages.programs import DATA_AXES
 from replicator.stages.schedule import SCHEDULES as schedule_tables
@@ -398,11 +398,12 @@ def describe_user_step(
 class PipelinedReplicas:
     """The ``Replicator`` option ``parallelism=rp.Parallelism(stages=S, microbatches=M, schedule=...)``: what
     ``Replicator.run_pipelined`` and ``Replicator.describe_pipeline`` run (one compiled step per loss and
-    optimizer, cached). ``zero_stage``: ZeRO on each stage's ``D`` data-parallel replicas
+    optimizer, cached). ``zero``: the ZeRO level on each stage's ``D`` data-parallel replicas
     (:func:`~replicator.stages.train.pipeline_train_step`), for ``run_pipelined``, and for the user's own step
     (:meth:`run_step`, :mod:`~replicator.stages.chunks`) with one replica per device. ``fold_axes``: with ``replicas_per_device=k``, ``FoldLayout.folded_axes``
     (``grid`` is then the device grid, each device hosting ``k`` consecutive data-parallel replicas)."""
 
+    @takes_zero_stage
     def __init__(
         self,
         grid: np.ndarray,
@@ -410,7 +411,7 @@ class PipelinedReplicas:
         microbatches: int | None,
         schedule: str,
         recompute: bool = False,
-        zero_stage: int = 0,
+        zero: int = 0,
         fold_axes: Sequence[tuple[str, int]] = (),
         tensor: Any = None,
     ) -> None:
@@ -427,7 +428,7 @@ class PipelinedReplicas:
         if not isinstance(recompute, bool):
             raise TypeError(f"Parallelism(recompute=...) must be a bool, got {recompute!r}.")
         self.recompute = recompute
-        self.zero_stage = check_zero_stage(zero_stage)
+        self.zero_stage = check_zero_stage(zero)
         self.fold_axes = check_fold_axes(fold_axes, self.mesh)
         #: The tensor axis (:class:`~replicator.tensor.axis.TensorAxis`, innermost in the mesh), or None.
         self.tensor = tensor
@@ -443,7 +444,7 @@ class PipelinedReplicas:
             + (f"replicas_per_device={self.replicas_per_device}, " if self.replicas_per_device > 1 else "")
             + f"microbatches={self.microbatches}, "
             f"schedule={self.schedule!r}{', recompute=True' if self.recompute else ''}"
-            f"{f', zero_stage={self.zero_stage}' if self.zero_stage else ''})"
+            f"{f', zero={self.zero_stage}' if self.zero_stage else ''})"
         )
 
     @property
@@ -463,7 +464,7 @@ class PipelinedReplicas:
                 devices=None,
                 mesh=self.mesh,
                 recompute=self.recompute,
-                zero_stage=self.zero_stage,
+                zero=self.zero_stage,
                 fold_axes=self.fold_axes,
                 tensor=self.tensor,
             )

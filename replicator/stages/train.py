@@ -44,7 +44,7 @@ from jax.sharding import Mesh
 
 from replicator.core.context import ReplicaContext, replica_context
 from replicator.core.primitives import all_mean
-from replicator.stages.data_replicas import check_fold_axes, check_zero_stage, micro_batches
+from replicator.stages.data_replicas import check_fold_axes, check_zero_stage, micro_batches, takes_zero_stage
 from replicator.stages.lower import STAGE_AXIS, _shapes
 from replicator.stages.programs import DATA_AXES
 from replicator.stages.schedule import Schedule
@@ -78,6 +78,7 @@ class PipelineTrainStep:
     """``params, state, value = step(params, state, *batch)``: one optimizer step of a marked loss over its
     stages (see the module docstring); built by :func:`pipeline_train_step`."""
 
+    @takes_zero_stage
     def __init__(
         self,
         loss: Callable,
@@ -88,13 +89,13 @@ class PipelineTrainStep:
         devices: Sequence[Any] | None,
         mesh: Mesh | None = None,
         recompute: bool = False,
-        zero_stage: int = 0,
+        zero: int = 0,
         fold_axes: Sequence[tuple[str, int]] = (),
         tensor: Any = None,
     ) -> None:
         self.loss, self.optimizer, self.recompute = loss, optimizer, recompute
-        #: ZeRO on each stage's data-parallel replicas (:func:`pipeline_train_step`): 0 off, 1, 2 or 3.
-        self.zero_stage = check_zero_stage(zero_stage)
+        #: ZeRO on each stage's data-parallel replicas (:func:`pipeline_train_step`'s ``zero``): 0 off, 1, 2 or 3.
+        self.zero_stage = check_zero_stage(zero)
         self.num_microbatches, self.schedule, self.devices = num_microbatches, schedule, devices
         axes = (STAGE_AXIS, *DATA_AXES, *(() if tensor is None else (tensor.name,)))
         if mesh is not None and tuple(mesh.axis_names) != axes:
@@ -193,6 +194,7 @@ class PipelineTrainStep:
         return new_params, new_state, value[0]  # the loss, the same on every data-parallel replica
 
 
+@takes_zero_stage
 def pipeline_train_step(
     loss: Callable,
     optimizer: optax.GradientTransformation,
@@ -202,7 +204,7 @@ def pipeline_train_step(
     devices: Sequence[Any] | None = None,
     mesh: Mesh | None = None,
     recompute: bool = False,
-    zero_stage: int = 0,
+    zero: int = 0,
     fold_axes: Sequence[tuple[str, int]] = (),
     tensor: Any = None,
 ) -> PipelineTrainStep:
@@ -217,9 +219,10 @@ def pipeline_train_step(
         (:func:`~replicator.stages.replicas.pipeline_mesh`): ``D = workers x cores`` data-parallel replicas of
         the pipeline, each on its contiguous ``1/D`` of the batch's rows, their gradients averaged.
       recompute: recomputation from the stage boundaries (:func:`~replicator.stages.lower.tick_loop`).
-      zero_stage: ZeRO on the ``D`` data-parallel replicas of each stage (:mod:`~replicator.stages.chunks`): 0
-        off; 1 each device stores and updates its ``1/D`` of the optimizer's moments, the new parameters
+      zero: the ZeRO level on the ``D`` data-parallel replicas of each stage (:mod:`~replicator.stages.chunks`):
+        0 off; 1 each device stores and updates its ``1/D`` of the optimizer's moments, the new parameters
         all-gathered; 2 also the averaged gradients reduce-scattered; 3 also the parameters stored ``1/D``.
+        ``zero_stage=`` is its old name (a ``DeprecationWarning``; both given: a ``TypeError``).
       fold_axes: several data-parallel replicas per device (``Parallelism(replicas_per_device=k)``): the fold
         axes, ``FoldLayout.folded_axes``; ``D = k x workers x cores``.
       tensor: the tensor axis (a :class:`~replicator.tensor.axis.TensorAxis`, innermost in ``mesh``).
@@ -236,7 +239,7 @@ def pipeline_train_step(
         devices=devices,
         mesh=mesh,
         recompute=recompute,
-        zero_stage=zero_stage,
+        zero=zero,
         fold_axes=fold_axes,
         tensor=tensor,
     )

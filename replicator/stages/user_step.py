@@ -21,7 +21,7 @@ a maximum) would differ, so only means go through: the common shape above. The u
 read any cut value (all gradients: a global-norm clip works) but only the state leaves ``s`` keeps; an
 update that reads another stage's state is refused at trace time, naming the leaves.
 
-ZeRO on each stage's ``D`` data-parallel replicas (``zero_stage``, from ``rp.PassManager.default(zero=k)``;
+ZeRO on each stage's ``D`` data-parallel replicas (``zero``, from ``rp.PassManager.default(zero=k)``;
 :mod:`replicator.stages.chunks`): each *chunked* leaf is flattened, padded to a multiple of ``D`` and cut in
 ``D`` contiguous chunks, device ``r`` of a stage (its index over ``('workers', 'cores')``) storing chunk ``r``
 (buffers sharded ``P('stages', ('workers', 'cores'))``), and the update runs on the chunks (element-wise
@@ -86,6 +86,7 @@ from replicator.stages.data_replicas import (
     logical_data_shape,
     micro_batches,
     over_fold,
+    takes_zero_stage,
     user_stacklevel,
 )
 from replicator.stages.lower import STAGE_AXIS, OutputLayout, _shapes, tick_loop
@@ -144,8 +145,10 @@ def _prune(eqns: Sequence[JaxprEqn], wanted: Sequence[Any]) -> tuple[list[JaxprE
 
 
 class PipelinedStep:
-    """``step_fn`` on the pipeline mesh for one state and batch shape (see the module docstring)."""
+    """``step_fn`` on the pipeline mesh for one state and batch shape (see the module docstring). ``zero``: the
+    ZeRO level (``zero_stage=`` is its old name, a ``DeprecationWarning``)."""
 
+    @takes_zero_stage
     def __init__(
         self,
         step_fn: Any,
@@ -155,12 +158,12 @@ class PipelinedStep:
         microbatches: int,
         schedule: str,
         recompute: bool = False,
-        zero_stage: int = 0,
+        zero: int = 0,
         fold_axes: Sequence[tuple[str, int]] = (),
         tensor: Any = None,
     ) -> None:
         #: ZeRO on each stage's data-parallel replicas (:mod:`replicator.stages.chunks`): 0 off, 1, 2 or 3.
-        self.zero_stage = zero = check_zero_stage(zero_stage)
+        self.zero_stage = zero = check_zero_stage(zero)
         #: The fold axes (``FoldLayout.folded_axes``): each device runs ``k`` consecutive replicas, vmapped.
         self.fold_axes = fold_axes = check_fold_axes(fold_axes, mesh)
         self.replicas_per_device = int(np.prod([k for _, k in fold_axes], dtype=int))
@@ -297,7 +300,7 @@ class PipelinedStep:
         )
         if zero and fold_axes and not self.update_once:
             raise ValueError(
-                f"zero_stage={zero} with replicas_per_device > 1: the update cut from step_fn holds a collective "
+                f"zero={zero} with replicas_per_device > 1: the update cut from step_fn holds a collective "
                 "other than a mean, maximum or minimum (an rp.all_sum, an rp.replica_id), so it runs vmapped over "
                 "a device's replicas, and ZeRO's chunks are per device. Use one replica per device, or "
                 "repl.run_pipelined(loss_fn, optimizer, batch, (params, opt_state))."

@@ -279,4 +279,4 @@ def test_zero_passes_on_a_pipelined_replicator_shard_each_stages_rows(zero_stage
         1, 8, devices=jax.devices()[:8], parallelism=rp.Parallelism(stages=2, microbatches=2), passes=passes
     )
     assert repl.pipelined.zero_stage == zero_stage
-    assert f"zero_stage={zero_stage}" in repr(repl.pipelined)
+    assert f"zero={zero_stage}" in repr(repl.pipelined)

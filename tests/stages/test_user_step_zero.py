@@ -96,7 +96,7 @@ def test_a_sum_over_chunked_moments_leaves_out_the_padding(zero_stage):
 
 def _built(replicas: int, zero_stage: int, opt: optax.GradientTransformation, p: dict):
     pipelined = PipelinedReplicas(
-        np.array(jax.devices()[: 2 * replicas]).reshape(*GRIDS[replicas]), 2, 2, "1f1b", zero_stage=zero_stage
+        np.array(jax.devices()[: 2 * replicas]).reshape(*GRIDS[replicas]), 2, 2, "1f1b", zero=zero_stage
     )
     step = make_step(two_stages, opt)
     return pipelined, step, pipelined.user_step(step, _batch(), (p, opt.init(p)))

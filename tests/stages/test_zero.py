@@ -1,4 +1,4 @@
-"""ZeRO on each pipeline stage's data-parallel replicas (``zero_stage=1..3``) for a loss and an optimizer
+"""ZeRO on each pipeline stage's data-parallel replicas (``zero=1..3``) for a loss and an optimizer
 (``run_pipelined``) against one device: ``jax.jit`` of ``jax.value_and_grad`` + ``optax.adam`` on the global batch,
 3 steps. Its step is the user step of that loss and optimizer (:func:`~replicator.stages.train.optimizer_step`):
 what each device stores, leaf by leaf, and the collectives are tested on the user's step in
@@ -14,7 +14,8 @@ import pytest
 
 import replicator as rp
 from replicator.stages.replicas import PipelinedReplicas, describe
-from replicator.stages.train import pipeline_train_step
+from replicator.stages.train import PipelineTrainStep, pipeline_train_step
+from replicator.stages.user_step import PipelinedStep
 from tests.stages.test_gpipe import four_stages_tied, two_stages
 from tests.stages.test_replicas import _params_for, global_batch
 from tests.stages.test_train import STEPS, _assert_close, _reference
@@ -24,10 +25,10 @@ from tests.stages.test_user_step import make_step
 GRIDS = {2: (1, 4), 4: (2, 4)}
 
 
-def _replicas(replicas: int, zero_stage: int, schedule: str = "1f1b", stages: int = 2, m: int = 2):
+def _replicas(replicas: int, zero: int, schedule: str = "1f1b", stages: int = 2, m: int = 2):
     workers, cores = GRIDS[replicas] if stages == 2 else (1, 8)
     grid = np.array(jax.devices()[: workers * cores]).reshape(workers, cores)
-    return PipelinedReplicas(grid, stages, m, schedule, zero_stage=zero_stage)
+    return PipelinedReplicas(grid, stages, m, schedule, zero=zero)
 
 
 def _batch():
@@ -45,12 +46,12 @@ def _run(pipelined, loss, opt, p, batch):
 
 
 @pytest.mark.parametrize(
-    ("zero_stage", "schedule", "replicas"),
+    ("zero", "schedule", "replicas"),
     [(1, "gpipe", 2), (1, "1f1b", 4), (2, "1f1b", 2), (2, "gpipe", 4), (3, "1f1b", 2), (3, "gpipe", 4)],
 )
-def test_zero_matches_one_device(zero_stage, schedule, replicas):
+def test_zero_matches_one_device(zero, schedule, replicas):
     p, batch, opt = _params_for(two_stages), _batch(), optax.adam(1e-2)
-    pipelined = _replicas(replicas, zero_stage, schedule)
+    pipelined = _replicas(replicas, zero, schedule)
     assert pipelined.replicas == replicas
     (got_p, got_state), values = _run(pipelined, two_stages, opt, p, batch)
     want_p, want_state, want_values = _reference(two_stages, opt, p, *batch)
@@ -59,11 +60,11 @@ def test_zero_matches_one_device(zero_stage, schedule, replicas):
     np.testing.assert_allclose(values, want_values, rtol=1e-5)
 
 
-@pytest.mark.parametrize("zero_stage", [2, 3])
-def test_zero_with_a_tied_embedding_over_four_stages(zero_stage):
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_with_a_tied_embedding_over_four_stages(zero):
     # The embedding's gradient is summed over stages 0 and 3 before it is reduce-scattered over the replicas.
     p, batch, opt = _params_for(four_stages_tied), _batch(), optax.adam(1e-2)
-    pipelined = _replicas(2, zero_stage, "1f1b", stages=4, m=4)
+    pipelined = _replicas(2, zero, "1f1b", stages=4, m=4)
     (got_p, got_state), _ = _run(pipelined, four_stages_tied, opt, p, batch)
     want_p, want_state, _ = _reference(four_stages_tied, opt, p, *batch)
     _assert_close(got_p, want_p)
@@ -93,13 +94,53 @@ def test_a_leaf_not_divisible_by_the_replicas_is_padded(replicas):
     _assert_close(got_state, want_state)
 
 
-@pytest.mark.parametrize("zero_stage", [-1, 4, True, 1.0, "1"])
-def test_zero_stage_out_of_range_is_refused(zero_stage):
+@pytest.mark.parametrize("zero", [-1, 4, True, 1.0, "1"])
+def test_zero_out_of_range_is_refused(zero):
     grid = np.array(jax.devices()[:4]).reshape(1, 4)
-    with pytest.raises(ValueError, match=r"zero_stage must be 0, 1, 2 or 3, got .*1/D per device"):
-        PipelinedReplicas(grid, 2, 2, "1f1b", zero_stage=zero_stage)
-    with pytest.raises(ValueError, match=r"zero_stage must be 0, 1, 2 or 3"):
-        pipeline_train_step(two_stages, optax.adam(1e-2), num_microbatches=2, zero_stage=zero_stage)
+    with pytest.raises(ValueError, match=r"zero must be 0, 1, 2 or 3, got .*1/D per device"):
+        PipelinedReplicas(grid, 2, 2, "1f1b", zero=zero)
+    with pytest.raises(ValueError, match=r"zero must be 0, 1, 2 or 3"):
+        pipeline_train_step(two_stages, optax.adam(1e-2), num_microbatches=2, zero=zero)
+
+
+def test_zero_stage_is_the_old_name_of_zero():
+    """``zero=`` is the ZeRO keyword of the pipeline's entry points; ``zero_stage=``, its old name, warns
+    ``DeprecationWarning`` (attributed to the caller) and does the same; both at once: a ``TypeError``."""
+    grid = np.array(jax.devices()[:4]).reshape(1, 4)
+    opt = optax.adam(1e-2)
+    make = {
+        "PipelinedReplicas": lambda **zero: PipelinedReplicas(grid, 2, 2, "1f1b", **zero),
+        "pipeline_train_step": lambda **zero: pipeline_train_step(two_stages, opt, num_microbatches=2, **zero),
+        "PipelineTrainStep": lambda **zero: PipelineTrainStep(
+            two_stages, opt, num_microbatches=2, schedule="1f1b", devices=None, **zero
+        ),
+    }
+    for name, made in make.items():
+        with pytest.warns(
+            DeprecationWarning, match=rf"{name}\(zero_stage=\.\.\.\) is now {name}\(zero=\.\.\.\)"
+        ) as caught:
+            old = made(zero_stage=3)
+        assert caught[0].filename == __file__
+        assert old.zero_stage == made(zero=3).zero_stage == 3
+        with pytest.raises(TypeError, match=rf"{name}\(\): zero_stage= is the old name of zero=; give zero= only"):
+            made(zero=1, zero_stage=1)
+    with pytest.warns(DeprecationWarning):
+        assert repr(make["PipelinedReplicas"](zero_stage=2)) == repr(make["PipelinedReplicas"](zero=2))
+
+    # The same result: one step of each, on the same batch.
+    p, batch = _params_for(two_stages), _batch()
+    with pytest.warns(DeprecationWarning, match=r"PipelinedReplicas\(zero_stage="):
+        old = _run(make["PipelinedReplicas"](zero_stage=1), two_stages, opt, p, batch)
+    new = _run(make["PipelinedReplicas"](zero=1), two_stages, opt, p, batch)
+    jax.tree.map(np.testing.assert_array_equal, old, new)
+
+    # PipelinedStep (the user's own step, built by PipelinedReplicas.user_step) takes them the same way.
+    pipelined, step = _replicas(2, 0), make_step(two_stages, opt)
+    args = (step, (p, opt.init(p)), batch, pipelined.mesh, 2, "1f1b")
+    with pytest.warns(DeprecationWarning, match=r"PipelinedStep\(zero_stage=\.\.\.\) is now PipelinedStep\(zero="):
+        assert PipelinedStep(*args, zero_stage=1).zero_stage == 1
+    with pytest.raises(TypeError, match=r"PipelinedStep\(\): zero_stage= is the old name of zero="):
+        PipelinedStep(*args, zero=1, zero_stage=1)
 
 
 def test_the_users_own_step_refuses_zero_where_its_update_runs_per_replica():
@@ -115,6 +156,6 @@ def test_the_users_own_step_refuses_zero_where_its_update_runs_per_replica():
         return jax.tree.map(lambda x: x * count.astype(x.dtype), new_state), out
 
     grid = np.array(jax.devices()[:4]).reshape(1, 4)
-    pipelined = PipelinedReplicas(grid, 2, 2, "1f1b", zero_stage=1, fold_axes=(("cores_fold", 2),))
-    with pytest.raises(ValueError, match=r"zero_stage=1 with replicas_per_device > 1: .*rp.all_sum.*run_pipelined"):
+    pipelined = PipelinedReplicas(grid, 2, 2, "1f1b", zero=1, fold_axes=(("cores_fold", 2),))
+    with pytest.raises(ValueError, match=r"zero=1 with replicas_per_device > 1: .*rp.all_sum.*run_pipelined"):
         pipelined.run_step(step, batch, (p, opt.init(p)))
