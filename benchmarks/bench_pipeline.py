@@ -5,7 +5,7 @@ identical ``tanh`` layers of width ``--width`` (mean squared error against a
 target, Adam via optax), cut into ``S`` stages of ``layers / S`` layers by
 ``S - 1`` ``rp.stage_boundary`` markers. For each ``S`` in ``--stages`` (those
 that fit in ``--devices``) the pipeline runs on ``S`` devices, one
-data-parallel replica (``Replicator(1, S, pipeline_stages=S)``).
+data-parallel replica (``Replicator(1, S, parallelism=rp.Parallelism(stages=S))``).
 
 1. Step time (medians of ``--rounds`` interleaved rounds of ``--steps`` steps,
    every variant of one ``S`` interleaved within each round, ``benchmarks/timing.py``):
@@ -76,7 +76,7 @@ data-parallel replica (``Replicator(1, S, pipeline_stages=S)``).
    (``.lower(...).compile().memory_analysis()``; peak = arguments + outputs -
    aliased + temporaries, as ``replicator.runtime.memory.MemoryUsage``), for
    ``M = S, 2S, 4S, 8S``: one device, the hand-written pipeline, replicator's GPipe,
-   1F1B, and GPipe with ``pipeline_recompute=True``. Replicator exposes no compiled
+   1F1B, and GPipe with ``Parallelism(recompute=True)``. Replicator exposes no compiled
    executable of a pipelined step; this reads the jitted program the
    ``Replicator`` caches: ``repl.pipelined.step_for(loss, opt).built(params, x, y).step``.
 
@@ -428,10 +428,7 @@ def replicator_for(stages: int, m: int, schedule: str, recompute: bool = False) 
         1,
         stages,
         devices=jax.devices()[:stages],
-        pipeline_stages=stages,
-        microbatches=m,
-        schedule=schedule,
-        pipeline_recompute=recompute,
+        parallelism=rp.Parallelism(stages=stages, microbatches=m, schedule=schedule, recompute=recompute),
     )
 
 
@@ -715,8 +712,8 @@ def state_table(params: Params, x: np.ndarray, y: np.ndarray) -> None:
         if n % stages or len(params) % stages:
             continue
         for zero in (0, 1, 3) if n > stages else (0,):  # ZeRO over each stage's D = n / S replicas
-            passes = rp.Pipeline.default(zero_stage=zero) if zero else None
-            repl = rp.Replicator(1, n, pipeline_stages=stages, microbatches=stages, passes=passes)
+            passes = rp.PassManager.default(zero=zero) if zero else None
+            repl = rp.Replicator(1, n, parallelism=rp.Parallelism(stages=stages, microbatches=stages), passes=passes)
             loss, opt_state = make_loss(stages), TX.init(params)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")

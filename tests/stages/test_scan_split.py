@@ -165,7 +165,7 @@ def test_replicator_run_of_a_split_step_matches_one_device(model, stages, m):
     loss, make = MODELS[model]
     p, (x, y) = make(), batch()
     opt = optax.adam(1e-2)
-    repl = rp.Replicator(1, 8, pipeline_stages=stages, microbatches=m)
+    repl = rp.Replicator(1, 8, parallelism=rp.Parallelism(stages=stages, microbatches=m))
     step, state, values = split_scan(make_step(loss, opt), stages), (p, opt.init(p)), []
     for _ in range(STEPS):
         state, out = repl.run(step, (x, y), state)
@@ -177,12 +177,12 @@ def test_replicator_run_of_a_split_step_matches_one_device(model, stages, m):
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_a_pipelined_replicator_cuts_an_unmarked_stack_by_itself(model):
-    """No markers and no split_scan: the Replicator cuts the scanned stack into its pipeline_stages (run and
+    """No markers and no split_scan: the Replicator cuts the scanned stack into its stages (run and
     run_pipelined alike), equal to one device."""
     loss, make = MODELS[model]
     p, (x, y) = make(), batch()
     opt = optax.adam(1e-2)
-    repl = rp.Replicator(1, 8, pipeline_stages=4, microbatches=4)
+    repl = rp.Replicator(1, 8, parallelism=rp.Parallelism(stages=4, microbatches=4))
     state, piped = (p, opt.init(p)), (p, opt.init(p))
     for _ in range(STEPS):
         state, _ = repl.run(make_step(loss, opt), (x, y), state)
@@ -199,7 +199,7 @@ def test_an_unmarked_step_without_a_stack_gets_the_scan_error():
 
     x, y = batch()
     p = {"w": jnp.zeros((x.shape[1], y.shape[1]))}
-    repl = rp.Replicator(1, 8, pipeline_stages=2, microbatches=2)
+    repl = rp.Replicator(1, 8, parallelism=rp.Parallelism(stages=2, microbatches=2))
     with pytest.raises(StageSplitError, match=r"(?s)jax.lax.scan.*rp.stage_boundary"):
         repl.run_pipelined(dense, optax.sgd(0.1), (x, y), (p, optax.sgd(0.1).init(p)))
 

@@ -160,8 +160,9 @@ def test_run_pipelined_of_an_unmarked_stack_matches_one_device(model, stages, sc
     loss, make = MODELS[model]
     p, (x, y) = make(), batch()
     opt = optax.adam(1e-2)
-    passes = rp.Pipeline.default(zero_stage=zero_stage) if zero_stage else None
-    repl = rp.Replicator(1, 8, pipeline_stages=stages, microbatches=4, schedule=schedule, passes=passes)
+    passes = rp.PassManager.default(zero=zero_stage) if zero_stage else None
+    parallelism = rp.Parallelism(stages=stages, microbatches=4, schedule=schedule)
+    repl = rp.Replicator(1, 8, parallelism=parallelism, passes=passes)
     state, values = (p, opt.init(p)), []
     for _ in range(STEPS):
         state, value = repl.run_pipelined(loss, opt, (x, y), state)
@@ -234,8 +235,8 @@ def test_balanced_stages_keep_one_over_s_of_the_parameters_and_optimizer_state(s
     under ZeRO on the stage's D replicas, 1/D of that): the row holds both (the step's whole state)."""
     p, (x, y) = {"stack": plain_params()["stack"]}, batch()
     opt = optax.adam(1e-2)
-    passes = rp.Pipeline.default(zero_stage=zero_stage) if zero_stage else None
-    repl = rp.Replicator(1, 8, pipeline_stages=stages, microbatches=4, passes=passes)
+    passes = rp.PassManager.default(zero=zero_stage) if zero_stage else None
+    repl = rp.Replicator(1, 8, parallelism=rp.Parallelism(stages=stages, microbatches=4), passes=passes)
     report = repl.describe_pipeline(stack_loss, opt, (x, y), (p, opt.init(p)))
     replicas = 8 // stages
     whole = LAYERS * DIM * DIM * FLOAT
