@@ -152,16 +152,16 @@ def main() -> None:
     lowered = repl.lower(step_fn, worker_batch, state0)
     placeholders = sorted(p.name for p in rp.primitives.PLACEHOLDERS)
     collectives = placeholders + ["psum", "all_gather", "psum_scatter", "axis_index"]
-    print(f"passes: {' -> '.join(stage.name for stage in lowered.stages)}")
+    print(f"passes: {' -> '.join(snapshot.name for snapshot in lowered.snapshots)}")
     print(f"  traced per-replica graph: {rp.passes.count_primitives(lowered.traced.jaxpr, collectives)}")
     print(f"  after lower-collectives:  {rp.passes.count_primitives(lowered.final.jaxpr, collectives)}")
-    for stage in (lowered.stages[0], lowered.stages[-1]):
-        eqn = next((e for e in stage.graph.jaxpr.eqns if e.primitive.name in collectives), None)
+    for snapshot in (lowered.snapshots[0], lowered.snapshots[-1]):
+        eqn = next((e for e in snapshot.graph.jaxpr.eqns if e.primitive.name in collectives), None)
         if eqn is None:  # e.g. one replica: simplify removed every collective
-            print(f"  no collective left after {stage.name}")
+            print(f"  no collective left after {snapshot.name}")
             continue
         attrs = ", ".join(f"{k}={v}" for k, v in eqn.params.items())
-        print(f"  first collective, {stage.name}: {eqn.primitive.name}[{attrs}] on {len(eqn.invars)} array(s)")
+        print(f"  first collective, {snapshot.name}: {eqn.primitive.name}[{attrs}] on {len(eqn.invars)} array(s)")
 
     # Data-parallel training.
     state = state0

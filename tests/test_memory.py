@@ -70,7 +70,7 @@ def test_explain_prints_the_predicted_state_and_the_measured_memory(repl):
 def test_a_lowered_that_does_not_know_its_devices_says_so(repl):
     lowered = repl.lower(lambda b: rp.all_sum(b), np.ones((repl.num_replicas, 2), np.float32))
     with pytest.raises(ValueError, match="does not know its devices"):
-        Lowered(lowered.stages).memory()
+        Lowered(lowered.snapshots).memory()
 
 
 def _two_leaf_step(s, b):

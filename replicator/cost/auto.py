@@ -58,7 +58,7 @@ class AutoPassManager(PassManager):
 
     ``passes`` and ``names`` are every pass it may choose (the default passes with
     each searched option on); which of them ran for a step is in that step's
-    ``Lowered.stages`` and its ``notes``.
+    ``Lowered.snapshots`` and its ``notes``.
 
     Args:
       topology: a preset name of :data:`~replicator.cost.collectives.PRESETS`

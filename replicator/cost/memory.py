@@ -178,11 +178,11 @@ def zero_account(lowered: Lowered) -> ZeroAccount | None:
       1 leaf, 1.0 KiB in all, stays replicated as parameters, which ZeRO-1 leaves whole
         (PassManager.default(zero=3, shard_optimizer_min_bytes=0) splits them): state['w']
     """
-    index = next((i for i, s in enumerate(lowered.stages) if isinstance(s.by, ShardOptimizerUpdate)), None)
+    index = next((i for i, s in enumerate(lowered.snapshots) if isinstance(s.by, ShardOptimizerUpdate)), None)
     if index is None:
         return None
-    zero = lowered.stages[index].by
-    before, after = lowered.stages[index - 1].graph, lowered.stages[index].graph
+    zero = lowered.snapshots[index].by
+    before, after = lowered.snapshots[index - 1].graph, lowered.snapshots[index].graph
     n = before.context.num_replicas
     if n == 1:
         return None

@@ -203,7 +203,7 @@ def communication_report(lowered: Lowered) -> CommunicationReport:
     the equation holding it), as recorded in the final graph.
     """
     final = lowered.final
-    active = tuple(s.name for s in lowered.stages[1:])  # the passes that ran (auto: the chosen ones)
+    active = tuple(s.name for s in lowered.snapshots[1:])  # the passes that ran (auto: the chosen ones)
     zero = zero_account(lowered)
     return CommunicationReport(
         tuple(final.collectives),
@@ -221,11 +221,11 @@ def communication_report(lowered: Lowered) -> CommunicationReport:
 
 def _by_stage(lowered: Lowered, min_tensor_bytes: int) -> dict[int, int] | None:
     """The state per device at each ZeRO level, from the graph before ZeRO ran."""
-    names = [s.name for s in lowered.stages]
+    names = [s.name for s in lowered.snapshots]
     before = names.index("shard-optimizer-update") - 1 if "shard-optimizer-update" in names else None
     if before is None:
         before = names.index("simplify") if "simplify" in names else 0
-    graph = lowered.stages[before].graph
+    graph = lowered.snapshots[before].graph
     if graph.sharded_state or graph.collectives:  # already sharded or lowered: not the graph the stages start from
         return None
     return state_bytes_by_zero_stage(graph, min_tensor_bytes=min_tensor_bytes)

@@ -3,8 +3,8 @@
 (Formerly ``replicator.pipeline.pipeline.Pipeline``: "pipeline" now means pipeline parallelism only.)
 
 A :class:`PassManager` runs its passes in order on a :class:`StepGraph` and keeps
-every intermediate graph (a :class:`Stage`) so users can see what each pass
-did. Around each pass it can run the invariant checks of
+every intermediate graph (a :class:`PassSnapshot`, in :attr:`Lowered.snapshots`) so users
+can see what each pass did. Around each pass it can run the invariant checks of
 :mod:`replicator.pass_manager.verify` (``verify=True``), write the graph before and
 after each pass into a directory (``dump_dir=`` or the environment variable
 ``REPLICATOR_DUMP_DIR``), and skip passes by name (``disable=``). A pass
@@ -44,7 +44,7 @@ __all__ = [
     "Hooks",
     "Lowered",
     "PassManager",
-    "Stage",
+    "PassSnapshot",
     "check_options",
     "unknown_options_message",
     "warn_renamed",
@@ -167,8 +167,12 @@ def current_pass_name(name: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Stage:
-    """The graph after one pass (``name='traced'`` for the input)."""
+class PassSnapshot:
+    """The graph after one pass (``name='traced'`` for the input), as :attr:`Lowered.snapshots` keeps it.
+
+    Formerly ``Stage`` (a stage is a pipeline stage only); the old name still works, with a
+    ``DeprecationWarning``. Not :class:`~replicator.pass_manager.contract.PassResult`, what a pass returns.
+    """
 
     name: str
     graph: StepGraph
@@ -187,9 +191,10 @@ class Stage:
 
 @dataclasses.dataclass(frozen=True)
 class Lowered:
-    """Every stage of a step through the pass manager; ``str()`` prints them all."""
+    """The graph of a step after each pass of the pass manager (:attr:`snapshots`); ``str()`` prints them all."""
 
-    stages: tuple[Stage, ...]
+    #: The traced graph, then the graph after each pass that ran, in order.
+    snapshots: tuple[PassSnapshot, ...]
     #: What the pass manager wants a reader to know (``auto=True``: the options it chose and why).
     notes: tuple[str, ...] = ()
     #: Compiles the final graph on its devices and returns its per-device memory; set by
@@ -210,25 +215,31 @@ class Lowered:
         return self.memory_fn()
 
     @property
+    def stages(self) -> tuple[PassSnapshot, ...]:
+        """Deprecated: :attr:`snapshots` (a stage is a pipeline stage only)."""
+        warn_renamed("Lowered.stages is now Lowered.snapshots: a stage is a pipeline stage only.")
+        return self.snapshots
+
+    @property
     def traced(self) -> StepGraph:
         """The per-replica graph with placeholders, before any pass."""
-        return self.stages[0].graph
+        return self.snapshots[0].graph
 
     @property
     def final(self) -> StepGraph:
         """The graph that runs: every placeholder lowered."""
-        return self.stages[-1].graph
+        return self.snapshots[-1].graph
 
     def after(self, pass_name: str) -> StepGraph:
         """The graph right after the pass named ``pass_name``."""
         pass_name = current_pass_name(pass_name)
-        for stage in self.stages:
-            if stage.name == pass_name:
-                return stage.graph
-        raise KeyError(f"no pass named {pass_name!r} ran; ran: {[s.name for s in self.stages[1:]]}")
+        for snapshot in self.snapshots:
+            if snapshot.name == pass_name:
+                return snapshot.graph
+        raise KeyError(f"no pass named {pass_name!r} ran; ran: {[s.name for s in self.snapshots[1:]]}")
 
     def __str__(self) -> str:
-        return "\n\n".join(str(s) for s in self.stages)
+        return "\n\n".join(str(s) for s in self.snapshots)
 
 
 class PassManager:
@@ -357,7 +368,7 @@ class PassManager:
 
     def run(self, graph: StepGraph, *, fold: FoldLayout | None = None) -> Lowered:
         """Every pass in order on ``graph``; ``fold``: how replicas sit on devices (for ``validate``)."""
-        stages = [Stage("traced", graph, False)]
+        snapshots = [PassSnapshot("traced", graph, False)]
         notes: list[str] = []
         ran: list[str] = []
         lowered = False  # a pass that lowers the placeholders ran
@@ -406,9 +417,9 @@ class PassManager:
             notes.extend(result.notes)
             ran.append(p.name)
             lowered = lowered or p.lowers
-            stages.append(Stage(p.name, graph, result.changed, by=p))
+            snapshots.append(PassSnapshot(p.name, graph, result.changed, by=p))
             self._dump(index, p.name, "after", graph)
-        return Lowered(tuple(stages), tuple(notes))
+        return Lowered(tuple(snapshots), tuple(notes))
 
     def _dump(self, index: int, name: str, when: str, graph: StepGraph) -> None:
         if not self.dump_dir:
@@ -443,3 +454,12 @@ def _check_order(passes: Sequence[Pass]) -> None:
         if p.lowers:
             lowering = p
     return None
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Stage":  # renamed: a stage is a pipeline stage only
+        warn_renamed(
+            f"{__name__}.Stage is now {__name__}.PassSnapshot (Lowered.snapshots): a stage is a pipeline stage only."
+        )
+        return PassSnapshot
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,7 +5,7 @@ they use.
 ``rp.passes.calibrate``, ``PRESETS``, ``Topology``, ``Link``, ``Prediction``,
 ``predict``, ``bisect_passes`` and ``BisectReport`` moved to :mod:`replicator.cost`
 and :mod:`replicator.tools`; the old names still work, with a ``DeprecationWarning``
-(``Pipeline`` too).
+(``Pipeline`` too, now ``PassManager``, and ``Stage``, now ``PassSnapshot``).
 """
 
 import importlib
@@ -20,7 +20,8 @@ from replicator.pass_manager.contract import PassResult as PassResult
 from replicator.pass_manager.contract import rewrite_graph as rewrite_graph
 from replicator.pass_manager.manager import Lowered as Lowered
 from replicator.pass_manager.manager import PassManager as PassManager
-from replicator.pass_manager.manager import Stage as Stage
+from replicator.pass_manager.manager import PassSnapshot as PassSnapshot
+from replicator.pass_manager.manager import warn_renamed
 from replicator.pass_manager.verify import GraphInvariantError as GraphInvariantError
 from replicator.pass_manager.verify import verify_graph as verify_graph
 from replicator.passes.capture import CaptureCollectives as CaptureCollectives
@@ -59,6 +60,12 @@ def __getattr__(name: str) -> Any:
             stacklevel=2,
         )
         return PassManager
+    if name == "Stage":  # renamed: a stage is a pipeline stage only
+        warn_renamed(
+            "replicator.passes.Stage is now replicator.passes.PassSnapshot (Lowered.snapshots): a stage is a "
+            "pipeline stage only."
+        )
+        return PassSnapshot
     if name not in MOVED:
         raise AttributeError(f"module 'replicator.passes' has no attribute {name!r}")
     home = MOVED[name]
@@ -86,10 +93,10 @@ __all__ = [
     "Pass",
     "PassResult",
     "PassManager",
+    "PassSnapshot",
     "ShardOptimizerUpdate",
     "ShareSliceKernels",
     "Simplify",
-    "Stage",
     "StepGraph",
     "analyze_invariance",
     "count_primitives",

@@ -323,18 +323,18 @@ class FoldReplicas(Pass):
                 return emit(lambda x: _ppermute(layout, x, names, perm), eqn.invars)
             raise FoldError(
                 f"fold-replicas: '{prim.name}' over the mesh axes {axes} has no folded form, so this step cannot "
-                "run with several replicas per device. Run it with one replica per device (rp.Parallelism(replicas_per_device=1), "
-                "the default)."
+                "run with several replicas per device. Run it with one replica per device "
+                "(rp.Parallelism(replicas_per_device=1), the default)."
             )
 
         return rewrite_graph(graph, rule, recompute_effects=True)
 
 
 def fold_lowered(lowered: Lowered, layout: FoldLayout) -> Lowered:
-    """``lowered`` with a last stage ``fold-replicas``: its final graph folded for ``layout``."""
-    from replicator.pass_manager.manager import Lowered, Stage
+    """``lowered`` with a last snapshot ``fold-replicas``: its final graph folded for ``layout``."""
+    from replicator.pass_manager.manager import Lowered, PassSnapshot
     from replicator.pass_manager.verify import check_defined
 
     result = FoldReplicas(layout).run(lowered.final)
     check_defined(result.graph)
-    return Lowered((*lowered.stages, Stage(FoldReplicas.name, result.graph, result.changed)), lowered.notes)
+    return Lowered((*lowered.snapshots, PassSnapshot(FoldReplicas.name, result.graph, result.changed)), lowered.notes)

@@ -24,7 +24,7 @@ MOVED_MODULES: dict[str, str] = {
 }
 
 #: Old name -> new name, where the name itself changed.
-RENAMED: dict[str, str] = {"Pipeline": "PassManager"}
+RENAMED: dict[str, str] = {"Pipeline": "PassManager", "Stage": "PassSnapshot"}
 
 
 def moved(old_module: str, name: str, *, stacklevel: int = 3) -> Any:

@@ -79,6 +79,6 @@ def test_auto_names_every_pass_it_may_choose_and_lowered_names_those_that_ran(n_
     # A candidate can be disabled even where the chosen setting leaves it out.
     repl = rp.Replicator(1, n_devices, passes=rp.PassManager.default(auto=True, disable=["hierarchical-allreduce"]))
     lowered = repl.lower(lambda b: rp.all_mean(b), np.ones((n_devices, 2), np.float32))
-    ran = [s.name for s in lowered.stages[1:]]
+    ran = [s.name for s in lowered.snapshots[1:]]
     assert "hierarchical-allreduce" not in ran and ran[-1] == "lower-collectives"
     assert any(note.startswith("auto (") for note in lowered.notes)

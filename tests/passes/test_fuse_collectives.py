@@ -178,13 +178,13 @@ def test_leaf_by_leaf_gradient_mean_becomes_one_collective(plain_repl, n_devices
 
 def test_fused_pipeline_lowers_to_one_psum(fused_repl, n_devices):
     lowered = fused_repl.lower(_mlp_step, _mlp_batches(n_devices, 1)[0], _params())
-    assert [s.name for s in lowered.stages] == [
+    assert [s.name for s in lowered.snapshots] == [
         "traced",
         "check-replica-invariance",
         "fuse-collectives",
         "lower-collectives",
     ]
-    assert lowered.stages[2].changed
+    assert lowered.snapshots[2].changed
     assert _count(lowered.after("fuse-collectives").jaxpr) == 1
     assert _count(lowered.final.jaxpr, "psum") == 1
     assert _count(lowered.final.jaxpr, ALL_REDUCE) == 0

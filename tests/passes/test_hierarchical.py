@@ -123,7 +123,7 @@ def test_fused_gradients_become_one_hierarchical_reduce(repl2d):
     state = mlp_params(np.random.default_rng(0))
     batch = mlp_batch(cores)(np.random.default_rng(1))
     lowered = _replicator(workers, cores).lower(mlp_step, batch, state)
-    names = [s.name for s in lowered.stages]
+    names = [s.name for s in lowered.snapshots]
     assert names.index("fuse-collectives") < names.index("hierarchical-allreduce") < names.index("lower-collectives")
     # fuse-collectives leaves one f32 mean (gradients and loss), one int32 sum (the
     # sum of a constant was simplified away) and the max, which is not hierarchical.

@@ -1,4 +1,4 @@
-"""PassManager: order, stages, dumps, disabling, verification, failures, the options of PassManager.default."""
+"""PassManager: order, snapshots, dumps, disabling, verification, failures, the options of PassManager.default."""
 
 import inspect
 import subprocess
@@ -121,15 +121,15 @@ class TestDefaultOptions:
             PassManager.default(auto=True, hierarchical=True)
 
 
-def test_lowered_prints_every_stage(repl):
+def test_lowered_prints_every_snapshot(repl):
     lowered = repl.lower(_step, _batch(repl.num_replicas))
     text = str(lowered)
     positions = [text.index(f"after {name}") for name in PassManager().names]
     assert text.index("traced") < positions[0] and positions == sorted(positions)
     assert "rp.all_reduce" in str(lowered.traced) and "psum" in str(lowered.final)
-    assert [s.name for s in lowered.stages] == ["traced", *PassManager().names]
+    assert [s.name for s in lowered.snapshots] == ["traced", *PassManager().names]
     # all_mean of batch data: nothing to simplify, fuse or share; lowering changes it.
-    assert [s.changed for s in lowered.stages] == [False] * (len(lowered.stages) - 1) + [True]
+    assert [s.changed for s in lowered.snapshots] == [False] * (len(lowered.snapshots) - 1) + [True]
     with pytest.raises(KeyError, match="no pass named 'nope'"):
         lowered.after("nope")
 
@@ -153,7 +153,7 @@ def test_dump_dir_argument_and_environment(tmp_path, monkeypatch, n_devices):
 def test_disable_by_name_and_unknown_names(n_devices):
     repl = rp.Replicator(1, n_devices, passes=PassManager(disable=["check-replica-invariance"]))
     lowered = repl.lower(_step, _batch(n_devices))
-    assert [s.name for s in lowered.stages] == [
+    assert [s.name for s in lowered.snapshots] == [
         "traced",
         *[n for n in PassManager().names if n != "check-replica-invariance"],
     ]
@@ -298,6 +298,32 @@ class TestOldSpellings:
         assert caught[0].filename == __file__ and len(caught) == 1  # one warning per name taken
         assert (Pipeline, Lowered) == (manager.PassManager, manager.Lowered)
         assert (Pass, verify_graph) == (contract.Pass, verify.verify_graph)
+
+    def test_stage_is_pass_snapshot_and_lowered_stages_is_snapshots(self, repl):
+        """The graph after a pass was a ``Stage``, in ``Lowered.stages``: a stage is now a pipeline stage only."""
+        from replicator.pass_manager import manager
+
+        for module in (manager, rp.passes):
+            name = module.__name__.replace(".", r"\.")
+            with pytest.warns(DeprecationWarning, match=rf"{name}\.Stage is now {name}\.PassSnapshot") as caught:
+                assert module.Stage is manager.PassSnapshot
+            assert caught[0].filename == __file__ and len(caught) == 1
+        with pytest.warns(DeprecationWarning, match=r"replicator\.passes\.Stage is now") as caught:
+            from replicator.passes import Stage
+        assert Stage is manager.PassSnapshot and len(caught) == 1  # one warning per name taken
+        with pytest.warns(
+            DeprecationWarning, match=r"pipeline\.pipeline\.Stage is now .*manager\.PassSnapshot"
+        ) as caught:
+            from replicator.pipeline.pipeline import Stage
+        assert Stage is manager.PassSnapshot and len(caught) == 1
+        assert "Stage" not in manager.__all__ + rp.passes.__all__  # `import *` takes the new names, silently
+        lowered = repl.lower(_step, _batch(repl.num_replicas))
+        with pytest.warns(DeprecationWarning, match=r"Lowered\.stages is now Lowered\.snapshots") as caught:
+            assert lowered.stages == lowered.snapshots
+        assert caught[0].filename == __file__
+        assert [s.name for s in lowered.snapshots][:2] == ["traced", "capture-collectives"]
+        with pytest.raises(AttributeError, match="no attribute 'Stages'"):
+            manager.Stages  # noqa: B018
 
     @pytest.mark.parametrize(
         "make", [PassManager.default, default_passes], ids=["PassManager.default", "default_passes"]

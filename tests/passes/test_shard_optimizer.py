@@ -102,7 +102,7 @@ def test_graph_reduce_scatters_gradients_and_gathers_parameters(n_devices):
     params, state = _setup(n_devices, tx)
     repl = rp.Replicator(1, n_devices, passes=_with_zero())
     lowered = repl.lower(_make_step(tx), _batches(n_devices, _width(n_devices))[0], state)
-    before = lowered.stages[[s.name for s in lowered.stages].index("shard-optimizer-update") - 1].graph
+    before = lowered.snapshots[[s.name for s in lowered.snapshots].index("shard-optimizer-update") - 1].graph
     after = lowered.after("shard-optimizer-update")
     n_tensors = len(jax.tree.leaves(params))
     assert count_primitives(before.jaxpr, PLACEHOLDERS) == {"rp.all_reduce": 2}  # grads, loss
@@ -152,7 +152,7 @@ def test_two_workers(mesh2d, shard_state):
     batches = _batches(n, _width(n), steps=2)  # 2 rows per replica
     repl = rp.Replicator(workers, cores, passes=_with_zero(shard_state=shard_state))
     lowered = repl.lower(_make_step(tx), jax.tree.map(lambda a: a[: len(a) // workers], batches[0]), state)
-    assert lowered.stages[[s.name for s in lowered.stages].index("shard-optimizer-update")].changed
+    assert lowered.snapshots[[s.name for s in lowered.snapshots].index("shard-optimizer-update")].changed
     assert bool(lowered.final.sharded_state) == shard_state
     final, _ = _check_against_reference(repl, _make_step(tx), state, batches)
     ref = _one_device(tx, state, batches)

@@ -502,7 +502,7 @@ class TestPass:
     def test_in_the_default_pipeline_and_disableable(self, n_devices):
         step = lambda b: (rp.all_mean(b["x"]), rp.all_mean(b["x"]))  # noqa: E731
         lowered = rp.Replicator(1, n_devices).lower(step, _batch(n_devices))
-        assert "simplify" in [s.name for s in lowered.stages]
+        assert "simplify" in [s.name for s in lowered.snapshots]
         assert count_primitives(lowered.after("simplify").jaxpr, [ALL_REDUCE]) == {ALL_REDUCE: 1}
         assert count_primitives(lowered.final.jaxpr, ["psum"]) == {"psum": 1}
         # Without simplify (and without fusion, which would merge them) both stay.
