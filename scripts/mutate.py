@@ -158,6 +158,8 @@ TESTS: dict[str, tuple[str, ...]] = {
         "tests/tensor/test_plan.py",
         "tests/tensor/test_replicator.py",
         "tests/tensor/test_sequence.py",
+        "tests/tensor/test_overlap.py",
+        "tests/tensor/test_cotangent_sums.py",
     ),
     "replicator/tensor/auto.py": ("tests/tensor/test_auto.py",),  # plan="auto": its own tests
     "replicator/analysis/records.py": (

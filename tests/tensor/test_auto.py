@@ -24,7 +24,7 @@ from replicator.cost.collectives import ring_matmul_time
 from replicator.cost.compute import Compute
 from replicator.cost.topology import Link, Topology, get_topology
 from replicator.tensor import TensorParallel, TensorPlacementError
-from replicator.tensor.auto import Auto, choose_plan, resolve_plan, suggest_layout
+from replicator.tensor.auto import Auto, choose_plan, human, resolve_plan, suggest_layout
 from replicator.tensor.interpret import BATCH
 from replicator.tensor.parallelize import sent_bytes
 from replicator.tensor.plan import leaf_paths
@@ -152,6 +152,14 @@ def test_the_gpt_within_a_tenth_of_the_hand_written_plans_bytes_and_equal_to_one
         assert np.max(np.abs(a - b), initial=0.0) <= 1e-5 * max(1.0, np.max(np.abs(b), initial=0.0))
 
 
+def test_a_looked_up_table_split_on_its_rows_is_explained_as_vocabulary_rows():
+    state, batch = gpt_tensor.initial_state(), gpt_tensor.synthetic_batch(0)
+    chosen = choose_plan(gpt_tensor.one_device_step, state, batch, size=2, memory_budget=172804)
+    assert chosen.rules["0/params/embed/embedding"] == "row"
+    assert "0/params/embed/embedding (1 x (64, 32)) vocabulary rows, chosen" in str(chosen)
+    assert "fc1/kernel (2 x (32, 128)) column, chosen" in str(chosen)  # a matrix that is not looked up
+
+
 def test_parallelism_checks_the_budget_with_the_plan():
     assert rp.Parallelism(tensor=2, tensor_plan="auto", memory_budget=1 << 20).tensor_plan == Auto(1 << 20)
     with pytest.raises(ValueError, match="hand-written plan does not use one"):
@@ -173,6 +181,34 @@ def test_suggest_layout_chooses_the_fewest_bytes_among_the_layouts_that_fit():
     assert "choice: S =" in str(layout)
     none = suggest_layout(_step, state, batch, 2, 16)
     assert none.choice is None and "none fits" in str(none)
+
+
+def test_suggest_layouts_estimates_are_zeros_formulas_and_a_stage_boundarys_bytes():
+    """Each option's bytes from the whole state's: parameters P and optimizer state O over S stages; ZeRO-1
+    divides O by D, ZeRO-2 the gradient too, ZeRO-3 P as well; a boundary is sent only with stages; no
+    ZeRO option where there is one data replica (nothing to shard over)."""
+    state, batch = _mlp()
+    params, opt = _nbytes(state[0]), _nbytes(state[1])
+    layout = suggest_layout(_step, state, batch, 8, 1 << 40)
+    by = {(o.stages, o.tensor, o.zero): o for o in layout.options}
+    for (s, t, z), o in by.items():
+        assert o.data == 8 // (s * t) and o.fits
+        assert not (z and o.data == 1), o  # ZeRO over one replica is not an option
+        if t == 1:
+            p, q = params / s, opt / s
+            assert o.state_bytes == pytest.approx(p / (o.data if z >= 3 else 1) + q / (o.data if z >= 1 else 1))
+            assert o.gradient_bytes == pytest.approx(p / (o.data if z >= 2 else 1))
+        assert (o.stage_bytes > 0) == (s > 1), o
+    assert {(1, 1, 0), (1, 1, 1), (2, 1, 3), (8, 1, 0)} <= set(by)
+    assert (8, 1, 1) not in by and (2, 4, 1) not in by
+
+
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [(0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (1536, "1.5 KiB"), (3 << 20, "3.0 MiB"), (5 << 40, "5120.0 GiB")],
+)
+def test_human_bytes(n, text):
+    assert human(n) == text
 
 
 def test_sequence_parallelism_is_kept_only_where_it_sends_no_more_bytes():

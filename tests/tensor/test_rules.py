@@ -325,3 +325,18 @@ ZOO_GATHERED_INSIDE = {
     "gather a size-1 window of the split dim",
     "cumsum split dim",
 }
+
+
+def test_a_jit_with_captured_constants_and_a_checkpoint_inside_the_step():
+    # jit's body is a closed jaxpr holding the captured array as a constant; checkpoint's body is open.
+    scale = jnp.linspace(0.5, 1.5, 16)
+
+    def step(p, x):
+        h = jax.jit(lambda a: jnp.tanh(a @ p["w1"]) * scale)(x)
+        y = jax.checkpoint(lambda a: jnp.sin(a) * scale @ p["w2"])(h)
+        return p, y
+
+    p = {"w1": jnp.cos(jnp.arange(8 * 16, dtype=jnp.float32)).reshape(8, 16), "w2": jnp.ones((16, 8)) / 16}
+    x = jnp.sin(jnp.arange(4 * 8, dtype=jnp.float32)).reshape(4, 8)
+    tp = TensorParallel(step, {"w1": 1, "w2": 0}, size=2)
+    np.testing.assert_allclose(tp(tp.shard(p, x), x)[1], jax.jit(step)(p, x)[1], rtol=1e-5, atol=1e-6)
