@@ -419,7 +419,12 @@ class _Walker:
             return eqn.primitive.bind(a, b)
 
         rest = functools.reduce(add, partial) if partial else None
-        return _PendingSum(add, rest, functools.reduce(add, whole), self.ctx)
+        pending = _PendingSum(add, rest, functools.reduce(add, whole), self.ctx)
+        # The folded sum is bound here, where add_any was, so a later use reads it from the backward (a
+        # step cut into pipeline stages must not compute on its gradients after them); where it goes
+        # unused (every consumer summed the parts), it is dead code XLA drops.
+        pending.value()
+        return pending
 
     # -- collective matmul (replicator.tensor.overlap) ----------------------------------------
 

@@ -195,6 +195,16 @@ def test_seed_700125_a_tensor_pipeline_beyond_its_float32_sensitivity_is_judged_
     assert not jax.config.jax_enable_x64  # this process never saw 64-bit mode
 
 
+def test_seed_820035_a_gradient_summed_after_the_backward_is_not_computed_on_past_the_stage_cut():
+    """Seed 820035 (found by `scripts/fuzz.py --pipelines` at 5b2b261): a tensor-split step whose parameter
+    gradient is `add_any` of a partial sum and a replicated term, read as a partial sum by `rp.all_mean`.
+    The folded sum was bound where it was first read, after the backward, and the pipeline's split refused
+    the step (a `select_n` on the gradients before `rp.all_mean`); it is bound where `add_any` was."""
+    variant = PIPE_VARIANTS["pipe-S2-M4-1f1b-fused-tensor2-sp"]
+    outcome = check(random_pipe_spec(820035, 2, seq=True), variant, mesh_of(variant, (1, 8)))
+    assert outcome.ok, str(outcome)
+
+
 def test_first_mismatch_names_the_leaf_and_allows_the_tolerance():
     want = {"a": np.ones((2, 3), np.float32), "n": np.int32(3)}
     assert first_mismatch({"a": want["a"] + 1e-4, "n": np.int32(3)}, want) is None
