@@ -198,10 +198,16 @@ def equal_in_float64(spec: Spec, variant: str, mesh: tuple[int, int], offset: fl
     64-bit mode, once on, changes what later steps of this process trace. ``offset`` is added to the
     run's first weight there (to show that the judge tells a difference).
     """
+    return judge_in_own_process("tests.fuzz.differential", spec, variant, mesh, offset)
+
+
+def judge_in_own_process(module: str, spec: Any, variant: str, mesh: tuple[int, int], offset: float) -> str | None:
+    """Run ``python -m module`` on the program's JSON (a float64 judge's own process, at most 10 minutes, on
+    as many emulated devices as this one) and return its verdict, the last line it prints."""
     payload = json.dumps({"spec": dataclasses.asdict(spec), "variant": variant, "mesh": list(mesh), "offset": offset})
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.fuzz.differential", payload],
+        [sys.executable, "-m", module, payload],
         capture_output=True,
         text=True,
         timeout=600,

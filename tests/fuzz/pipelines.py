@@ -37,7 +37,6 @@ import dataclasses
 import functools
 import json
 import os
-import subprocess
 import sys
 import warnings
 from typing import Any
@@ -50,7 +49,7 @@ from jax import lax
 
 import replicator as rp
 from replicator.core.layout import fold_layout
-from tests.fuzz.differential import Outcome
+from tests.fuzz.differential import Outcome, judge_in_own_process
 
 #: The programs' float dtype: float32, or float64 in :func:`equal_in_float64`'s own process.
 _FLOAT: Any = np.float32
@@ -671,19 +670,7 @@ def equal_in_float64(spec: PipeSpec, variant: str, mesh: tuple[int, int], offset
     It runs in a process of its own (``python -m tests.fuzz.pipelines``, at most 10 minutes): JAX's 64-bit
     mode, once on, changes what later steps of this process trace. ``offset`` is added to the run's first
     parameter leaf there (to show that the judge tells a difference)."""
-    payload = json.dumps({"spec": dataclasses.asdict(spec), "variant": variant, "mesh": list(mesh), "offset": offset})
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.fuzz.pipelines", payload],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=root,
-        env={**os.environ, "REPLICATOR_FUZZ_DEVICES": str(jax.device_count())},
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"the float64 judge failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return judge_in_own_process("tests.fuzz.pipelines", spec, variant, mesh, offset)
 
 
 def _judge_in_float64(payload: dict) -> str | None:
