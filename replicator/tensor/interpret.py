@@ -122,19 +122,20 @@ class _PendingSum:
     """``add_any``'s sum of a partial sum and replicated terms (a value's cotangents accumulated), the
     replicated terms not yet folded in. A consumer that sums it over the tensor axis (all-reduce or
     reduce-scatter) sums the partial part and adds the replicated terms after, as GSPMD orders it
-    (:meth:`summed`); any other use folds them in here (:meth:`value`: one device keeps them, the
-    others add zero). Both are the same sum; the first needs no ``select`` on the device index."""
+    (:meth:`summed`); any other use reads the terms folded in (:meth:`value`: one device keeps them, the
+    others add zero). Both are the same sum; the first needs no ``select`` on the device index.
+
+    The folded sum is bound when this is made, where ``add_any`` was, so that a later use reads it from
+    the backward (a step cut into pipeline stages must not compute on its gradients after them); where
+    it goes unused (every consumer summed the parts), it is dead code XLA drops."""
 
     def __init__(self, add: Any, partial: Any | None, whole: Any, ctx: TensorContext):
         self.add, self.partial, self.whole, self.ctx = add, partial, whole, ctx
-        self._value: Any = None
+        folded = convert(ctx, whole, REPLICATED, PARTIAL, "", "")
+        self.folded = folded if partial is None else add(partial, folded)
 
     def value(self) -> Any:
-        if self._value is None:
-            self._value = convert(self.ctx, self.whole, REPLICATED, PARTIAL, "", "")
-            if self.partial is not None:
-                self._value = self.add(self.partial, self._value)
-        return self._value
+        return self.folded
 
     def summed(self, want: Placement, line: str, reason: str, activation: bool) -> Any:
         """The sum in placement ``want`` (not a partial sum): the partial part summed, then the rest added
@@ -419,12 +420,7 @@ class _Walker:
             return eqn.primitive.bind(a, b)
 
         rest = functools.reduce(add, partial) if partial else None
-        pending = _PendingSum(add, rest, functools.reduce(add, whole), self.ctx)
-        # The folded sum is bound here, where add_any was, so a later use reads it from the backward (a
-        # step cut into pipeline stages must not compute on its gradients after them); where it goes
-        # unused (every consumer summed the parts), it is dead code XLA drops.
-        pending.value()
-        return pending
+        return _PendingSum(add, rest, functools.reduce(add, whole), self.ctx)
 
     # -- collective matmul (replicator.tensor.overlap) ----------------------------------------
 
