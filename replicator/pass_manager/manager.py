@@ -116,6 +116,26 @@ def unknown_options_message(where: str, unknown: Iterable[str], valid: Iterable[
     return f"{where}(): {head} Valid options: {', '.join(valid)}."
 
 
+def take_renamed(where: str, kwargs: dict[str, Any], renamed: Mapping[str, str]) -> None:
+    """Move each old keyword of ``kwargs`` (``renamed``: old -> new) to its new name, in place, warning.
+
+    For a wrapper called by the user's code (the ``DeprecationWarning`` points there). Both names given is a
+    ``TypeError``, as Python's "got multiple values for argument" is.
+
+    >>> kwargs = {"zero": 1, "zero_stage": 1}
+    >>> take_renamed("f", kwargs, {"zero_stage": "zero"})
+    Traceback (most recent call last):
+    ...
+    TypeError: f(): zero_stage= is the old name of zero=; give zero= only.
+    """
+    for old in [name for name in kwargs if name in renamed]:
+        new = renamed[old]
+        if new in kwargs:
+            raise TypeError(f"{where}(): {old}= is the old name of {new}=; give {new}= only.")
+        warn_renamed(f"{where}({old}=...) is now {where}({new}=...); {old}= will be removed.", stacklevel=3)
+        kwargs[new] = kwargs.pop(old)
+
+
 def check_options(
     function: Callable[..., Any] | None = None, *, renamed: Mapping[str, str] | None = None
 ) -> Callable[..., Any]:
@@ -127,7 +147,8 @@ def check_options(
 
     Args:
       renamed: old keyword -> its new name (``{"zero_stage": "zero"}``): the old one still
-        works, with a ``DeprecationWarning`` naming the new one; giving both is a ``ValueError``.
+        works, with a ``DeprecationWarning`` naming the new one; giving both is a ``TypeError`` (as Python's
+        "got multiple values for argument" is).
         Use as ``@check_options(renamed={...})``.
     """
     if function is None:
@@ -139,12 +160,7 @@ def check_options(
 
     @functools.wraps(function)
     def checked(*args: Any, **kwargs: Any) -> Any:
-        for old in [name for name in kwargs if name in renamed]:
-            new = renamed[old]
-            if new in kwargs:
-                raise ValueError(f"{where}(): {old}= is the old name of {new}=; give {new}= only.")
-            warn_renamed(f"{where}({old}=...) is now {where}({new}=...); {old}= will be removed.")
-            kwargs[new] = kwargs.pop(old)
+        take_renamed(where, kwargs, renamed)
         unknown = [name for name in kwargs if name not in valid]
         if unknown:
             raise TypeError(unknown_options_message(where, unknown, valid))
@@ -333,8 +349,8 @@ class PassManager:
 
         Raises:
           TypeError: an unknown option; the message names the closest and lists them all.
-          ValueError: an option out of range (``zero=4``), one that ``auto`` chooses, or both ``zero=`` and its old
-            name ``zero_stage=``.
+          TypeError: both ``zero=`` and its old name ``zero_stage=``.
+          ValueError: an option out of range (``zero=4``), or one that ``auto`` chooses.
         """
         options = dict(
             zero=zero,

@@ -56,8 +56,9 @@ def default_passes(
       fuse_max_tensor_bytes: larger tensors are not fused (``None``: all are).
 
     Raises:
-      TypeError: an unknown option; the message names the closest and lists them all.
-      ValueError: ``zero`` not 0, 1, 2 or 3, or both ``zero=`` and ``zero_stage=``.
+      TypeError: an unknown option (the message names the closest and lists them all), or both ``zero=`` and
+        ``zero_stage=``.
+      ValueError: ``zero`` not 0, 1, 2 or 3.
 
     Example::
 

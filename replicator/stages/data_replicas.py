@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from replicator.core.layout import FOLDED_AXES
-from replicator.pass_manager.manager import warn_renamed
+from replicator.pass_manager.manager import take_renamed
 from replicator.stages.programs import DATA_AXES, folded
 
 __all__ = [
@@ -153,11 +153,7 @@ def takes_zero_stage(function: Callable) -> Callable:
 
     @functools.wraps(function)
     def taking(*args: Any, **kwargs: Any) -> Any:
-        if "zero_stage" in kwargs:
-            if "zero" in kwargs:
-                raise TypeError(f"{where}(): zero_stage= is the old name of zero=; give zero= only.")
-            warn_renamed(f"{where}(zero_stage=...) is now {where}(zero=...); zero_stage= will be removed.")
-            kwargs["zero"] = kwargs.pop("zero_stage")
+        take_renamed(where, kwargs, {"zero_stage": "zero"})
         return function(*args, **kwargs)
 
     return taking

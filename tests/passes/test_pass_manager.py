@@ -337,7 +337,7 @@ class TestOldSpellings:
                 old = make(zero_stage=k, shard_optimizer_min_bytes=0)
             assert caught[0].filename == __file__
             assert key(old) == key(make(zero=k, shard_optimizer_min_bytes=0))
-        with pytest.raises(ValueError, match=r"zero_stage= is the old name of zero=; give zero= only"):
+        with pytest.raises(TypeError, match=r"zero_stage= is the old name of zero=; give zero= only"):
             make(zero=1, zero_stage=1)
 
     def test_replicator_pipeline_is_replicator_passes(self, n_devices):
