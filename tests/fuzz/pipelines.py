@@ -50,6 +50,7 @@ from jax import lax
 import replicator as rp
 from replicator.core.layout import fold_layout
 from tests.fuzz.differential import Outcome, judge_in_own_process
+from tests.fuzz.programs import spec_from_json
 
 #: The programs' float dtype: float32, or float64 in :func:`equal_in_float64`'s own process.
 _FLOAT: Any = np.float32
@@ -677,11 +678,7 @@ def _judge_in_float64(payload: dict) -> str | None:
     """:func:`equal_in_float64`'s work, in its own process with 64-bit mode on."""
     global _FLOAT
     _FLOAT = np.float64
-    fields = {
-        k: tuple(tuple(x) if isinstance(x, list) else x for x in v) if isinstance(v, list) else v
-        for k, v in payload["spec"].items()
-    }
-    spec, mesh = PipeSpec(**fields), tuple(payload["mesh"])
+    spec, mesh = spec_from_json(PipeSpec, payload["spec"]), tuple(payload["mesh"])
     want_state, _ = reference(spec)
     got_state, _ = replicated(spec, PIPE_VARIANTS[payload["variant"]], mesh)
     leaves, tree = jax.tree.flatten(got_state)

@@ -285,12 +285,22 @@ class Spec:
 
     @classmethod
     def from_json(cls, fields: dict) -> Spec:
-        """The spec of ``dataclasses.asdict`` after a JSON round trip (lists back to tuples)."""
+        """The spec of ``dataclasses.asdict`` after a JSON round trip (:func:`spec_from_json`)."""
+        return spec_from_json(cls, fields)
 
-        def tupled(v: Any) -> Any:
-            return tuple(tupled(x) for x in v) if isinstance(v, list) else v
 
-        return cls(**{k: tupled(v) for k, v in fields.items()})
+def spec_from_json(cls: type, fields: dict) -> Any:
+    """``cls(**fields)``, for the fields of a spec dataclass after ``dataclasses.asdict`` and a JSON round trip:
+    JSON's lists back to the tuples they were, at every depth.
+
+    >>> spec_from_json(dict, {"extra": [["all_sum", None]], "seed": 3})
+    {'extra': (('all_sum', None),), 'seed': 3}
+    """
+
+    def tupled(v: Any) -> Any:
+        return tuple(tupled(x) for x in v) if isinstance(v, list) else v
+
+    return cls(**{k: tupled(v) for k, v in fields.items()})
 
 
 #: The forms of the block over a 3-d input (:func:`block`).
