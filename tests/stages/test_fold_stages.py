@@ -243,3 +243,30 @@ def test_stages_that_do_not_cut_the_device_grid_are_refused():
         ValueError, match=r"Parallelism\(stages=4\) does not cut the 1 x 2 device grid.*replicas_per_device=4"
     ):
         rp.Replicator(1, 8, devices=jax.devices()[:2], parallelism=rp.Parallelism(replicas_per_device=4, stages=4))
+
+
+@pytest.mark.parametrize(
+    "fold_axes, error",
+    [
+        ((("tensor_fold", 2),), r"fold_axes must name \['workers_fold', 'cores_fold'\].*got \['tensor_fold'\]"),
+        ((("cores_fold", 2), ("workers_fold", 2)), r"in that order.*got \['cores_fold', 'workers_fold'\]"),
+        ((("cores_fold", 2), ("cores_fold", 2)), r"each at most once\), got \['cores_fold', 'cores_fold'\]"),
+        ((("workers_fold", 2), ("cores_fold", 1)), r"sizes must be above 1 \(leave a size-1 fold out\)"),
+    ],
+    ids=["an unknown name", "out of order", "named twice", "a size of 1"],
+)
+def test_fold_axes_are_checked_each_fault_alone(fold_axes, error):
+    """Each fault of ``fold_axes`` is refused when it is the only one (a check that needs them all would pass
+    each), with what was wrong; good folds come back as ``(str, int)`` pairs, and any fold needs a mesh."""
+    from replicator.stages.data_replicas import check_fold_axes
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("stages", "cores"))
+    with pytest.raises(ValueError, match=error):
+        check_fold_axes(fold_axes, mesh)
+    assert check_fold_axes([["workers_fold", np.int64(2)], ("cores_fold", 4)], mesh) == (
+        ("workers_fold", 2),
+        ("cores_fold", 4),
+    )
+    assert check_fold_axes((), None) == ()
+    with pytest.raises(ValueError, match=r"fold_axes \(several replicas per device\) needs mesh="):
+        check_fold_axes((("cores_fold", 2),), None)

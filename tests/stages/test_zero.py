@@ -6,6 +6,8 @@ tests/stages/test_user_step_zero.py; here each ZeRO level and schedule once, D =
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -141,6 +143,16 @@ def test_zero_stage_is_the_old_name_of_zero():
         assert PipelinedStep(*args, zero_stage=1).zero_stage == 1
     with pytest.raises(TypeError, match=r"PipelinedStep\(\): zero_stage= is the old name of zero="):
         PipelinedStep(*args, zero=1, zero_stage=1)
+
+
+def test_the_entry_points_taking_zero_stage_keep_their_names_signatures_and_docs():
+    """The wrapper that takes ``zero_stage=`` is invisible to ``help()`` and ``inspect``: each entry point keeps
+    its name, its docstring and its signature (with ``zero=``, not ``**kwargs``)."""
+    for entry in (PipelinedReplicas.__init__, PipelineTrainStep.__init__, PipelinedStep.__init__, pipeline_train_step):
+        assert entry.__name__ in ("__init__", "pipeline_train_step")
+        assert "zero" in inspect.signature(entry).parameters, entry.__qualname__
+        assert "kwargs" not in inspect.signature(entry).parameters, entry.__qualname__
+    assert pipeline_train_step.__doc__ and "zero_stage=" in pipeline_train_step.__doc__
 
 
 def test_the_users_own_step_refuses_zero_where_its_update_runs_per_replica():
