@@ -21,7 +21,6 @@ Example (``rp.force_cpu_devices(8)`` emulates 8 CPU devices; call it before JAX 
 from __future__ import annotations
 
 import collections
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -31,28 +30,18 @@ import jax
 from replicator.axes import place_axes
 from replicator.core.context import ReplicaContext, normalize_axis_names
 from replicator.cost.report import CommunicationReport, communication_report
-from replicator.parallelism import Parallelism, older_keywords, warn_older_keywords
-from replicator.pass_manager.manager import Lowered, PassManager
+from replicator.parallelism import Parallelism, older_keywords
+from replicator.pass_manager.manager import Lowered, PassManager, RenamedAttribute
 from replicator.runtime.build import CompiledStep, StepCache, build_step
 from replicator.runtime.consistency import check_replicas_agree
 from replicator.runtime.distributed import progress
 from replicator.runtime.distributed.startup import check_initialized_under_launcher
-from replicator.runtime.execution import (
-    place_batch,
-    place_state,
-)
+from replicator.runtime.execution import place_batch, place_state
 from replicator.runtime.gc_pause import gc_paused
-from replicator.runtime.inputs import (
-    BatchSignature,
-    InputContext,
-    WorkerInputs,
-    check_worker_batch,
-)
+from replicator.runtime.inputs import BatchSignature, InputContext, WorkerInputs, check_worker_batch
 from replicator.runtime.pipelined import PipelineFront, first_batches
 from replicator.runtime.retrace import warn_if_retracing
-from replicator.runtime.state import (
-    broadcast_state,
-)
+from replicator.runtime.state import broadcast_state
 from replicator.runtime.state_key import (
     NO_STATE,
     ReturnedState,
@@ -139,15 +128,7 @@ class Replicator:
     ):
         axis_names = normalize_axis_names(axis_name)
         check_initialized_under_launcher()
-        if parallelism is None:
-            warn_older_keywords(
-                replicas_per_device=replicas_per_device,
-                pipeline_stages=pipeline_stages,
-                microbatches=microbatches,
-                schedule=schedule,
-                pipeline_recompute=pipeline_recompute,
-            )
-        older = older_keywords(
+        older = older_keywords(  # without parallelism=, a DeprecationWarning for those given
             parallelism,
             replicas_per_device=replicas_per_device,
             pipeline_stages=pipeline_stages,
@@ -181,21 +162,8 @@ class Replicator:
         self._inputs = self._batches.registry
         self.trace_count = 0
 
-    @property
-    def pipeline(self) -> PassManager:
-        """Deprecated: the pass manager is :attr:`passes` ("pipeline" means pipeline parallelism only)."""
-        warnings.warn(
-            "Replicator.pipeline is now Replicator.passes (the PassManager): 'pipeline' means pipeline "
-            "parallelism only.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.passes
-
-    @pipeline.setter
-    def pipeline(self, passes: PassManager) -> None:
-        warnings.warn("Replicator.pipeline is now Replicator.passes.", DeprecationWarning, stacklevel=2)
-        self.passes = passes
+    #: Deprecated: the pass manager is :attr:`passes` ("pipeline" means pipeline parallelism only).
+    pipeline = RenamedAttribute("passes", "Replicator.pipeline is now Replicator.passes (the PassManager).")
 
     # -- shape of the job ---------------------------------------------------
 

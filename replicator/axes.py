@@ -67,14 +67,7 @@ def place_axes(
     on ``devices`` (default: all), as a ``Replicator(num_workers, cores_per_worker, ...)`` runs them.
     ``passes``: the Replicator's ``passes=`` (a pipeline takes its ZeRO level from it)."""
     if older is None:
-        older = older_keywords(
-            parallelism,
-            replicas_per_device=1,
-            pipeline_stages=1,
-            microbatches=None,
-            schedule=None,
-            pipeline_recompute=False,
-        )
+        older = older_keywords(parallelism)
     stages, microbatches = older["pipeline_stages"], older["microbatches"]
     schedule, recompute = older["schedule"], older["pipeline_recompute"]
     tensor = None

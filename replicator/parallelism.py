@@ -146,9 +146,10 @@ OLDER_KEYWORDS: dict[str, tuple[str, Any]] = {
 }
 
 
-def warn_older_keywords(**given: Any) -> None:
-    """A ``DeprecationWarning`` (attributed to the ``Replicator(...)`` call) for the older keywords given
-    other than their defaults, naming the ``parallelism=rp.Parallelism(...)`` that says the same.
+def warn_older_keywords(*, stacklevel: int = 3, **given: Any) -> None:
+    """A ``DeprecationWarning`` (attributed to the ``Replicator(...)`` call: ``stacklevel`` as for
+    ``warnings.warn`` called here) for the older keywords given other than their defaults, naming the
+    ``parallelism=rp.Parallelism(...)`` that says the same.
 
     >>> import warnings
     >>> with warnings.catch_warnings(record=True) as caught:
@@ -164,39 +165,36 @@ def warn_older_keywords(**given: Any) -> None:
             f"Replicator({', '.join(f'{name}=...' for name in old)}) is deprecated: write "
             f"parallelism=rp.Parallelism({fields}) (the same behaviour).",
             DeprecationWarning,
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
 
 
 def older_keywords(parallelism: Parallelism | None, **given: Any) -> dict[str, Any]:
-    """The values of ``Replicator``'s older keywords (``pipeline_stages``, ``microbatches``, ``schedule``,
-    ``pipeline_recompute``, ``replicas_per_device``): ``given`` as they are without ``parallelism``, else
-    ``parallelism``'s, refusing a keyword given beside it."""
+    """The values of ``Replicator``'s older keywords (:data:`OLDER_KEYWORDS`; those not ``given`` at their
+    defaults): as given without ``parallelism`` (deprecated: a ``DeprecationWarning`` attributed to the
+    caller's caller, the ``Replicator(...)`` line, for those given other than their defaults), else
+    ``parallelism``'s, refusing a keyword given beside it.
+
+    >>> older_keywords(Parallelism(stages=2))["pipeline_stages"]
+    2
+    """
+    unknown = sorted(set(given) - set(OLDER_KEYWORDS))
+    if unknown:
+        raise TypeError(f"older_keywords: {unknown} are not older keywords of Replicator ({list(OLDER_KEYWORDS)}).")
+    given = {name: given.get(name, default) for name, (_, default) in OLDER_KEYWORDS.items()}
     if parallelism is None:
+        warn_older_keywords(stacklevel=4, **given)
         return given
     if not isinstance(parallelism, Parallelism):
         raise TypeError(f"parallelism= must be a replicator.Parallelism, got {type(parallelism).__name__}.")
-    defaults = {
-        "replicas_per_device": 1,
-        "pipeline_stages": 1,
-        "microbatches": None,
-        "schedule": None,
-        "pipeline_recompute": False,
-    }
-    both = [name for name, value in given.items() if value != defaults[name]]
+    both = [name for name, value in given.items() if value != OLDER_KEYWORDS[name][1]]
     if both:
         raise ValueError(
             f"Replicator: {', '.join(both)} and parallelism= both say how to split the devices: put everything in "
             "parallelism= (Parallelism(stages=..., microbatches=..., schedule=..., recompute=..., "
             "replicas_per_device=...))."
         )
-    return {
-        "replicas_per_device": parallelism.replicas_per_device,
-        "pipeline_stages": parallelism.stages,
-        "microbatches": parallelism.microbatches,
-        "schedule": parallelism.schedule,
-        "pipeline_recompute": parallelism.recompute,
-    }
+    return {name: getattr(parallelism, field) for name, (field, _) in OLDER_KEYWORDS.items()}
 
 
 def check_tensor_supported(parallelism: Parallelism) -> None:

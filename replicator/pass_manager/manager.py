@@ -116,6 +116,36 @@ def unknown_options_message(where: str, unknown: Iterable[str], valid: Iterable[
     return f"{where}(): {head} Valid options: {', '.join(valid)}."
 
 
+class RenamedAttribute:
+    """A class attribute's old name: reading or setting it warns (a ``DeprecationWarning`` naming the new one,
+    attributed to the user's line) and reads or sets the attribute ``new``.
+
+    >>> import warnings
+    >>> class Box:
+    ...     old = RenamedAttribute("new", "Box.old is now Box.new.")
+    >>> box = Box()
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     box.old = 3
+    ...     seen = box.old
+    >>> (box.new, seen, [str(w.message) for w in caught])
+    (3, 3, ['Box.old is now Box.new.', 'Box.old is now Box.new.'])
+    """
+
+    def __init__(self, new: str, message: str) -> None:
+        self.new, self.message = new, message
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        warn_renamed(self.message)
+        return getattr(obj, self.new)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        warn_renamed(self.message)
+        setattr(obj, self.new, value)
+
+
 def take_renamed(where: str, kwargs: dict[str, Any], renamed: Mapping[str, str]) -> None:
     """Move each old keyword of ``kwargs`` (``renamed``: old -> new) to its new name, in place, warning.
 
