@@ -260,11 +260,8 @@ class Lowered:
             )
         return self.memory_fn()
 
-    @property
-    def stages(self) -> tuple[PassSnapshot, ...]:
-        """Deprecated: :attr:`snapshots` (a stage is a pipeline stage only)."""
-        warn_renamed("Lowered.stages is now Lowered.snapshots: a stage is a pipeline stage only.")
-        return self.snapshots
+    #: Deprecated: :attr:`snapshots` (a stage is a pipeline stage only).
+    stages = RenamedAttribute("snapshots", "Lowered.stages is now Lowered.snapshots: a stage is a pipeline stage only.")
 
     @property
     def traced(self) -> StepGraph:
